@@ -1,0 +1,293 @@
+//! Domain types shared by agent and operator: identities, id ranges, node names,
+//! endpoint keys, sessions and endpoints. Values of these types are valid by
+//! construction; the wire edge ([`crate::convert`]) builds them or says precisely why not.
+
+use std::{fmt, net::IpAddr, ops::RangeInclusive, str::FromStr};
+
+use serde::{Deserialize, Serialize};
+
+use crate::labels::{LabelSet, syntax as syntax_helpers};
+
+/// A numeric security identity. 0 is invalid; 1..=255 are reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct IdentityId(u32);
+
+impl IdentityId {
+    /// Traffic from or to this node's own addresses.
+    pub const HOST: Self = Self(1);
+    /// Any address census does not know.
+    pub const WORLD: Self = Self(2);
+    /// An endpoint census does not manage.
+    pub const UNMANAGED: Self = Self(3);
+    /// Health-check endpoints.
+    pub const HEALTH: Self = Self(4);
+    /// The highest reserved id.
+    pub const RESERVED_MAX: u32 = 255;
+
+    /// `None` for 0.
+    pub const fn new(id: u32) -> Option<Self> {
+        if id == 0 { None } else { Some(Self(id)) }
+    }
+
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
+    pub const fn is_reserved(self) -> bool {
+        self.0 <= Self::RESERVED_MAX
+    }
+
+    /// The name of a reserved identity that has one.
+    pub const fn reserved_name(self) -> Option<&'static str> {
+        match self.0 {
+            1 => Some("host"),
+            2 => Some("world"),
+            3 => Some("unmanaged"),
+            4 => Some("health"),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for IdentityId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The range cluster-local identities are allocated from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdRange {
+    first: u32,
+    last: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdRangeError {
+    #[error("id range {0:?}: expected FIRST-LAST, e.g. 256-65535")]
+    Syntax(String),
+    #[error("id range {first}-{last}: the first id must be above the reserved ids (1-255)")]
+    OverlapsReserved { first: u32, last: u32 },
+    #[error("id range {first}-{last} is empty")]
+    Empty { first: u32, last: u32 },
+}
+
+impl IdRange {
+    pub fn new(first: u32, last: u32) -> Result<Self, IdRangeError> {
+        if first <= IdentityId::RESERVED_MAX {
+            return Err(IdRangeError::OverlapsReserved { first, last });
+        }
+        if first > last {
+            return Err(IdRangeError::Empty { first, last });
+        }
+        Ok(Self { first, last })
+    }
+
+    pub fn first(&self) -> IdentityId {
+        IdentityId(self.first)
+    }
+
+    pub fn last(&self) -> IdentityId {
+        IdentityId(self.last)
+    }
+
+    pub fn contains(&self, id: IdentityId) -> bool {
+        (self.first..=self.last).contains(&id.0)
+    }
+
+    /// Number of ids in the range.
+    pub fn size(&self) -> u64 {
+        u64::from(self.last - self.first) + 1
+    }
+
+    pub fn ids(&self) -> RangeInclusive<u32> {
+        self.first..=self.last
+    }
+
+    /// The id after `id`, wrapping to the start of the range.
+    pub fn next_after(&self, id: u32) -> IdentityId {
+        if id >= self.last || id < self.first { IdentityId(self.first) } else { IdentityId(id + 1) }
+    }
+}
+
+impl Default for IdRange {
+    fn default() -> Self {
+        Self { first: 256, last: 65535 }
+    }
+}
+
+impl FromStr for IdRange {
+    type Err = IdRangeError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (a, b) = s
+            .split_once("..=")
+            .or_else(|| s.split_once('-'))
+            .ok_or_else(|| IdRangeError::Syntax(s.to_owned()))?;
+        let first = a.trim().parse().map_err(|_| IdRangeError::Syntax(s.to_owned()))?;
+        let last = b.trim().parse().map_err(|_| IdRangeError::Syntax(s.to_owned()))?;
+        Self::new(first, last)
+    }
+}
+
+impl fmt::Display for IdRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+/// Why a node name or endpoint key was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("node name {0:?} is not a DNS subdomain (lowercase `a-z0-9-.`, at most 253 characters)")]
+    Node(String),
+    #[error("namespace {0:?} is not a DNS label (lowercase `a-z0-9-`, at most 63 characters)")]
+    Namespace(String),
+    #[error("endpoint name {0:?} is not a DNS subdomain (lowercase `a-z0-9-.`, at most 253 characters)")]
+    Endpoint(String),
+    #[error("endpoint key {0:?}: expected NAMESPACE/NAME")]
+    Key(String),
+}
+
+fn clip(s: &str) -> String {
+    s.chars().take(300).collect()
+}
+
+/// A Kubernetes node name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct NodeName(Box<str>);
+
+impl NodeName {
+    pub fn new(name: &str) -> Result<Self, NameError> {
+        if syntax_helpers::is_dns_subdomain(name) {
+            Ok(Self(name.into()))
+        } else {
+            Err(NameError::Node(clip(name)))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for NodeName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for NodeName {
+    type Err = NameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::new(s)
+    }
+}
+
+impl TryFrom<String> for NodeName {
+    type Error = NameError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        Self::new(&s)
+    }
+}
+
+impl From<NodeName> for String {
+    fn from(n: NodeName) -> Self {
+        n.0.into()
+    }
+}
+
+/// An endpoint's key, `namespace/name`: stable across the pod's restarts and never a UID,
+/// so state keyed by it is bounded by the endpoints that exist.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct EndpointKey(Box<str>);
+
+impl EndpointKey {
+    pub fn new(namespace: &str, name: &str) -> Result<Self, NameError> {
+        if !syntax_helpers::is_dns_label(namespace) {
+            return Err(NameError::Namespace(clip(namespace)));
+        }
+        if !syntax_helpers::is_dns_subdomain(name) {
+            return Err(NameError::Endpoint(clip(name)));
+        }
+        let mut key = String::with_capacity(namespace.len() + 1 + name.len());
+        key.push_str(namespace);
+        key.push('/');
+        key.push_str(name);
+        Ok(Self(key.into_boxed_str()))
+    }
+
+    pub fn namespace(&self) -> &str {
+        self.0.split_once('/').map_or("", |(ns, _)| ns)
+    }
+
+    pub fn name(&self) -> &str {
+        self.0.split_once('/').map_or(&*self.0, |(_, name)| name)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for EndpointKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for EndpointKey {
+    type Err = NameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (ns, name) = s.split_once('/').ok_or_else(|| NameError::Key(clip(s)))?;
+        Self::new(ns, name)
+    }
+}
+
+impl TryFrom<String> for EndpointKey {
+    type Error = NameError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<EndpointKey> for String {
+    fn from(k: EndpointKey) -> Self {
+        k.0.into()
+    }
+}
+
+/// An agent's session, one per agent process: (start time in ns, random). Ordered by
+/// start time, so a newer agent's Hello replaces an older one's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct SessionId {
+    pub start_time_ns: u64,
+    pub nonce: u64,
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{:016x}", self.start_time_ns, self.nonce)
+    }
+}
+
+/// One endpoint as an agent holds it: its key, addresses, the identity it has written
+/// and its canonical identity labels.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub key: EndpointKey,
+    /// Sorted, without duplicates.
+    pub ips: Box<[IpAddr]>,
+    pub identity: IdentityId,
+    pub labels: LabelSet,
+}
+
+/// Sorts and deduplicates addresses.
+pub fn canonical_ips(mut ips: Vec<IpAddr>) -> Box<[IpAddr]> {
+    ips.sort_unstable();
+    ips.dedup();
+    ips.into_boxed_slice()
+}
