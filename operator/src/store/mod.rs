@@ -52,7 +52,11 @@ pub enum StoreOp {
     /// Delete `id` if it is bound to `labels` (success if it is gone already) and
     /// record `tombstone`. Fails with [`StoreError::Conflict`] if the id is bound to
     /// other labels.
-    DeleteIdentity { id: IdentityId, labels: LabelSet, tombstone: Tombstone },
+    DeleteIdentity {
+        id: IdentityId,
+        labels: LabelSet,
+        tombstone: Tombstone,
+    },
     /// Forget an expired tombstone (success if it is gone already).
     DeleteTombstone { id: IdentityId },
     /// Record a node as known (success if it is known already).
@@ -79,7 +83,11 @@ impl StoreOp {
 pub enum StoreError {
     /// The store holds a different binding than the op expects. Not retried as is.
     #[error("identity {id}: the store binds {found}, expected {expected}")]
-    Conflict { id: IdentityId, expected: String, found: String },
+    Conflict {
+        id: IdentityId,
+        expected: String,
+        found: String,
+    },
     /// The write may succeed later (I/O error, timeout, API server unavailable).
     #[error("store unavailable ({cause}): {detail}")]
     Unavailable { cause: &'static str, detail: String },
@@ -91,7 +99,11 @@ pub enum StoreError {
         "store {path} has schema version {found}, this operator reads version {supported}; \
          it is never rewritten silently: use an operator that reads version {found}, or move the file away to start empty"
     )]
-    Schema { path: String, found: u32, supported: u32 },
+    Schema {
+        path: String,
+        found: u32,
+        supported: u32,
+    },
     /// The store cannot be opened (permissions, locked by another process, ...). Fatal at open.
     #[error("cannot open store {path}: {detail}")]
     Open { path: String, detail: String },
