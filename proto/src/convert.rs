@@ -21,7 +21,11 @@ pub struct WireLimits {
 
 impl Default for WireLimits {
     fn default() -> Self {
-        Self { labels: LabelLimits::default(), max_ips_per_endpoint: 16, max_snapshot_endpoints: 10_000 }
+        Self {
+            labels: LabelLimits::default(),
+            max_ips_per_endpoint: 16,
+            max_snapshot_endpoints: 10_000,
+        }
     }
 }
 
@@ -37,7 +41,14 @@ pub struct VersionMismatch {
 }
 
 pub fn check_version(theirs: u32) -> Result<(), VersionMismatch> {
-    if theirs == PROTOCOL_VERSION { Ok(()) } else { Err(VersionMismatch { theirs, ours: PROTOCOL_VERSION }) }
+    if theirs == PROTOCOL_VERSION {
+        Ok(())
+    } else {
+        Err(VersionMismatch {
+            theirs,
+            ours: PROTOCOL_VERSION,
+        })
+    }
 }
 
 /// What is wrong with a field.
@@ -71,7 +82,10 @@ pub struct FieldError {
 
 impl FieldError {
     pub fn new(field: impl fmt::Display, problem: impl Into<Problem>) -> Self {
-        Self { field: field.to_string(), problem: problem.into() }
+        Self {
+            field: field.to_string(),
+            problem: problem.into(),
+        }
     }
 }
 
@@ -82,25 +96,41 @@ pub fn node_from_wire(node: &str, field: &str) -> Result<NodeName, FieldError> {
     NodeName::new(node).map_err(|e| FieldError::new(field, e))
 }
 
-pub fn session_from_wire(session: Option<&pb::Session>, field: &str) -> Result<SessionId, FieldError> {
+pub fn session_from_wire(
+    session: Option<&pb::Session>,
+    field: &str,
+) -> Result<SessionId, FieldError> {
     let session = session.ok_or_else(|| FieldError::new(field, Problem::Missing))?;
     if session.start_time_ns == 0 {
-        return Err(FieldError::new(format_args!("{field}.start_time_ns"), Problem::Zero));
+        return Err(FieldError::new(
+            format_args!("{field}.start_time_ns"),
+            Problem::Zero,
+        ));
     }
-    Ok(SessionId { start_time_ns: session.start_time_ns, nonce: session.nonce })
+    Ok(SessionId {
+        start_time_ns: session.start_time_ns,
+        nonce: session.nonce,
+    })
 }
 
 pub fn session_to_wire(session: SessionId) -> pb::Session {
-    pb::Session { start_time_ns: session.start_time_ns, nonce: session.nonce }
+    pb::Session {
+        start_time_ns: session.start_time_ns,
+        nonce: session.nonce,
+    }
 }
 
-pub fn labels_from_wire(labels: &[String], limits: &LabelLimits, field: &str) -> Result<LabelSet, FieldError> {
+pub fn labels_from_wire(
+    labels: &[String],
+    limits: &LabelLimits,
+    field: &str,
+) -> Result<LabelSet, FieldError> {
     LabelSet::parse(labels, limits).map_err(|e| {
         // Name the offending entry when the error is about one label.
         let index = match &e {
-            LabelError::Syntax { label, .. } | LabelError::Reserved { label } => {
-                labels.iter().position(|l| l.starts_with(label.trim_end_matches("...")))
-            }
+            LabelError::Syntax { label, .. } | LabelError::Reserved { label } => labels
+                .iter()
+                .position(|l| l.starts_with(label.trim_end_matches("..."))),
             _ => None,
         };
         match index {
@@ -114,37 +144,66 @@ pub fn identity_from_wire(id: u32, field: &str) -> Result<IdentityId, FieldError
     IdentityId::new(id).ok_or_else(|| FieldError::new(field, Problem::Zero))
 }
 
-pub fn endpoint_key_from_wire(namespace: &str, name: &str, field: &str) -> Result<EndpointKey, FieldError> {
+pub fn endpoint_key_from_wire(
+    namespace: &str,
+    name: &str,
+    field: &str,
+) -> Result<EndpointKey, FieldError> {
     if namespace.is_empty() {
-        return Err(FieldError::new(format_args!("{field}.namespace"), Problem::Missing));
+        return Err(FieldError::new(
+            format_args!("{field}.namespace"),
+            Problem::Missing,
+        ));
     }
     if name.is_empty() {
-        return Err(FieldError::new(format_args!("{field}.name"), Problem::Missing));
+        return Err(FieldError::new(
+            format_args!("{field}.name"),
+            Problem::Missing,
+        ));
     }
     EndpointKey::new(namespace, name).map_err(|e| {
-        let which = if matches!(e, NameError::Namespace(_)) { "namespace" } else { "name" };
+        let which = if matches!(e, NameError::Namespace(_)) {
+            "namespace"
+        } else {
+            "name"
+        };
         FieldError::new(format_args!("{field}.{which}"), e)
     })
 }
 
-pub fn endpoint_from_wire(ep: &pb::Endpoint, limits: &WireLimits, field: &str) -> Result<Endpoint, FieldError> {
+pub fn endpoint_from_wire(
+    ep: &pb::Endpoint,
+    limits: &WireLimits,
+    field: &str,
+) -> Result<Endpoint, FieldError> {
     let key = endpoint_key_from_wire(&ep.namespace, &ep.name, field)?;
     if ep.ips.len() > limits.max_ips_per_endpoint {
         return Err(FieldError::new(
             format_args!("{field}.ips"),
-            Problem::TooMany { count: ep.ips.len(), max: limits.max_ips_per_endpoint },
+            Problem::TooMany {
+                count: ep.ips.len(),
+                max: limits.max_ips_per_endpoint,
+            },
         ));
     }
     let mut ips = Vec::with_capacity(ep.ips.len());
     for (i, text) in ep.ips.iter().enumerate() {
-        let ip: IpAddr = text
-            .parse()
-            .map_err(|_| FieldError::new(format_args!("{field}.ips[{i}]"), Problem::Ip(text.chars().take(64).collect())))?;
+        let ip: IpAddr = text.parse().map_err(|_| {
+            FieldError::new(
+                format_args!("{field}.ips[{i}]"),
+                Problem::Ip(text.chars().take(64).collect()),
+            )
+        })?;
         ips.push(ip);
     }
     let identity = identity_from_wire(ep.identity, &format!("{field}.identity"))?;
     let labels = labels_from_wire(&ep.labels, &limits.labels, &format!("{field}.labels"))?;
-    Ok(Endpoint { key, ips: canonical_ips(ips), identity, labels })
+    Ok(Endpoint {
+        key,
+        ips: canonical_ips(ips),
+        identity,
+        labels,
+    })
 }
 
 pub fn endpoint_to_wire(ep: &Endpoint) -> pb::Endpoint {
@@ -159,12 +218,18 @@ pub fn endpoint_to_wire(ep: &Endpoint) -> pb::Endpoint {
 
 /// A snapshot's endpoints, checked against the endpoint limit before anything else
 /// and for duplicate keys.
-pub fn snapshot_from_wire(snapshot: &pb::Snapshot, limits: &WireLimits) -> Result<Vec<Endpoint>, FieldError> {
+pub fn snapshot_from_wire(
+    snapshot: &pb::Snapshot,
+    limits: &WireLimits,
+) -> Result<Vec<Endpoint>, FieldError> {
     let count = snapshot.endpoints.len();
     if count > limits.max_snapshot_endpoints {
         return Err(FieldError::new(
             "snapshot.endpoints",
-            Problem::TooMany { count, max: limits.max_snapshot_endpoints },
+            Problem::TooMany {
+                count,
+                max: limits.max_snapshot_endpoints,
+            },
         ));
     }
     let mut seen = HashSet::with_capacity(count);
@@ -173,7 +238,10 @@ pub fn snapshot_from_wire(snapshot: &pb::Snapshot, limits: &WireLimits) -> Resul
         let field = format!("snapshot.endpoints[{i}]");
         let ep = endpoint_from_wire(ep, limits, &field)?;
         if !seen.insert(ep.key.clone()) {
-            return Err(FieldError::new(field, Problem::Duplicate(ep.key.to_string())));
+            return Err(FieldError::new(
+                field,
+                Problem::Duplicate(ep.key.to_string()),
+            ));
         }
         endpoints.push(ep);
     }
@@ -189,7 +257,8 @@ pub fn filter_to_wire(filter: &LabelFilter) -> pb::LabelFilter {
 
 pub fn filter_from_wire(filter: Option<&pb::LabelFilter>) -> Result<LabelFilter, FieldError> {
     let filter = filter.ok_or_else(|| FieldError::new("hello_reply.filter", Problem::Missing))?;
-    LabelFilter::from_parts(&filter.include, &filter.exclude).map_err(|e| FieldError::new("hello_reply.filter", e))
+    LabelFilter::from_parts(&filter.include, &filter.exclude)
+        .map_err(|e| FieldError::new("hello_reply.filter", e))
 }
 
 #[cfg(test)]
@@ -208,7 +277,13 @@ mod tests {
 
     #[test]
     fn endpoint_round_trips() -> Result<(), FieldError> {
-        let wire = ep("default", "web-0", &["198.18.0.2", "2001:db8::2", "198.18.0.2"], 300, &["k8s:b=2", "k8s:a=1"]);
+        let wire = ep(
+            "default",
+            "web-0",
+            &["198.18.0.2", "2001:db8::2", "198.18.0.2"],
+            300,
+            &["k8s:b=2", "k8s:a=1"],
+        );
         let domain = endpoint_from_wire(&wire, &WireLimits::default(), "e")?;
         assert_eq!(domain.key.as_str(), "default/web-0");
         assert_eq!(domain.ips.len(), 2, "duplicate addresses are merged");
@@ -223,41 +298,89 @@ mod tests {
     fn errors_name_the_field() {
         let limits = WireLimits::default();
         let cases = [
-            (ep("", "a", &[], 300, &["k8s:a=1"]), "e.namespace: is required"),
-            (ep("Default", "a", &[], 300, &["k8s:a=1"]), "e.namespace: namespace \"Default\""),
-            (ep("d", "a", &["nope"], 300, &["k8s:a=1"]), "e.ips[0]: \"nope\""),
-            (ep("d", "a", &[], 0, &["k8s:a=1"]), "e.identity: must not be 0"),
-            (ep("d", "a", &[], 300, &["k8s:a=1", "k8s:b"]), "e.labels[1]: label \"k8s:b\""),
-            (ep("d", "a", &[], 300, &["k8s:a=1", "reserved:host="]), "e.labels[1]: label \"reserved:host=\""),
+            (
+                ep("", "a", &[], 300, &["k8s:a=1"]),
+                "e.namespace: is required",
+            ),
+            (
+                ep("Default", "a", &[], 300, &["k8s:a=1"]),
+                "e.namespace: namespace \"Default\"",
+            ),
+            (
+                ep("d", "a", &["nope"], 300, &["k8s:a=1"]),
+                "e.ips[0]: \"nope\"",
+            ),
+            (
+                ep("d", "a", &[], 0, &["k8s:a=1"]),
+                "e.identity: must not be 0",
+            ),
+            (
+                ep("d", "a", &[], 300, &["k8s:a=1", "k8s:b"]),
+                "e.labels[1]: label \"k8s:b\"",
+            ),
+            (
+                ep("d", "a", &[], 300, &["k8s:a=1", "reserved:host="]),
+                "e.labels[1]: label \"reserved:host=\"",
+            ),
         ];
         for (wire, want) in cases {
-            let err = endpoint_from_wire(&wire, &limits, "e").err().map(|e| e.to_string()).unwrap_or_default();
+            let err = endpoint_from_wire(&wire, &limits, "e")
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             assert!(err.starts_with(want), "{err:?} should start with {want:?}");
         }
     }
 
     #[test]
     fn snapshot_limit_is_checked_first() {
-        let limits = WireLimits { max_snapshot_endpoints: 2, ..WireLimits::default() };
-        let snapshot = pb::Snapshot { endpoints: vec![ep("", "", &[], 0, &[]); 3] };
-        let err = snapshot_from_wire(&snapshot, &limits).err().map(|e| e.to_string()).unwrap_or_default();
-        assert_eq!(err, "snapshot.endpoints: has 3 entries, over the limit of 2");
+        let limits = WireLimits {
+            max_snapshot_endpoints: 2,
+            ..WireLimits::default()
+        };
+        let snapshot = pb::Snapshot {
+            endpoints: vec![ep("", "", &[], 0, &[]); 3],
+        };
+        let err = snapshot_from_wire(&snapshot, &limits)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(
+            err,
+            "snapshot.endpoints: has 3 entries, over the limit of 2"
+        );
     }
 
     #[test]
     fn snapshot_refuses_duplicate_keys() {
         let one = ep("d", "a", &[], 300, &["k8s:a=1"]);
-        let snapshot = pb::Snapshot { endpoints: vec![one.clone(), one] };
-        let err = snapshot_from_wire(&snapshot, &WireLimits::default()).err().map(|e| e.to_string()).unwrap_or_default();
+        let snapshot = pb::Snapshot {
+            endpoints: vec![one.clone(), one],
+        };
+        let err = snapshot_from_wire(&snapshot, &WireLimits::default())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert_eq!(err, "snapshot.endpoints[1]: endpoint d/a appears twice");
     }
 
     #[test]
     fn version_mismatch_names_both() {
         assert!(check_version(PROTOCOL_VERSION).is_ok());
-        let err = check_version(7).err().map(|e| e.to_string()).unwrap_or_default();
-        assert_eq!(err, format!("protocol version mismatch: the peer speaks version 7, this side speaks version {PROTOCOL_VERSION}"));
-        let err = check_version(0).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = check_version(7)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(
+            err,
+            format!(
+                "protocol version mismatch: the peer speaks version 7, this side speaks version {PROTOCOL_VERSION}"
+            )
+        );
+        let err = check_version(0)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.ends_with("(protocol_version is unset)"));
     }
 

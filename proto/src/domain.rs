@@ -107,13 +107,20 @@ impl IdRange {
 
     /// The id after `id`, wrapping to the start of the range.
     pub fn next_after(&self, id: u32) -> IdentityId {
-        if id >= self.last || id < self.first { IdentityId(self.first) } else { IdentityId(id + 1) }
+        if id >= self.last || id < self.first {
+            IdentityId(self.first)
+        } else {
+            IdentityId(id + 1)
+        }
     }
 }
 
 impl Default for IdRange {
     fn default() -> Self {
-        Self { first: 256, last: 65535 }
+        Self {
+            first: 256,
+            last: 65535,
+        }
     }
 }
 
@@ -125,8 +132,14 @@ impl FromStr for IdRange {
             .split_once("..=")
             .or_else(|| s.split_once('-'))
             .ok_or_else(|| IdRangeError::Syntax(s.to_owned()))?;
-        let first = a.trim().parse().map_err(|_| IdRangeError::Syntax(s.to_owned()))?;
-        let last = b.trim().parse().map_err(|_| IdRangeError::Syntax(s.to_owned()))?;
+        let first = a
+            .trim()
+            .parse()
+            .map_err(|_| IdRangeError::Syntax(s.to_owned()))?;
+        let last = b
+            .trim()
+            .parse()
+            .map_err(|_| IdRangeError::Syntax(s.to_owned()))?;
         Self::new(first, last)
     }
 }
@@ -140,11 +153,15 @@ impl fmt::Display for IdRange {
 /// Why a node name or endpoint key was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NameError {
-    #[error("node name {0:?} is not a DNS subdomain (lowercase `a-z0-9-.`, at most 253 characters)")]
+    #[error(
+        "node name {0:?} is not a DNS subdomain (lowercase `a-z0-9-.`, at most 253 characters)"
+    )]
     Node(String),
     #[error("namespace {0:?} is not a DNS label (lowercase `a-z0-9-`, at most 63 characters)")]
     Namespace(String),
-    #[error("endpoint name {0:?} is not a DNS subdomain (lowercase `a-z0-9-.`, at most 253 characters)")]
+    #[error(
+        "endpoint name {0:?} is not a DNS subdomain (lowercase `a-z0-9-.`, at most 253 characters)"
+    )]
     Endpoint(String),
     #[error("endpoint key {0:?}: expected NAMESPACE/NAME")]
     Key(String),

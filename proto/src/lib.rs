@@ -8,7 +8,13 @@ pub mod domain;
 pub mod labels;
 
 /// Generated from `proto/census/v1/census.proto` by `cargo xtask codegen`.
-#[allow(missing_debug_implementations, unreachable_pub, unused_qualifications, clippy::all, clippy::pedantic)]
+#[allow(
+    missing_debug_implementations,
+    unreachable_pub,
+    unused_qualifications,
+    clippy::all,
+    clippy::pedantic
+)]
 pub mod pb {
     include!("generated/census.v1.rs");
 

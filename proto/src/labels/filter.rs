@@ -72,7 +72,11 @@ impl FromStr for KeyPattern {
         if !body.chars().all(allowed) || body.matches('/').count() > 1 {
             return Err(PatternError::Chars(s.to_owned()));
         }
-        Ok(if prefix { Self::Prefix(body.to_owned()) } else { Self::Exact(body.to_owned()) })
+        Ok(if prefix {
+            Self::Prefix(body.to_owned())
+        } else {
+            Self::Exact(body.to_owned())
+        })
     }
 }
 
@@ -105,7 +109,10 @@ impl LabelFilter {
     /// `with_defaults` is set.
     pub fn new(include: Vec<KeyPattern>, exclude: Vec<KeyPattern>, with_defaults: bool) -> Self {
         let mut all_exclude: Vec<KeyPattern> = if with_defaults {
-            DEFAULT_EXCLUDE.iter().filter_map(|p| p.parse().ok()).collect()
+            DEFAULT_EXCLUDE
+                .iter()
+                .filter_map(|p| p.parse().ok())
+                .collect()
         } else {
             Vec::new()
         };
@@ -114,7 +121,10 @@ impl LabelFilter {
                 all_exclude.push(pattern);
             }
         }
-        Self { include, exclude: all_exclude }
+        Self {
+            include,
+            exclude: all_exclude,
+        }
     }
 
     /// Builds a filter from its wire form, as received in HelloReply. The lists are
@@ -126,8 +136,14 @@ impl LabelFilter {
         E: IntoIterator,
         E::Item: AsRef<str>,
     {
-        let include = include.into_iter().map(|p| p.as_ref().parse()).collect::<Result<_, _>>()?;
-        let exclude = exclude.into_iter().map(|p| p.as_ref().parse()).collect::<Result<_, _>>()?;
+        let include = include
+            .into_iter()
+            .map(|p| p.as_ref().parse())
+            .collect::<Result<_, _>>()?;
+        let exclude = exclude
+            .into_iter()
+            .map(|p| p.as_ref().parse())
+            .collect::<Result<_, _>>()?;
         Ok(Self { include, exclude })
     }
 

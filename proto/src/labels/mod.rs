@@ -11,7 +11,7 @@ pub(crate) mod syntax;
 
 use std::{cmp::Ordering, collections::BTreeMap, fmt, hash::Hash, str::FromStr, sync::Arc};
 
-pub use filter::{KeyPattern, LabelFilter, PatternError};
+pub use filter::{DEFAULT_EXCLUDE, KeyPattern, LabelFilter, PatternError};
 pub use syntax::SyntaxError;
 
 /// The source census uses for the labels of Kubernetes pods (and endpoints from a file).
@@ -48,7 +48,9 @@ pub enum LabelError {
     Conflict { first: String, second: String },
     #[error("{count} labels exceed the limit of {max}")]
     TooMany { count: usize, max: usize },
-    #[error("label {label:?}: source {RESERVED_SOURCE:?} names census's reserved identities and cannot be allocated")]
+    #[error(
+        "label {label:?}: source {RESERVED_SOURCE:?} names census's reserved identities and cannot be allocated"
+    )]
     Reserved { label: String },
     #[error("a label set must have at least one label")]
     Empty,
@@ -56,7 +58,10 @@ pub enum LabelError {
 
 impl LabelError {
     fn syntax(label: &str, reason: SyntaxError) -> Self {
-        Self::Syntax { label: shorten(label), reason }
+        Self::Syntax {
+            label: shorten(label),
+            reason,
+        }
     }
 }
 
@@ -133,14 +138,19 @@ impl LabelSet {
         let owned: Vec<S> = labels.into_iter().collect();
         if owned.len() > limits.max_labels.saturating_mul(4) {
             // Far over the limit even if most were duplicates: refuse before parsing.
-            return Err(LabelError::TooMany { count: owned.len(), max: limits.max_labels });
+            return Err(LabelError::TooMany {
+                count: owned.len(),
+                max: limits.max_labels,
+            });
         }
         let mut parsed = Vec::with_capacity(owned.len());
         for text in &owned {
             let text = text.as_ref();
             let label = Label::parse(text)?;
             if label.source == RESERVED_SOURCE {
-                return Err(LabelError::Reserved { label: shorten(text) });
+                return Err(LabelError::Reserved {
+                    label: shorten(text),
+                });
             }
             parsed.push(label);
         }
@@ -163,10 +173,16 @@ impl LabelSet {
             return Err(LabelError::Empty);
         }
         if labels.len() > limits.max_labels {
-            return Err(LabelError::TooMany { count: labels.len(), max: limits.max_labels });
+            return Err(LabelError::TooMany {
+                count: labels.len(),
+                max: limits.max_labels,
+            });
         }
         let mut canonical = String::with_capacity(
-            labels.iter().map(|l| l.source.len() + l.key.len() + l.value.len() + 3).sum(),
+            labels
+                .iter()
+                .map(|l| l.source.len() + l.key.len() + l.value.len() + 3)
+                .sum(),
         );
         for (i, label) in labels.iter().enumerate() {
             if i > 0 {
@@ -205,7 +221,9 @@ impl LabelSet {
             .map(|(key, value)| format!("{K8S_SOURCE}:{key}={value}"))
             .collect();
         texts.push(format!("{K8S_SOURCE}:{NAMESPACE_KEY}={namespace}"));
-        texts.push(format!("{K8S_SOURCE}:{SERVICE_ACCOUNT_KEY}={service_account}"));
+        texts.push(format!(
+            "{K8S_SOURCE}:{SERVICE_ACCOUNT_KEY}={service_account}"
+        ));
         Self::parse(&texts, limits)
     }
 
@@ -287,7 +305,10 @@ impl FromStr for LabelSet {
 
     /// Parses labels separated by `,` or `;` (`k8s:app=web,k8s:tier=db`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::parse(s.split([',', ';']).map(str::trim).filter(|l| !l.is_empty()), &LabelLimits::default())
+        Self::parse(
+            s.split([',', ';']).map(str::trim).filter(|l| !l.is_empty()),
+            &LabelLimits::default(),
+        )
     }
 }
 

@@ -30,7 +30,9 @@ impl fmt::Display for SyntaxError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text = match self {
             Self::MissingSource => "expected `source:key=value` (no `:` after the source)",
-            Self::MissingValue => "expected `source:key=value` (no `=`; use `key=` for an empty value)",
+            Self::MissingValue => {
+                "expected `source:key=value` (no `=`; use `key=` for an empty value)"
+            }
             Self::EmptySource => "the source is empty",
             Self::SourceTooLong => "the source is longer than 32 characters",
             Self::SourceChars => {
@@ -48,7 +50,9 @@ impl fmt::Display for SyntaxError {
             Self::ValueChars => {
                 "the value must be empty or letters, digits, `-`, `_` and `.`, starting and ending with a letter or digit"
             }
-            Self::NotCanonical => "not in canonical form (sorted by source and key, `;`-separated, no duplicates)",
+            Self::NotCanonical => {
+                "not in canonical form (sorted by source and key, `;`-separated, no duplicates)"
+            }
         };
         f.write_str(text)
     }
@@ -65,7 +69,8 @@ fn is_qualified_name_part(s: &str) -> bool {
         (Some(&first), Some(&last)) => {
             is_alnum(first)
                 && is_alnum(last)
-                && b.iter().all(|&c| is_alnum(c) || c == b'-' || c == b'_' || c == b'.')
+                && b.iter()
+                    .all(|&c| is_alnum(c) || c == b'-' || c == b'_' || c == b'.')
         }
         _ => false,
     }

@@ -64,21 +64,36 @@ fn kubernetes_syntax_is_enforced() {
 #[test]
 fn set_level_errors() {
     assert!(matches!(set(&[]), Err(LabelError::Empty)));
-    assert!(matches!(set(&["k8s:app=a", "k8s:app=b"]), Err(LabelError::Conflict { .. })));
-    assert!(matches!(set(&["reserved:host="]), Err(LabelError::Reserved { .. })));
+    assert!(matches!(
+        set(&["k8s:app=a", "k8s:app=b"]),
+        Err(LabelError::Conflict { .. })
+    ));
+    assert!(matches!(
+        set(&["reserved:host="]),
+        Err(LabelError::Reserved { .. })
+    ));
     let many: Vec<String> = (0..65).map(|i| format!("k8s:l{i}=v")).collect();
     assert!(matches!(
         LabelSet::parse(&many, &LabelLimits::default()),
         Err(LabelError::TooMany { count: 65, max: 64 })
     ));
-    let err = set(&["k8s:app=a", "k8s:app=b"]).err().map(|e| e.to_string()).unwrap_or_default();
-    assert_eq!(err, r#"labels "k8s:app=a" and "k8s:app=b" give the same key two values"#);
+    let err = set(&["k8s:app=a", "k8s:app=b"])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert_eq!(
+        err,
+        r#"labels "k8s:app=a" and "k8s:app=b" give the same key two values"#
+    );
 }
 
 #[test]
 fn errors_are_bounded_in_size() {
     let huge = format!("k8s:{}", "x".repeat(100_000));
-    let err = set(&[huge.as_str()]).err().map(|e| e.to_string()).unwrap_or_default();
+    let err = set(&[huge.as_str()])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     assert!(err.len() < 600, "error message is {} bytes", err.len());
 }
 
@@ -129,10 +144,22 @@ fn include_wins_over_exclude() -> Result<(), PatternError> {
 
 #[test]
 fn patterns_are_validated() {
-    assert!(matches!("".parse::<KeyPattern>(), Err(PatternError::Empty(_))));
-    assert!(matches!("a*b".parse::<KeyPattern>(), Err(PatternError::InnerStar(_))));
-    assert!(matches!("a b".parse::<KeyPattern>(), Err(PatternError::Chars(_))));
-    assert_eq!("kubernetes.io/*".parse::<KeyPattern>(), Ok(KeyPattern::Prefix("kubernetes.io/".into())));
+    assert!(matches!(
+        "".parse::<KeyPattern>(),
+        Err(PatternError::Empty(_))
+    ));
+    assert!(matches!(
+        "a*b".parse::<KeyPattern>(),
+        Err(PatternError::InnerStar(_))
+    ));
+    assert!(matches!(
+        "a b".parse::<KeyPattern>(),
+        Err(PatternError::Chars(_))
+    ));
+    assert_eq!(
+        "kubernetes.io/*".parse::<KeyPattern>(),
+        Ok(KeyPattern::Prefix("kubernetes.io/".into()))
+    );
 }
 
 #[test]
@@ -146,7 +173,13 @@ fn pod_labels_gain_namespace_and_service_account() -> Result<(), LabelError> {
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
     .collect();
-    let set = LabelSet::for_pod(&labels, "shop", "default", &LabelFilter::default(), &LabelLimits::default())?;
+    let set = LabelSet::for_pod(
+        &labels,
+        "shop",
+        "default",
+        &LabelFilter::default(),
+        &LabelLimits::default(),
+    )?;
     assert_eq!(
         set.as_str(),
         "k8s:app=web;k8s:app.kubernetes.io/name=web;k8s:io.kubernetes.pod.namespace=shop;k8s:io.kubernetes.pod.serviceaccount=default"
@@ -156,11 +189,21 @@ fn pod_labels_gain_namespace_and_service_account() -> Result<(), LabelError> {
 
 #[test]
 fn filtering_a_set_keeps_census_labels() -> Result<(), LabelError> {
-    let full = set(&["k8s:app=web", "k8s:job-name=x", "k8s:io.kubernetes.pod.namespace=ns"])?;
+    let full = set(&[
+        "k8s:app=web",
+        "k8s:job-name=x",
+        "k8s:io.kubernetes.pod.namespace=ns",
+    ])?;
     let filtered = full.filtered(&LabelFilter::default(), &LabelLimits::default())?;
-    assert_eq!(filtered.as_str(), "k8s:app=web;k8s:io.kubernetes.pod.namespace=ns");
+    assert_eq!(
+        filtered.as_str(),
+        "k8s:app=web;k8s:io.kubernetes.pod.namespace=ns"
+    );
     let unchanged = filtered.filtered(&LabelFilter::default(), &LabelLimits::default())?;
-    assert!(Arc::ptr_eq(unchanged.as_arc(), filtered.as_arc()), "an already filtered set is shared, not copied");
+    assert!(
+        Arc::ptr_eq(unchanged.as_arc(), filtered.as_arc()),
+        "an already filtered set is shared, not copied"
+    );
     Ok(())
 }
 
@@ -189,7 +232,10 @@ fn serde_uses_label_lists() -> Result<(), Box<dyn std::error::Error>> {
 #[test]
 fn canonical_strings_round_trip_and_non_canonical_ones_are_refused() -> Result<(), LabelError> {
     let s = set(&["k8s:b=2", "k8s:a=1"])?;
-    assert_eq!(LabelSet::from_canonical(s.as_str(), &LabelLimits::default())?, s);
+    assert_eq!(
+        LabelSet::from_canonical(s.as_str(), &LabelLimits::default())?,
+        s
+    );
     assert!(LabelSet::from_canonical("k8s:b=2;k8s:a=1", &LabelLimits::default()).is_err());
     Ok(())
 }

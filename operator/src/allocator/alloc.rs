@@ -1,0 +1,448 @@
+//! Allocate, the store's answers, and what happens when the store disagrees.
+
+use census_proto::{
+    domain::{IdentityId, NodeName, SessionId},
+    labels::LabelSet,
+};
+
+use super::{
+    AgentMsg, AllocError, Allocator, Effect, Priority, RequestId, SyncError, Timestamp,
+    WatchChange, bump,
+    identities::{Blocked, Phase, Tomb, Waiter},
+    nodes::Persisted,
+};
+use crate::store::{StoreError, StoreOp, Tombstone};
+
+impl Allocator {
+    /// The identity of `labels` for a pod on `node`. A known label set is answered at
+    /// once (`Ok(Some(id))`); a new one gets a free id that is persisted first, and
+    /// the answer comes later as [`Effect::Reply`] for `req` (`Ok(None)`). Either way
+    /// the node holds the identity until it appears in its view or the hold expires.
+    pub fn allocate(
+        &mut self,
+        req: RequestId,
+        node_name: &NodeName,
+        session: SessionId,
+        labels: LabelSet,
+        now: Timestamp,
+    ) -> Result<Option<IdentityId>, AllocError> {
+        let node = self
+            .nodes
+            .get_mut(node_name)
+            .ok_or_else(|| SyncError::NoSession {
+                node: node_name.clone(),
+            })?;
+        match node.session {
+            None => {
+                return Err(SyncError::NoSession {
+                    node: node_name.clone(),
+                }
+                .into());
+            }
+            Some(current) if current > session => {
+                return Err(SyncError::StaleSession {
+                    node: node_name.clone(),
+                    current,
+                    offered: session,
+                }
+                .into());
+            }
+            Some(current) if current != session => {
+                return Err(SyncError::WrongSession {
+                    node: node_name.clone(),
+                    current,
+                    offered: session,
+                }
+                .into());
+            }
+            Some(_) => {}
+        }
+        let core = &mut self.core;
+        let max = core.cfg.max_holds_per_node;
+        if let Some(id) = core.ids.id_of(&labels) {
+            if !node.holds.contains_key(&id) && node.hold_load() >= max {
+                return Err(AllocError::HoldQuota {
+                    node: node_name.clone(),
+                    max,
+                });
+            }
+            node.heard(now);
+            core.counters.allocations_known += 1;
+            if core.wake(id, now) {
+                core.add_hold(node, id, now);
+                return Ok(Some(id));
+            }
+            if let Some(entry) = core.ids.get_mut(id) {
+                entry.waiters.push(Waiter::Request {
+                    req,
+                    node: node_name.clone(),
+                });
+                node.pending += 1;
+            }
+            return Ok(None);
+        }
+        if node.hold_load() >= max {
+            return Err(AllocError::HoldQuota {
+                node: node_name.clone(),
+                max,
+            });
+        }
+        if now < core.new_ids_after {
+            return Err(AllocError::AdoptionWindow {
+                remaining_ms: core.new_ids_after.since(now).as_millis() as u64,
+            });
+        }
+        let Some(id) = core.ids.free_id() else {
+            return Err(AllocError::RangeExhausted {
+                range: core.ids.range(),
+                used: core.ids.used_in_range(),
+            });
+        };
+        node.heard(now);
+        core.ids.insert(
+            id,
+            labels,
+            Phase::Creating {
+                inflight: true,
+                attempt: 0,
+                retry_at: now,
+            },
+        );
+        if let Some(entry) = core.ids.get_mut(id) {
+            entry.waiters.push(Waiter::Request {
+                req,
+                node: node_name.clone(),
+            });
+        }
+        node.pending += 1;
+        core.create_op(id);
+        core.counters.allocations_new += 1;
+        Ok(None)
+    }
+
+    /// The store's answer to an op this core emitted.
+    pub fn store_result(&mut self, op: StoreOp, result: Result<(), StoreError>, now: Timestamp) {
+        if let Err(e) = &result {
+            bump(&mut self.core.counters.store_failures, e.cause());
+        }
+        match op {
+            StoreOp::CreateIdentity { id, labels } => self.created(id, &labels, result, now),
+            StoreOp::DeleteIdentity {
+                id,
+                labels,
+                tombstone,
+            } => {
+                self.deleted(id, &labels, tombstone, result, now);
+                // A slot in flight is free: GC goes on at the budget's pace, not the tick's.
+                self.pump_gc(now);
+            }
+            StoreOp::PutNode { node } => {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.persisted = if result.is_ok() {
+                        Persisted::Yes
+                    } else {
+                        Persisted::No
+                    };
+                }
+            }
+            // Retried with the next quarantine scan, if still meant by then.
+            op @ (StoreOp::DeleteTombstone { .. } | StoreOp::DeleteNode { .. }) => {
+                if result.is_err() {
+                    self.core.gc.cleanup_retries.push(op);
+                }
+            }
+        }
+    }
+
+    fn created(
+        &mut self,
+        id: IdentityId,
+        labels: &LabelSet,
+        result: Result<(), StoreError>,
+        now: Timestamp,
+    ) {
+        let core = &mut self.core;
+        let Some(entry) = core.ids.get_mut(id) else {
+            core.counters.stale_results += 1;
+            return;
+        };
+        let Phase::Creating {
+            inflight: true,
+            attempt,
+            ..
+        } = entry.phase
+        else {
+            core.counters.stale_results += 1;
+            return;
+        };
+        if entry.labels != *labels {
+            core.counters.stale_results += 1;
+            return;
+        }
+        match result {
+            Ok(()) => {
+                entry.phase = Phase::Live;
+                if !entry.announced {
+                    entry.announced = true;
+                    let change = WatchChange::Upsert {
+                        id,
+                        labels: entry.labels.clone(),
+                    };
+                    core.fx.push(Effect::Watch(change));
+                }
+                let waiters = std::mem::take(&mut entry.waiters);
+                for waiter in waiters {
+                    match waiter {
+                        Waiter::Request { req, node } => {
+                            if let Some(n) = self.nodes.get_mut(&node) {
+                                n.pending = n.pending.saturating_sub(1);
+                                core.add_hold(n, id, now);
+                            }
+                            core.fx.push(Effect::Reply {
+                                req,
+                                result: Ok(id),
+                            });
+                        }
+                        Waiter::Rebind { node, conn, key } => {
+                            if self.nodes.get(&node).is_some_and(|n| n.conn == Some(conn)) {
+                                let msg = AgentMsg::Rebind { key, identity: id };
+                                core.fx.push(Effect::Agent { node, conn, msg });
+                            }
+                        }
+                    }
+                }
+                if core.ids.get(id).is_some_and(|e| !e.wanted()) {
+                    core.gc.unused.push(id);
+                }
+            }
+            Err(StoreError::Conflict { found, .. }) => {
+                bump(&mut core.counters.create_failures, "conflict");
+                self.rehome(id, Blocked::StoreConflict { found }, now);
+            }
+            Err(e) => {
+                bump(&mut core.counters.create_failures, e.cause());
+                let attempt = attempt + 1;
+                let retry_at = now.plus(core.cfg.backoff(attempt));
+                entry.phase = Phase::Creating {
+                    inflight: false,
+                    attempt,
+                    retry_at,
+                };
+                // Callers are told now and may retry; endpoints keep waiting for their rebind.
+                let cause = e.cause();
+                let (requests, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
+                    .into_iter()
+                    .partition(|w| matches!(w, Waiter::Request { .. }));
+                entry.waiters = rest;
+                core.gc.retries.insert((retry_at, id));
+                for waiter in requests {
+                    if let Waiter::Request { req, node } = waiter {
+                        if let Some(n) = self.nodes.get_mut(&node) {
+                            n.pending = n.pending.saturating_sub(1);
+                        }
+                        core.fx.push(Effect::Reply {
+                            req,
+                            result: Err(AllocError::StoreUnavailable { cause }),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn deleted(
+        &mut self,
+        id: IdentityId,
+        labels: &LabelSet,
+        tombstone: Tombstone,
+        result: Result<(), StoreError>,
+        now: Timestamp,
+    ) {
+        let core = &mut self.core;
+        core.gc.inflight = core.gc.inflight.saturating_sub(1);
+        let Some(entry) = core.ids.get_mut(id) else {
+            core.counters.stale_results += 1;
+            return;
+        };
+        let Phase::Deleting {
+            inflight: true,
+            attempt,
+            ..
+        } = entry.phase
+        else {
+            core.counters.stale_results += 1;
+            return;
+        };
+        if entry.labels != *labels {
+            core.counters.stale_results += 1;
+            return;
+        }
+        match result {
+            Ok(()) if entry.wanted() => {
+                // Referenced again while the delete was in flight: bind it again.
+                bump(&mut core.counters.gc_outcomes, "recreated");
+                entry.phase = Phase::Creating {
+                    inflight: true,
+                    attempt: 0,
+                    retry_at: now,
+                };
+                core.create_op(id);
+            }
+            Ok(()) => {
+                bump(&mut core.counters.gc_outcomes, "deleted");
+                if let Some(gone) = core.ids.remove(id) {
+                    let until = Timestamp::from_millis(tombstone.until_ms);
+                    core.ids.add_tomb(
+                        id,
+                        Tomb {
+                            labels_hash: tombstone.labels_hash,
+                            until,
+                        },
+                    );
+                    if gone.announced {
+                        core.fx.push(Effect::Watch(WatchChange::Removed {
+                            id,
+                            labels: gone.labels,
+                        }));
+                    }
+                }
+            }
+            Err(StoreError::Conflict { found, .. }) => {
+                bump(&mut core.counters.gc_outcomes, "conflict");
+                self.rehome(id, Blocked::StoreConflict { found }, now);
+            }
+            Err(e) => {
+                bump(&mut core.counters.gc_outcomes, e.cause());
+                if entry.wanted() {
+                    entry.phase = Phase::Creating {
+                        inflight: true,
+                        attempt: 0,
+                        retry_at: now,
+                    };
+                    core.create_op(id);
+                } else {
+                    let attempt = attempt + 1;
+                    let retry_at = now.plus(core.cfg.backoff(attempt));
+                    entry.phase = Phase::Deleting {
+                        inflight: false,
+                        attempt,
+                        retry_at,
+                    };
+                    core.gc.retries.insert((retry_at, id));
+                }
+            }
+        }
+    }
+
+    /// The store binds `id` otherwise than census does: the id is blocked for good,
+    /// and whatever used it (endpoints, holds, waiting calls) moves to a new id for
+    /// the same labels, with Rebinds to the agents.
+    pub(super) fn rehome(&mut self, id: IdentityId, why: Blocked, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(old) = core.ids.remove(id) else {
+            return;
+        };
+        core.ids.block(id, why);
+        core.counters.blocked += 1;
+        if old.announced {
+            core.fx.push(Effect::Watch(WatchChange::Removed {
+                id,
+                labels: old.labels.clone(),
+            }));
+        }
+        if !old.wanted() {
+            return;
+        }
+        let requests = old.waiters.into_iter().filter_map(|w| match w {
+            Waiter::Request { req, node } => Some((req, node)),
+            Waiter::Rebind { .. } => None,
+        });
+        let Some(fresh) = core.ids.free_id() else {
+            // Nowhere to go: the endpoints are left out of the views until ids free up.
+            for (_, node) in self.nodes.iter_mut() {
+                node.view.retain(|_, v| v.id != id);
+                node.holds.remove(&id);
+            }
+            for (req, node) in requests {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.pending = n.pending.saturating_sub(1);
+                }
+                let err = AllocError::RangeExhausted {
+                    range: core.ids.range(),
+                    used: core.ids.used_in_range(),
+                };
+                core.fx.push(Effect::Reply {
+                    req,
+                    result: Err(err),
+                });
+            }
+            return;
+        };
+        core.ids.insert(
+            fresh,
+            old.labels,
+            Phase::Creating {
+                inflight: true,
+                attempt: 0,
+                retry_at: now,
+            },
+        );
+        core.create_op(fresh);
+        let mut waiters: Vec<Waiter> = requests
+            .map(|(req, node)| Waiter::Request { req, node })
+            .collect();
+        let (mut refs, mut holds) = (0, 0);
+        for (name, node) in self.nodes.iter_mut() {
+            for (key, v) in node.view.iter_mut().filter(|(_, v)| v.id == id) {
+                v.id = fresh;
+                refs += 1;
+                if let Some(conn) = node.conn {
+                    waiters.push(Waiter::Rebind {
+                        node: name.clone(),
+                        conn,
+                        key: key.clone(),
+                    });
+                    node.counters.rebinds += 1;
+                    core.counters.rebinds += 1;
+                }
+            }
+            if let Some(expires) = node.holds.remove(&id) {
+                node.holds.insert(fresh, expires);
+                holds += 1;
+            }
+        }
+        if let Some(entry) = core.ids.get_mut(fresh) {
+            entry.refs = refs;
+            entry.holds = holds;
+            entry.waiters = waiters;
+        }
+    }
+}
+
+impl Allocator {
+    /// Queues a Store op for a delete of `id`, spending from the GC budget.
+    pub(super) fn issue_delete(&mut self, id: IdentityId, attempt: u32, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(entry) = core.ids.get_mut(id) else {
+            return;
+        };
+        entry.phase = Phase::Deleting {
+            inflight: true,
+            attempt,
+            retry_at: now,
+        };
+        let tombstone = Tombstone {
+            id,
+            labels_hash: entry.labels.stable_hash(),
+            until_ms: now.plus(core.cfg.quarantine).as_millis(),
+        };
+        let op = StoreOp::DeleteIdentity {
+            id,
+            labels: entry.labels.clone(),
+            tombstone,
+        };
+        core.gc.inflight += 1;
+        core.gc.tokens -= 1.0;
+        core.store(op, Priority::Gc);
+    }
+}

@@ -1,0 +1,272 @@
+//! Time-driven work: holds expire, silent nodes go stale or are dropped, unused
+//! identities are released and, after the grace period, deleted from the store within
+//! a budget, failed writes are retried with backoff, and quarantine ends.
+//!
+//! Garbage collection is per item: one identity's failure never stops the pass.
+
+use std::time::Duration;
+
+use census_proto::domain::NodeName;
+
+use super::{
+    AgentMsg, AllocError, Allocator, CloseReason, Effect, Liveness, Priority, SyncError, Timestamp,
+    identities::{Phase, shrink_map},
+};
+use crate::store::StoreOp;
+
+/// How often quarantine tombstones are scanned for expiry.
+const TOMB_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+impl Allocator {
+    /// Advances time to `now`.
+    pub fn tick(&mut self, now: Timestamp) {
+        self.expire_holds(now);
+        self.check_liveness(now);
+        self.release_unused(now);
+        self.pump_gc(now);
+        self.end_quarantine(now);
+        self.persist_nodes();
+    }
+
+    /// Spends the delete budget on due retries and released identities. Called on
+    /// every tick and whenever a delete completes, so GC runs as fast as the budget
+    /// and the store allow, not at the tick rate.
+    pub(super) fn pump_gc(&mut self, now: Timestamp) {
+        self.refill_budget(now);
+        self.retry_due(now);
+        self.delete_released(now);
+    }
+
+    /// The Node object of `name` is gone: its view, holds and stream go with it.
+    pub fn node_gone(&mut self, name: &NodeName) {
+        self.drop_node(name, CloseReason::NodeGone);
+    }
+
+    fn refill_budget(&mut self, now: Timestamp) {
+        let gc = &mut self.core.gc;
+        let elapsed = now.since(gc.refilled_at).as_secs_f64();
+        gc.tokens =
+            (gc.tokens + elapsed * self.core.cfg.gc_rate).min(self.core.cfg.gc_burst.max(1.0));
+        gc.refilled_at = now;
+    }
+
+    fn expire_holds(&mut self, now: Timestamp) {
+        let core = &mut self.core;
+        for node in self.nodes.values_mut() {
+            if node.holds.is_empty() {
+                continue;
+            }
+            let before = node.holds.len();
+            node.holds.retain(|&id, &mut expires| {
+                if expires > now {
+                    return true;
+                }
+                core.hold_gone(id);
+                false
+            });
+            core.counters.holds_expired += (before - node.holds.len()) as u64;
+            shrink_map(&mut node.holds);
+        }
+    }
+
+    fn check_liveness(&mut self, now: Timestamp) {
+        let ttl = self.core.cfg.node_ttl;
+        let mut dropped = Vec::new();
+        for (name, node) in self.nodes.iter_mut() {
+            let silent_until = node.last_heard.plus(ttl);
+            if now < silent_until {
+                continue;
+            }
+            match self.core.cfg.liveness {
+                Liveness::Embedded => dropped.push(name.clone()),
+                Liveness::Cluster { stale_view_limit } => {
+                    let since = *node.stale_since.get_or_insert(silent_until);
+                    if now.since(since) >= stale_view_limit {
+                        dropped.push(name.clone());
+                    }
+                }
+            }
+        }
+        for name in dropped {
+            self.drop_node(&name, CloseReason::Expired);
+        }
+    }
+
+    fn drop_node(&mut self, name: &NodeName, reason: CloseReason) {
+        let Some(node) = self.nodes.remove(name) else {
+            return;
+        };
+        let core = &mut self.core;
+        core.counters.nodes_dropped += 1;
+        for (_, entry) in node.view {
+            core.dec(entry.id);
+        }
+        for (id, _) in node.holds {
+            core.hold_gone(id);
+        }
+        if let Some(conn) = node.conn {
+            core.fx.push(Effect::Agent {
+                node: name.clone(),
+                conn,
+                msg: AgentMsg::Close(reason),
+            });
+        }
+        if node.pending > 0 {
+            // Allocations of the node still waiting for the store are answered now.
+            for (req, _) in core.ids.take_requests_of(name) {
+                let err = AllocError::Sync(SyncError::NoSession { node: name.clone() });
+                core.fx.push(Effect::Reply {
+                    req,
+                    result: Err(err),
+                });
+            }
+        }
+        core.store(StoreOp::DeleteNode { node: name.clone() }, Priority::Gc);
+        shrink_map(&mut self.nodes);
+    }
+
+    /// Identities that lost their last reference or hold become released (not during
+    /// the protection window after a start, which ends with a full pass).
+    fn release_unused(&mut self, now: Timestamp) {
+        let core = &mut self.core;
+        if let Some(until) = core.protect_until {
+            if now < until {
+                core.gc.unused.clear();
+                return;
+            }
+            core.protect_until = None;
+            core.gc.unused = core.ids.ids().collect();
+        }
+        let unused = std::mem::take(&mut core.gc.unused);
+        for id in unused {
+            if let Some(entry) = core.ids.get_mut(id)
+                && entry.phase == Phase::Live
+                && !entry.wanted()
+            {
+                entry.phase = Phase::Released { since: now };
+                core.gc.released.push_back((now, id));
+                core.counters.released += 1;
+            }
+        }
+        core.gc.unused.shrink_to(64);
+    }
+
+    /// Failed writes whose backoff ended: creates are retried at once (they are
+    /// allocation writes), deletes spend from the budget like any delete.
+    fn retry_due(&mut self, now: Timestamp) {
+        while let Some(&(at, id)) = self.core.gc.retries.first() {
+            if at > now {
+                break;
+            }
+            let Some(phase) = self.core.ids.get(id).map(|e| e.phase) else {
+                self.core.gc.retries.pop_first();
+                continue;
+            };
+            match phase {
+                Phase::Creating {
+                    inflight: false,
+                    attempt,
+                    retry_at,
+                } if retry_at == at => {
+                    self.core.gc.retries.pop_first();
+                    if let Some(entry) = self.core.ids.get_mut(id) {
+                        entry.phase = Phase::Creating {
+                            inflight: true,
+                            attempt,
+                            retry_at,
+                        };
+                    }
+                    self.core.create_op(id);
+                }
+                Phase::Deleting {
+                    inflight: false,
+                    attempt,
+                    retry_at,
+                } if retry_at == at => {
+                    if !self.delete_allowed() {
+                        break;
+                    }
+                    self.core.gc.retries.pop_first();
+                    self.issue_delete(id, attempt, now);
+                }
+                _ => {
+                    self.core.gc.retries.pop_first();
+                }
+            }
+        }
+    }
+
+    fn delete_allowed(&self) -> bool {
+        self.core.gc.tokens >= 1.0 && self.core.gc.inflight < self.core.cfg.max_inflight_deletes
+    }
+
+    /// Released identities past the grace period are deleted, oldest first.
+    fn delete_released(&mut self, now: Timestamp) {
+        let grace = self.core.cfg.grace;
+        while let Some(&(since, id)) = self.core.gc.released.front() {
+            let Some(entry) = self
+                .core
+                .ids
+                .get_mut(id)
+                .filter(|e| e.phase == Phase::Released { since })
+            else {
+                self.core.gc.released.pop_front();
+                continue;
+            };
+            if entry.wanted() {
+                entry.phase = Phase::Live;
+                self.core.gc.released.pop_front();
+                continue;
+            }
+            if now.since(since) < grace || !self.delete_allowed() {
+                break;
+            }
+            self.core.gc.released.pop_front();
+            self.issue_delete(id, 0, now);
+        }
+        let released = &mut self.core.gc.released;
+        if released.capacity() > 64 && released.len() < released.capacity() / 4 {
+            released.shrink_to(released.len() * 2);
+        }
+    }
+
+    fn end_quarantine(&mut self, now: Timestamp) {
+        let core = &mut self.core;
+        if now < core.gc.next_tomb_scan {
+            return;
+        }
+        core.gc.next_tomb_scan = now.plus(TOMB_SCAN_EVERY);
+        for op in std::mem::take(&mut core.gc.cleanup_retries) {
+            // Only if nothing took the id or the node back in the meantime.
+            let still_meant = match &op {
+                StoreOp::DeleteTombstone { id } => {
+                    core.ids.get(*id).is_none() && !core.ids.quarantine().contains_key(id)
+                }
+                StoreOp::DeleteNode { node } => !self.nodes.contains_key(node),
+                _ => false,
+            };
+            if still_meant {
+                core.store(op, Priority::Gc);
+            }
+        }
+        for id in core.ids.expire_tombs(now) {
+            core.counters.quarantine_ended += 1;
+            core.store(StoreOp::DeleteTombstone { id }, Priority::Gc);
+        }
+        core.ids.shrink();
+    }
+
+    /// Nodes whose record failed to persist are written again.
+    fn persist_nodes(&mut self) {
+        use super::nodes::Persisted;
+        for (name, node) in self.nodes.iter_mut() {
+            if node.persisted == Persisted::No && node.session.is_some() {
+                node.persisted = Persisted::InFlight;
+                self.core.fx.push(Effect::Store {
+                    op: StoreOp::PutNode { node: name.clone() },
+                    priority: Priority::Allocation,
+                });
+            }
+        }
+    }
+}

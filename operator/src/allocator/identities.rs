@@ -1,0 +1,287 @@
+//! The identity table: id <-> canonical label set, reference and hold counts, the
+//! lifecycle phase of each identity, quarantine tombstones and blocked ids.
+
+use std::collections::{BTreeMap, HashMap};
+
+use census_proto::{
+    domain::{EndpointKey, IdRange, IdentityId, NodeName},
+    labels::LabelSet,
+};
+
+use super::{ConnId, RequestId, Timestamp};
+
+/// Where an identity is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Its binding is being persisted (`inflight`), or waits for a retry at `retry_at`.
+    /// Nothing is handed out before the store confirms it.
+    Creating {
+        inflight: bool,
+        attempt: u32,
+        retry_at: Timestamp,
+    },
+    /// Persisted and referenced, held, or protected.
+    Live,
+    /// Persisted, unreferenced and unheld since `since`.
+    Released { since: Timestamp },
+    /// A store delete is in flight (`inflight`), or waits for a retry at `retry_at`.
+    Deleting {
+        inflight: bool,
+        attempt: u32,
+        retry_at: Timestamp,
+    },
+}
+
+/// Someone waiting for an identity's binding to be persisted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Waiter {
+    /// An Allocate call, answered when persisted (a hold is added for `node` then).
+    Request { req: RequestId, node: NodeName },
+    /// An endpoint whose agent must be told to use this identity once it is persisted.
+    Rebind {
+        node: NodeName,
+        conn: ConnId,
+        key: EndpointKey,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub(crate) labels: LabelSet,
+    /// Endpoints (over all views) mapped to this identity.
+    pub(crate) refs: u32,
+    /// Nodes holding this identity.
+    pub(crate) holds: u32,
+    pub(crate) phase: Phase,
+    pub(crate) waiters: Vec<Waiter>,
+    /// A Watch Upsert was sent for this binding (so a Removed is owed when it goes).
+    pub(crate) announced: bool,
+}
+
+impl Entry {
+    pub(crate) fn wanted(&self) -> bool {
+        self.refs > 0 || self.holds > 0 || !self.waiters.is_empty()
+    }
+}
+
+/// A quarantined id: bindable again before `until` only to the label set with this hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tomb {
+    pub(crate) labels_hash: u64,
+    pub(crate) until: Timestamp,
+}
+
+/// Why an id is never bound again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Blocked {
+    /// The store holds a binding for this id that census did not write.
+    StoreConflict { found: String },
+}
+
+#[derive(Debug)]
+pub(crate) struct Identities {
+    range: IdRange,
+    entries: BTreeMap<IdentityId, Entry>,
+    by_labels: HashMap<LabelSet, IdentityId>,
+    quarantine: HashMap<IdentityId, Tomb>,
+    blocked: BTreeMap<IdentityId, Blocked>,
+    /// The last id handed out; the search for a free one continues after it, so a
+    /// freed id is reused as late as possible.
+    cursor: u32,
+    /// Ids of the range that are bound, quarantined or blocked.
+    used_in_range: u64,
+}
+
+impl Identities {
+    pub(crate) fn new(range: IdRange) -> Self {
+        Self {
+            range,
+            entries: BTreeMap::new(),
+            by_labels: HashMap::new(),
+            quarantine: HashMap::new(),
+            blocked: BTreeMap::new(),
+            cursor: range.last().get(),
+            used_in_range: 0,
+        }
+    }
+
+    pub(crate) fn range(&self) -> IdRange {
+        self.range
+    }
+
+    pub(crate) fn used_in_range(&self) -> u64 {
+        self.used_in_range
+    }
+
+    pub(crate) fn get(&self, id: IdentityId) -> Option<&Entry> {
+        self.entries.get(&id)
+    }
+
+    pub(crate) fn get_mut(&mut self, id: IdentityId) -> Option<&mut Entry> {
+        self.entries.get_mut(&id)
+    }
+
+    pub(crate) fn id_of(&self, labels: &LabelSet) -> Option<IdentityId> {
+        self.by_labels.get(labels).copied()
+    }
+
+    /// True if `id` is bound to exactly `labels`.
+    pub(crate) fn is_bound(&self, id: IdentityId, labels: &LabelSet) -> bool {
+        self.entries.get(&id).is_some_and(|e| e.labels == *labels)
+    }
+
+    pub(crate) fn entries(&self) -> &BTreeMap<IdentityId, Entry> {
+        &self.entries
+    }
+
+    pub(crate) fn ids(&self) -> impl Iterator<Item = IdentityId> + '_ {
+        self.entries.keys().copied()
+    }
+
+    pub(crate) fn quarantine(&self) -> &HashMap<IdentityId, Tomb> {
+        &self.quarantine
+    }
+
+    pub(crate) fn blocked(&self) -> &BTreeMap<IdentityId, Blocked> {
+        &self.blocked
+    }
+
+    fn occupy(&mut self, id: IdentityId) {
+        if self.range.contains(id) {
+            self.used_in_range += 1;
+        }
+    }
+
+    fn vacate(&mut self, id: IdentityId) {
+        if self.range.contains(id) {
+            self.used_in_range -= 1;
+        }
+    }
+
+    /// Binds `id` to `labels`. The caller has checked that both are free.
+    pub(crate) fn insert(&mut self, id: IdentityId, labels: LabelSet, phase: Phase) {
+        debug_assert!(!self.entries.contains_key(&id) && !self.by_labels.contains_key(&labels));
+        if self.quarantine.remove(&id).is_none() {
+            self.occupy(id);
+        }
+        self.by_labels.insert(labels.clone(), id);
+        self.entries.insert(
+            id,
+            Entry {
+                labels,
+                refs: 0,
+                holds: 0,
+                phase,
+                waiters: Vec::new(),
+                announced: false,
+            },
+        );
+    }
+
+    /// Unbinds `id`, leaving the id free (the caller quarantines or blocks it).
+    pub(crate) fn remove(&mut self, id: IdentityId) -> Option<Entry> {
+        let entry = self.entries.remove(&id)?;
+        self.by_labels.remove(&entry.labels);
+        self.vacate(id);
+        Some(entry)
+    }
+
+    /// Quarantines a free id.
+    pub(crate) fn add_tomb(&mut self, id: IdentityId, tomb: Tomb) {
+        debug_assert!(!self.entries.contains_key(&id));
+        if self.quarantine.insert(id, tomb).is_none() {
+            self.occupy(id);
+        }
+    }
+
+    /// Removes tombstones that ended at or before `now`, returning their ids.
+    pub(crate) fn expire_tombs(&mut self, now: Timestamp) -> Vec<IdentityId> {
+        let expired: Vec<IdentityId> = self
+            .quarantine
+            .iter()
+            .filter(|(_, t)| t.until <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &expired {
+            self.quarantine.remove(id);
+            self.vacate(*id);
+        }
+        expired
+    }
+
+    /// Blocks a free id for good.
+    pub(crate) fn block(&mut self, id: IdentityId, why: Blocked) {
+        debug_assert!(!self.entries.contains_key(&id));
+        let was_used = self.quarantine.remove(&id).is_some() || self.blocked.contains_key(&id);
+        self.blocked.insert(id, why);
+        if !was_used {
+            self.occupy(id);
+        }
+    }
+
+    /// Whether an agent's claim "id is bound to labels" can be adopted as a new
+    /// binding: the id is in range, unbound, not blocked, and not quarantined for
+    /// another label set (the labels are known to be unbound).
+    pub(crate) fn can_adopt(&self, id: IdentityId, labels: &LabelSet) -> bool {
+        self.range.contains(id)
+            && !self.entries.contains_key(&id)
+            && !self.blocked.contains_key(&id)
+            && self
+                .quarantine
+                .get(&id)
+                .is_none_or(|t| t.labels_hash == labels.stable_hash())
+    }
+
+    /// Finds a free id of the range: not bound, quarantined or blocked.
+    pub(crate) fn free_id(&mut self) -> Option<IdentityId> {
+        if self.used_in_range >= self.range.size() {
+            return None;
+        }
+        let mut candidate = self.range.next_after(self.cursor);
+        for _ in 0..self.range.size() {
+            if !self.entries.contains_key(&candidate)
+                && !self.quarantine.contains_key(&candidate)
+                && !self.blocked.contains_key(&candidate)
+            {
+                self.cursor = candidate.get();
+                return Some(candidate);
+            }
+            candidate = self.range.next_after(candidate.get());
+        }
+        None
+    }
+
+    /// Removes every Allocate waiting on behalf of `node`, returning the requests.
+    pub(crate) fn take_requests_of(&mut self, node: &NodeName) -> Vec<(RequestId, IdentityId)> {
+        let mut taken = Vec::new();
+        for (&id, entry) in self.entries.iter_mut() {
+            entry.waiters.retain(|w| match w {
+                Waiter::Request { req, node: n } if n == node => {
+                    taken.push((*req, id));
+                    false
+                }
+                _ => true,
+            });
+        }
+        taken
+    }
+
+    /// Capacities of the hash maps (label index, quarantine), to check they shrink.
+    #[cfg(test)]
+    pub(crate) fn capacities(&self) -> (usize, usize) {
+        (self.by_labels.capacity(), self.quarantine.capacity())
+    }
+
+    /// Gives memory back after many identities went away.
+    pub(crate) fn shrink(&mut self) {
+        shrink_map(&mut self.by_labels);
+        shrink_map(&mut self.quarantine);
+    }
+}
+
+/// Shrinks a map that is using under a quarter of its capacity.
+pub(crate) fn shrink_map<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 16 && map.len() < map.capacity() / 4 {
+        map.shrink_to(map.len() * 2);
+    }
+}

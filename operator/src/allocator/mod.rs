@@ -1,0 +1,279 @@
+//! The allocator core: plain synchronous Rust, no I/O. Events in (Hello, deltas,
+//! snapshots, Allocate, store results, ticks), effects out (store writes, Allocate
+//! answers, messages to agents, Watch changes). Everything else is a shell around it.
+//!
+//! Reference counts are derived from each node's **view** (endpoint -> identity).
+//! Deltas edit a view; a snapshot replaces it, so the latest snapshot of each node is
+//! the truth and a lost delete costs one snapshot interval, never memory.
+//!
+//! The code is split by concept: [`sync`] (sessions, deltas, snapshots and the
+//! re-adoption rules), [`alloc`] (Allocate and store results), [`gc`] (holds, node
+//! liveness, release, delete, quarantine), [`read`] (what the services and metrics show).
+
+mod alloc;
+mod config;
+mod effects;
+mod gc;
+mod identities;
+mod nodes;
+mod read;
+mod sync;
+mod time;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use census_proto::domain::{IdentityId, NodeName};
+
+pub use self::{
+    config::{Config, Liveness},
+    effects::{
+        Accepted, AgentMsg, AllocError, Applied, CloseReason, ConnId, Effect, Priority, RequestId,
+        SyncError, WatchChange,
+    },
+    read::{Counters, IdentityInfo, IdentityState, NodeInfo, Stats},
+    time::Timestamp,
+};
+use self::{
+    identities::{Identities, Phase, Tomb},
+    nodes::{Node, Persisted},
+};
+use crate::store::{Loaded, StoreOp};
+
+/// The identity allocator. See the module documentation.
+#[derive(Debug)]
+pub struct Allocator {
+    nodes: HashMap<NodeName, Node>,
+    core: Core,
+}
+
+/// Everything but the nodes, so node state and the rest can be borrowed apart.
+#[derive(Debug)]
+struct Core {
+    cfg: Config,
+    ids: Identities,
+    fx: Vec<Effect>,
+    counters: Counters,
+    gc: Gc,
+    /// Nothing is released before this (after a restart, every node gets a node TTL
+    /// to snapshot first). `None` once passed.
+    protect_until: Option<Timestamp>,
+    /// Allocate hands out no new id before this (the store was empty at start).
+    new_ids_after: Timestamp,
+    next_conn: u64,
+}
+
+#[derive(Debug)]
+struct Gc {
+    /// The delete budget, in deletes.
+    tokens: f64,
+    refilled_at: Timestamp,
+    inflight: usize,
+    /// Identities whose references or holds dropped to zero since the last tick.
+    unused: Vec<IdentityId>,
+    /// Released identities in release order (entries are re-checked when popped).
+    released: VecDeque<(Timestamp, IdentityId)>,
+    /// Failed writes waiting for their retry time (re-checked when due).
+    retries: BTreeSet<(Timestamp, IdentityId)>,
+    /// Failed tombstone and node deletes, retried with the next quarantine scan.
+    cleanup_retries: Vec<StoreOp>,
+    next_tomb_scan: Timestamp,
+}
+
+impl Allocator {
+    /// A core over the store's contents, as the operator starts.
+    ///
+    /// Every loaded identity is held until `now + node_ttl`, so every known node can
+    /// snapshot before GC may release anything; if the store holds no identity at
+    /// all, Allocate hands out no new id for the adoption window either.
+    pub fn new(cfg: Config, loaded: Loaded, now: Timestamp) -> Self {
+        let mut ids = Identities::new(cfg.range);
+        let mut fx = Vec::new();
+        let store_was_empty = loaded.identities.is_empty();
+        for stored in loaded.identities {
+            if ids.get(stored.id).is_some() || ids.id_of(&stored.labels).is_some() {
+                // A store never holds these (its index is unique); skip rather than trust.
+                continue;
+            }
+            ids.insert(stored.id, stored.labels, Phase::Live);
+            if let Some(entry) = ids.get_mut(stored.id) {
+                entry.announced = true;
+            }
+        }
+        for tomb in loaded.tombstones {
+            let until = Timestamp::from_millis(tomb.until_ms);
+            if until <= now || ids.get(tomb.id).is_some() {
+                fx.push(Effect::Store {
+                    op: StoreOp::DeleteTombstone { id: tomb.id },
+                    priority: Priority::Gc,
+                });
+            } else {
+                ids.add_tomb(
+                    tomb.id,
+                    Tomb {
+                        labels_hash: tomb.labels_hash,
+                        until,
+                    },
+                );
+            }
+        }
+        let nodes = loaded
+            .nodes
+            .into_iter()
+            .map(|name| (name, Node::new(now, Persisted::Yes)))
+            .collect();
+        let new_ids_after = if store_was_empty {
+            now.plus(cfg.adoption_window)
+        } else {
+            now
+        };
+        Self {
+            nodes,
+            core: Core {
+                protect_until: Some(now.plus(cfg.node_ttl)),
+                new_ids_after,
+                gc: Gc {
+                    tokens: cfg.gc_burst,
+                    refilled_at: now,
+                    inflight: 0,
+                    unused: Vec::new(),
+                    released: VecDeque::new(),
+                    retries: BTreeSet::new(),
+                    cleanup_retries: Vec::new(),
+                    next_tomb_scan: now,
+                },
+                cfg,
+                ids,
+                fx,
+                counters: Counters::default(),
+                next_conn: 1,
+            },
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.core.cfg
+    }
+
+    /// Takes the effects queued so far, in the order they were produced.
+    pub fn drain_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.core.fx)
+    }
+
+    /// True if effects are waiting to be drained.
+    pub fn has_effects(&self) -> bool {
+        !self.core.fx.is_empty()
+    }
+}
+
+impl Core {
+    fn store(&mut self, op: StoreOp, priority: Priority) {
+        self.fx.push(Effect::Store { op, priority });
+    }
+
+    fn create_op(&mut self, id: IdentityId) {
+        if let Some(entry) = self.ids.get(id) {
+            let labels = entry.labels.clone();
+            self.store(StoreOp::CreateIdentity { id, labels }, Priority::Allocation);
+        }
+    }
+
+    /// Makes a wanted identity usable again: a released one becomes live; one whose
+    /// failed delete waits for a retry is re-created. Returns true if the binding is
+    /// persisted and may be handed out now.
+    fn wake(&mut self, id: IdentityId, now: Timestamp) -> bool {
+        let Some(entry) = self.ids.get_mut(id) else {
+            return false;
+        };
+        match entry.phase {
+            Phase::Live => true,
+            Phase::Released { .. } => {
+                entry.phase = Phase::Live;
+                true
+            }
+            Phase::Creating {
+                inflight: false,
+                attempt,
+                retry_at,
+            } => {
+                // Someone is waiting: retry the failed create now rather than at its backoff.
+                entry.phase = Phase::Creating {
+                    inflight: true,
+                    attempt,
+                    retry_at,
+                };
+                self.create_op(id);
+                false
+            }
+            Phase::Creating { inflight: true, .. } | Phase::Deleting { inflight: true, .. } => {
+                false
+            }
+            Phase::Deleting {
+                inflight: false, ..
+            } => {
+                // The failed delete may have happened after all: assert the binding again.
+                entry.phase = Phase::Creating {
+                    inflight: true,
+                    attempt: 0,
+                    retry_at: now,
+                };
+                self.create_op(id);
+                false
+            }
+        }
+    }
+
+    fn inc(&mut self, id: IdentityId) {
+        if let Some(entry) = self.ids.get_mut(id) {
+            entry.refs += 1;
+        }
+    }
+
+    fn dec(&mut self, id: IdentityId) {
+        if let Some(entry) = self.ids.get_mut(id) {
+            debug_assert!(entry.refs > 0, "refcount of {id} below zero");
+            entry.refs = entry.refs.saturating_sub(1);
+            if !entry.wanted() {
+                self.gc.unused.push(id);
+            }
+        }
+    }
+
+    fn add_hold(&mut self, node: &mut Node, id: IdentityId, now: Timestamp) {
+        let expires = now.plus(self.cfg.hold_timeout);
+        if node.holds.insert(id, expires).is_none()
+            && let Some(entry) = self.ids.get_mut(id)
+        {
+            entry.holds += 1;
+        }
+    }
+
+    /// Ends `node`'s hold on `id`, if it has one (the id is now in its view).
+    fn end_hold(&mut self, node: &mut Node, id: IdentityId) {
+        if !node.holds.is_empty() && node.holds.remove(&id).is_some() {
+            self.hold_gone(id);
+        }
+    }
+
+    fn hold_gone(&mut self, id: IdentityId) {
+        if let Some(entry) = self.ids.get_mut(id) {
+            entry.holds = entry.holds.saturating_sub(1);
+            if !entry.wanted() {
+                self.gc.unused.push(id);
+            }
+        }
+    }
+
+    fn next_conn(&mut self) -> ConnId {
+        let conn = ConnId(self.next_conn);
+        self.next_conn += 1;
+        conn
+    }
+}
+
+/// Counts by `&'static str` cause, for metrics.
+fn bump(map: &mut BTreeMap<&'static str, u64>, cause: &'static str) {
+    *map.entry(cause).or_default() += 1;
+}

@@ -1,0 +1,88 @@
+//! Per-node state: the current session and stream, ordering, liveness, holds, and
+//! the view (endpoint -> identity) that reference counts are derived from.
+
+use std::{collections::HashMap, net::IpAddr};
+
+use census_proto::domain::{EndpointKey, IdentityId, SessionId};
+
+use super::{ConnId, Timestamp};
+
+/// One endpoint in a node's view: the identity the agent holds (corrected by
+/// Rebind) and its addresses. Labels are not kept: the identity has them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ViewEntry {
+    pub(crate) id: IdentityId,
+    pub(crate) ips: Box<[IpAddr]>,
+}
+
+/// Cumulative per-node counters, shown by NodeService.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct NodeCounters {
+    pub(crate) corrections: u64,
+    pub(crate) adoptions: u64,
+    pub(crate) old_seq_ignored: u64,
+    pub(crate) rebinds: u64,
+}
+
+/// Whether the store knows this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Persisted {
+    No,
+    InFlight,
+    Yes,
+}
+
+#[derive(Debug)]
+pub(crate) struct Node {
+    pub(crate) session: Option<SessionId>,
+    /// The current stream, while one is open.
+    pub(crate) conn: Option<ConnId>,
+    /// The last seq applied in the current session.
+    pub(crate) last_seq: u64,
+    /// The next snapshot is the session's first: its differences are adoptions.
+    pub(crate) first_snapshot_pending: bool,
+    pub(crate) last_heard: Timestamp,
+    /// Wall-clock time a message was last received; `None` if never since start.
+    pub(crate) last_message: Option<Timestamp>,
+    pub(crate) last_snapshot: Option<Timestamp>,
+    /// Since when the node has been silent longer than the node TTL.
+    pub(crate) stale_since: Option<Timestamp>,
+    pub(crate) persisted: Persisted,
+    pub(crate) view: HashMap<EndpointKey, ViewEntry>,
+    /// Identity -> when the hold expires.
+    pub(crate) holds: HashMap<IdentityId, Timestamp>,
+    /// Allocations of this node waiting for the store.
+    pub(crate) pending: u32,
+    pub(crate) counters: NodeCounters,
+}
+
+impl Node {
+    pub(crate) fn new(now: Timestamp, persisted: Persisted) -> Self {
+        Self {
+            session: None,
+            conn: None,
+            last_seq: 0,
+            first_snapshot_pending: true,
+            last_heard: now,
+            last_message: None,
+            last_snapshot: None,
+            stale_since: None,
+            persisted,
+            view: HashMap::new(),
+            holds: HashMap::new(),
+            pending: 0,
+            counters: NodeCounters::default(),
+        }
+    }
+
+    pub(crate) fn heard(&mut self, now: Timestamp) {
+        self.last_heard = now;
+        self.last_message = Some(now);
+        self.stale_since = None;
+    }
+
+    /// Holds plus pending allocations, against the per-node quota.
+    pub(crate) fn hold_load(&self) -> usize {
+        self.holds.len() + self.pending as usize
+    }
+}

@@ -1,0 +1,280 @@
+//! What the services, the CLI and the metrics read from the core.
+
+use std::collections::BTreeMap;
+
+use census_proto::{
+    domain::{IdRange, IdentityId, NodeName, SessionId},
+    labels::LabelSet,
+};
+
+use super::{Allocator, Liveness, Timestamp, identities::Phase};
+
+/// Cumulative counters (monotonic), exported as Prometheus counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Allocate answered with an identity that existed.
+    pub allocations_known: u64,
+    /// New identities bound (for Allocate or to rehome an endpoint).
+    pub allocations_new: u64,
+    /// Identities bound from an agent's report (re-adoption).
+    pub identities_adopted: u64,
+    pub snapshots: u64,
+    pub deltas: u64,
+    pub corrections: u64,
+    pub adoptions: u64,
+    pub rebinds: u64,
+    pub old_seq_ignored: u64,
+    /// Endpoints left out of a view because no identity could be found for them.
+    pub unresolved: u64,
+    pub holds_expired: u64,
+    pub nodes_dropped: u64,
+    pub released: u64,
+    pub quarantine_ended: u64,
+    /// Ids blocked because the store disagreed with census.
+    pub blocked: u64,
+    /// Store answers for ops that no longer matched the core's state.
+    pub stale_results: u64,
+    /// GC delete outcomes by cause (`deleted`, `recreated`, `conflict`, `io`, ...).
+    pub gc_outcomes: BTreeMap<&'static str, u64>,
+    /// Failed creates by cause.
+    pub create_failures: BTreeMap<&'static str, u64>,
+    /// Every failed store op by cause.
+    pub store_failures: BTreeMap<&'static str, u64>,
+}
+
+/// The state of an identity as shown to users.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdentityState {
+    Creating,
+    Live,
+    Released { since: Timestamp },
+    Deleting,
+    Quarantined { until: Timestamp },
+    Blocked,
+}
+
+impl IdentityState {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Creating => "creating",
+            Self::Live => "live",
+            Self::Released { .. } => "released",
+            Self::Deleting => "deleting",
+            Self::Quarantined { .. } => "quarantined",
+            Self::Blocked => "blocked",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdentityInfo {
+    pub id: IdentityId,
+    /// `None` for a quarantined or blocked id.
+    pub labels: Option<LabelSet>,
+    pub state: IdentityState,
+    pub refs: u32,
+    pub holds: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: NodeName,
+    pub session: Option<SessionId>,
+    pub connected: bool,
+    pub last_seq: u64,
+    pub last_heard: Option<Timestamp>,
+    pub last_snapshot: Option<Timestamp>,
+    pub stale: bool,
+    pub endpoints: u64,
+    pub holds: u32,
+    pub corrections: u64,
+    pub adoptions: u64,
+    pub old_seq_ignored: u64,
+    pub rebinds: u64,
+}
+
+/// Live state, computed when asked (at scrape time), so it cannot drift.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    pub creating: u64,
+    pub live: u64,
+    pub released: u64,
+    pub deleting: u64,
+    pub quarantined: u64,
+    pub blocked: u64,
+    pub range_size: u64,
+    pub range_used: u64,
+    pub nodes: u64,
+    pub stale_nodes: u64,
+    pub connected_nodes: u64,
+    pub endpoints: u64,
+    pub holds: u64,
+    pub pending_allocations: u64,
+    pub gc_inflight: u64,
+    pub gc_backlog: u64,
+}
+
+impl Stats {
+    pub fn range_usage_ratio(&self) -> f64 {
+        if self.range_size == 0 {
+            0.0
+        } else {
+            self.range_used as f64 / self.range_size as f64
+        }
+    }
+}
+
+impl Allocator {
+    pub fn identity(&self, id: IdentityId) -> Option<IdentityInfo> {
+        if let Some(entry) = self.core.ids.get(id) {
+            return Some(IdentityInfo {
+                id,
+                labels: Some(entry.labels.clone()),
+                state: state_of(entry.phase),
+                refs: entry.refs,
+                holds: entry.holds,
+            });
+        }
+        if let Some(tomb) = self.core.ids.quarantine().get(&id) {
+            return Some(IdentityInfo {
+                id,
+                labels: None,
+                state: IdentityState::Quarantined { until: tomb.until },
+                refs: 0,
+                holds: 0,
+            });
+        }
+        if self.core.ids.blocked().contains_key(&id) {
+            return Some(IdentityInfo {
+                id,
+                labels: None,
+                state: IdentityState::Blocked,
+                refs: 0,
+                holds: 0,
+            });
+        }
+        None
+    }
+
+    pub fn lookup(&self, labels: &LabelSet) -> Option<IdentityInfo> {
+        self.core.ids.id_of(labels).and_then(|id| self.identity(id))
+    }
+
+    /// Identities with an id above `after`, in id order, at most `limit`, carrying
+    /// every label of `selector`; quarantined and blocked ids too if asked. Returns the
+    /// page and whether more follow.
+    pub fn list(
+        &self,
+        after: Option<IdentityId>,
+        limit: usize,
+        selector: Option<&LabelSet>,
+        include_quarantined: bool,
+    ) -> (Vec<IdentityInfo>, bool) {
+        let start = after.map_or(0, |id| id.get().saturating_add(1));
+        let bound = self
+            .core
+            .ids
+            .entries()
+            .range(IdentityId::new(start.max(1)).unwrap_or(IdentityId::HOST)..)
+            .filter(|(_, e)| selector.is_none_or(|s| e.labels.contains_all(s)))
+            .map(|(&id, _)| id);
+        let mut ids: Vec<IdentityId> = bound.take(limit + 1).collect();
+        if include_quarantined && selector.is_none() {
+            let mut gone: Vec<IdentityId> = self
+                .core
+                .ids
+                .quarantine()
+                .keys()
+                .chain(self.core.ids.blocked().keys())
+                .copied()
+                .filter(|id| id.get() >= start)
+                .collect();
+            gone.sort_unstable();
+            gone.truncate(limit + 1);
+            ids.extend(gone);
+            ids.sort_unstable();
+            ids.truncate(limit + 1);
+        }
+        let more = ids.len() > limit;
+        ids.truncate(limit);
+        (
+            ids.into_iter().filter_map(|id| self.identity(id)).collect(),
+            more,
+        )
+    }
+
+    pub fn node(&self, name: &NodeName) -> Option<NodeInfo> {
+        self.nodes.get(name).map(|node| NodeInfo {
+            name: name.clone(),
+            session: node.session,
+            connected: node.conn.is_some(),
+            last_seq: node.last_seq,
+            last_heard: node.last_message,
+            last_snapshot: node.last_snapshot,
+            stale: node.stale_since.is_some(),
+            endpoints: node.view.len() as u64,
+            holds: node.holds.len() as u32,
+            corrections: node.counters.corrections,
+            adoptions: node.counters.adoptions,
+            old_seq_ignored: node.counters.old_seq_ignored,
+            rebinds: node.counters.rebinds,
+        })
+    }
+
+    /// Every node, by name.
+    pub fn nodes(&self) -> Vec<NodeInfo> {
+        let mut names: Vec<&NodeName> = self.nodes.keys().collect();
+        names.sort_unstable();
+        names.into_iter().filter_map(|n| self.node(n)).collect()
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.core.counters
+    }
+
+    pub fn range(&self) -> IdRange {
+        self.core.ids.range()
+    }
+
+    pub fn stats(&self, now: Timestamp) -> Stats {
+        let mut stats = Stats::default();
+        for entry in self.core.ids.entries().values() {
+            match entry.phase {
+                Phase::Creating { .. } => stats.creating += 1,
+                Phase::Live => stats.live += 1,
+                Phase::Released { .. } => stats.released += 1,
+                Phase::Deleting { .. } => stats.deleting += 1,
+            }
+        }
+        stats.quarantined = self.core.ids.quarantine().len() as u64;
+        stats.blocked = self.core.ids.blocked().len() as u64;
+        stats.range_size = self.core.ids.range().size();
+        stats.range_used = self.core.ids.used_in_range();
+        let ttl = self.core.cfg.node_ttl;
+        for node in self.nodes.values() {
+            stats.nodes += 1;
+            let silent = now.since(node.last_heard) >= ttl;
+            if node.stale_since.is_some()
+                || (silent && matches!(self.core.cfg.liveness, Liveness::Cluster { .. }))
+            {
+                stats.stale_nodes += 1;
+            }
+            stats.connected_nodes += u64::from(node.conn.is_some());
+            stats.endpoints += node.view.len() as u64;
+            stats.holds += node.holds.len() as u64;
+            stats.pending_allocations += u64::from(node.pending);
+        }
+        stats.gc_inflight = self.core.gc.inflight as u64;
+        stats.gc_backlog = self.core.gc.released.len() as u64 + self.core.gc.retries.len() as u64;
+        stats
+    }
+}
+
+fn state_of(phase: Phase) -> IdentityState {
+    match phase {
+        Phase::Creating { .. } => IdentityState::Creating,
+        Phase::Live => IdentityState::Live,
+        Phase::Released { since } => IdentityState::Released { since },
+        Phase::Deleting { .. } => IdentityState::Deleting,
+    }
+}

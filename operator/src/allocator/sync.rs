@@ -1,0 +1,378 @@
+//! EndpointSync events: Hello, deltas, snapshots, and the re-adoption rules that
+//! decide which identity an agent's endpoint references.
+
+use std::collections::HashMap;
+
+use census_proto::{
+    domain::{Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
+    labels::LabelSet,
+};
+
+use super::{
+    Accepted, AgentMsg, Allocator, Applied, CloseReason, ConnId, Core, Effect, Priority, SyncError,
+    Timestamp,
+    identities::{Phase, Waiter, shrink_map},
+    nodes::{Node, Persisted, ViewEntry},
+};
+use crate::store::StoreOp;
+
+/// The identity an endpoint's entry resolved to.
+struct Resolved {
+    id: Option<IdentityId>,
+    rebind: bool,
+}
+
+impl Allocator {
+    /// A Hello on a new stream. A newer session replaces the current one (whose stream
+    /// is told to close) and restarts `seq`; the same session reconnecting replaces
+    /// the stream and keeps `seq`; an older session is refused. The view stays as it
+    /// was until the session's first snapshot.
+    pub fn hello(
+        &mut self,
+        name: &NodeName,
+        session: SessionId,
+        now: Timestamp,
+    ) -> Result<Accepted, SyncError> {
+        if let Some(node) = self.nodes.get(name)
+            && let Some(current) = node.session
+            && session < current
+        {
+            return Err(SyncError::StaleSession {
+                node: name.clone(),
+                current,
+                offered: session,
+            });
+        }
+        let conn = self.core.next_conn();
+        let node = self
+            .nodes
+            .entry(name.clone())
+            .or_insert_with(|| Node::new(now, Persisted::No));
+        let replaced = node.conn.replace(conn);
+        if let Some(old) = replaced {
+            self.core.fx.push(Effect::Agent {
+                node: name.clone(),
+                conn: old,
+                msg: AgentMsg::Close(CloseReason::Replaced { by: session }),
+            });
+        }
+        if node.session != Some(session) {
+            node.session = Some(session);
+            node.last_seq = 0;
+            node.first_snapshot_pending = true;
+        }
+        node.heard(now);
+        if node.persisted == Persisted::No {
+            node.persisted = Persisted::InFlight;
+            self.core.store(
+                StoreOp::PutNode { node: name.clone() },
+                Priority::Allocation,
+            );
+        }
+        Ok(Accepted { conn, replaced })
+    }
+
+    /// A stream ended. The view and holds stay; only the connection is forgotten.
+    pub fn disconnect(&mut self, name: &NodeName, conn: ConnId) {
+        if let Some(node) = self.nodes.get_mut(name)
+            && node.conn == Some(conn)
+        {
+            node.conn = None;
+        }
+    }
+
+    /// An endpoint was added or changed on `name`.
+    pub fn upsert(
+        &mut self,
+        name: &NodeName,
+        conn: ConnId,
+        seq: u64,
+        endpoint: Endpoint,
+        now: Timestamp,
+    ) -> Result<Applied, SyncError> {
+        let node = current(&mut self.nodes, name, conn)?;
+        if let Some(ignored) = accept_seq(node, &mut self.core, seq, now) {
+            return Ok(ignored);
+        }
+        self.core.counters.deltas += 1;
+        let mut applied = Applied::default();
+        let Endpoint {
+            key,
+            ips,
+            identity,
+            labels,
+        } = endpoint;
+        let resolved = self.core.resolve(name, conn, &key, identity, &labels, now);
+        if resolved.rebind {
+            applied.rebinds += 1;
+            node.counters.rebinds += 1;
+        }
+        match resolved.id {
+            Some(id) => {
+                match node.view.insert(key, ViewEntry { id, ips }) {
+                    Some(prev) if prev.id == id => {}
+                    Some(prev) => {
+                        self.core.inc(id);
+                        self.core.dec(prev.id);
+                    }
+                    None => self.core.inc(id),
+                }
+                self.core.end_hold(node, id);
+            }
+            None => {
+                applied.unresolved += 1;
+                if let Some(prev) = node.view.remove(&key) {
+                    self.core.dec(prev.id);
+                }
+            }
+        }
+        Ok(applied)
+    }
+
+    /// An endpoint was removed from `name`.
+    pub fn delete(
+        &mut self,
+        name: &NodeName,
+        conn: ConnId,
+        seq: u64,
+        key: &EndpointKey,
+        now: Timestamp,
+    ) -> Result<Applied, SyncError> {
+        let node = current(&mut self.nodes, name, conn)?;
+        if let Some(ignored) = accept_seq(node, &mut self.core, seq, now) {
+            return Ok(ignored);
+        }
+        self.core.counters.deltas += 1;
+        if let Some(prev) = node.view.remove(key) {
+            self.core.dec(prev.id);
+            shrink_map(&mut node.view);
+        }
+        Ok(Applied::default())
+    }
+
+    /// A full snapshot of `name`: it replaces the node's view. References it adds or
+    /// removes are corrections (adoptions in a session's first snapshot).
+    pub fn snapshot(
+        &mut self,
+        name: &NodeName,
+        conn: ConnId,
+        seq: u64,
+        endpoints: Vec<Endpoint>,
+        now: Timestamp,
+    ) -> Result<Applied, SyncError> {
+        let node = current(&mut self.nodes, name, conn)?;
+        if let Some(ignored) = accept_seq(node, &mut self.core, seq, now) {
+            return Ok(ignored);
+        }
+        let core = &mut self.core;
+        core.counters.snapshots += 1;
+        node.last_snapshot = Some(now);
+        let first = std::mem::replace(&mut node.first_snapshot_pending, false);
+
+        // The common case: nothing changed since the last snapshot and the deltas.
+        let unchanged = endpoints.len() == node.view.len()
+            && endpoints.iter().all(|ep| {
+                node.view
+                    .get(&ep.key)
+                    .is_some_and(|v| v.id == ep.identity && v.ips == ep.ips)
+                    && core.ids.is_bound(ep.identity, &ep.labels)
+            });
+        if unchanged {
+            for ep in &endpoints {
+                if node.holds.is_empty() {
+                    break;
+                }
+                core.end_hold(node, ep.identity);
+            }
+            return Ok(Applied::default());
+        }
+
+        let mut applied = Applied::default();
+        let mut changes = 0;
+        let mut old = std::mem::take(&mut node.view);
+        let mut view = HashMap::with_capacity(endpoints.len());
+        for Endpoint {
+            key,
+            ips,
+            identity,
+            labels,
+        } in endpoints
+        {
+            let resolved = core.resolve(name, conn, &key, identity, &labels, now);
+            if resolved.rebind {
+                applied.rebinds += 1;
+                node.counters.rebinds += 1;
+            }
+            let Some(id) = resolved.id else {
+                // Left out of the view; a previous reference is dropped below.
+                applied.unresolved += 1;
+                continue;
+            };
+            match old.remove(&key) {
+                Some(prev) if prev.id == id => {}
+                Some(prev) => {
+                    core.inc(id);
+                    core.dec(prev.id);
+                    changes += 2;
+                }
+                None => {
+                    core.inc(id);
+                    changes += 1;
+                }
+            }
+            core.end_hold(node, id);
+            view.insert(key, ViewEntry { id, ips });
+        }
+        for (_, prev) in old {
+            core.dec(prev.id);
+            changes += 1;
+        }
+        node.view = view;
+        if first {
+            applied.adoptions = changes;
+            node.counters.adoptions += changes;
+            core.counters.adoptions += changes;
+        } else {
+            applied.corrections = changes;
+            node.counters.corrections += changes;
+            core.counters.corrections += changes;
+        }
+        Ok(applied)
+    }
+}
+
+/// The node of a message on stream `conn`, if that stream is the node's current one.
+fn current<'a>(
+    nodes: &'a mut HashMap<NodeName, Node>,
+    name: &NodeName,
+    conn: ConnId,
+) -> Result<&'a mut Node, SyncError> {
+    match nodes.get_mut(name) {
+        Some(node) if node.conn == Some(conn) => Ok(node),
+        _ => Err(SyncError::Replaced { node: name.clone() }),
+    }
+}
+
+/// Records that the node was heard; returns the answer for a message older than one
+/// already applied (ignored and counted), or `None` to apply it.
+fn accept_seq(node: &mut Node, core: &mut Core, seq: u64, now: Timestamp) -> Option<Applied> {
+    node.heard(now);
+    if seq <= node.last_seq {
+        node.counters.old_seq_ignored += 1;
+        core.counters.old_seq_ignored += 1;
+        return Some(Applied {
+            ignored: true,
+            ..Applied::default()
+        });
+    }
+    node.last_seq = seq;
+    None
+}
+
+impl Core {
+    /// The re-adoption rules (DESIGN.md): which identity the entry "endpoint `key`
+    /// holds `claimed` for `labels`" references, and whether the agent must rebind.
+    fn resolve(
+        &mut self,
+        node: &NodeName,
+        conn: ConnId,
+        key: &EndpointKey,
+        claimed: IdentityId,
+        labels: &LabelSet,
+        now: Timestamp,
+    ) -> Resolved {
+        // L is bound to Y: reference Y (and rebind if the agent holds another id).
+        if let Some(bound) = self.ids.id_of(labels) {
+            let ready = self.wake(bound, now);
+            if bound == claimed {
+                return Resolved {
+                    id: Some(bound),
+                    rebind: false,
+                };
+            }
+            self.rebind(node, conn, key, bound, ready);
+            return Resolved {
+                id: Some(bound),
+                rebind: true,
+            };
+        }
+        // X unknown, L unknown, X in range and not quarantined for another set: adopt.
+        if self.ids.can_adopt(claimed, labels) {
+            self.ids.insert(
+                claimed,
+                labels.clone(),
+                Phase::Creating {
+                    inflight: true,
+                    attempt: 0,
+                    retry_at: now,
+                },
+            );
+            self.create_op(claimed);
+            self.counters.identities_adopted += 1;
+            return Resolved {
+                id: Some(claimed),
+                rebind: false,
+            };
+        }
+        // X is bound to other labels, out of range or quarantined: a new id for L.
+        match self.ids.free_id() {
+            Some(fresh) => {
+                self.ids.insert(
+                    fresh,
+                    labels.clone(),
+                    Phase::Creating {
+                        inflight: true,
+                        attempt: 0,
+                        retry_at: now,
+                    },
+                );
+                self.create_op(fresh);
+                self.counters.allocations_new += 1;
+                self.rebind(node, conn, key, fresh, false);
+                Resolved {
+                    id: Some(fresh),
+                    rebind: true,
+                }
+            }
+            None => {
+                self.counters.unresolved += 1;
+                Resolved {
+                    id: None,
+                    rebind: false,
+                }
+            }
+        }
+    }
+
+    /// Tells the agent to use `id` for `key`: now if the binding is persisted,
+    /// otherwise once it is.
+    fn rebind(
+        &mut self,
+        node: &NodeName,
+        conn: ConnId,
+        key: &EndpointKey,
+        id: IdentityId,
+        ready: bool,
+    ) {
+        self.counters.rebinds += 1;
+        if ready {
+            self.fx.push(Effect::Agent {
+                node: node.clone(),
+                conn,
+                msg: AgentMsg::Rebind {
+                    key: key.clone(),
+                    identity: id,
+                },
+            });
+        } else if let Some(entry) = self.ids.get_mut(id) {
+            let waiter = Waiter::Rebind {
+                node: node.clone(),
+                conn,
+                key: key.clone(),
+            };
+            if !entry.waiters.contains(&waiter) {
+                entry.waiters.push(waiter);
+            }
+        }
+    }
+}

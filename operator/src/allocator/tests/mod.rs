@@ -1,0 +1,422 @@
+//! Tests of the allocator core: one module of focused unit tests per concern, a
+//! model-based property test of the invariants, and the small builders they share.
+
+mod invariants;
+mod model;
+mod unit;
+
+use std::{
+    collections::{BTreeMap, HashMap, VecDeque},
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
+
+use census_proto::{
+    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    labels::{LabelLimits, LabelSet},
+};
+
+use super::*;
+use crate::store::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone};
+
+pub(super) fn labels(text: &str) -> LabelSet {
+    let list: Vec<String> = text
+        .split(',')
+        .map(|l| format!("k8s:{}", l.trim()))
+        .collect();
+    match LabelSet::parse(&list, &LabelLimits::default()) {
+        Ok(set) => set,
+        Err(e) => panic!("test labels {text:?}: {e}"),
+    }
+}
+
+pub(super) fn node(name: &str) -> NodeName {
+    match NodeName::new(name) {
+        Ok(n) => n,
+        Err(e) => panic!("test node {name:?}: {e}"),
+    }
+}
+
+pub(super) fn key(name: &str) -> EndpointKey {
+    match EndpointKey::new("default", name) {
+        Ok(k) => k,
+        Err(e) => panic!("test key {name:?}: {e}"),
+    }
+}
+
+pub(super) fn id(n: u32) -> IdentityId {
+    match IdentityId::new(n) {
+        Some(id) => id,
+        None => panic!("id 0"),
+    }
+}
+
+pub(super) fn session(start: u64) -> SessionId {
+    SessionId {
+        start_time_ns: start,
+        nonce: 7,
+    }
+}
+
+pub(super) fn mk_endpoint(name: &str, identity: u32, label_text: &str) -> Endpoint {
+    let n = name.bytes().fold(0u8, |a, b| a.wrapping_add(b));
+    Endpoint {
+        key: key(name),
+        ips: vec![IpAddr::V4(Ipv4Addr::new(198, 18, 0, n))].into_boxed_slice(),
+        identity: id(identity),
+        labels: labels(label_text),
+    }
+}
+
+pub(super) fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A store in memory with the semantics of `StoreOp`, applied synchronously, that
+/// also checks what no store may ever see: one label set bound to two ids, or an id
+/// rebound to other labels inside its quarantine.
+#[derive(Debug, Default, Clone)]
+pub(super) struct ModelStore {
+    pub(super) identities: BTreeMap<IdentityId, LabelSet>,
+    pub(super) nodes: BTreeMap<NodeName, ()>,
+    pub(super) tombstones: BTreeMap<IdentityId, Tombstone>,
+    /// Each deleted id's labels and the end of its quarantine (which runs from the
+    /// moment the delete was issued, when nothing referenced or held the id).
+    pub(super) deleted: HashMap<IdentityId, (LabelSet, Timestamp)>,
+    pub(super) quarantine: Duration,
+    /// The store was lost once: ids may legitimately be rebound inside a quarantine
+    /// nobody remembers.
+    pub(super) lost: bool,
+}
+
+impl ModelStore {
+    pub(super) fn new(quarantine: Duration) -> Self {
+        Self {
+            quarantine,
+            ..Self::default()
+        }
+    }
+
+    pub(super) fn load(&self) -> Loaded {
+        Loaded {
+            identities: self
+                .identities
+                .iter()
+                .map(|(&id, labels)| StoredIdentity {
+                    id,
+                    labels: labels.clone(),
+                })
+                .collect(),
+            nodes: self.nodes.keys().cloned().collect(),
+            tombstones: self.tombstones.values().copied().collect(),
+        }
+    }
+
+    pub(super) fn apply(&mut self, op: &StoreOp, now: Timestamp) -> Result<(), StoreError> {
+        match op {
+            StoreOp::CreateIdentity { id, labels } => {
+                if let Some(bound) = self.identities.get(id) {
+                    return if bound == labels {
+                        Ok(())
+                    } else {
+                        Err(conflict(*id, labels, bound))
+                    };
+                }
+                if let Some((&other, _)) = self.identities.iter().find(|(_, l)| *l == labels) {
+                    panic!("label set {labels} would be bound to {id} while bound to {other}");
+                }
+                if let Some((old, until)) = self.deleted.get(id)
+                    && !self.lost
+                    && old != labels
+                    && now < *until
+                {
+                    panic!(
+                        "id {id} rebound from {old} to {labels} {}ms before its quarantine ends",
+                        until.since(now).as_millis()
+                    );
+                }
+                self.tombstones.remove(id);
+                self.identities.insert(*id, labels.clone());
+                Ok(())
+            }
+            StoreOp::DeleteIdentity {
+                id,
+                labels,
+                tombstone,
+            } => {
+                match self.identities.get(id) {
+                    Some(bound) if bound != labels => return Err(conflict(*id, labels, bound)),
+                    Some(_) => {
+                        self.identities.remove(id);
+                        self.deleted.insert(
+                            *id,
+                            (labels.clone(), Timestamp::from_millis(tombstone.until_ms)),
+                        );
+                    }
+                    None => {}
+                }
+                self.tombstones.insert(*id, *tombstone);
+                Ok(())
+            }
+            StoreOp::DeleteTombstone { id } => {
+                self.tombstones.remove(id);
+                Ok(())
+            }
+            StoreOp::PutNode { node } => {
+                self.nodes.insert(node.clone(), ());
+                Ok(())
+            }
+            StoreOp::DeleteNode { node } => {
+                self.nodes.remove(node);
+                Ok(())
+            }
+        }
+    }
+}
+
+fn conflict(id: IdentityId, expected: &LabelSet, found: &LabelSet) -> StoreError {
+    StoreError::Conflict {
+        id,
+        expected: expected.to_string(),
+        found: found.to_string(),
+    }
+}
+
+/// A core, a model store and a clock, with effects routed: store ops are queued
+/// until `settle_store`, everything else is collected for the test to inspect.
+pub(super) struct Harness {
+    pub(super) alloc: Allocator,
+    pub(super) store: ModelStore,
+    pub(super) now: Timestamp,
+    /// Store ops waiting, one queue per writer, as in the daemon.
+    pub(super) pending_ops: VecDeque<StoreOp>,
+    pub(super) pending_gc: VecDeque<StoreOp>,
+    pub(super) replies: Vec<(RequestId, Result<IdentityId, AllocError>)>,
+    pub(super) agent_msgs: Vec<(NodeName, ConnId, AgentMsg)>,
+    pub(super) watch: Vec<WatchChange>,
+    /// Every delete emitted, with the identity's refs and holds at the time.
+    pub(super) deletes_issued: Vec<(IdentityId, u32, u32)>,
+    next_req: RequestId,
+}
+
+pub(super) fn small_config() -> Config {
+    Config {
+        range: match IdRange::new(256, 1023) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        snapshot_interval: ms(1_000),
+        node_ttl: ms(3_000),
+        hold_timeout: ms(3_000),
+        grace: ms(2_000),
+        quarantine: ms(10_000),
+        adoption_window: ms(3_000),
+        liveness: Liveness::Embedded,
+        max_holds_per_node: 64,
+        gc_rate: 1000.0,
+        gc_burst: 100.0,
+        max_inflight_deletes: 50,
+        retry_base: ms(500),
+        retry_max: ms(4_000),
+    }
+}
+
+impl Harness {
+    /// A core over an empty store whose start windows have passed.
+    pub(super) fn new(cfg: Config) -> Self {
+        let window = cfg.node_ttl.max(cfg.adoption_window);
+        let store = ModelStore::new(cfg.quarantine);
+        let mut h = Self::with_store(cfg, store, Timestamp::from_millis(1_000_000));
+        h.advance(window);
+        h
+    }
+
+    pub(super) fn with_store(cfg: Config, store: ModelStore, now: Timestamp) -> Self {
+        let alloc = Allocator::new(cfg, store.load(), now);
+        let mut h = Self {
+            alloc,
+            store,
+            now,
+            pending_ops: VecDeque::new(),
+            pending_gc: VecDeque::new(),
+            replies: Vec::new(),
+            agent_msgs: Vec::new(),
+            watch: Vec::new(),
+            deletes_issued: Vec::new(),
+            next_req: 1,
+        };
+        h.route();
+        h
+    }
+
+    /// Moves the core's effects to where they go.
+    pub(super) fn route(&mut self) {
+        for effect in self.alloc.drain_effects() {
+            match effect {
+                Effect::Store { op, priority } => {
+                    if let StoreOp::DeleteIdentity { id, .. } = &op {
+                        let (refs, holds) = self
+                            .alloc
+                            .identity(*id)
+                            .map_or((0, 0), |i| (i.refs, i.holds));
+                        self.deletes_issued.push((*id, refs, holds));
+                    }
+                    match priority {
+                        Priority::Allocation => self.pending_ops.push_back(op),
+                        Priority::Gc => self.pending_gc.push_back(op),
+                    }
+                }
+                Effect::Reply { req, result } => self.replies.push((req, result)),
+                Effect::Agent { node, conn, msg } => self.agent_msgs.push((node, conn, msg)),
+                Effect::Watch(change) => self.watch.push(change),
+            }
+        }
+        invariants::check(&self.alloc);
+    }
+
+    /// Applies every queued store op (and those they cause) successfully.
+    /// Every store op waiting, allocation writes first.
+    pub(super) fn pending(&self) -> impl Iterator<Item = &StoreOp> {
+        self.pending_ops.iter().chain(&self.pending_gc)
+    }
+
+    pub(super) fn pop_pending(&mut self) -> Option<StoreOp> {
+        self.pending_ops
+            .pop_front()
+            .or_else(|| self.pending_gc.pop_front())
+    }
+
+    pub(super) fn settle_store(&mut self) {
+        while let Some(op) = self.pop_pending() {
+            let result = self.store.apply(&op, self.now);
+            self.alloc.store_result(op, result, self.now);
+            self.route();
+        }
+    }
+
+    /// Fails every queued store op with a transient error.
+    pub(super) fn fail_store(&mut self) {
+        let ops: Vec<StoreOp> = self
+            .pending_ops
+            .drain(..)
+            .chain(self.pending_gc.drain(..))
+            .collect();
+        for op in ops {
+            let err = StoreError::Unavailable {
+                cause: "io",
+                detail: "injected".into(),
+            };
+            self.alloc.store_result(op, Err(err), self.now);
+            self.route();
+        }
+    }
+
+    pub(super) fn advance(&mut self, d: Duration) {
+        self.now = self.now.plus(d);
+        self.alloc.tick(self.now);
+        self.route();
+    }
+
+    pub(super) fn hello(&mut self, node_name: &str, s: SessionId) -> Result<ConnId, SyncError> {
+        let r = self
+            .alloc
+            .hello(&node(node_name), s, self.now)
+            .map(|a| a.conn);
+        self.route();
+        r
+    }
+
+    pub(super) fn allocate(
+        &mut self,
+        node_name: &str,
+        s: SessionId,
+        l: &str,
+    ) -> Result<Option<IdentityId>, AllocError> {
+        let req = self.next_req;
+        self.next_req += 1;
+        let r = self
+            .alloc
+            .allocate(req, &node(node_name), s, labels(l), self.now);
+        self.route();
+        r
+    }
+
+    /// Allocate, settling the store if the answer is pending.
+    pub(super) fn allocate_now(
+        &mut self,
+        node_name: &str,
+        s: SessionId,
+        l: &str,
+    ) -> Result<IdentityId, AllocError> {
+        let req = self.next_req;
+        match self.allocate(node_name, s, l)? {
+            Some(id) => Ok(id),
+            None => {
+                self.settle_store();
+                let pos = self.replies.iter().position(|(r, _)| *r == req);
+                match pos {
+                    Some(i) => self.replies.remove(i).1,
+                    None => panic!("no reply for request {req}"),
+                }
+            }
+        }
+    }
+
+    pub(super) fn snapshot(
+        &mut self,
+        node_name: &str,
+        conn: ConnId,
+        seq: u64,
+        eps: Vec<Endpoint>,
+    ) -> Result<Applied, SyncError> {
+        let r = self
+            .alloc
+            .snapshot(&node(node_name), conn, seq, eps, self.now);
+        self.route();
+        r
+    }
+
+    pub(super) fn upsert(
+        &mut self,
+        node_name: &str,
+        conn: ConnId,
+        seq: u64,
+        ep: Endpoint,
+    ) -> Result<Applied, SyncError> {
+        let r = self.alloc.upsert(&node(node_name), conn, seq, ep, self.now);
+        self.route();
+        r
+    }
+
+    pub(super) fn delete(
+        &mut self,
+        node_name: &str,
+        conn: ConnId,
+        seq: u64,
+        name: &str,
+    ) -> Result<Applied, SyncError> {
+        let r = self
+            .alloc
+            .delete(&node(node_name), conn, seq, &key(name), self.now);
+        self.route();
+        r
+    }
+
+    pub(super) fn refs(&self, n: u32) -> u32 {
+        self.alloc.identity(id(n)).map_or(0, |i| i.refs)
+    }
+
+    pub(super) fn state(&self, n: u32) -> Option<IdentityState> {
+        self.alloc.identity(id(n)).map(|i| i.state)
+    }
+
+    pub(super) fn rebinds(&self) -> Vec<(String, u32)> {
+        self.agent_msgs
+            .iter()
+            .filter_map(|(_, _, m)| match m {
+                AgentMsg::Rebind { key, identity } => Some((key.name().to_owned(), identity.get())),
+                _ => None,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,722 @@
+//! One test per rule of DESIGN.md's allocator section.
+
+use super::*;
+
+const N1: &str = "node-1";
+const N2: &str = "node-2";
+
+/// Nodes that stay alive however long a test lets time pass without snapshots.
+fn patient_config() -> Config {
+    Config {
+        node_ttl: ms(600_000),
+        ..small_config()
+    }
+}
+
+fn connected(h: &mut Harness, n: &str, start: u64) -> (SessionId, ConnId) {
+    let s = session(start);
+    match h.hello(n, s) {
+        Ok(conn) => (s, conn),
+        Err(e) => panic!("hello {n}: {e}"),
+    }
+}
+
+fn ok<T, E: std::fmt::Display>(r: Result<T, E>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+}
+
+// ---- sessions and ordering ----
+
+#[test]
+fn newer_session_replaces_older_is_refused() {
+    let mut h = Harness::new(small_config());
+    let (_, c1) = connected(&mut h, N1, 10);
+    let (_, c2) = connected(&mut h, N1, 20);
+    assert_ne!(c1, c2);
+    assert!(matches!(
+        h.agent_msgs.last(),
+        Some((_, conn, AgentMsg::Close(CloseReason::Replaced { .. }))) if *conn == c1
+    ));
+    let err = h.hello(N1, session(15));
+    assert!(
+        matches!(err, Err(SyncError::StaleSession { .. })),
+        "{err:?}"
+    );
+    // Messages on the replaced stream are refused and change nothing.
+    let r = h.snapshot(N1, c1, 1, vec![mk_endpoint("a", 300, "app=a")]);
+    assert!(matches!(r, Err(SyncError::Replaced { .. })));
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.endpoints), Some(0));
+}
+
+#[test]
+fn reconnect_with_same_session_keeps_seq() {
+    let mut h = Harness::new(small_config());
+    let (s, c1) = connected(&mut h, N1, 10);
+    ok(h.snapshot(N1, c1, 5, vec![]));
+    let c2 = ok(h.hello(N1, s));
+    let applied = ok(h.snapshot(N1, c2, 3, vec![]));
+    assert!(applied.ignored, "seq 3 after 5 in the same session is old");
+    let applied = ok(h.snapshot(N1, c2, 6, vec![]));
+    assert!(!applied.ignored);
+}
+
+#[test]
+fn old_seq_is_ignored_and_counted_gap_is_fine() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("a", x.get(), "app=a")));
+    // Gap: 2 and 3 are lost.
+    ok(h.delete(N1, c, 4, "a"));
+    assert_eq!(h.refs(x.get()), 0);
+    // A late duplicate of seq 1 is ignored.
+    let r = ok(h.upsert(N1, c, 1, mk_endpoint("a", x.get(), "app=a")));
+    assert!(r.ignored);
+    assert_eq!(h.refs(x.get()), 0);
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.old_seq_ignored), Some(1));
+    assert_eq!(h.alloc.counters().old_seq_ignored, 1);
+}
+
+#[test]
+fn new_session_keeps_view_until_its_first_snapshot() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", x.get(), "app=a")]));
+    let (_, c2) = connected(&mut h, N1, 20);
+    assert_eq!(h.refs(x.get()), 1, "the view survives the new Hello");
+    let applied = ok(h.snapshot(N1, c2, 1, vec![]));
+    assert_eq!(
+        applied.adoptions, 1,
+        "the first snapshot's differences are adoptions"
+    );
+    assert_eq!(applied.corrections, 0);
+    assert_eq!(h.refs(x.get()), 0);
+}
+
+// ---- allocation ----
+
+#[test]
+fn known_labels_are_answered_at_once_new_ones_after_persisting() {
+    let mut h = Harness::new(small_config());
+    let (s, _) = connected(&mut h, N1, 10);
+    assert_eq!(
+        ok(h.allocate(N1, s, "app=a")),
+        None,
+        "a new label set waits for the store"
+    );
+    assert!(h.store.identities.is_empty());
+    assert!(
+        h.replies.is_empty(),
+        "nothing is handed out before it is persisted"
+    );
+    h.settle_store();
+    let (_, reply) = h.replies.pop().unwrap_or_else(|| panic!("no reply"));
+    let x = ok(reply);
+    assert_eq!(h.store.identities.get(&x), Some(&labels("app=a")));
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), Some(x));
+    assert_eq!(
+        h.alloc.identity(x).map(|i| i.holds),
+        Some(1),
+        "one hold per node, however many calls"
+    );
+    assert!(matches!(h.watch.as_slice(), [WatchChange::Upsert { id, .. }] if *id == x));
+}
+
+#[test]
+fn allocate_needs_the_current_session() {
+    let mut h = Harness::new(small_config());
+    assert!(matches!(
+        h.allocate(N1, session(1), "app=a"),
+        Err(AllocError::Sync(SyncError::NoSession { .. }))
+    ));
+    connected(&mut h, N1, 10);
+    assert!(matches!(
+        h.allocate(N1, session(5), "app=a"),
+        Err(AllocError::Sync(SyncError::StaleSession { .. }))
+    ));
+    assert!(matches!(
+        h.allocate(N1, session(50), "app=a"),
+        Err(AllocError::Sync(SyncError::WrongSession { .. }))
+    ));
+    assert!(
+        h.pending()
+            .all(|op| !matches!(op, StoreOp::CreateIdentity { .. }))
+    );
+}
+
+#[test]
+fn store_failure_is_reported_and_the_id_is_not_lost() {
+    let mut h = Harness::new(small_config());
+    let (s, _) = connected(&mut h, N1, 10);
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), None);
+    h.fail_store();
+    assert!(matches!(
+        h.replies.pop(),
+        Some((_, Err(AllocError::StoreUnavailable { cause: "io" })))
+    ));
+    // The binding is retried in the background; asking again gets the same id.
+    h.advance(ms(600));
+    h.settle_store();
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    assert_eq!(h.store.identities.get(&x), Some(&labels("app=a")));
+    assert_eq!(h.store.identities.len(), 1);
+}
+
+#[test]
+fn hold_quota_and_hold_expiry() {
+    let mut cfg = small_config();
+    cfg.max_holds_per_node = 2;
+    let mut h = Harness::new(cfg);
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.allocate_now(N1, s, "app=b"));
+    let err = h.allocate(N1, s, "app=c");
+    assert!(
+        matches!(err, Err(AllocError::HoldQuota { max: 2, .. })),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.err().map(|e| e.to_string()).unwrap_or_default(),
+        "node node-1 holds 2 identities not yet seen in its view, the per-node limit"
+    );
+    // Re-asking for a held identity is fine; a view entry ends its hold.
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), Some(a));
+    ok(h.upsert(N1, c, 1, mk_endpoint("a", a.get(), "app=a")));
+    ok(h.allocate_now(N1, s, "app=c"));
+    // Holds expire after the hold timeout (the node stays alive by snapshotting).
+    for seq in 2..6 {
+        h.advance(ms(1_000));
+        ok(h.snapshot(N1, c, seq, vec![mk_endpoint("a", a.get(), "app=a")]));
+    }
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.holds), Some(0));
+    assert!(h.alloc.counters().holds_expired >= 2);
+}
+
+#[test]
+fn exhausted_range_recovers_when_quarantine_ends() {
+    let mut cfg = small_config();
+    cfg.range = IdRange::new(256, 258).unwrap_or_default();
+    let mut h = Harness::new(cfg);
+    let (s, c) = connected(&mut h, N1, 10);
+    for l in ["app=a", "app=b", "app=c"] {
+        ok(h.allocate_now(N1, s, l));
+    }
+    let err = h.allocate(N1, s, "app=d");
+    assert!(
+        matches!(err, Err(AllocError::RangeExhausted { used: 3, .. })),
+        "{err:?}"
+    );
+    // Nothing references them: holds expire, grace passes, they are deleted and quarantined.
+    for seq in 1..=8 {
+        h.advance(ms(1_000));
+        h.settle_store();
+        ok(h.snapshot(N1, c, seq, vec![]));
+    }
+    assert_eq!(h.alloc.stats(h.now).quarantined, 3);
+    assert!(matches!(
+        h.allocate(N1, s, "app=d"),
+        Err(AllocError::RangeExhausted { .. })
+    ));
+    // Once quarantine is over the ids are free again.
+    for seq in 9..=20 {
+        h.advance(ms(1_000));
+        h.settle_store();
+        ok(h.snapshot(N1, c, seq, vec![]));
+    }
+    ok(h.allocate_now(N1, s, "app=d"));
+}
+
+// ---- re-adoption ----
+
+#[test]
+fn readoption_bound_unknown_rebind_and_conflict() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let y = ok(h.allocate_now(N1, s, "app=y"));
+    let other = ok(h.allocate_now(N1, s, "app=other"));
+    let eps = vec![
+        // X bound to L: reference it.
+        mk_endpoint("bound", y.get(), "app=y"),
+        // X unknown, L unknown, in range: adopt.
+        mk_endpoint("adopt", 700, "app=adopted"),
+        // L bound to Y != X: reference Y, rebind.
+        mk_endpoint("moved", 701, "app=y"),
+        // X bound to other labels: a new id for L, rebind.
+        mk_endpoint("clash", other.get(), "app=new"),
+        // X out of range: a new id for L, rebind.
+        mk_endpoint("outside", 5000, "app=far"),
+    ];
+    let applied = ok(h.snapshot(N1, c, 1, eps));
+    assert_eq!(applied.rebinds, 3);
+    assert_eq!(h.refs(y.get()), 2);
+    assert_eq!(h.refs(700), 1);
+    assert_eq!(
+        h.state(700),
+        Some(IdentityState::Creating),
+        "adopted ids are persisted first"
+    );
+    assert_eq!(
+        h.rebinds(),
+        vec![("moved".to_owned(), y.get())],
+        "rebinds to unpersisted ids wait"
+    );
+    h.settle_store();
+    assert_eq!(
+        h.store.identities.get(&id(700)),
+        Some(&labels("app=adopted"))
+    );
+    let rebinds = h.rebinds();
+    assert_eq!(rebinds.len(), 3);
+    for (name, target) in &rebinds[1..] {
+        let want = if name == "clash" {
+            "app=new"
+        } else {
+            "app=far"
+        };
+        assert_eq!(
+            h.alloc.identity(id(*target)).and_then(|i| i.labels),
+            Some(labels(want)),
+            "{name}"
+        );
+    }
+    assert_eq!(h.alloc.counters().identities_adopted, 1);
+}
+
+#[test]
+fn first_claim_of_an_unknown_id_wins() {
+    let mut h = Harness::new(small_config());
+    let (_, c1) = connected(&mut h, N1, 10);
+    let (_, c2) = connected(&mut h, N2, 10);
+    ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("a", 600, "app=first")]));
+    let applied = ok(h.snapshot(N2, c2, 1, vec![mk_endpoint("b", 600, "app=second")]));
+    assert_eq!(applied.rebinds, 1);
+    h.settle_store();
+    assert_eq!(h.store.identities.get(&id(600)), Some(&labels("app=first")));
+    let rebinds = h.rebinds();
+    assert_eq!(rebinds.len(), 1);
+    assert_eq!(rebinds[0].0, "b");
+    assert_ne!(rebinds[0].1, 600);
+}
+
+#[test]
+fn quarantined_id_is_adopted_only_by_its_own_labels() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    // Let it be released, deleted and quarantined.
+    for seq in 1..=8 {
+        h.advance(ms(1_000));
+        h.settle_store();
+        ok(h.snapshot(N1, c, seq, vec![]));
+    }
+    assert!(matches!(
+        h.state(x.get()),
+        Some(IdentityState::Quarantined { .. })
+    ));
+    // Another label set claiming it is rebound elsewhere.
+    ok(h.snapshot(N1, c, 9, vec![mk_endpoint("b", x.get(), "app=b")]));
+    h.settle_store();
+    assert!(matches!(
+        h.state(x.get()),
+        Some(IdentityState::Quarantined { .. })
+    ));
+    assert_eq!(h.rebinds().len(), 1);
+    // Its own label set may take it back (an agent that kept it through a lost event).
+    ok(h.snapshot(N1, c, 10, vec![mk_endpoint("a", x.get(), "app=a")]));
+    h.settle_store();
+    assert_eq!(h.state(x.get()), Some(IdentityState::Live));
+    assert_eq!(h.store.identities.get(&x), Some(&labels("app=a")));
+    assert!(!h.store.tombstones.contains_key(&x));
+}
+
+// ---- snapshots ----
+
+#[test]
+fn snapshot_replaces_view_and_counts_corrections() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    let b = ok(h.allocate_now(N1, s, "app=b"));
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", a.get(), "app=a")]));
+    // A delta for b is lost; the delete for a is lost.
+    let applied = ok(h.snapshot(N1, c, 4, vec![mk_endpoint("b", b.get(), "app=b")]));
+    assert_eq!(applied.corrections, 2);
+    assert_eq!((h.refs(a.get()), h.refs(b.get())), (0, 1));
+    // The same snapshot again changes nothing.
+    let applied = ok(h.snapshot(N1, c, 5, vec![mk_endpoint("b", b.get(), "app=b")]));
+    assert_eq!(applied, Applied::default());
+    assert_eq!(h.alloc.counters().corrections, 2);
+}
+
+#[test]
+fn relabelled_endpoint_moves_its_reference() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    let b = ok(h.allocate_now(N1, s, "app=b"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("p", a.get(), "app=a")));
+    ok(h.upsert(N1, c, 2, mk_endpoint("p", b.get(), "app=b")));
+    assert_eq!((h.refs(a.get()), h.refs(b.get())), (0, 1));
+}
+
+// ---- garbage collection ----
+
+#[test]
+fn unreferenced_identity_is_released_then_deleted_after_grace() {
+    let mut h = Harness::new(patient_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("a", x.get(), "app=a")));
+    ok(h.delete(N1, c, 2, "a"));
+    h.advance(ms(10));
+    assert!(matches!(
+        h.state(x.get()),
+        Some(IdentityState::Released { .. })
+    ));
+    h.advance(ms(1_000));
+    assert!(h.deletes_issued.is_empty(), "not before the grace period");
+    // Referenced again while released: live again, nothing deleted.
+    ok(h.upsert(N1, c, 3, mk_endpoint("a", x.get(), "app=a")));
+    h.advance(ms(5_000));
+    assert_eq!(h.state(x.get()), Some(IdentityState::Live));
+    ok(h.delete(N1, c, 4, "a"));
+    h.advance(ms(10));
+    h.advance(ms(2_000));
+    assert_eq!(h.deletes_issued.len(), 1);
+    h.settle_store();
+    assert!(matches!(
+        h.state(x.get()),
+        Some(IdentityState::Quarantined { .. })
+    ));
+    assert!(!h.store.identities.contains_key(&x));
+    assert!(h.store.tombstones.contains_key(&x));
+    assert!(matches!(h.watch.last(), Some(WatchChange::Removed { id, .. }) if *id == x));
+}
+
+#[test]
+fn referenced_during_delete_is_recreated() {
+    let mut h = Harness::new(patient_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    h.advance(ms(3_100));
+    ok(h.snapshot(N1, c, 1, vec![]));
+    h.advance(ms(2_100));
+    assert_eq!(h.deletes_issued.len(), 1);
+    // The delete is in flight when the label set is wanted again.
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), None);
+    h.settle_store();
+    assert_eq!(
+        h.store.identities.get(&x),
+        Some(&labels("app=a")),
+        "re-created after the delete"
+    );
+    assert!(matches!(h.replies.last(), Some((_, Ok(got))) if *got == x));
+    assert_eq!(h.alloc.counters().gc_outcomes.get("recreated"), Some(&1));
+}
+
+#[test]
+fn failed_deletes_are_retried_per_item_and_the_pass_goes_on() {
+    let mut cfg = patient_config();
+    cfg.gc_rate = 5.0;
+    cfg.gc_burst = 5.0;
+    let mut h = Harness::new(cfg);
+    let (s, c) = connected(&mut h, N1, 10);
+    let names: Vec<String> = (0..20).map(|i| format!("app=a{i}")).collect();
+    for l in &names {
+        ok(h.allocate_now(N1, s, l));
+    }
+    h.advance(ms(3_100));
+    ok(h.snapshot(N1, c, 1, vec![]));
+    h.advance(ms(2_100));
+    assert_eq!(
+        h.deletes_issued.len(),
+        5,
+        "the budget allows 5 deletes in one burst"
+    );
+    // The first batch fails; the next ticks go on with the others.
+    h.fail_store();
+    for seq in 2..42 {
+        h.advance(ms(250));
+        h.settle_store();
+        ok(h.snapshot(N1, c, seq, vec![]));
+    }
+    assert!(
+        h.store.identities.is_empty(),
+        "left: {:?}",
+        h.store.identities
+    );
+    assert_eq!(h.alloc.counters().gc_outcomes.get("io"), Some(&5));
+    assert_eq!(h.alloc.counters().gc_outcomes.get("deleted"), Some(&20));
+    // The budget was respected: never more than 5 deletes per second after the burst.
+    assert!(
+        h.deletes_issued
+            .iter()
+            .all(|&(_, refs, holds)| refs == 0 && holds == 0)
+    );
+}
+
+#[test]
+fn store_conflict_blocks_the_id_and_rehomes_its_users() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    // Someone else bound 700 in the store behind census's back.
+    h.store.identities.insert(id(700), labels("app=intruder"));
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", 700, "app=a")]));
+    h.settle_store();
+    assert_eq!(h.state(700), Some(IdentityState::Blocked));
+    let moved = h.alloc.lookup(&labels("app=a")).map(|i| (i.id, i.refs));
+    let Some((new_id, 1)) = moved else {
+        panic!("app=a should have moved: {moved:?}")
+    };
+    assert_eq!(h.rebinds(), vec![("a".to_owned(), new_id.get())]);
+    assert_eq!(h.store.identities.get(&new_id), Some(&labels("app=a")));
+    assert_eq!(h.alloc.counters().blocked, 1);
+    let _ = s;
+}
+
+// ---- node liveness ----
+
+#[test]
+fn embedded_silent_node_is_dropped_and_readopted() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", x.get(), "app=a")]));
+    h.advance(ms(3_000));
+    assert!(
+        h.alloc.node(&node(N1)).is_none(),
+        "dropped after the node TTL"
+    );
+    assert!(
+        h.agent_msgs
+            .iter()
+            .any(|(_, _, m)| *m == AgentMsg::Close(CloseReason::Expired))
+    );
+    assert_eq!(h.refs(x.get()), 0);
+    assert!(
+        h.store.nodes.is_empty()
+            || h.pending()
+                .any(|op| matches!(op, StoreOp::DeleteNode { .. }))
+    );
+    // The agent comes back within the grace period and re-adopts.
+    let (_, c2) = connected(&mut h, N1, 10);
+    ok(h.snapshot(N1, c2, 2, vec![mk_endpoint("a", x.get(), "app=a")]));
+    assert_eq!(h.refs(x.get()), 1);
+    assert_eq!(h.state(x.get()), Some(IdentityState::Live));
+}
+
+#[test]
+fn cluster_silent_node_goes_stale_and_keeps_its_view() {
+    let mut cfg = small_config();
+    cfg.liveness = Liveness::Cluster {
+        stale_view_limit: ms(10_000),
+    };
+    let mut h = Harness::new(cfg);
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", x.get(), "app=a")]));
+    h.advance(ms(4_000));
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.stale), Some(true));
+    assert_eq!(h.alloc.stats(h.now).stale_nodes, 1);
+    assert_eq!(
+        h.refs(x.get()),
+        1,
+        "a partitioned agent keeps its identities"
+    );
+    ok(h.snapshot(N1, c, 2, vec![mk_endpoint("a", x.get(), "app=a")]));
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.stale), Some(false));
+    // Stale beyond the limit: dropped as a last resort.
+    h.advance(ms(3_000));
+    h.advance(ms(10_000));
+    assert!(h.alloc.node(&node(N1)).is_none());
+    // Or at once when the Node object is deleted.
+    let (_, c2) = connected(&mut h, N2, 10);
+    ok(h.snapshot(N2, c2, 1, vec![mk_endpoint("b", x.get(), "app=a")]));
+    h.alloc.node_gone(&node(N2));
+    h.route();
+    assert_eq!(h.refs(x.get()), 0);
+}
+
+// ---- restart ----
+
+#[test]
+fn restart_holds_loaded_identities_until_nodes_can_report() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    let b = ok(h.allocate_now(N1, s, "app=b"));
+    ok(h.snapshot(
+        N1,
+        c,
+        1,
+        vec![
+            mk_endpoint("a", a.get(), "app=a"),
+            mk_endpoint("b", b.get(), "app=b"),
+        ],
+    ));
+    h.settle_store();
+    // Restart: a fresh core over the same store.
+    let store = h.store.clone();
+    let mut h = Harness::with_store(small_config(), store, h.now.plus(ms(100)));
+    assert_eq!(h.state(a.get()), Some(IdentityState::Live));
+    h.advance(ms(2_900));
+    assert!(h.deletes_issued.is_empty());
+    assert_eq!(
+        h.state(a.get()),
+        Some(IdentityState::Live),
+        "held until start + node TTL"
+    );
+    // The agent reconnects and snapshots only b: a is released after the window.
+    let (_, c) = connected(&mut h, N1, 10);
+    let applied = ok(h.snapshot(N1, c, 1, vec![mk_endpoint("b", b.get(), "app=b")]));
+    assert_eq!(applied.adoptions, 1);
+    h.advance(ms(200));
+    assert!(matches!(
+        h.state(a.get()),
+        Some(IdentityState::Released { .. })
+    ));
+    assert_eq!(h.state(b.get()), Some(IdentityState::Live));
+}
+
+#[test]
+fn empty_store_adopts_first_and_hands_out_nothing_new_in_the_window() {
+    let cfg = small_config();
+    let mut h = Harness::with_store(
+        cfg.clone(),
+        ModelStore::new(cfg.quarantine),
+        Timestamp::from_millis(5_000),
+    );
+    let (s, c) = connected(&mut h, N1, 10);
+    let err = h.allocate(N1, s, "app=new");
+    assert!(
+        matches!(err, Err(AllocError::AdoptionWindow { .. })),
+        "{err:?}"
+    );
+    // Agents' snapshots re-adopt what they hold.
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", 400, "app=a")]));
+    h.settle_store();
+    assert_eq!(h.store.identities.get(&id(400)), Some(&labels("app=a")));
+    assert_eq!(
+        ok(h.allocate(N1, s, "app=a")),
+        Some(id(400)),
+        "known label sets are served"
+    );
+    h.advance(ms(2_000));
+    ok(h.snapshot(N1, c, 2, vec![mk_endpoint("a", 400, "app=a")]));
+    h.advance(ms(1_000));
+    ok(h.allocate_now(N1, s, "app=new"));
+}
+
+#[test]
+fn loaded_tombstones_keep_quarantine_across_restart() {
+    let cfg = small_config();
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.identities.insert(id(300), labels("app=keep"));
+    store.tombstones.insert(
+        id(256),
+        Tombstone {
+            id: id(256),
+            labels_hash: labels("app=old").stable_hash(),
+            until_ms: 20_000,
+        },
+    );
+    store.tombstones.insert(
+        id(257),
+        Tombstone {
+            id: id(257),
+            labels_hash: 1,
+            until_ms: 1_000,
+        },
+    );
+    let mut h = Harness::with_store(cfg, store, Timestamp::from_millis(10_000));
+    assert!(matches!(
+        h.state(256),
+        Some(IdentityState::Quarantined { .. })
+    ));
+    assert_eq!(
+        h.state(257),
+        None,
+        "an expired tombstone is dropped at load"
+    );
+    assert!(
+        h.pending()
+            .any(|op| *op == StoreOp::DeleteTombstone { id: id(257) })
+    );
+    let (s, _) = connected(&mut h, N1, 10);
+    let got = ok(h.allocate_now(N1, s, "app=x"));
+    assert_ne!(got, id(256));
+    assert_ne!(got, id(300));
+}
+
+// ---- memory ----
+
+#[test]
+fn churn_leaves_only_live_identities_and_shrinks_maps() {
+    let mut cfg = small_config();
+    cfg.range = IdRange::new(256, 100_000).unwrap_or_default();
+    cfg.quarantine = ms(1_000);
+    cfg.gc_burst = 1_000.0;
+    let mut h = Harness::new(cfg);
+    let (s, c) = connected(&mut h, N1, 10);
+    let keep = ok(h.allocate_now(N1, s, "app=keep"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("keep", keep.get(), "app=keep")));
+    let mut seq = 2;
+    for i in 0..2_000 {
+        let l = format!("app=job-{i}");
+        let x = ok(h.allocate_now(N1, s, &l));
+        ok(h.upsert(N1, c, seq, mk_endpoint(&format!("job-{i}"), x.get(), &l)));
+        seq += 1;
+        // Every delete event is lost.
+    }
+    assert_eq!(h.alloc.stats(h.now).live, 2_001);
+    ok(h.snapshot(
+        N1,
+        c,
+        seq,
+        vec![mk_endpoint("keep", keep.get(), "app=keep")],
+    ));
+    seq += 1;
+    for _ in 0..30 {
+        h.advance(ms(500));
+        h.settle_store();
+        ok(h.snapshot(
+            N1,
+            c,
+            seq,
+            vec![mk_endpoint("keep", keep.get(), "app=keep")],
+        ));
+        seq += 1;
+    }
+    let stats = h.alloc.stats(h.now);
+    assert_eq!(
+        (
+            stats.live,
+            stats.released,
+            stats.deleting,
+            stats.quarantined
+        ),
+        (1, 0, 0, 0),
+        "{stats:?}"
+    );
+    assert_eq!(h.store.identities.len(), 1);
+    assert!(h.alloc.core.ids.entries().len() == 1);
+    let n = h
+        .alloc
+        .nodes
+        .get(&node(N1))
+        .map(|n| (n.view.capacity(), n.holds.capacity()));
+    assert!(
+        n.is_some_and(|(v, hl)| v < 64 && hl < 64),
+        "node maps shrank: {n:?}"
+    );
+    assert!(h.alloc.core.gc.released.capacity() <= 128);
+    let (by_labels, quarantine) = h.alloc.core.ids.capacities();
+    assert!(
+        by_labels < 64 && quarantine < 64,
+        "identity maps shrank: {by_labels}, {quarantine}"
+    );
+}
