@@ -156,6 +156,17 @@ impl Allocator {
         None
     }
 
+    /// Every binding announced to Watch subscribers (persisted at least once), by id.
+    pub fn bindings(&self) -> Vec<(IdentityId, LabelSet)> {
+        self.core
+            .ids
+            .entries()
+            .iter()
+            .filter(|(_, e)| e.announced)
+            .map(|(id, e)| (*id, e.labels.clone()))
+            .collect()
+    }
+
     pub fn lookup(&self, labels: &LabelSet) -> Option<IdentityInfo> {
         self.core.ids.id_of(labels).and_then(|id| self.identity(id))
     }

@@ -369,6 +369,8 @@ pub enum IdentityState {
     Creating = 5,
     /// Reserved by census (host, world, ...).
     Reserved = 6,
+    /// Never bound again: the store holds a binding for it that census did not write.
+    Blocked = 7,
 }
 impl IdentityState {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -384,6 +386,7 @@ impl IdentityState {
             Self::Quarantined => "IDENTITY_STATE_QUARANTINED",
             Self::Creating => "IDENTITY_STATE_CREATING",
             Self::Reserved => "IDENTITY_STATE_RESERVED",
+            Self::Blocked => "IDENTITY_STATE_BLOCKED",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -396,6 +399,7 @@ impl IdentityState {
             "IDENTITY_STATE_QUARANTINED" => Some(Self::Quarantined),
             "IDENTITY_STATE_CREATING" => Some(Self::Creating),
             "IDENTITY_STATE_RESERVED" => Some(Self::Reserved),
+            "IDENTITY_STATE_BLOCKED" => Some(Self::Blocked),
             _ => None,
         }
     }

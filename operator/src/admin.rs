@@ -1,0 +1,101 @@
+//! The admin HTTP server: `/metrics` (OpenMetrics text), `/healthz`, `/readyz`.
+//! Internal only; never the gRPC port.
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
+};
+
+use axum::{
+    Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
+use prometheus_client::registry::Registry;
+use tokio::{net::TcpListener, sync::watch};
+
+/// Readiness, set once the store is loaded and the gRPC server is listening.
+#[derive(Debug, Clone, Default)]
+pub struct Readiness {
+    ready: Arc<AtomicBool>,
+    detail: Arc<parking_lot::Mutex<String>>,
+}
+
+impl Readiness {
+    pub fn set_ready(&self, detail: impl Into<String>) {
+        *self.detail.lock() = detail.into();
+        self.ready.store(true, Ordering::Release);
+    }
+
+    pub fn set_not_ready(&self, detail: impl Into<String>) {
+        *self.detail.lock() = detail.into();
+        self.ready.store(false, Ordering::Release);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct AdminState {
+    registry: Arc<Registry>,
+    readiness: Readiness,
+}
+
+pub fn router(registry: Arc<Registry>, readiness: Readiness) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(AdminState {
+            registry,
+            readiness,
+        })
+}
+
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let mut stop = shutdown;
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await
+}
+
+async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
+        Ok(()) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        ),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            "encoding the metrics failed\n".to_owned(),
+        ),
+    }
+}
+
+async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
+    let detail = state.readiness.detail.lock().clone();
+    if state.readiness.is_ready() {
+        (StatusCode::OK, format!("ready: {detail}\n"))
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {detail}\n"),
+        )
+    }
+}

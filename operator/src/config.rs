@@ -1,0 +1,264 @@
+//! The operator's command line. Every flag has a `CENSUS_*` environment variable;
+//! related flags are grouped and flattened.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use census_proto::{
+    convert::WireLimits,
+    domain::IdRange,
+    labels::{KeyPattern, LabelFilter, LabelLimits},
+};
+use clap::{Args, Parser, ValueEnum};
+
+use crate::allocator::{self, Liveness};
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "census-operator",
+    version,
+    about = "census's identity allocator"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub listen: ListenArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub allocator: AllocatorArgs,
+    #[command(flatten)]
+    pub labels: LabelArgs,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ListenArgs {
+    /// Address of the gRPC server (IdentityService, EndpointSync, NodeService, health, reflection).
+    #[arg(long, env = "CENSUS_GRPC_LISTEN", default_value = "0.0.0.0:9460")]
+    pub grpc_listen: SocketAddr,
+    /// Address of the admin HTTP server (/metrics, /healthz, /readyz).
+    #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "0.0.0.0:9461")]
+    pub admin_listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// An embedded redb file (no cluster needed).
+    Redb,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    #[arg(
+        long = "store",
+        env = "CENSUS_STORE",
+        value_enum,
+        default_value = "redb"
+    )]
+    pub kind: StoreKind,
+    /// The redb file.
+    #[arg(
+        long,
+        env = "CENSUS_STORE_PATH",
+        default_value = "/var/lib/census/census.redb"
+    )]
+    pub store_path: PathBuf,
+    /// Bytes of redb's page cache.
+    #[arg(long, env = "CENSUS_STORE_CACHE_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub store_cache_bytes: usize,
+    /// How long one batch of store writes may take before it counts as failed.
+    #[arg(long, env = "CENSUS_STORE_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub store_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AllocatorArgs {
+    /// Cluster-local identities, FIRST-LAST (1-255 are reserved).
+    #[arg(long, env = "CENSUS_ID_RANGE", default_value = "256-65535")]
+    pub id_range: IdRange,
+    /// Base interval of agents' snapshots (they jitter it by +-10%).
+    #[arg(long, env = "CENSUS_SNAPSHOT_INTERVAL", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub snapshot_interval: Duration,
+    /// Silence after which a node's view is dropped [default: 3 snapshot intervals].
+    #[arg(long, env = "CENSUS_NODE_TTL", value_parser = humantime::parse_duration)]
+    pub node_ttl: Option<Duration>,
+    /// How long an allocated identity is held for its node before it shows in the node's
+    /// view [default: the node TTL; never less].
+    #[arg(long, env = "CENSUS_HOLD_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub hold_timeout: Option<Duration>,
+    /// How long an unreferenced identity is kept before it is deleted.
+    #[arg(long, env = "CENSUS_GRACE_PERIOD", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub grace_period: Duration,
+    /// How long a deleted id is not bound to another label set.
+    #[arg(long, env = "CENSUS_QUARANTINE", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub quarantine: Duration,
+    /// When the store is empty at start, no new id is handed out for this long, so agents
+    /// re-report theirs first [default: the node TTL].
+    #[arg(long, env = "CENSUS_ADOPTION_WINDOW", value_parser = humantime::parse_duration)]
+    pub adoption_window: Option<Duration>,
+    /// Identities a node may hold (allocated, not yet in its view) at once.
+    #[arg(long, env = "CENSUS_MAX_HOLDS_PER_NODE", default_value_t = 1024)]
+    pub max_holds_per_node: usize,
+    /// Store deletes per second spent by garbage collection.
+    #[arg(long, env = "CENSUS_GC_RATE", default_value_t = 100.0)]
+    pub gc_rate: f64,
+    /// How often time-driven work runs (holds, liveness, GC).
+    #[arg(long, env = "CENSUS_TICK_INTERVAL", default_value = "250ms", value_parser = humantime::parse_duration)]
+    pub tick_interval: Duration,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LabelArgs {
+    /// Label keys (or `prefix*`) always kept in identities, even if excluded. Repeatable.
+    #[arg(
+        long = "label-include",
+        env = "CENSUS_LABEL_INCLUDE",
+        value_delimiter = ','
+    )]
+    pub include: Vec<KeyPattern>,
+    /// Label keys (or `prefix*`) dropped from identities, besides the defaults. Repeatable.
+    #[arg(
+        long = "label-exclude",
+        env = "CENSUS_LABEL_EXCLUDE",
+        value_delimiter = ','
+    )]
+    pub exclude: Vec<KeyPattern>,
+    /// Do not drop the default per-pod labels (job-name, controller-uid, pod-template-hash, ...).
+    #[arg(long, env = "CENSUS_NO_DEFAULT_LABEL_EXCLUDE")]
+    pub no_default_label_exclude: bool,
+    /// Labels in one identity.
+    #[arg(long, env = "CENSUS_MAX_LABELS", default_value_t = 64)]
+    pub max_labels: usize,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LimitArgs {
+    /// Endpoints in one snapshot.
+    #[arg(long, env = "CENSUS_MAX_SNAPSHOT_ENDPOINTS", default_value_t = 10_000)]
+    pub max_snapshot_endpoints: usize,
+    /// Addresses of one endpoint.
+    #[arg(long, env = "CENSUS_MAX_IPS_PER_ENDPOINT", default_value_t = 16)]
+    pub max_ips_per_endpoint: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log filter, in `tracing` EnvFilter syntax.
+    #[arg(long, env = "CENSUS_LOG", default_value = "info")]
+    pub log: String,
+    #[arg(long, env = "CENSUS_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Bytes one endpoint may take in a snapshot at most, generously: key, addresses and
+/// a full label set of typical size. The decoding limit of gRPC messages is the
+/// endpoint limit times this, so a snapshot at the endpoint limit always fits.
+pub const ENDPOINT_WIRE_BYTES: usize = 4096;
+
+impl LimitArgs {
+    pub fn wire(&self, labels: &LabelArgs) -> WireLimits {
+        WireLimits {
+            labels: LabelLimits {
+                max_labels: labels.max_labels,
+            },
+            max_ips_per_endpoint: self.max_ips_per_endpoint,
+            max_snapshot_endpoints: self.max_snapshot_endpoints,
+        }
+    }
+
+    /// The largest gRPC message the operator accepts.
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_snapshot_endpoints
+            .saturating_mul(ENDPOINT_WIRE_BYTES)
+            .max(4 * 1024 * 1024)
+    }
+}
+
+impl LabelArgs {
+    pub fn filter(&self) -> LabelFilter {
+        LabelFilter::new(
+            self.include.clone(),
+            self.exclude.clone(),
+            !self.no_default_label_exclude,
+        )
+    }
+}
+
+impl AllocatorArgs {
+    pub fn config(&self) -> allocator::Config {
+        let node_ttl = self.node_ttl.unwrap_or(self.snapshot_interval * 3);
+        let hold_timeout = self.hold_timeout.unwrap_or(node_ttl).max(node_ttl);
+        allocator::Config {
+            range: self.id_range,
+            snapshot_interval: self.snapshot_interval,
+            node_ttl,
+            hold_timeout,
+            grace: self.grace_period,
+            quarantine: self.quarantine,
+            adoption_window: self.adoption_window.unwrap_or(node_ttl),
+            liveness: Liveness::Embedded,
+            max_holds_per_node: self.max_holds_per_node,
+            gc_rate: self.gc_rate,
+            gc_burst: self.gc_rate.max(1.0),
+            ..allocator::Config::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_follow_the_design() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from(["census-operator"])?;
+        let cfg = cli.allocator.config();
+        assert_eq!(cfg.node_ttl, Duration::from_secs(90));
+        assert_eq!(cfg.hold_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.grace, Duration::from_secs(60));
+        assert_eq!(cfg.quarantine, Duration::from_secs(600));
+        assert_eq!(cli.limits.max_snapshot_endpoints, 10_000);
+        assert!(cli.limits.max_message_bytes() >= 10_000 * ENDPOINT_WIRE_BYTES);
+        Ok(())
+    }
+
+    #[test]
+    fn bad_flags_name_the_problem() {
+        let err = Cli::try_parse_from(["census-operator", "--id-range", "10-20"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("above the reserved ids")));
+        let err = Cli::try_parse_from(["census-operator", "--label-exclude", "a*b"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("`*` may only end a pattern")));
+    }
+
+    #[test]
+    fn hold_timeout_is_never_below_node_ttl() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from([
+            "census-operator",
+            "--snapshot-interval",
+            "10s",
+            "--hold-timeout",
+            "5s",
+        ])?;
+        assert_eq!(cli.allocator.config().hold_timeout, Duration::from_secs(30));
+        Ok(())
+    }
+}

@@ -1,0 +1,255 @@
+//! IdentityService: Allocate, Get, Lookup, List, Watch.
+
+use std::{sync::Arc, time::Instant};
+
+use census_proto::{
+    convert::{check_version, labels_from_wire, node_from_wire, session_from_wire},
+    domain::IdentityId,
+    labels::{LabelLimits, LabelSet},
+    pb::{self, identity_service_server::IdentityService, watch_event::Kind},
+};
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::debug;
+
+use super::convert::{alloc, field, identity_to_wire, version};
+use crate::{
+    allocator::{IdentityInfo, IdentityState, WatchChange},
+    metrics::KindLabels,
+    runtime::Runtime,
+};
+
+const DEFAULT_PAGE: usize = 500;
+const MAX_PAGE: usize = 5000;
+const WATCH_QUEUE: usize = 256;
+
+#[derive(Debug, Clone)]
+pub struct Identities {
+    runtime: Arc<Runtime>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Identities {
+    pub fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
+        Self { runtime, shutdown }
+    }
+
+    /// Labels from a request, validated and passed through the operator's filter.
+    fn labels(&self, labels: &[String], field_name: &str) -> Result<LabelSet, Status> {
+        let limits = &self.runtime.settings.wire.labels;
+        let set = labels_from_wire(labels, limits, field_name).map_err(field)?;
+        set.filtered(&self.runtime.settings.filter, limits)
+            .map_err(|e| {
+                Status::invalid_argument(format!("{field_name}: after the label filter: {e}"))
+            })
+    }
+}
+
+#[tonic::async_trait]
+impl IdentityService for Identities {
+    async fn allocate(
+        &self,
+        request: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateResponse>, Status> {
+        let started = Instant::now();
+        let req = request.into_inner();
+        check_version(req.protocol_version).map_err(version)?;
+        let node = node_from_wire(&req.node, "node").map_err(field)?;
+        let session = session_from_wire(req.session.as_ref(), "session").map_err(field)?;
+        let labels = self.labels(&req.labels, "labels")?;
+        let (id, kind) = match self
+            .runtime
+            .allocate(&node, session, labels)
+            .map_err(alloc)?
+        {
+            Ok(id) => (id, "known"),
+            Err(pending) => {
+                let answer = pending
+                    .await
+                    .map_err(|_| Status::unavailable("the operator is shutting down"))?;
+                (answer.map_err(alloc)?, "new")
+            }
+        };
+        self.runtime
+            .metrics
+            .allocate_latency
+            .get_or_create(&KindLabels { kind })
+            .observe(started.elapsed().as_secs_f64());
+        let info = self.runtime.read(|a| a.identity(id));
+        let identity = info.as_ref().map_or_else(
+            || pb::Identity {
+                id: id.get(),
+                ..pb::Identity::default()
+            },
+            identity_to_wire,
+        );
+        Ok(Response::new(pb::AllocateResponse {
+            identity: Some(identity),
+        }))
+    }
+
+    async fn get(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<pb::Identity>, Status> {
+        let req = request.into_inner();
+        check_version(req.protocol_version).map_err(version)?;
+        let id =
+            IdentityId::new(req.id).ok_or_else(|| Status::invalid_argument("id: must not be 0"))?;
+        if let Some(name) = id.reserved_name() {
+            return Ok(Response::new(pb::Identity {
+                id: id.get(),
+                labels: vec![format!("reserved:{name}=")],
+                state: pb::IdentityState::Reserved.into(),
+                ..pb::Identity::default()
+            }));
+        }
+        match self.runtime.read(|a| a.identity(id)) {
+            Some(info) => Ok(Response::new(identity_to_wire(&info))),
+            None => Err(Status::not_found(format!("identity {id} is not known"))),
+        }
+    }
+
+    async fn lookup(
+        &self,
+        request: Request<pb::LookupRequest>,
+    ) -> Result<Response<pb::Identity>, Status> {
+        let req = request.into_inner();
+        check_version(req.protocol_version).map_err(version)?;
+        let labels = self.labels(&req.labels, "labels")?;
+        match self.runtime.read(|a| a.lookup(&labels)) {
+            Some(info) => Ok(Response::new(identity_to_wire(&info))),
+            None => Err(Status::not_found(format!(
+                "no identity has the labels {labels}"
+            ))),
+        }
+    }
+
+    async fn list(
+        &self,
+        request: Request<pb::ListRequest>,
+    ) -> Result<Response<pb::ListResponse>, Status> {
+        let req = request.into_inner();
+        check_version(req.protocol_version).map_err(version)?;
+        let limit = match req.page_size {
+            0 => DEFAULT_PAGE,
+            n => (n as usize).min(MAX_PAGE),
+        };
+        let after = if req.page_token.is_empty() {
+            None
+        } else {
+            let id = req
+                .page_token
+                .parse::<u32>()
+                .ok()
+                .and_then(IdentityId::new)
+                .ok_or_else(|| {
+                    Status::invalid_argument("page_token: not a token from a previous ListResponse")
+                })?;
+            Some(id)
+        };
+        let selector = if req.selector.is_empty() {
+            None
+        } else {
+            // Selectors match stored labels as they are: no filter.
+            let limits = LabelLimits {
+                max_labels: self.runtime.settings.wire.labels.max_labels,
+            };
+            Some(labels_from_wire(&req.selector, &limits, "selector").map_err(field)?)
+        };
+        let (page, more) = self
+            .runtime
+            .read(|a| a.list(after, limit, selector.as_ref(), req.include_quarantined));
+        let next_page_token = match (more, page.last()) {
+            (true, Some(last)) => last.id.to_string(),
+            _ => String::new(),
+        };
+        Ok(Response::new(pb::ListResponse {
+            identities: page.iter().map(identity_to_wire).collect(),
+            next_page_token,
+        }))
+    }
+
+    type WatchStream = ReceiverStream<Result<pb::WatchEvent, Status>>;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let req = request.into_inner();
+        check_version(req.protocol_version).map_err(version)?;
+        let (tx, rx) = mpsc::channel(WATCH_QUEUE);
+        tokio::spawn(run_watch(self.runtime.clone(), tx, self.shutdown.clone()));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+fn event(kind: Kind, identity: Option<pb::Identity>) -> Result<pb::WatchEvent, Status> {
+    Ok(pb::WatchEvent {
+        kind: kind.into(),
+        identity,
+    })
+}
+
+fn bound(id: IdentityId, labels: LabelSet) -> pb::Identity {
+    identity_to_wire(&IdentityInfo {
+        id,
+        labels: Some(labels),
+        state: IdentityState::Live,
+        refs: 0,
+        holds: 0,
+    })
+}
+
+type WatchTx = mpsc::Sender<Result<pb::WatchEvent, Status>>;
+
+/// Sends the full list, then changes; starts over with the full list when the
+/// subscriber falls behind. Ends when the client goes away or the operator stops.
+async fn run_watch(runtime: Arc<Runtime>, tx: WatchTx, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        let mut changes = runtime.subscribe();
+        let all = runtime.read(|a| a.bindings());
+        let mut full = Vec::with_capacity(all.len() + 2);
+        full.push(event(Kind::ResyncStart, None));
+        full.extend(
+            all.into_iter()
+                .map(|(id, labels)| event(Kind::Upsert, Some(bound(id, labels)))),
+        );
+        full.push(event(Kind::ResyncEnd, None));
+        for item in full {
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let change = tokio::select! {
+                change = changes.recv() => change,
+                () = tx.closed() => return,
+                _ = shutdown.changed() => {
+                    let _ = tx.send(Err(Status::unavailable("the operator is shutting down"))).await;
+                    return;
+                }
+            };
+            let item = match change {
+                Ok(WatchChange::Upsert { id, labels }) => {
+                    event(Kind::Upsert, Some(bound(id, labels)))
+                }
+                Ok(WatchChange::Removed { id, labels }) => {
+                    event(Kind::Removed, Some(bound(id, labels)))
+                }
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    debug!(
+                        missed,
+                        "watch subscriber fell behind: sending the full list again"
+                    );
+                    break;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! The gRPC server: IdentityService, EndpointSync, NodeService, gRPC health and
+//! reflection (v1 and v1alpha), with explicit message size limits and a metrics layer.
+
+mod convert;
+mod identity;
+mod node;
+mod sync;
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use census_proto::pb::{
+    self, endpoint_sync_server::EndpointSyncServer, identity_service_server::IdentityServiceServer,
+    node_service_server::NodeServiceServer,
+};
+use tokio::{net::TcpListener, sync::watch};
+use tokio_stream::wrappers::TcpListenerStream;
+use tower::{Layer, Service};
+
+pub use self::{identity::Identities, node::Nodes, sync::Sync};
+use crate::{
+    metrics::{GrpcLabels, MethodLabels, Metrics},
+    runtime::Runtime,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves until `shutdown` turns true, then stops accepting and drains.
+pub async fn serve(
+    listener: TcpListener,
+    runtime: Arc<Runtime>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    let max = runtime.settings.max_message_bytes;
+    let identities = IdentityServiceServer::new(Identities::new(runtime.clone(), shutdown.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let sync = EndpointSyncServer::new(Sync::new(runtime.clone(), shutdown.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let nodes = NodeServiceServer::new(Nodes::new(runtime.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<IdentityServiceServer<Identities>>()
+        .await;
+    health_reporter
+        .set_serving::<EndpointSyncServer<Sync>>()
+        .await;
+    health_reporter
+        .set_serving::<NodeServiceServer<Nodes>>()
+        .await;
+
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let mut stop = shutdown.clone();
+    tonic::transport::Server::builder()
+        .layer(GrpcMetricsLayer {
+            metrics: runtime.metrics.clone(),
+        })
+        .add_service(identities)
+        .add_service(sync)
+        .add_service(nodes)
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            let _ = stop.wait_for(|stopping| *stopping).await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// Counts calls by method and status code, and times them.
+#[derive(Debug, Clone)]
+struct GrpcMetricsLayer {
+    metrics: Metrics,
+}
+
+impl<S> Layer<S> for GrpcMetricsLayer {
+    type Service = GrpcMetrics<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcMetrics {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct GrpcMetrics<S> {
+    inner: S,
+    metrics: Metrics,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, B, RB> Service<http::Request<B>> for GrpcMetrics<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let method = method_name(req.uri().path());
+        let started = Instant::now();
+        let future = self.inner.call(req);
+        let metrics = self.metrics.clone();
+        Box::pin(async move {
+            let result = future.await;
+            let code = match &result {
+                // Trailers-only answers (errors) carry the status in the headers; a
+                // response that started normally reports OK here.
+                Ok(resp) => resp
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .map_or("OK", |c| code_name(tonic::Code::from_i32(c))),
+                Err(_) => "Unknown",
+            };
+            metrics
+                .grpc_requests
+                .get_or_create(&GrpcLabels { method, code })
+                .inc();
+            metrics
+                .grpc_duration
+                .get_or_create(&MethodLabels { method })
+                .observe(started.elapsed().as_secs_f64());
+            result
+        })
+    }
+}
+
+/// A bounded metric label for a gRPC path.
+fn method_name(path: &str) -> &'static str {
+    match path {
+        "/census.v1.IdentityService/Allocate" => "IdentityService/Allocate",
+        "/census.v1.IdentityService/Get" => "IdentityService/Get",
+        "/census.v1.IdentityService/Lookup" => "IdentityService/Lookup",
+        "/census.v1.IdentityService/List" => "IdentityService/List",
+        "/census.v1.IdentityService/Watch" => "IdentityService/Watch",
+        "/census.v1.EndpointSync/Sync" => "EndpointSync/Sync",
+        "/census.v1.NodeService/ListNodes" => "NodeService/ListNodes",
+        "/census.v1.NodeService/GetNode" => "NodeService/GetNode",
+        "/grpc.health.v1.Health/Check" => "Health/Check",
+        "/grpc.health.v1.Health/Watch" => "Health/Watch",
+        p if p.starts_with("/grpc.reflection.") => "reflection",
+        _ => "other",
+    }
+}
+
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "Cancelled",
+        Unknown => "Unknown",
+        InvalidArgument => "InvalidArgument",
+        DeadlineExceeded => "DeadlineExceeded",
+        NotFound => "NotFound",
+        AlreadyExists => "AlreadyExists",
+        PermissionDenied => "PermissionDenied",
+        ResourceExhausted => "ResourceExhausted",
+        FailedPrecondition => "FailedPrecondition",
+        Aborted => "Aborted",
+        OutOfRange => "OutOfRange",
+        Unimplemented => "Unimplemented",
+        Internal => "Internal",
+        Unavailable => "Unavailable",
+        DataLoss => "DataLoss",
+        Unauthenticated => "Unauthenticated",
+    }
+}

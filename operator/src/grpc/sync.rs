@@ -1,0 +1,277 @@
+//! EndpointSync: one bidirectional stream per agent.
+//!
+//! The first message must be Hello; the operator answers HelloReply (its label filter,
+//! the snapshot interval, the limits), then one Ack per message. Every message is
+//! decoded and validated off the core's lock; a refused one ends the stream with a
+//! precise status and changes nothing.
+
+use std::{net::SocketAddr, sync::Arc, time::Instant};
+
+use census_proto::{
+    PROTOCOL_VERSION,
+    convert::{
+        check_version, endpoint_from_wire, endpoint_key_from_wire, filter_to_wire, node_from_wire,
+        session_from_wire, snapshot_from_wire,
+    },
+    domain::{Endpoint, NodeName, SessionId},
+    pb::{self, agent_message::Body, endpoint_sync_server::EndpointSync},
+};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::convert::{field, sync, version};
+use crate::{
+    allocator::{Applied, ConnId},
+    metrics::KindLabels,
+    runtime::Runtime,
+};
+
+/// Messages buffered towards one agent.
+const OUTBOUND: usize = 1024;
+
+#[derive(Debug, Clone)]
+pub struct Sync {
+    runtime: Arc<Runtime>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Sync {
+    pub fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
+        Self { runtime, shutdown }
+    }
+}
+
+#[tonic::async_trait]
+impl EndpointSync for Sync {
+    type SyncStream = ReceiverStream<Result<pb::OperatorMessage, Status>>;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let peer = request.remote_addr();
+        let mut inbound = request.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::failed_precondition("the stream ended before Hello"))?;
+        let Some(Body::Hello(hello)) = first.body else {
+            self.invalid("no_hello");
+            return Err(Status::failed_precondition(
+                "the first message on EndpointSync must be Hello",
+            ));
+        };
+        check_version(hello.protocol_version).map_err(version)?;
+        let node = node_from_wire(&hello.node, "hello.node").map_err(field)?;
+        let session = session_from_wire(hello.session.as_ref(), "hello.session").map_err(field)?;
+
+        let (tx, rx) = mpsc::channel(OUTBOUND);
+        let settings = &self.runtime.settings;
+        let reply = pb::OperatorMessage {
+            body: Some(pb::operator_message::Body::HelloReply(pb::HelloReply {
+                protocol_version: PROTOCOL_VERSION,
+                operator_version: env!("CARGO_PKG_VERSION").to_owned(),
+                filter: Some(filter_to_wire(&settings.filter)),
+                snapshot_interval_ms: settings.snapshot_interval.as_millis() as u64,
+                limits: Some(pb::Limits {
+                    max_snapshot_endpoints: settings.wire.max_snapshot_endpoints as u32,
+                    max_labels: settings.wire.labels.max_labels as u32,
+                    max_ips_per_endpoint: settings.wire.max_ips_per_endpoint as u32,
+                    max_message_bytes: settings.max_message_bytes as u64,
+                }),
+            })),
+        };
+        // The reply is queued before the stream is registered, so it is always first.
+        tx.try_send(Ok(reply))
+            .map_err(|_| Status::internal("cannot queue HelloReply"))?;
+        let accepted = self
+            .runtime
+            .hello(&node, session, tx.clone())
+            .map_err(sync)?;
+        let span = info_span!("sync", %node, %session, conn = accepted.conn.get());
+        span.in_scope(
+            || info!(agent_version = %hello.agent_version, peer = ?peer, "agent connected"),
+        );
+        let stream = Stream {
+            runtime: self.runtime.clone(),
+            node,
+            session,
+            conn: accepted.conn,
+            tx,
+            peer,
+        };
+        tokio::spawn(stream.run(inbound, self.shutdown.clone()).instrument(span));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+impl Sync {
+    fn invalid(&self, kind: &'static str) {
+        self.runtime
+            .metrics
+            .invalid_messages
+            .get_or_create(&KindLabels { kind })
+            .inc();
+    }
+}
+
+struct Stream {
+    runtime: Arc<Runtime>,
+    node: NodeName,
+    session: SessionId,
+    conn: ConnId,
+    tx: mpsc::Sender<Result<pb::OperatorMessage, Status>>,
+    peer: Option<SocketAddr>,
+}
+
+impl Stream {
+    async fn run(
+        self,
+        mut inbound: Streaming<pb::AgentMessage>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            let message = tokio::select! {
+                m = inbound.message() => m,
+                () = self.tx.closed() => break,
+                _ = shutdown.changed() => break,
+            };
+            match message {
+                Ok(Some(msg)) => match self.handle(msg) {
+                    Ok(ack) => {
+                        if self.tx.send(Ok(ack)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Err(status) => {
+                        warn!(code = ?status.code(), message = status.message(), "ending the stream");
+                        let _ = self.tx.send(Err(status)).await;
+                        break;
+                    }
+                },
+                Ok(None) => {
+                    debug!("agent closed the stream");
+                    break;
+                }
+                Err(status) => {
+                    debug!(code = ?status.code(), message = status.message(), "stream failed");
+                    break;
+                }
+            }
+        }
+        info!(peer = ?self.peer, session = %self.session, "agent disconnected");
+        self.runtime.disconnect(&self.node, self.conn);
+    }
+
+    fn invalid(&self, kind: &'static str, status: Status) -> Status {
+        self.runtime
+            .metrics
+            .invalid_messages
+            .get_or_create(&KindLabels { kind })
+            .inc();
+        status
+    }
+
+    /// Validates and applies one message, answering with its Ack.
+    fn handle(&self, msg: pb::AgentMessage) -> Result<pb::OperatorMessage, Status> {
+        let seq = msg.seq;
+        if seq == 0 {
+            return Err(self.invalid(
+                "seq",
+                Status::invalid_argument("seq: must be above 0 after Hello"),
+            ));
+        }
+        let settings = &self.runtime.settings;
+        let (node, conn) = (&self.node, self.conn);
+        let applied: Applied = match msg.body {
+            None => {
+                return Err(
+                    self.invalid("empty", Status::invalid_argument("the message has no body"))
+                );
+            }
+            Some(Body::Hello(_)) => {
+                return Err(self.invalid(
+                    "hello",
+                    Status::failed_precondition("Hello may only be the first message"),
+                ));
+            }
+            Some(Body::Upsert(upsert)) => {
+                let wire = upsert.endpoint.ok_or_else(|| {
+                    self.invalid(
+                        "upsert",
+                        Status::invalid_argument("upsert.endpoint: is required"),
+                    )
+                })?;
+                let endpoint = self
+                    .decode(&wire, "upsert.endpoint")
+                    .map_err(|s| self.invalid("upsert", s))?;
+                self.runtime
+                    .with(|a, now| a.upsert(node, conn, seq, endpoint, now))
+                    .map_err(sync)?
+            }
+            Some(Body::Delete(delete)) => {
+                let key = endpoint_key_from_wire(&delete.namespace, &delete.name, "delete")
+                    .map_err(|e| self.invalid("delete", field(e)))?;
+                self.runtime
+                    .with(|a, now| a.delete(node, conn, seq, &key, now))
+                    .map_err(sync)?
+            }
+            Some(Body::Snapshot(snapshot)) => {
+                let mut endpoints = snapshot_from_wire(&snapshot, &settings.wire)
+                    .map_err(|e| self.invalid("snapshot", field(e)))?;
+                for (i, ep) in endpoints.iter_mut().enumerate() {
+                    ep.labels = ep
+                        .labels
+                        .filtered(&settings.filter, &settings.wire.labels)
+                        .map_err(|e| {
+                            self.invalid(
+                                "snapshot",
+                                Status::invalid_argument(format!(
+                                    "snapshot.endpoints[{i}].labels: after the label filter: {e}"
+                                )),
+                            )
+                        })?;
+                }
+                let metrics = &self.runtime.metrics;
+                self.runtime
+                    .with(|a, now| {
+                        let started = Instant::now();
+                        let r = a.snapshot(node, conn, seq, endpoints, now);
+                        metrics
+                            .snapshot_apply
+                            .observe(started.elapsed().as_secs_f64());
+                        r
+                    })
+                    .map_err(sync)?
+            }
+        };
+        if applied.corrections > 0 {
+            debug!(
+                seq,
+                corrections = applied.corrections,
+                "snapshot corrected the view"
+            );
+        }
+        Ok(pb::OperatorMessage {
+            body: Some(pb::operator_message::Body::Ack(pb::Ack {
+                seq,
+                ignored: applied.ignored,
+                corrections: applied.corrections,
+            })),
+        })
+    }
+
+    fn decode(&self, wire: &pb::Endpoint, name: &str) -> Result<Endpoint, Status> {
+        let settings = &self.runtime.settings;
+        let mut ep = endpoint_from_wire(wire, &settings.wire, name).map_err(field)?;
+        ep.labels = ep
+            .labels
+            .filtered(&settings.filter, &settings.wire.labels)
+            .map_err(|e| {
+                Status::invalid_argument(format!("{name}.labels: after the label filter: {e}"))
+            })?;
+        Ok(ep)
+    }
+}
