@@ -1,0 +1,623 @@
+//! HTTP handlers: one fallback handler routes every request, applies faults,
+//! serves it from the store and logs it.
+
+use std::{sync::Arc, time::Instant};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::{Request, State},
+    response::Response,
+};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::{
+    error::{ApiError, Invalidity},
+    log::{RequestRecord, Verb},
+    object,
+    patch::PatchKind,
+    resource::{Discovery, ResourceSpec},
+    route::{self, ResourcePath, Route},
+    selector::{FieldSelector, LabelSelector},
+    server::Shared,
+    store::{DeleteOutcome, ListQuery, Obj, ObjKey, Preconditions, ReadVersion, Sub, WatchFrom},
+    watch::{self, WatchRequest},
+};
+
+const MAX_BODY: usize = 64 << 20;
+
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    Router::new().fallback(handle).with_state(shared)
+}
+
+/// The request's query and headers, as the handlers need them.
+struct Ctx<'a> {
+    shared: &'a Arc<Shared>,
+    query: &'a [(String, String)],
+    metadata_only: bool,
+    aggregated: bool,
+    content_type: String,
+}
+
+impl Ctx<'_> {
+    fn param(&self, name: &str) -> Option<&str> {
+        self.query
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .filter(|v| !v.is_empty())
+    }
+}
+
+fn header_str(headers: &HeaderMap, name: header::HeaderName) -> String {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let at = Instant::now();
+    shared.wait_serving().await;
+    let (parts, body) = req.into_parts();
+    let query = route::parse_query(parts.uri.query());
+    let route = route::parse(parts.uri.path());
+    let param = |name: &str| {
+        query
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let verb = route::verb(
+        &parts.method,
+        &route,
+        route::is_watch(param("watch").as_deref()),
+    );
+    let content_type = header_str(&parts.headers, header::CONTENT_TYPE);
+    let accept = header_str(&parts.headers, header::ACCEPT);
+    let resource_path = match &route {
+        Route::Resource(p) => Some(p),
+        _ => None,
+    };
+    let mut record = RequestRecord {
+        method: parts.method.clone(),
+        path: parts.uri.path().to_owned(),
+        verb,
+        group: resource_path
+            .map(|p| p.gvr.group.clone())
+            .unwrap_or_default(),
+        version: resource_path
+            .map(|p| p.gvr.version.clone())
+            .unwrap_or_default(),
+        resource: resource_path
+            .map(|p| p.gvr.resource.clone())
+            .unwrap_or_default(),
+        subresource: resource_path.and_then(|p| p.subresource.clone()),
+        namespace: resource_path.and_then(|p| p.namespace.clone()),
+        name: resource_path.and_then(|p| p.name.clone()),
+        label_selector: param("labelSelector"),
+        field_selector: param("fieldSelector"),
+        query: query.clone(),
+        patch_type: (parts.method == Method::PATCH).then(|| content_type.clone()),
+        code: 0,
+        injected: false,
+        at,
+        took: std::time::Duration::ZERO,
+    };
+    let group_resource = resource_path.and_then(|p| {
+        let store = shared.store.lock();
+        store
+            .resolve(&p.gvr)
+            .map(|r| store.spec(r).group_resource())
+    });
+    let decision = shared.faults.decide(&record, group_resource.as_ref());
+    if !decision.latency.is_zero() {
+        tokio::time::sleep(decision.latency).await;
+    }
+    let response = match decision.error {
+        Some(err) => {
+            record.injected = true;
+            error_response(&err)
+        }
+        None => {
+            if let Some(p) = resource_path {
+                touch(&shared, p, &decision.annotations);
+            }
+            let ctx = Ctx {
+                shared: &shared,
+                query: &query,
+                metadata_only: accept.contains("as=PartialObjectMetadata"),
+                aggregated: accept.contains("as=APIGroupDiscoveryList"),
+                content_type,
+            };
+            match dispatch(&ctx, &route, verb, body).await {
+                Ok(response) => response,
+                Err(err) => error_response(&err),
+            }
+        }
+    };
+    record.code = response.status().as_u16();
+    record.took = at.elapsed();
+    shared.log.push(record);
+    response
+}
+
+/// Apply "touch before write" faults to the request's target object.
+fn touch(shared: &Shared, p: &ResourcePath, annotations: &[(String, String)]) {
+    let Some(name) = &p.name else { return };
+    if annotations.is_empty() {
+        return;
+    }
+    let mut store = shared.store.lock();
+    let Some(res) = store.resolve(&p.gvr) else {
+        return;
+    };
+    let ns = if store.spec(res).namespaced {
+        p.namespace.clone().unwrap_or_default()
+    } else {
+        String::new()
+    };
+    for (k, v) in annotations {
+        if let Err(error) = store.annotate(res, &ObjKey::new(&ns, name), k, v) {
+            tracing::debug!(%error, "nothing to touch before the write");
+        }
+    }
+}
+
+fn json_response(code: u16, body: &impl Serialize) -> Response {
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    let mut response = Response::new(Body::from(bytes));
+    *response.status_mut() =
+        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn error_response(err: &ApiError) -> Response {
+    let mut response = json_response(err.code(), &err.to_status());
+    if let ApiError::Injected { failure } = err
+        && let Some(secs) = failure.retry_after()
+    {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+fn object_response(code: u16, obj: &Obj, metadata_only: bool) -> Response {
+    if metadata_only {
+        json_response(code, &object::partial_metadata(obj))
+    } else {
+        json_response(code, &**obj)
+    }
+}
+
+async fn read_json(body: Body) -> Result<Value, ApiError> {
+    let bytes = axum::body::to_bytes(body, MAX_BODY)
+        .await
+        .map_err(|_| ApiError::NotAnObject)?;
+    serde_json::from_slice(&bytes).map_err(|source| ApiError::InvalidJson { source })
+}
+
+async fn dispatch(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    verb: Verb,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let discovery = || {
+        let store = ctx.shared.store.lock();
+        let specs: Vec<ResourceSpec> = store.active_specs().into_iter().cloned().collect();
+        specs
+    };
+    match route {
+        Route::Version => Ok(json_response(
+            200,
+            &json!({
+                "major": "1", "minor": "33", "gitVersion": "v1.33.0-census-fake", "gitCommit": "",
+                "gitTreeState": "clean", "buildDate": "1970-01-01T00:00:00Z", "goVersion": "",
+                "compiler": "gc", "platform": "linux/amd64",
+            }),
+        )),
+        Route::Health => Ok(Response::new(Body::from("ok"))),
+        Route::CoreVersions => {
+            let specs = discovery();
+            let d = Discovery {
+                specs: specs.iter().collect(),
+            };
+            if ctx.aggregated {
+                Ok(aggregated_response(&d.aggregated(true)))
+            } else {
+                Ok(json_response(
+                    200,
+                    &d.api_versions(&ctx.shared.addr.to_string()),
+                ))
+            }
+        }
+        Route::Groups => {
+            let specs = discovery();
+            let d = Discovery {
+                specs: specs.iter().collect(),
+            };
+            if ctx.aggregated {
+                Ok(aggregated_response(&d.aggregated(false)))
+            } else {
+                Ok(json_response(200, &d.group_list()))
+            }
+        }
+        Route::Group(group) => {
+            let specs = discovery();
+            let d = Discovery {
+                specs: specs.iter().collect(),
+            };
+            d.group(group)
+                .map(|doc| json_response(200, &doc))
+                .ok_or(ApiError::NoSuchResource)
+        }
+        Route::GroupVersion(group, version) => {
+            let specs = discovery();
+            let d = Discovery {
+                specs: specs.iter().collect(),
+            };
+            d.resource_list(group, version)
+                .map(|doc| json_response(200, &doc))
+                .ok_or(ApiError::NoSuchResource)
+        }
+        Route::Unknown => Err(ApiError::NoSuchResource),
+        Route::Resource(p) => resource(ctx, p, verb, body).await,
+    }
+}
+
+fn aggregated_response(doc: &Value) -> Response {
+    let mut response = json_response(200, doc);
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(
+            "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList",
+        ),
+    );
+    response
+}
+
+/// Objects are served as the real server does for each resource: pods (and
+/// the few others with `ReturnDeletedObject`) answer a delete with the
+/// object, everything else with a `Status` of `Success`.
+fn returns_deleted_object(spec: &ResourceSpec) -> bool {
+    spec.group.is_empty()
+        && matches!(
+            spec.plural.as_str(),
+            "pods" | "namespaces" | "serviceaccounts"
+        )
+        || spec.group == "apiextensions.k8s.io"
+}
+
+async fn resource(
+    ctx: &Ctx<'_>,
+    p: &ResourcePath,
+    verb: Verb,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let (res, spec) = {
+        let store = ctx.shared.store.lock();
+        let res = store.resolve(&p.gvr).ok_or(ApiError::NoSuchResource)?;
+        (res, store.spec(res).clone())
+    };
+    if !spec.namespaced && p.namespace.is_some() {
+        return Err(ApiError::NoSuchResource);
+    }
+    if spec.namespaced && p.namespace.is_none() && (p.name.is_some() || verb == Verb::Create) {
+        return Err(ApiError::NoSuchResource);
+    }
+    let sub = match p.subresource.as_deref() {
+        None => Sub::Main,
+        Some("status") if spec.status_subresource => Sub::Status,
+        Some(_) => return Err(ApiError::NoSuchResource),
+    };
+    if sub == Sub::Status && !matches!(verb, Verb::Get | Verb::Update | Verb::Patch) {
+        return Err(ApiError::MethodNotAllowed);
+    }
+    if verb.is_write() && ctx.param("dryRun").is_some() {
+        return Err(ApiError::DryRunUnsupported);
+    }
+    let namespace = p.namespace.clone().unwrap_or_default();
+    let key = p.name.as_deref().map(|name| ObjKey::new(&namespace, name));
+    let store = &ctx.shared.store;
+    match (verb, key) {
+        (Verb::Get, Some(key)) => {
+            let obj = store.lock().get(res, &key)?;
+            Ok(object_response(200, &obj, ctx.metadata_only))
+        }
+        (Verb::List, _) => list(ctx, res, &spec, p.namespace.as_deref()),
+        (Verb::Watch, _) => watch(ctx, res, spec, p.namespace.clone(), p.name.as_deref()),
+        (Verb::Create, _) => {
+            let body = read_json(body).await?;
+            let obj = store.lock().create(res, &namespace, body)?;
+            Ok(object_response(201, &obj, false))
+        }
+        (Verb::Update, Some(key)) => {
+            let body = read_json(body).await?;
+            let obj = store.lock().update(res, &key, body, sub)?;
+            Ok(object_response(200, &obj, false))
+        }
+        (Verb::Patch, Some(key)) => {
+            let kind = PatchKind::from_content_type(&ctx.content_type).ok_or_else(|| {
+                ApiError::UnsupportedPatch {
+                    content_type: ctx.content_type.clone(),
+                }
+            })?;
+            if kind == PatchKind::Apply && ctx.param("fieldManager").is_none() {
+                return Err(ApiError::Invalid {
+                    kind: "PatchOptions.meta.k8s.io".into(),
+                    name: String::new(),
+                    cause: Invalidity::FieldManagerRequired,
+                });
+            }
+            let patch = read_json(body).await?;
+            let (obj, created) = store.lock().patch(res, &key, kind, &patch, sub)?;
+            Ok(object_response(
+                if created { 201 } else { 200 },
+                &obj,
+                false,
+            ))
+        }
+        (Verb::Delete, Some(key)) => {
+            let bytes = axum::body::to_bytes(body, MAX_BODY)
+                .await
+                .map_err(|_| ApiError::NotAnObject)?;
+            let options: Value = if bytes.is_empty() {
+                Value::Null
+            } else {
+                serde_json::from_slice(&bytes).map_err(|source| ApiError::InvalidJson { source })?
+            };
+            if options["dryRun"].as_array().is_some_and(|a| !a.is_empty()) {
+                return Err(ApiError::DryRunUnsupported);
+            }
+            let pre = Preconditions {
+                uid: options["preconditions"]["uid"].as_str().map(str::to_owned),
+                resource_version: options["preconditions"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_owned),
+            };
+            let outcome = store.lock().delete(res, &key, &pre)?;
+            Ok(match outcome {
+                DeleteOutcome::Pending(obj) => object_response(200, &obj, false),
+                DeleteOutcome::Gone(obj) if returns_deleted_object(&spec) => {
+                    object_response(200, &obj, false)
+                }
+                DeleteOutcome::Gone(obj) => json_response(
+                    200,
+                    &json!({
+                        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                        "details": {
+                            "name": key.name, "group": spec.group, "kind": spec.plural,
+                            "uid": object::meta_str(&obj, "uid").unwrap_or_default(),
+                        },
+                    }),
+                ),
+            })
+        }
+        (Verb::DeleteCollection, _) => {
+            let (label, field) = selectors(ctx, &spec, None)?;
+            let (deleted, rv) = {
+                let mut store = store.lock();
+                let deleted = store.delete_collection(res, p.namespace.as_deref(), &label, &field);
+                (deleted, store.rv())
+            };
+            Ok(list_response(&spec, &deleted, rv, None, None, false))
+        }
+        _ => Err(ApiError::MethodNotAllowed),
+    }
+}
+
+fn selectors(
+    ctx: &Ctx<'_>,
+    spec: &ResourceSpec,
+    name: Option<&str>,
+) -> Result<(LabelSelector, FieldSelector), ApiError> {
+    let label = LabelSelector::parse(ctx.param("labelSelector").unwrap_or_default())?;
+    let mut field_text = ctx.param("fieldSelector").unwrap_or_default().to_owned();
+    if let Some(name) = name {
+        if !field_text.is_empty() {
+            field_text.push(',');
+        }
+        field_text.push_str(&format!("metadata.name={name}"));
+    }
+    let field = FieldSelector::parse(&field_text)?;
+    field.check_supported(spec)?;
+    Ok((label, field))
+}
+
+fn list_options_invalid(cause: Invalidity) -> ApiError {
+    ApiError::Invalid {
+        kind: "ListOptions.meta.k8s.io".into(),
+        name: String::new(),
+        cause,
+    }
+}
+
+fn parse_rv(value: &str) -> Result<u64, ApiError> {
+    value.parse().map_err(|_| ApiError::InvalidParam {
+        name: "resourceVersion",
+        value: value.to_owned(),
+    })
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ListBody<T: Serialize> {
+    kind: String,
+    api_version: String,
+    metadata: Value,
+    items: Vec<T>,
+}
+
+fn list_response(
+    spec: &ResourceSpec,
+    items: &[Obj],
+    rv: u64,
+    continue_token: Option<String>,
+    remaining: Option<u64>,
+    metadata_only: bool,
+) -> Response {
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if let Some(token) = continue_token {
+        metadata["continue"] = Value::String(token);
+    }
+    if let Some(n) = remaining {
+        metadata["remainingItemCount"] = json!(n);
+    }
+    if metadata_only {
+        json_response(
+            200,
+            &ListBody {
+                kind: "PartialObjectMetadataList".into(),
+                api_version: "meta.k8s.io/v1".into(),
+                metadata,
+                items: items.iter().map(|o| object::partial_metadata(o)).collect(),
+            },
+        )
+    } else {
+        json_response(
+            200,
+            &ListBody {
+                kind: format!("{}List", spec.kind),
+                api_version: spec.api_version(),
+                metadata,
+                items: items.iter().map(|o| &**o).collect(),
+            },
+        )
+    }
+}
+
+fn list(
+    ctx: &Ctx<'_>,
+    res: usize,
+    spec: &ResourceSpec,
+    namespace: Option<&str>,
+) -> Result<Response, ApiError> {
+    let (label, field) = selectors(ctx, spec, None)?;
+    let limit = match ctx.param("limit") {
+        Some(l) => Some(l.parse::<usize>().map_err(|_| ApiError::InvalidParam {
+            name: "limit",
+            value: l.to_owned(),
+        })?),
+        None => None,
+    }
+    .filter(|&l| l > 0);
+    let continue_token = ctx.param("continue");
+    let rv = ctx.param("resourceVersion").unwrap_or_default();
+    let rv_match = ctx.param("resourceVersionMatch");
+    if rv_match.is_some() && rv.is_empty() {
+        return Err(list_options_invalid(Invalidity::MatchWithoutVersion));
+    }
+    if continue_token.is_some() && !rv.is_empty() && rv != "0" {
+        return Err(ApiError::VersionWithContinue);
+    }
+    let version = match (rv, rv_match) {
+        (_, Some(m)) if m != "NotOlderThan" && m != "Exact" => {
+            return Err(list_options_invalid(Invalidity::UnknownMatch(m.to_owned())));
+        }
+        ("0", Some("Exact")) => return Err(list_options_invalid(Invalidity::ExactWithZero)),
+        ("" | "0", _) => ReadVersion::Latest,
+        // The legacy semantic: a paginated list at a version is exact.
+        (n, None) if limit.is_some() => ReadVersion::Exact(parse_rv(n)?),
+        (n, Some("Exact")) => ReadVersion::Exact(parse_rv(n)?),
+        (n, _) => ReadVersion::NotOlderThan(parse_rv(n)?),
+    };
+    let page = ctx.shared.store.lock().list(
+        res,
+        namespace,
+        &ListQuery {
+            label: &label,
+            field: &field,
+            limit,
+            continue_token,
+            version,
+        },
+    )?;
+    Ok(list_response(
+        spec,
+        &page.items,
+        page.rv,
+        page.continue_token,
+        page.remaining,
+        ctx.metadata_only,
+    ))
+}
+
+fn watch(
+    ctx: &Ctx<'_>,
+    res: usize,
+    spec: ResourceSpec,
+    namespace: Option<String>,
+    name: Option<&str>,
+) -> Result<Response, ApiError> {
+    let (label, field) = selectors(ctx, &spec, name)?;
+    let send_initial = ctx.param("sendInitialEvents") == Some("true");
+    let bookmarks = ctx.param("allowWatchBookmarks") == Some("true");
+    let rv_match = ctx.param("resourceVersionMatch");
+    if send_initial {
+        if !bookmarks {
+            return Err(list_options_invalid(Invalidity::InitialEventsNeedBookmarks));
+        }
+        if rv_match != Some("NotOlderThan") {
+            return Err(list_options_invalid(
+                Invalidity::InitialEventsNeedNotOlderThan,
+            ));
+        }
+    } else if rv_match.is_some() {
+        return Err(list_options_invalid(Invalidity::MatchOnPlainWatch));
+    }
+    let from = match ctx.param("resourceVersion").unwrap_or_default() {
+        "" | "0" => WatchFrom::Current,
+        n => WatchFrom::After(parse_rv(n)?),
+    };
+    let timeout = match ctx.param("timeoutSeconds") {
+        Some(t) => Some(std::time::Duration::from_secs(t.parse().map_err(|_| {
+            ApiError::InvalidParam {
+                name: "timeoutSeconds",
+                value: t.to_owned(),
+            }
+        })?)),
+        None => None,
+    };
+    let opened = ctx.shared.store.lock().watch_open(
+        res,
+        namespace.as_deref(),
+        from,
+        send_initial,
+        &label,
+        &field,
+    );
+    let body = match opened {
+        Ok(open) => {
+            let request = WatchRequest {
+                spec,
+                namespace,
+                label,
+                field,
+                send_initial,
+                bookmarks,
+                timeout,
+                metadata_only: ctx.metadata_only,
+            };
+            watch::stream(Arc::clone(ctx.shared), request, open)
+        }
+        // The real server starts the stream and reports the expiry in it.
+        Err(err @ ApiError::TooOldResourceVersion { .. }) => watch::expired_body(&err),
+        Err(err) => return Err(err),
+    };
+    let mut response = Response::new(body);
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Ok(response)
+}
