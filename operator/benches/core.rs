@@ -1,0 +1,438 @@
+//! Benchmarks of the allocator core, printing figures (run with
+//! `cargo bench -p census-operator --bench core`):
+//!
+//! - Allocate of a known label set (target: well under 1 µs);
+//! - a 110-endpoint snapshot with no changes, on decoded input (target: under 20 µs);
+//! - memory at 50,000 identities and 5,000 nodes x 110 endpoints (target: under 300
+//!   bytes per endpoint);
+//! - 100,000 unique short-lived label sets with every delete event lost, then true
+//!   snapshots and the grace period: only live identities remain and the live heap
+//!   comes back within 64 bytes per churned label set.
+//!
+//! Heap figures come from a counting global allocator (bytes requested and not yet
+//! freed), so they are exact and independent of the malloc in use.
+
+#![allow(unsafe_code, clippy::print_stdout)]
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    hint::black_box,
+    net::{IpAddr, Ipv4Addr},
+    sync::atomic::{AtomicIsize, Ordering},
+    time::{Duration, Instant},
+};
+
+use census_operator::{
+    allocator::{Allocator, Config, ConnId, Effect, Timestamp},
+    store::{Loaded, StoreOp},
+};
+use census_proto::{
+    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    labels::{LabelLimits, LabelSet},
+};
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator with the same layout; the
+// counter only observes sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: same contract as ours.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: same contract as ours.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn heap() -> isize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+type BenchResult = Result<(), Box<dyn std::error::Error>>;
+
+fn main() -> BenchResult {
+    // `cargo bench` passes `--bench`; a filter argument selects one benchmark.
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let run = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
+    println!("census allocator core benchmarks (release build, one thread)\n");
+    if run("allocate") {
+        bench_allocate_known()?;
+    }
+    if run("snapshot") {
+        bench_snapshot_unchanged()?;
+    }
+    if run("memory") {
+        bench_memory()?;
+    }
+    if run("churn") {
+        bench_churn()?;
+    }
+    Ok(())
+}
+
+fn labels(text: &str) -> Result<LabelSet, Box<dyn std::error::Error>> {
+    Ok(LabelSet::parse(
+        text.split(',').map(|l| format!("k8s:{l}")),
+        &LabelLimits::default(),
+    )?)
+}
+
+fn pod_labels(i: usize) -> Result<LabelSet, Box<dyn std::error::Error>> {
+    labels(&format!(
+        "app=service-{},app.kubernetes.io/part-of=shop,tier=backend,io.kubernetes.pod.namespace=team-{},io.kubernetes.pod.serviceaccount=default",
+        i,
+        i % 40
+    ))
+}
+
+fn node(i: usize) -> Result<NodeName, Box<dyn std::error::Error>> {
+    Ok(NodeName::new(&format!("node-{i:05}"))?)
+}
+
+fn endpoint(
+    node: usize,
+    pod: usize,
+    id: IdentityId,
+    labels: LabelSet,
+) -> Result<Endpoint, Box<dyn std::error::Error>> {
+    let n = (node * 110 + pod) as u32;
+    Ok(Endpoint {
+        key: EndpointKey::new(
+            &format!("team-{}", pod % 40),
+            &format!("service-{pod}-7d9f8b6c4-{node:05}x"),
+        )?,
+        ips: vec![IpAddr::V4(Ipv4Addr::from(0xC612_0000 + n))].into_boxed_slice(),
+        identity: id,
+        labels,
+    })
+}
+
+fn config() -> Config {
+    Config {
+        range: IdRange::new(256, 1 << 24).unwrap_or_default(),
+        max_holds_per_node: 1 << 20,
+        gc_rate: 1e9,
+        gc_burst: 1e9,
+        max_inflight_deletes: 1 << 20,
+        ..Config::with_snapshot_interval(Duration::from_secs(30))
+    }
+}
+
+/// Answers every store op with success (an ideal store), repeatedly.
+fn settle(alloc: &mut Allocator, now: Timestamp) {
+    loop {
+        let ops: Vec<StoreOp> = alloc
+            .drain_effects()
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Store { op, .. } => Some(op),
+                _ => None,
+            })
+            .collect();
+        if ops.is_empty() {
+            return;
+        }
+        for op in ops {
+            alloc.store_result(op, Ok(()), now);
+        }
+    }
+}
+
+fn connect(
+    alloc: &mut Allocator,
+    n: &NodeName,
+    now: Timestamp,
+) -> Result<(SessionId, ConnId), Box<dyn std::error::Error>> {
+    let session = SessionId {
+        start_time_ns: 1,
+        nonce: 1,
+    };
+    let conn = alloc.hello(n, session, now)?.conn;
+    Ok((session, conn))
+}
+
+fn bench_allocate_known() -> BenchResult {
+    let mut now = Timestamp::from_millis(1_000_000);
+    let mut alloc = Allocator::new(config(), Loaded::default(), now);
+    now = now.plus(Duration::from_secs(100));
+    alloc.tick(now);
+    let n = node(0)?;
+    let (session, _) = connect(&mut alloc, &n, now)?;
+    let sets: Vec<LabelSet> = (0..1000).map(pod_labels).collect::<Result<_, _>>()?;
+    for (i, l) in sets.iter().enumerate() {
+        alloc.allocate(i as u64, &n, session, l.clone(), now)?;
+    }
+    settle(&mut alloc, now);
+    let iterations = 2_000_000;
+    let started = Instant::now();
+    for i in 0..iterations {
+        let l = &sets[i % sets.len()];
+        black_box(alloc.allocate(i as u64, &n, session, l.clone(), now)?);
+    }
+    let per = started.elapsed() / iterations as u32;
+    println!(
+        "allocate, known label set (core):             {:>8.0} ns/op   (target < 1000 ns)",
+        per.as_nanos() as f64
+    );
+    Ok(())
+}
+
+fn bench_snapshot_unchanged() -> BenchResult {
+    let mut now = Timestamp::from_millis(1_000_000);
+    let mut alloc = Allocator::new(config(), Loaded::default(), now);
+    now = now.plus(Duration::from_secs(100));
+    alloc.tick(now);
+    let n = node(0)?;
+    let (_, conn) = connect(&mut alloc, &n, now)?;
+    let eps: Vec<Endpoint> = (0..110)
+        .map(|p| {
+            endpoint(
+                0,
+                p,
+                IdentityId::new(1000 + p as u32).unwrap_or(IdentityId::WORLD),
+                pod_labels(p)?,
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    alloc.snapshot(&n, conn, 1, eps.clone(), now)?;
+    settle(&mut alloc, now);
+    let iterations = 100_000u64;
+    let started = Instant::now();
+    for i in 0..iterations {
+        black_box(eps.clone());
+        black_box(i);
+    }
+    let clone = started.elapsed() / iterations as u32;
+    let started = Instant::now();
+    for seq in 2..iterations + 2 {
+        let applied = alloc.snapshot(&n, conn, seq, eps.clone(), now)?;
+        debug_assert_eq!(applied.corrections, 0);
+        black_box(applied);
+    }
+    let total = started.elapsed() / iterations as u32;
+    let apply = total.saturating_sub(clone);
+    println!(
+        "snapshot, 110 endpoints, no change (core):     {:>8.2} µs      (target < 20 µs; plus {:.2} µs to build the input)",
+        apply.as_nanos() as f64 / 1000.0,
+        clone.as_nanos() as f64 / 1000.0
+    );
+    Ok(())
+}
+
+fn bench_memory() -> BenchResult {
+    const NODES: usize = 5_000;
+    const PODS: usize = 110;
+    const IDENTITIES: usize = 50_000;
+    let mut now = Timestamp::from_millis(1_000_000);
+    let sets: Vec<LabelSet> = (0..IDENTITIES).map(pod_labels).collect::<Result<_, _>>()?;
+    let names: Vec<NodeName> = (0..NODES).map(node).collect::<Result<_, _>>()?;
+    let base = heap();
+    let mut alloc = Allocator::new(config(), Loaded::default(), now);
+    now = now.plus(Duration::from_secs(100));
+    alloc.tick(now);
+    // Identities first: adopted from one node's snapshot, then that view emptied.
+    let seed = node(99_999)?;
+    let (_, conn) = connect(&mut alloc, &seed, now)?;
+    let seed_eps: Vec<Endpoint> = (0..IDENTITIES)
+        .map(|i| {
+            endpoint(
+                99_999,
+                i,
+                IdentityId::new(256 + i as u32).unwrap_or(IdentityId::WORLD),
+                sets[i].clone(),
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    alloc.snapshot(&seed, conn, 1, seed_eps, now)?;
+    settle(&mut alloc, now);
+    alloc.snapshot(&seed, conn, 2, Vec::new(), now)?;
+    alloc.node_gone(&seed);
+    settle(&mut alloc, now);
+    let with_identities = heap();
+    // Then 5,000 nodes x 110 endpoints referencing them.
+    let started = Instant::now();
+    for (i, name) in names.iter().enumerate() {
+        let (_, conn) = connect(&mut alloc, name, now)?;
+        let eps: Vec<Endpoint> = (0..PODS)
+            .map(|p| {
+                let l = (i * PODS + p) % IDENTITIES;
+                endpoint(
+                    i,
+                    p,
+                    IdentityId::new(256 + l as u32).unwrap_or(IdentityId::WORLD),
+                    sets[l].clone(),
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        alloc.snapshot(name, conn, 1, eps, now)?;
+    }
+    settle(&mut alloc, now);
+    let build = started.elapsed();
+    let with_views = heap();
+    let stats = alloc.stats(now);
+    drop(sets);
+    let per_identity = (with_identities - base) as f64 / IDENTITIES as f64;
+    let per_endpoint = (with_views - with_identities) as f64 / (NODES * PODS) as f64;
+    println!(
+        "memory, {} identities:                     {:>8.0} bytes/identity (labels interned once, ~{} bytes of label text each)",
+        IDENTITIES,
+        per_identity,
+        pod_labels(1)?.as_str().len()
+    );
+    println!(
+        "memory, {} nodes x {} endpoints ({} endpoints): {:>6.0} bytes/endpoint (target < 300); {} live identities; first snapshots applied in {:.2?}",
+        NODES, PODS, stats.endpoints, per_endpoint, stats.live, build
+    );
+    black_box(alloc);
+    Ok(())
+}
+
+fn bench_churn() -> BenchResult {
+    const CHURN: usize = 100_000;
+    const NODES: usize = 3;
+    const STEADY: usize = 57;
+    let mut cfg = config();
+    cfg.quarantine = Duration::from_secs(120);
+    let mut now = Timestamp::from_millis(1_000_000);
+    let mut alloc = Allocator::new(cfg.clone(), Loaded::default(), now);
+    now = now.plus(Duration::from_secs(100));
+    alloc.tick(now);
+    let mut nodes = Vec::new();
+    for i in 0..NODES {
+        let name = node(i)?;
+        let (session, conn) = connect(&mut alloc, &name, now)?;
+        let steady: Vec<Endpoint> = (0..STEADY)
+            .map(|p| {
+                endpoint(
+                    i,
+                    p,
+                    IdentityId::new(300 + (i * STEADY + p) as u32).unwrap_or(IdentityId::WORLD),
+                    pod_labels(i * STEADY + p)?,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        alloc.snapshot(&name, conn, 1, steady.clone(), now)?;
+        nodes.push((name, session, conn, steady, 2u64));
+    }
+    settle(&mut alloc, now);
+    // Let the start-up protection pass, so the baseline is a steady state.
+    let until = now.plus(cfg.node_ttl + Duration::from_secs(1));
+    while now < until {
+        for (name, _, conn, steady, seq) in nodes.iter_mut() {
+            alloc.snapshot(name, *conn, *seq, steady.clone(), now)?;
+            *seq += 1;
+        }
+        alloc.tick(now);
+        settle(&mut alloc, now);
+        now = now.plus(Duration::from_secs(10));
+    }
+    let baseline = heap();
+    let stats0 = alloc.stats(now);
+
+    // Job pods with unique labels: allocate, upsert; every delete event is lost.
+    // Snapshots every 30 s of simulated time (one job pod started every 3 ms).
+    let started = Instant::now();
+    let mut peak = baseline;
+    for j in 0..CHURN {
+        let (name, session, conn, _, seq) = &mut nodes[j % NODES];
+        let l = labels(&format!(
+            "app=backup,job-name=backup-{j},controller-uid=6f1e2c3d-{j:08x}"
+        ))?;
+        let id = match alloc.allocate(j as u64, name, *session, l.clone(), now)? {
+            Some(id) => id,
+            None => {
+                settle(&mut alloc, now);
+                alloc
+                    .lookup(&l)
+                    .map(|i| i.id)
+                    .ok_or("no identity after settling")?
+            }
+        };
+        let ep = endpoint(j % NODES, 1000 + j, id, l)?;
+        alloc.upsert(name, *conn, *seq, ep, now)?;
+        *seq += 1;
+        now = now.plus(Duration::from_millis(3));
+        if j % 10_000 == 0 {
+            // The true snapshot: the job pod is gone; its delete event never arrived.
+            for (name, _, conn, steady, seq) in nodes.iter_mut() {
+                alloc.snapshot(name, *conn, *seq, steady.clone(), now)?;
+                *seq += 1;
+            }
+            alloc.tick(now);
+            settle(&mut alloc, now);
+            peak = peak.max(heap());
+        }
+    }
+    let churn_time = started.elapsed();
+    let at_end = heap();
+    let stats_peak = alloc.stats(now);
+    // True snapshots, then the hold timeout, grace period and quarantine pass.
+    let until = now.plus(cfg.hold_timeout + cfg.grace + cfg.quarantine + Duration::from_secs(5));
+    while now < until {
+        for (name, _, conn, steady, seq) in nodes.iter_mut() {
+            alloc.snapshot(name, *conn, *seq, steady.clone(), now)?;
+            *seq += 1;
+        }
+        alloc.tick(now);
+        settle(&mut alloc, now);
+        now = now.plus(Duration::from_secs(1));
+    }
+    let after = heap();
+    let stats = alloc.stats(now);
+    let retained = (after - baseline) as f64 / CHURN as f64;
+    println!(
+        "churn, {CHURN} unique label sets, every delete lost ({:.1?} to run):",
+        churn_time
+    );
+    println!(
+        "    live heap: baseline {} B, peak {} B, end of churn {} B, after snapshots+grace+quarantine {} B",
+        baseline,
+        peak.max(at_end),
+        at_end,
+        after
+    );
+    println!("    retained: {retained:+.2} bytes per churned label set (target < 64)");
+    println!(
+        "    identities: baseline live {}, at end of churn live {} released {} quarantined {}, after: live {} released {} deleting {} quarantined {}",
+        stats0.live,
+        stats_peak.live,
+        stats_peak.released,
+        stats_peak.quarantined,
+        stats.live,
+        stats.released,
+        stats.deleting,
+        stats.quarantined
+    );
+    let beyond =
+        (stats.live + stats.released + stats.deleting + stats.creating) as i64 - stats0.live as i64;
+    println!("    identities left beyond the live set: {beyond}");
+    if beyond != 0 || retained >= 64.0 {
+        return Err(format!("churn gate failed: {beyond} identities beyond the live set, {retained:.2} B retained per label set").into());
+    }
+    Ok(())
+}
