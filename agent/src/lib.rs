@@ -1,1 +1,2 @@
 //! census agent
+pub mod bpf;

@@ -1,1 +1,30 @@
-//! Network namespaces for privileged tests.
+//! Network namespaces, veth pairs and traffic for census's privileged tests.
+//!
+//! A [`Lab`] is one "node" network namespace (forwarding enabled inside it only)
+//! and "pods", each a namespace whose `eth0` is one end of a veth pair whose host
+//! side lives in the node namespace, as a CNI sets pods up. Addresses come from
+//! the benchmarking ranges 198.18.0.0/15 and 2001:2::/48, and routes only lead
+//! from pod to pod through the node: the namespaces have no other interface, so
+//! nothing leaves the lab.
+//!
+//! Every namespace is a guard: dropping it (also while a failing test unwinds)
+//! deletes it, and its veths with it. Names are unique per process and call
+//! (`census-<pid>-<n>-…`), so tests can run in parallel.
+//!
+//! Code runs inside a namespace on a dedicated thread that entered it with
+//! `setns(2)` ([`Netns::run`]); processes are spawned from such a thread
+//! ([`Netns::spawn`]), never with `ip netns exec`, which remounts `/sys` and
+//! hides the BPF file system.
+//!
+//! Everything here needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
+
+mod error;
+mod lab;
+mod netns;
+pub mod packet;
+mod traffic;
+
+pub use error::Error;
+pub use lab::{Lab, Pod};
+pub use netns::{ChildGuard, Netns, unique_name};
+pub use traffic::{UdpReceiver, UdpSender, exchange_udp};

@@ -1,0 +1,261 @@
+//! The types census's eBPF program and its agent share through BPF maps.
+//!
+//! Every type is `#[repr(C)]` with explicit padding, so that the kernel side, the
+//! agent and tools such as `bpftool map dump` agree on every byte, and every size
+//! is asserted at compile time. Changing any of them, or the kind or size of a
+//! map, is a new [`LAYOUT_VERSION`].
+//!
+//! With the `user` feature the types implement `aya::Pod`, for the agent.
+#![no_std]
+
+use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// Version of the layout of every pinned map (types, map kinds, sizes).
+///
+/// The agent records it in [`META_MAP`] when it creates the maps and refuses to
+/// use pinned maps that carry another one. 0 is never a layout: it marks a meta
+/// map that was created but not yet stamped.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// `endpoint address -> identity + flags`: [`EndpointKey`] -> [`EndpointValue`].
+pub const ENDPOINTS_MAP: &str = "ENDPOINTS";
+/// `(source identity, destination identity) -> packets, bytes`, per CPU, least
+/// recently used pairs evicted first: [`FlowKey`] -> [`FlowValue`].
+pub const FLOWS_MAP: &str = "FLOWS";
+/// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
+/// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
+/// so any agent, older or newer, can read it before touching the other maps.
+pub const META_MAP: &str = "CENSUS_META";
+
+/// Maximum number of endpoints (local and, later, remote) per node.
+pub const ENDPOINTS_MAX_ENTRIES: u32 = 65_536;
+/// Maximum number of identity pairs counted at once; the least recently used
+/// pair is evicted when the map is full.
+pub const FLOWS_MAX_ENTRIES: u32 = 65_536;
+/// The meta map holds one entry, at index [`META_LAYOUT_INDEX`].
+pub const META_MAX_ENTRIES: u32 = 1;
+/// Index of the layout version in [`META_MAP`].
+pub const META_LAYOUT_INDEX: u32 = 0;
+
+/// Name of the program attached to the host side's ingress hook (packets
+/// leaving the endpoint).
+pub const PROGRAM_INGRESS: &str = "census_ingress";
+/// Name of the program attached to the host side's egress hook (packets
+/// entering the endpoint).
+pub const PROGRAM_EGRESS: &str = "census_egress";
+
+/// Reserved identities (1..=255 are reserved, 0 is invalid).
+pub mod identity {
+    /// Not an identity.
+    pub const INVALID: u32 = 0;
+    /// The node itself: its addresses are in ENDPOINTS with the `HOST` flag.
+    pub const HOST: u32 = 1;
+    /// Any address that is not in ENDPOINTS.
+    pub const WORLD: u32 = 2;
+}
+
+/// Address family tag of an [`EndpointKey`].
+pub mod family {
+    /// IPv4: the address is in `addr[0]`, the other three words are zero.
+    pub const IPV4: u32 = 4;
+    /// IPv6: all four words.
+    pub const IPV6: u32 = 6;
+}
+
+/// An endpoint address, the key of [`ENDPOINTS_MAP`].
+///
+/// `family` is [`family::IPV4`] or [`family::IPV6`]. `addr` holds the address
+/// bytes in network order, in memory order: the words are typed `u32` only so the
+/// program copies them from the packet with word loads and stores (the BPF
+/// backend turns byte arrays into byte-by-byte code). Read as bytes, `addr` is the
+/// address; an IPv4 address is the first 4 bytes and the other 12 are zero (not
+/// v4-mapped: the program copies the word straight from the header). There is no
+/// padding: the kernel hashes every byte of a key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointKey {
+    pub family: u32,
+    pub addr: [u32; 4],
+}
+
+impl EndpointKey {
+    /// The key of an IPv4 address given as it sits in a packet header: its 4
+    /// bytes in network order, read as one native word.
+    #[inline(always)]
+    pub const fn v4_word(word: u32) -> Self {
+        Self {
+            family: family::IPV4,
+            addr: [word, 0, 0, 0],
+        }
+    }
+
+    /// The key of an IPv6 address given as it sits in a packet header, read as
+    /// four native words.
+    #[inline(always)]
+    pub const fn v6_words(words: [u32; 4]) -> Self {
+        Self {
+            family: family::IPV6,
+            addr: words,
+        }
+    }
+
+    /// The key of an IPv4 address.
+    pub const fn v4(octets: [u8; 4]) -> Self {
+        Self::v4_word(u32::from_ne_bytes(octets))
+    }
+
+    /// The key of an IPv6 address.
+    pub const fn v6(octets: [u8; 16]) -> Self {
+        let o = octets;
+        Self::v6_words([
+            u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+            u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+            u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+            u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+        ])
+    }
+
+    /// The 16 bytes of `addr`, as they are in memory.
+    pub const fn octets(&self) -> [u8; 16] {
+        let [a, b, c, d] = [
+            self.addr[0].to_ne_bytes(),
+            self.addr[1].to_ne_bytes(),
+            self.addr[2].to_ne_bytes(),
+            self.addr[3].to_ne_bytes(),
+        ];
+        [
+            a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
+            d[2], d[3],
+        ]
+    }
+
+    /// The address, or `None` if the key is not well formed (unknown family, or
+    /// an IPv4 key with non-zero trailing bytes): such a key was not written by
+    /// census.
+    pub fn ip(&self) -> Option<IpAddr> {
+        let o = self.octets();
+        match self.family {
+            family::IPV4 if self.addr[1..] == [0; 3] => {
+                Some(IpAddr::V4(Ipv4Addr::new(o[0], o[1], o[2], o[3])))
+            }
+            family::IPV6 => Some(IpAddr::V6(Ipv6Addr::from(o))),
+            _ => None,
+        }
+    }
+}
+
+impl From<IpAddr> for EndpointKey {
+    fn from(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Self::v4(v4.octets()),
+            IpAddr::V6(v6) => Self::v6(v6.octets()),
+        }
+    }
+}
+
+/// Flags of an [`EndpointValue`].
+pub mod flags {
+    /// The endpoint runs on this node and census's program is attached to the
+    /// host side of its interface: its packets are counted when they leave it.
+    pub const LOCAL: u32 = 1 << 0;
+    /// The endpoint runs on another node (reserved for the cluster-wide map).
+    pub const REMOTE: u32 = 1 << 1;
+    /// The address is one of this node's own; its identity is
+    /// [`identity::HOST`](super::identity::HOST).
+    pub const HOST: u32 = 1 << 2;
+    /// Every flag this layout defines.
+    pub const ALL: u32 = LOCAL | REMOTE | HOST;
+}
+
+/// What census knows about an address, the value of [`ENDPOINTS_MAP`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EndpointValue {
+    pub identity: u32,
+    pub flags: u32,
+}
+
+impl EndpointValue {
+    /// Whether the endpoint is on this node behind an interface census counts on.
+    #[inline(always)]
+    pub const fn is_local(&self) -> bool {
+        self.flags & flags::LOCAL != 0
+    }
+}
+
+/// A pair of identities, the key of [`FLOWS_MAP`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowKey {
+    pub src_identity: u32,
+    pub dst_identity: u32,
+}
+
+/// Counters of one identity pair on one CPU, the value of [`FLOWS_MAP`].
+///
+/// `packets` counts GSO segments (a GSO packet of 10 segments counts 10);
+/// `bytes` is the sum of `skb->len`, link-layer header included.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowValue {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+const _: () = {
+    assert!(size_of::<EndpointKey>() == 20);
+    assert!(align_of::<EndpointKey>() == 4);
+    assert!(core::mem::offset_of!(EndpointKey, addr) == 4);
+    assert!(size_of::<[u32; 4]>() == 16);
+    assert!(size_of::<EndpointValue>() == 8);
+    assert!(size_of::<FlowKey>() == 8);
+    assert!(size_of::<FlowValue>() == 16);
+    assert!(align_of::<FlowValue>() == 8);
+};
+
+#[cfg(feature = "user")]
+mod user {
+    use super::{EndpointKey, EndpointValue, FlowKey, FlowValue};
+
+    // SAFETY: `#[repr(C)]`, only integer fields, no implicit padding (the sizes are
+    // asserted above), so every bit pattern is a valid value and every byte is
+    // initialized.
+    unsafe impl aya::Pod for EndpointKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for EndpointValue {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FlowKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FlowValue {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v4_keys_round_trip_and_zero_the_tail() {
+        let ip: IpAddr = Ipv4Addr::new(198, 18, 0, 7).into();
+        let key = EndpointKey::from(ip);
+        assert_eq!(key.family, family::IPV4);
+        assert_eq!(&key.octets()[..4], &[198, 18, 0, 7]);
+        assert_eq!(&key.octets()[4..], &[0; 12]);
+        assert_eq!(key.ip(), Some(ip));
+    }
+
+    #[test]
+    fn v6_keys_round_trip() {
+        let ip: IpAddr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 7).into();
+        assert_eq!(EndpointKey::from(ip).ip(), Some(ip));
+    }
+
+    #[test]
+    fn malformed_keys_have_no_address() {
+        let mut key = EndpointKey::v4([1, 2, 3, 4]);
+        key.addr[3] = 1;
+        assert_eq!(key.ip(), None);
+        let mut key = EndpointKey::v4([1, 2, 3, 4]);
+        key.family = 5;
+        assert_eq!(key.ip(), None);
+    }
+}

@@ -1,0 +1,342 @@
+//! Attaching census's programs to interfaces with TCX, one pinned link per hook,
+//! adopted (not duplicated) when the agent restarts.
+//!
+//! Interface names are resolved in the calling thread's network namespace.
+
+use std::{
+    fmt, fs,
+    path::{Path, PathBuf},
+};
+
+use aya::programs::{
+    LinkOrder, SchedClassifier, TcAttachType,
+    links::{FdLink, PinnedLink},
+    tc::{SchedClassifierLink, TcAttachOptions},
+};
+use census_common::{PROGRAM_EGRESS, PROGRAM_INGRESS};
+use nix::net::if_::if_nametoindex;
+
+use super::{
+    Datapath, Error,
+    pins::{detach_and_unpin, open_tcx_link, parse_link_name},
+    sys,
+};
+
+/// A hook on the host side of an endpoint's interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    /// Packets the endpoint sends (they arrive on the host side).
+    Ingress,
+    /// Packets the endpoint receives (they leave through the host side).
+    Egress,
+}
+
+impl Direction {
+    pub const BOTH: [Self; 2] = [Self::Ingress, Self::Egress];
+
+    /// The program that runs on this hook.
+    pub const fn program(self) -> &'static str {
+        match self {
+            Self::Ingress => PROGRAM_INGRESS,
+            Self::Egress => PROGRAM_EGRESS,
+        }
+    }
+
+    const fn attach_type(self) -> TcAttachType {
+        match self {
+            Self::Ingress => TcAttachType::Ingress,
+            Self::Egress => TcAttachType::Egress,
+        }
+    }
+
+    /// `enum bpf_attach_type`'s BPF_TCX_INGRESS / BPF_TCX_EGRESS.
+    const fn tcx_attach_type(self) -> u32 {
+        match self {
+            Self::Ingress => 46,
+            Self::Egress => 47,
+        }
+    }
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Ingress => "ingress",
+            Self::Egress => "egress",
+        })
+    }
+}
+
+/// What [`Datapath::attach`] did on one hook.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachOutcome {
+    /// A new link was created and pinned.
+    Attached,
+    /// The pinned link was already on this interface: it now runs this agent's
+    /// program (replaced atomically), and no second program was attached.
+    Adopted,
+    /// The pinned link belonged to an interface that is gone or was replaced
+    /// under the same name: it was removed and a new link attached.
+    ReplacedStale,
+}
+
+/// One pinned link, as found in the pin directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub interface: String,
+    pub direction: Direction,
+    pub pin: PathBuf,
+    pub link_id: u32,
+    pub program_id: u32,
+    pub state: AttachmentState,
+}
+
+/// Whether a pinned link still runs on the interface its pin is named after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachmentState {
+    /// Attached to the interface of that name, here.
+    Attached { ifindex: u32 },
+    /// Its interface was deleted: the link is defunct and its pin is stale.
+    Defunct,
+    /// Attached to an interface that does not have that name in this network
+    /// namespace (renamed, or seen from another namespace). Left alone.
+    Elsewhere { ifindex: u32 },
+}
+
+/// Checks `name` is a valid Linux interface name (as `dev_valid_name` does),
+/// which also makes it a safe pin file name.
+fn check_interface_name(name: &str) -> Result<(), Error> {
+    let invalid = |reason| {
+        Err(Error::InvalidInterfaceName {
+            name: name.to_owned(),
+            reason,
+        })
+    };
+    if name.is_empty() {
+        return invalid("empty");
+    }
+    if name.len() > 15 {
+        return invalid("longer than 15 bytes");
+    }
+    if name == "." || name == ".." {
+        return invalid("not a name");
+    }
+    if name
+        .chars()
+        .any(|c| c == '/' || c == ':' || c == '\0' || c.is_whitespace())
+    {
+        return invalid("contains '/', ':', NUL or whitespace");
+    }
+    Ok(())
+}
+
+fn ifindex(name: &str) -> Result<u32, Error> {
+    if_nametoindex(name).map_err(|source| Error::InterfaceNotFound {
+        name: name.to_owned(),
+        source,
+    })
+}
+
+impl Datapath {
+    /// Attaches census to both hooks of `interface` (the host side of an
+    /// endpoint's interface, in this thread's network namespace) with TCX, ahead
+    /// of any other program there, and pins each link under `links/`.
+    ///
+    /// Idempotent: a hook whose pinned link is already on this interface is
+    /// adopted (its program atomically replaced by this agent's), so exactly one
+    /// census program runs per hook.
+    pub fn attach(&mut self, interface: &str) -> Result<[(Direction, AttachOutcome); 2], Error> {
+        check_interface_name(interface)?;
+        let ifindex = ifindex(interface)?;
+        let ingress = self.attach_one(interface, ifindex, Direction::Ingress)?;
+        let egress = self.attach_one(interface, ifindex, Direction::Egress)?;
+        Ok([(Direction::Ingress, ingress), (Direction::Egress, egress)])
+    }
+
+    fn attach_one(
+        &mut self,
+        interface: &str,
+        ifindex: u32,
+        direction: Direction,
+    ) -> Result<AttachOutcome, Error> {
+        let path = self.pins.link(interface, direction);
+        let mut outcome = AttachOutcome::Attached;
+        if path.exists() {
+            let info = pinned_link_info(&path)?;
+            if info.tcx_ifindex == ifindex && info.tcx_attach_type == direction.tcx_attach_type() {
+                self.adopt(interface, &path, direction)?;
+                return Ok(AttachOutcome::Adopted);
+            }
+            tracing::info!(
+                interface,
+                %direction,
+                pinned_ifindex = info.tcx_ifindex,
+                ifindex,
+                "replacing a stale census link"
+            );
+            detach_and_unpin(&path)?;
+            outcome = AttachOutcome::ReplacedStale;
+        }
+
+        let attach_error = |source| Error::Attach {
+            interface: interface.to_owned(),
+            direction,
+            source,
+        };
+        let program = self.program_mut(direction)?;
+        let link_id = program
+            .attach_with_options(
+                interface,
+                direction.attach_type(),
+                TcAttachOptions::TcxOrder(LinkOrder::first()),
+            )
+            .map_err(attach_error)?;
+        let link = program.take_link(link_id).map_err(attach_error)?;
+        let link = FdLink::try_from(link).map_err(|source| Error::LinkHandle {
+            interface: interface.to_owned(),
+            direction,
+            path: path.clone(),
+            source,
+        })?;
+        // Dropping the pinned link closes our descriptor; the pin keeps it attached.
+        link.pin(&path).map_err(|source| Error::PinLink {
+            interface: interface.to_owned(),
+            direction,
+            path: path.clone(),
+            source,
+        })?;
+        Ok(outcome)
+    }
+
+    /// Makes the link pinned at `path` run this agent's program.
+    fn adopt(&mut self, interface: &str, path: &Path, direction: Direction) -> Result<(), Error> {
+        let link_error = |source| Error::LinkHandle {
+            interface: interface.to_owned(),
+            direction,
+            path: path.to_owned(),
+            source,
+        };
+        let pinned = PinnedLink::from_pin(path).map_err(link_error)?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(link_error)?;
+        let program_error = |source| Error::Program {
+            program: direction.program(),
+            source,
+        };
+        let program = self.program_mut(direction)?;
+        let link_id = program.attach_to_link(link).map_err(program_error)?;
+        // Closing our descriptor keeps the link: it is pinned.
+        drop(program.take_link(link_id).map_err(program_error)?);
+        Ok(())
+    }
+
+    fn program_mut(&mut self, direction: Direction) -> Result<&mut SchedClassifier, Error> {
+        let name = direction.program();
+        let program = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(Error::MissingFromObject {
+                kind: "program",
+                name,
+            })?;
+        program.try_into().map_err(|source| Error::Program {
+            program: name,
+            source,
+        })
+    }
+
+    /// Detaches census from both hooks of `interface` and removes their pins;
+    /// `false` if it was not attached. Works also when the interface is gone.
+    pub fn detach(&mut self, interface: &str) -> Result<bool, Error> {
+        check_interface_name(interface)?;
+        let mut detached = false;
+        for direction in Direction::BOTH {
+            let path = self.pins.link(interface, direction);
+            if path.exists() {
+                detach_and_unpin(&path)?;
+                detached = true;
+            }
+        }
+        Ok(detached)
+    }
+
+    /// Every link pinned in the pin directory, with its state as seen from this
+    /// thread's network namespace, ordered by interface and direction.
+    pub fn attachments(&self) -> Result<Vec<Attachment>, Error> {
+        let dir = self.pins.links_dir();
+        let io_error = |source| Error::Io {
+            operation: "reading directory",
+            path: dir.clone(),
+            source,
+        };
+        let mut attachments = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(io_error)? {
+            let pin = entry.map_err(io_error)?.path();
+            let Some((interface, direction)) = pin
+                .file_name()
+                .and_then(|name| name.to_str())
+                .and_then(parse_link_name)
+            else {
+                continue;
+            };
+            let info = pinned_link_info(&pin)?;
+            let state = match (info.tcx_ifindex, if_nametoindex(interface)) {
+                (0, _) => AttachmentState::Defunct,
+                (ifindex, Ok(current)) if current == ifindex => {
+                    AttachmentState::Attached { ifindex }
+                }
+                (ifindex, _) => AttachmentState::Elsewhere { ifindex },
+            };
+            attachments.push(Attachment {
+                interface: interface.to_owned(),
+                direction,
+                link_id: info.id,
+                program_id: info.prog_id,
+                state,
+                pin,
+            });
+        }
+        attachments.sort_by(|a, b| (&a.interface, a.direction).cmp(&(&b.interface, b.direction)));
+        Ok(attachments)
+    }
+
+    /// Removes the pins of links whose interface was deleted, and returns them.
+    pub fn prune_defunct(&mut self) -> Result<Vec<Attachment>, Error> {
+        let mut pruned = Vec::new();
+        for attachment in self.attachments()? {
+            if attachment.state == AttachmentState::Defunct {
+                detach_and_unpin(&attachment.pin)?;
+                pruned.push(attachment);
+            }
+        }
+        Ok(pruned)
+    }
+}
+
+fn pinned_link_info(path: &Path) -> Result<sys::LinkInfo, Error> {
+    open_tcx_link(path).map(|(_, info)| info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_real_interface_names() {
+        for name in ["eth0", "lxc1234abcd5678", "veth-a.b_c"] {
+            assert!(check_interface_name(name).is_ok(), "{name}");
+        }
+    }
+
+    #[test]
+    fn rejects_names_the_kernel_rejects() {
+        for name in ["", ".", "..", "a/b", "a:b", "a b", "sixteen-bytes-xx"] {
+            assert!(
+                matches!(
+                    check_interface_name(name),
+                    Err(Error::InvalidInterfaceName { .. })
+                ),
+                "{name}"
+            );
+        }
+    }
+}

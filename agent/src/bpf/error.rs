@@ -1,0 +1,191 @@
+//! The one error type of the BPF layer.
+
+use std::{fmt, io, net::IpAddr, path::PathBuf};
+
+use super::{Direction, maps::MapShape};
+
+/// Everything that can go wrong between the agent and the kernel's BPF side.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("the eBPF object is not built: run `cargo xtask build-ebpf`, then rebuild the agent")]
+    ObjectNotBuilt,
+
+    #[error("cannot read the capabilities of this process from {path}")]
+    ReadCapabilities {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error(
+        "missing capabilities: {missing}; loading census's datapath needs CAP_BPF, \
+         CAP_NET_ADMIN and CAP_PERFMON (run as root, or grant them to the agent)"
+    )]
+    MissingCapabilities { missing: CapabilityList },
+
+    #[error(
+        "{path} is not on a BPF file system (bpffs) and no bpffs can be mounted there \
+         (it is not an empty directory): mount one with `mount -t bpf bpf {path}`"
+    )]
+    NotBpffs { path: PathBuf },
+
+    #[error("mounting a BPF file system (bpffs) on {path} failed")]
+    MountBpffs {
+        path: PathBuf,
+        #[source]
+        source: nix::Error,
+    },
+
+    #[error("{operation} {path} failed")]
+    Io {
+        operation: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error(
+        "the maps pinned in {pin_dir} have layout version {found}, this agent reads layout \
+         {expected}: refusing to use them; run `census uninstall` (or an agent of the same \
+         version) to remove them"
+    )]
+    LayoutMismatch {
+        pin_dir: PathBuf,
+        found: u32,
+        expected: u32,
+    },
+
+    #[error(
+        "{path} is not census's layout-version map (expected {expected}, found {found}): \
+         refusing to use the maps pinned beside it"
+    )]
+    UnrecognizedMeta {
+        path: PathBuf,
+        expected: MapShape,
+        found: MapShape,
+    },
+
+    #[error(
+        "maps are pinned in {pin_dir} but their layout version map {meta} is missing: \
+         refusing to guess their layout; remove them with `census uninstall`"
+    )]
+    UnversionedPins {
+        pin_dir: PathBuf,
+        meta: &'static str,
+    },
+
+    #[error(
+        "the map pinned at {path} does not have layout {layout}'s shape (expected {expected}, \
+         found {found}): refusing to use it"
+    )]
+    PinnedMapMismatch {
+        path: PathBuf,
+        layout: u32,
+        expected: MapShape,
+        found: MapShape,
+    },
+
+    #[error("loading the eBPF object failed")]
+    Load(#[source] aya::EbpfError),
+
+    #[error("the eBPF object has no {kind} named {name}")]
+    MissingFromObject {
+        kind: &'static str,
+        name: &'static str,
+    },
+
+    #[error("the kernel refused program {program}: {source}\nverifier log:\n{verifier_log}")]
+    ProgramRejected {
+        program: &'static str,
+        #[source]
+        source: io::Error,
+        verifier_log: String,
+    },
+
+    #[error("program {program}")]
+    Program {
+        program: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+
+    #[error("map {map}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+
+    #[error("invalid interface name {name:?}: {reason}")]
+    InvalidInterfaceName { name: String, reason: &'static str },
+
+    #[error("interface {name} does not exist in this network namespace")]
+    InterfaceNotFound {
+        name: String,
+        #[source]
+        source: nix::Error,
+    },
+
+    #[error("attaching census to {interface} ({direction}) failed")]
+    Attach {
+        interface: String,
+        direction: Direction,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+
+    #[error("the object pinned at {path} is not a TCX link (link type {link_type})")]
+    NotTcxLink { path: PathBuf, link_type: u32 },
+
+    #[error("pinning the link of {interface} ({direction}) at {path} failed")]
+    PinLink {
+        interface: String,
+        direction: Direction,
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+
+    #[error("using the link of {interface} ({direction}) pinned at {path} failed")]
+    LinkHandle {
+        interface: String,
+        direction: Direction,
+        path: PathBuf,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+
+    #[error("{operation} of the link pinned at {path} failed")]
+    Link {
+        operation: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("invalid endpoint {ip}: {reason}")]
+    InvalidEndpoint { ip: IpAddr, reason: &'static str },
+
+    #[error("enabling the kernel's BPF run-time statistics failed")]
+    EnableStats {
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("running program {program} with BPF_PROG_TEST_RUN failed")]
+    TestRun {
+        program: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+}
+
+/// Names of missing capabilities, for [`Error::MissingCapabilities`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapabilityList(pub Vec<&'static str>);
+
+impl fmt::Display for CapabilityList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join(", "))
+    }
+}

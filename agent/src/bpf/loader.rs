@@ -1,0 +1,224 @@
+//! Loading the object: maps reused from their pins (or created and pinned), and
+//! both programs verified by the kernel.
+
+use std::{
+    fmt,
+    os::fd::OwnedFd,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, Map, MapData},
+    programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
+};
+use census_common::{ENDPOINTS_MAP, FLOWS_MAP, META_MAP};
+
+use super::{
+    Direction, Error,
+    maps::{EndpointsMap, FlowsMap},
+    object,
+    pins::{self, Layout, Pins},
+    privileges,
+};
+
+/// census's datapath on this node: the loaded programs and the pinned maps.
+///
+/// Dropping it closes this process's descriptors only: maps and links stay
+/// pinned, and the programs keep running on the interfaces they are attached to.
+/// [`uninstall`](super::uninstall) removes everything.
+pub struct Datapath {
+    pub(super) pins: Pins,
+    pub(super) ebpf: Ebpf,
+    pub(super) endpoints: EndpointsMap,
+    pub(super) flows: FlowsMap,
+}
+
+impl fmt::Debug for Datapath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Datapath")
+            .field("pin_dir", &self.pins.dir())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Datapath {
+    /// Loads census's programs, reusing the maps pinned in `pin_dir` (by default
+    /// [`DEFAULT_PIN_DIR`](super::DEFAULT_PIN_DIR)) or creating and pinning them.
+    ///
+    /// Fails clearly, before loading anything, without the needed capabilities,
+    /// without a BPF file system (one is mounted on an empty `/sys/fs/bpf`), or
+    /// when the pinned maps are of another layout version; fails with the
+    /// verifier's log when the kernel refuses a program. Already attached links
+    /// are adopted by [`Datapath::attach`].
+    pub fn open(pin_dir: impl AsRef<Path>) -> Result<Self, Error> {
+        let pins = Pins::new(pin_dir.as_ref());
+        let bytes = object::bytes()?;
+        privileges::check_capabilities()?;
+        privileges::ensure_bpffs(pins.dir())?;
+        pins.create()?;
+        let layout = pins::check_layout(&pins)?;
+
+        let map_pins: Vec<(&'static str, PathBuf)> = [META_MAP, ENDPOINTS_MAP, FLOWS_MAP]
+            .into_iter()
+            .map(|name| (name, pins.map(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &map_pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(bytes).map_err(Error::Load)?;
+        for direction in Direction::BOTH {
+            load_program(&mut ebpf, direction.program())?;
+        }
+
+        let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
+        pins::stamp_layout(&mut meta)?;
+        let endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
+        let flows: FlowsMap = take_map(&mut ebpf, FLOWS_MAP)?;
+        tracing::info!(
+            pin_dir = %pins.dir().display(),
+            reused = layout == Layout::Current,
+            "census datapath loaded"
+        );
+        Ok(Self {
+            pins,
+            ebpf,
+            endpoints,
+            flows,
+        })
+    }
+
+    /// The directory everything is pinned in.
+    pub fn pin_dir(&self) -> &Path {
+        self.pins.dir()
+    }
+
+    /// The kernel's run statistics of the program of `direction`.
+    pub fn program_stats(&self, direction: Direction) -> Result<ProgramStats, Error> {
+        let program = direction.program();
+        let classifier: &SchedClassifier = self
+            .ebpf
+            .program(program)
+            .ok_or(Error::MissingFromObject {
+                kind: "program",
+                name: program,
+            })?
+            .try_into()
+            .map_err(|source| Error::Program { program, source })?;
+        let info = classifier
+            .info()
+            .map_err(|source| Error::Program { program, source })?;
+        Ok(ProgramStats {
+            run_count: info.run_count(),
+            run_time: info.run_time(),
+        })
+    }
+
+    /// Runs the program of `direction` on `packet` (an Ethernet frame)
+    /// `repeat` times in the kernel (`BPF_PROG_TEST_RUN`), against the live
+    /// maps: counted packets land in FLOWS. For benchmarks.
+    pub fn test_run(
+        &mut self,
+        direction: Direction,
+        packet: &[u8],
+        repeat: u32,
+    ) -> Result<TestRunOutcome, Error> {
+        let program = direction.program();
+        let classifier: &SchedClassifier = self
+            .ebpf
+            .program(program)
+            .ok_or(Error::MissingFromObject {
+                kind: "program",
+                name: program,
+            })?
+            .try_into()
+            .map_err(|source| Error::Program { program, source })?;
+        let result = classifier
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                repeat,
+                ..TestRunOptions::default()
+            })
+            .map_err(|source| Error::TestRun { program, source })?;
+        Ok(TestRunOutcome {
+            // TC verdicts are signed; census returns TC_ACT_UNSPEC (-1).
+            return_value: result.return_value.cast_signed(),
+            mean_duration: result.duration,
+        })
+    }
+}
+
+/// Cumulative run statistics of one program, kept by the kernel while run-time
+/// statistics are enabled (see [`enable_run_time_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProgramStats {
+    pub run_count: u64,
+    pub run_time: Duration,
+}
+
+impl ProgramStats {
+    /// Mean run time per run between `earlier` and `self`; `None` without runs.
+    pub fn mean_since(&self, earlier: &Self) -> Option<Duration> {
+        let runs = self.run_count.checked_sub(earlier.run_count)?;
+        let time = self.run_time.checked_sub(earlier.run_time)?;
+        let runs = u32::try_from(runs).ok().filter(|&runs| runs > 0)?;
+        Some(time / runs)
+    }
+}
+
+/// Makes the kernel account run time and count of every BPF program
+/// (`BPF_ENABLE_STATS`) for as long as the returned descriptor is open. It
+/// costs two clock reads per program run.
+pub fn enable_run_time_stats() -> Result<OwnedFd, Error> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|source| Error::EnableStats {
+        source: source.io_error,
+    })
+}
+
+/// The result of [`Datapath::test_run`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TestRunOutcome {
+    pub return_value: i32,
+    /// The kernel's mean run time of one repetition.
+    pub mean_duration: Duration,
+}
+
+fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {
+    let classifier: &mut SchedClassifier = ebpf
+        .program_mut(name)
+        .ok_or(Error::MissingFromObject {
+            kind: "program",
+            name,
+        })?
+        .try_into()
+        .map_err(|source| Error::Program {
+            program: name,
+            source,
+        })?;
+    classifier.load().map_err(|source| match source {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => Error::ProgramRejected {
+            program: name,
+            source: io_error,
+            verifier_log: verifier_log.to_string(),
+        },
+        source => Error::Program {
+            program: name,
+            source,
+        },
+    })
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error>
+where
+    T: TryFrom<Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .take_map(name)
+        .ok_or(Error::MissingFromObject { kind: "map", name })?;
+    T::try_from(map).map_err(|source| Error::Map { map: name, source })
+}

@@ -1,0 +1,346 @@
+//! The ENDPOINTS and FLOWS maps, in domain terms.
+
+use std::{collections::BTreeMap, fmt, io, net::IpAddr, ops::BitOr};
+
+use aya::{
+    maps::{HashMap, MapData, MapError, MapType, PerCpuHashMap},
+    sys::SyscallError,
+};
+use census_common::{
+    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, flags, identity,
+};
+
+use super::{Datapath, Error};
+
+/// What ENDPOINTS says about one address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub identity: u32,
+    pub flags: EndpointFlags,
+}
+
+impl Endpoint {
+    /// An endpoint on this node, behind an interface census is attached to.
+    pub const fn local(identity: u32) -> Self {
+        Self {
+            identity,
+            flags: EndpointFlags::LOCAL,
+        }
+    }
+
+    /// An endpoint on another node.
+    pub const fn remote(identity: u32) -> Self {
+        Self {
+            identity,
+            flags: EndpointFlags::REMOTE,
+        }
+    }
+
+    /// One of this node's own addresses.
+    pub const fn host() -> Self {
+        Self {
+            identity: identity::HOST,
+            flags: EndpointFlags::HOST,
+        }
+    }
+
+    fn check(self, ip: IpAddr) -> Result<(), Error> {
+        let invalid = |reason| Err(Error::InvalidEndpoint { ip, reason });
+        let flags = self.flags;
+        if self.identity == identity::INVALID {
+            return invalid("identity 0 is not an identity");
+        }
+        if flags.bits() & !flags::ALL != 0 {
+            return invalid("unknown flags");
+        }
+        let places = [
+            EndpointFlags::LOCAL,
+            EndpointFlags::REMOTE,
+            EndpointFlags::HOST,
+        ]
+        .into_iter()
+        .filter(|&flag| flags.contains(flag))
+        .count();
+        if places != 1 {
+            return invalid("exactly one of LOCAL, REMOTE and HOST must be set");
+        }
+        if flags.contains(EndpointFlags::HOST) != (self.identity == identity::HOST) {
+            return invalid("the host identity (1) goes with the HOST flag, and only with it");
+        }
+        Ok(())
+    }
+
+    fn to_value(self) -> EndpointValue {
+        EndpointValue {
+            identity: self.identity,
+            flags: self.flags.bits(),
+        }
+    }
+
+    const fn from_value(value: EndpointValue) -> Self {
+        Self {
+            identity: value.identity,
+            flags: EndpointFlags(value.flags),
+        }
+    }
+}
+
+/// The flags of an [`Endpoint`]; unknown bits read from a map are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct EndpointFlags(u32);
+
+impl EndpointFlags {
+    pub const LOCAL: Self = Self(flags::LOCAL);
+    pub const REMOTE: Self = Self(flags::REMOTE);
+    pub const HOST: Self = Self(flags::HOST);
+
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    pub const fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for EndpointFlags {
+    type Output = Self;
+
+    fn bitor(self, rhs: Self) -> Self {
+        Self(self.0 | rhs.0)
+    }
+}
+
+/// Traffic of one (source identity, destination identity) pair, summed over
+/// CPUs. `packets` counts GSO segments; `bytes` includes link-layer headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Flow {
+    pub src_identity: u32,
+    pub dst_identity: u32,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// The kind and sizes of a map, compared with what a layout expects.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MapShape {
+    /// `None` for a map type aya does not know.
+    pub map_type: Option<MapType>,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+}
+
+impl fmt::Display for MapShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            map_type,
+            key_size,
+            value_size,
+            max_entries,
+        } = self;
+        match map_type {
+            Some(map_type) => write!(f, "{map_type:?}")?,
+            None => f.write_str("unknown type")?,
+        }
+        write!(
+            f,
+            " map, key {key_size} B, value {value_size} B, {max_entries} entries"
+        )
+    }
+}
+
+pub(super) type EndpointsMap = HashMap<MapData, EndpointKey, EndpointValue>;
+pub(super) type FlowsMap = PerCpuHashMap<MapData, FlowKey, FlowValue>;
+
+fn is_not_found(error: &MapError) -> bool {
+    match error {
+        MapError::KeyNotFound | MapError::ElementNotFound => true,
+        MapError::SyscallError(SyscallError { io_error, .. }) => {
+            io_error.kind() == io::ErrorKind::NotFound
+        }
+        _ => false,
+    }
+}
+
+fn endpoints_error(source: MapError) -> Error {
+    Error::Map {
+        map: ENDPOINTS_MAP,
+        source,
+    }
+}
+
+fn flows_error(source: MapError) -> Error {
+    Error::Map {
+        map: FLOWS_MAP,
+        source,
+    }
+}
+
+impl Datapath {
+    /// Writes (creates or replaces) the entry of `ip`.
+    pub fn upsert_endpoint(&mut self, ip: IpAddr, endpoint: Endpoint) -> Result<(), Error> {
+        endpoint.check(ip)?;
+        self.endpoints
+            .insert(EndpointKey::from(ip), endpoint.to_value(), 0)
+            .map_err(endpoints_error)
+    }
+
+    /// Removes the entry of `ip`; `false` if there was none.
+    pub fn delete_endpoint(&mut self, ip: IpAddr) -> Result<bool, Error> {
+        self.delete_endpoint_key(&EndpointKey::from(ip))
+    }
+
+    /// Removes an entry by its raw key, for keys that [`EndpointKey::ip`] cannot
+    /// read (not written by census); `false` if there was none.
+    pub fn delete_endpoint_key(&mut self, key: &EndpointKey) -> Result<bool, Error> {
+        match self.endpoints.remove(key) {
+            Ok(()) => Ok(true),
+            Err(error) if is_not_found(&error) => Ok(false),
+            Err(error) => Err(endpoints_error(error)),
+        }
+    }
+
+    /// The entry of `ip`, if any.
+    pub fn endpoint(&self, ip: IpAddr) -> Result<Option<Endpoint>, Error> {
+        match self.endpoints.get(&EndpointKey::from(ip), 0) {
+            Ok(value) => Ok(Some(Endpoint::from_value(value))),
+            Err(error) if is_not_found(&error) => Ok(None),
+            Err(error) => Err(endpoints_error(error)),
+        }
+    }
+
+    /// Every entry, by raw key (`EndpointKey::ip` gives the address of the keys
+    /// census writes). A key deleted while the map is walked may be missing.
+    pub fn endpoints(&self) -> Result<BTreeMap<EndpointKey, Endpoint>, Error> {
+        let mut entries = BTreeMap::new();
+        for entry in self.endpoints.iter() {
+            match entry {
+                Ok((key, value)) => {
+                    entries.insert(key, Endpoint::from_value(value));
+                }
+                Err(error) if is_not_found(&error) => {}
+                Err(error) => return Err(endpoints_error(error)),
+            }
+        }
+        Ok(entries)
+    }
+
+    /// The counters of one identity pair, summed over CPUs.
+    pub fn flow(&self, src_identity: u32, dst_identity: u32) -> Result<Option<Flow>, Error> {
+        let key = FlowKey {
+            src_identity,
+            dst_identity,
+        };
+        match self.flows.get(&key, 0) {
+            Ok(per_cpu) => Ok(Some(sum(key, per_cpu.iter()))),
+            Err(error) if is_not_found(&error) => Ok(None),
+            Err(error) => Err(flows_error(error)),
+        }
+    }
+
+    /// Every identity pair's counters, summed over CPUs, ordered by pair. The map
+    /// evicts least recently used pairs when full, and the walk is not atomic: a
+    /// pair evicted meanwhile is missing, never counted twice.
+    pub fn flows(&self) -> Result<Vec<Flow>, Error> {
+        let mut flows = BTreeMap::new();
+        for entry in self.flows.iter() {
+            match entry {
+                Ok((key, per_cpu)) => {
+                    flows.insert(key, sum(key, per_cpu.iter()));
+                }
+                Err(error) if is_not_found(&error) => {}
+                Err(error) => return Err(flows_error(error)),
+            }
+        }
+        Ok(flows.into_values().collect())
+    }
+}
+
+fn sum<'a>(key: FlowKey, per_cpu: impl Iterator<Item = &'a FlowValue>) -> Flow {
+    per_cpu.fold(
+        Flow {
+            src_identity: key.src_identity,
+            dst_identity: key.dst_identity,
+            packets: 0,
+            bytes: 0,
+        },
+        |flow, value| Flow {
+            packets: flow.packets.wrapping_add(value.packets),
+            bytes: flow.bytes.wrapping_add(value.bytes),
+            ..flow
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+
+    const IP: IpAddr = IpAddr::V4(Ipv4Addr::new(198, 18, 0, 2));
+
+    #[test]
+    fn constructors_make_valid_endpoints() {
+        for endpoint in [
+            Endpoint::local(256),
+            Endpoint::remote(300),
+            Endpoint::host(),
+        ] {
+            assert!(endpoint.check(IP).is_ok(), "{endpoint:?}");
+        }
+    }
+
+    #[test]
+    fn rejects_inconsistent_endpoints() {
+        let bad = [
+            Endpoint::local(0),
+            Endpoint::local(identity::HOST),
+            Endpoint {
+                identity: 256,
+                flags: EndpointFlags::HOST,
+            },
+            Endpoint {
+                identity: 256,
+                flags: EndpointFlags::LOCAL | EndpointFlags::REMOTE,
+            },
+            Endpoint {
+                identity: 256,
+                flags: EndpointFlags::default(),
+            },
+            Endpoint {
+                identity: 256,
+                flags: EndpointFlags(1 << 7) | EndpointFlags::LOCAL,
+            },
+        ];
+        for endpoint in bad {
+            assert!(
+                matches!(endpoint.check(IP), Err(Error::InvalidEndpoint { .. })),
+                "{endpoint:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn sums_over_cpus() {
+        let key = FlowKey {
+            src_identity: 256,
+            dst_identity: 257,
+        };
+        let values = [
+            FlowValue {
+                packets: 2,
+                bytes: 100,
+            },
+            FlowValue::default(),
+            FlowValue {
+                packets: 3,
+                bytes: 50,
+            },
+        ];
+        let flow = sum(key, values.iter());
+        assert_eq!((flow.packets, flow.bytes), (5, 150));
+        assert_eq!((flow.src_identity, flow.dst_identity), (256, 257));
+    }
+}

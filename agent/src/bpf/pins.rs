@@ -1,0 +1,365 @@
+//! Where census pins its maps and links, the layout version guarding them, and
+//! uninstall.
+//!
+//! ```text
+//! <pin dir>/CENSUS_META            array[1] of u32: the layout version
+//! <pin dir>/ENDPOINTS              address -> identity + flags
+//! <pin dir>/FLOWS                  (src identity, dst identity) -> packets, bytes
+//! <pin dir>/links/<if>-ingress     TCX link of census_ingress on interface <if>
+//! <pin dir>/links/<if>-egress      TCX link of census_egress on interface <if>
+//! ```
+
+use std::{
+    fs, io,
+    os::fd::{AsFd as _, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+use aya::maps::{Array, MapData, MapError, MapInfo, MapType};
+use census_common::{
+    ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES,
+    FlowKey, FlowValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES,
+};
+
+use super::{Direction, Error, maps::MapShape, privileges, sys};
+
+/// Where the agent pins everything by default.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
+
+const LINKS_DIR: &str = "links";
+
+/// Paths under one pin directory.
+#[derive(Debug, Clone)]
+pub(super) struct Pins {
+    dir: PathBuf,
+}
+
+impl Pins {
+    pub(super) fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+        }
+    }
+
+    pub(super) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub(super) fn map(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    pub(super) fn links_dir(&self) -> PathBuf {
+        self.dir.join(LINKS_DIR)
+    }
+
+    pub(super) fn link(&self, interface: &str, direction: Direction) -> PathBuf {
+        self.links_dir().join(format!("{interface}-{direction}"))
+    }
+
+    /// Creates the pin directory and its `links/`.
+    pub(super) fn create(&self) -> Result<(), Error> {
+        let links = self.links_dir();
+        fs::create_dir_all(&links).map_err(|source| Error::Io {
+            operation: "creating pin directory",
+            path: links,
+            source,
+        })
+    }
+}
+
+/// Splits a link pin's file name into interface and direction.
+pub(super) fn parse_link_name(name: &str) -> Option<(&str, Direction)> {
+    let (interface, direction) = name.rsplit_once('-')?;
+    let direction = match direction {
+        "ingress" => Direction::Ingress,
+        "egress" => Direction::Egress,
+        _ => return None,
+    };
+    (!interface.is_empty()).then_some((interface, direction))
+}
+
+/// The shape this layout gives each pinned map.
+pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
+    let shape = |map_type, key: usize, value: usize, max_entries| MapShape {
+        map_type: Some(map_type),
+        key_size: key as u32,
+        value_size: value as u32,
+        max_entries,
+    };
+    match map {
+        META_MAP => Some(shape(MapType::Array, 4, 4, META_MAX_ENTRIES)),
+        ENDPOINTS_MAP => Some(shape(
+            MapType::Hash,
+            size_of::<EndpointKey>(),
+            size_of::<EndpointValue>(),
+            ENDPOINTS_MAX_ENTRIES,
+        )),
+        FLOWS_MAP => Some(shape(
+            MapType::LruPerCpuHash,
+            size_of::<FlowKey>(),
+            size_of::<FlowValue>(),
+            FLOWS_MAX_ENTRIES,
+        )),
+        _ => None,
+    }
+}
+
+fn shape_of(info: &MapInfo) -> MapShape {
+    MapShape {
+        map_type: info.map_type().ok(),
+        key_size: info.key_size(),
+        value_size: info.value_size(),
+        max_entries: info.max_entries(),
+    }
+}
+
+fn meta_error(source: MapError) -> Error {
+    Error::Map {
+        map: META_MAP,
+        source,
+    }
+}
+
+/// What the pin directory holds before the object is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Layout {
+    /// Nothing pinned yet: the loader creates and pins every map.
+    Fresh,
+    /// Maps of this layout (or a meta map not stamped yet): reuse them.
+    Current,
+}
+
+/// Reads the layout version pinned in `pins` and checks every pinned map has
+/// the shape this layout expects, before anything is loaded: a newer or older
+/// agent's maps are refused, never misread.
+pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
+    let meta_path = pins.map(META_MAP);
+    let data_maps = [ENDPOINTS_MAP, FLOWS_MAP];
+    if !meta_path.exists() {
+        if data_maps.iter().any(|map| pins.map(map).exists()) {
+            return Err(Error::UnversionedPins {
+                pin_dir: pins.dir().to_owned(),
+                meta: META_MAP,
+            });
+        }
+        return Ok(Layout::Fresh);
+    }
+
+    let found = pinned_layout(&meta_path)?;
+    if found != 0 && found != LAYOUT_VERSION {
+        return Err(Error::LayoutMismatch {
+            pin_dir: pins.dir().to_owned(),
+            found,
+            expected: LAYOUT_VERSION,
+        });
+    }
+    for map in data_maps {
+        let path = pins.map(map);
+        if !path.exists() {
+            continue;
+        }
+        let info = MapInfo::from_pin(&path).map_err(|source| Error::Map { map, source })?;
+        let found = shape_of(&info);
+        if let Some(expected) = expected_shape(map)
+            && found != expected
+        {
+            return Err(Error::PinnedMapMismatch {
+                path,
+                layout: LAYOUT_VERSION,
+                expected,
+                found,
+            });
+        }
+    }
+    Ok(Layout::Current)
+}
+
+/// The layout version recorded in the meta map pinned at `path` (0: not stamped).
+fn pinned_layout(path: &Path) -> Result<u32, Error> {
+    let info = MapInfo::from_pin(path).map_err(meta_error)?;
+    let found = shape_of(&info);
+    // Only the kind and sizes are frozen; the entry count may grow one day.
+    if let Some(expected) = expected_shape(META_MAP)
+        && (found.map_type != expected.map_type
+            || found.key_size != expected.key_size
+            || found.value_size != expected.value_size
+            || found.max_entries < 1)
+    {
+        return Err(Error::UnrecognizedMeta {
+            path: path.to_owned(),
+            expected,
+            found,
+        });
+    }
+    let meta: Array<MapData, u32> = MapData::from_pin(path)
+        .and_then(|data| Array::try_from(aya::maps::Map::Array(data)))
+        .map_err(meta_error)?;
+    meta.get(&META_LAYOUT_INDEX, 0).map_err(meta_error)
+}
+
+/// Records this layout's version in the meta map.
+pub(super) fn stamp_layout(meta: &mut Array<MapData, u32>) -> Result<(), Error> {
+    let current = meta.get(&META_LAYOUT_INDEX, 0).map_err(meta_error)?;
+    if current != LAYOUT_VERSION {
+        meta.set(META_LAYOUT_INDEX, LAYOUT_VERSION, 0)
+            .map_err(meta_error)?;
+    }
+    Ok(())
+}
+
+/// What [`uninstall`] removed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Uninstalled {
+    /// Links detached from their interface (or found already defunct).
+    pub links: Vec<PathBuf>,
+    /// Other pins removed (maps).
+    pub pins: Vec<PathBuf>,
+    /// Whether the pin directory existed.
+    pub removed_dir: bool,
+}
+
+/// Detaches every program census attached from `pin_dir`'s links, removes every
+/// pin and the directory. Idempotent: a missing directory is not an error. Needs
+/// the same capabilities as [`Datapath::open`](super::Datapath::open).
+///
+/// Links are detached explicitly (`BPF_LINK_DETACH`) before their pin is
+/// removed, so no program stays attached for a moment after this returns, even
+/// if another process holds the link open.
+pub fn uninstall(pin_dir: impl AsRef<Path>) -> Result<Uninstalled, Error> {
+    let pins = Pins::new(pin_dir.as_ref());
+    let mut done = Uninstalled::default();
+    if !pins.dir().exists() {
+        return Ok(done);
+    }
+    privileges::check_capabilities()?;
+    // Never delete anything on a file system that is not bpffs.
+    if !privileges::is_bpffs(pins.dir())? {
+        return Err(Error::NotBpffs {
+            path: pins.dir().to_owned(),
+        });
+    }
+    let links = pins.links_dir();
+    if links.exists() {
+        for path in read_dir(&links)? {
+            detach_and_unpin(&path)?;
+            done.links.push(path);
+        }
+        remove_dir(&links)?;
+    }
+    for path in read_dir(pins.dir())? {
+        if path.is_dir() {
+            // Not census's: leave it, and the directory with it.
+            return Err(Error::Io {
+                operation: "removing pin directory (it holds a directory census did not create)",
+                path,
+                source: io::Error::from(io::ErrorKind::DirectoryNotEmpty),
+            });
+        }
+        remove_file(&path)?;
+        done.pins.push(path);
+    }
+    remove_dir(pins.dir())?;
+    done.removed_dir = true;
+    Ok(done)
+}
+
+/// Opens the TCX link pinned at `path` and reads its info.
+pub(super) fn open_tcx_link(path: &Path) -> Result<(OwnedFd, sys::LinkInfo), Error> {
+    let link_error = |operation| {
+        move |source| Error::Link {
+            operation,
+            path: path.to_owned(),
+            source,
+        }
+    };
+    let fd = sys::obj_get(path).map_err(link_error("opening"))?;
+    let info = sys::link_info(fd.as_fd()).map_err(link_error("reading the info"))?;
+    if info.link_type != sys::BPF_LINK_TYPE_TCX {
+        return Err(Error::NotTcxLink {
+            path: path.to_owned(),
+            link_type: info.link_type,
+        });
+    }
+    Ok((fd, info))
+}
+
+/// Detaches the link pinned at `path` from its hook now (a link whose interface
+/// is gone is already detached) and removes the pin.
+pub(super) fn detach_and_unpin(path: &Path) -> Result<(), Error> {
+    let (fd, _) = open_tcx_link(path)?;
+    sys::link_detach(fd.as_fd()).map_err(|source| Error::Link {
+        operation: "detaching",
+        path: path.to_owned(),
+        source,
+    })?;
+    remove_file(path)
+}
+
+fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+    let io_error = |source| Error::Io {
+        operation: "reading directory",
+        path: dir.to_owned(),
+        source,
+    };
+    let mut paths = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io_error)? {
+        paths.push(entry.map_err(io_error)?.path());
+    }
+    paths.sort();
+    Ok(paths)
+}
+
+fn remove_file(path: &Path) -> Result<(), Error> {
+    match fs::remove_file(path) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(Error::Io {
+            operation: "removing pin",
+            path: path.to_owned(),
+            source: error,
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn remove_dir(path: &Path) -> Result<(), Error> {
+    match fs::remove_dir(path) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(Error::Io {
+            operation: "removing directory",
+            path: path.to_owned(),
+            source: error,
+        }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_names_round_trip() {
+        let pins = Pins::new(Path::new("/sys/fs/bpf/census"));
+        let path = pins.link("lxc-a-b", Direction::Egress);
+        assert_eq!(path, Path::new("/sys/fs/bpf/census/links/lxc-a-b-egress"));
+        let name = path.file_name().and_then(|name| name.to_str());
+        assert_eq!(
+            name.and_then(parse_link_name),
+            Some(("lxc-a-b", Direction::Egress))
+        );
+    }
+
+    #[test]
+    fn rejects_foreign_link_names() {
+        for name in ["eth0", "eth0-sideways", "-ingress", ""] {
+            assert_eq!(parse_link_name(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn every_pinned_map_has_a_shape() {
+        for map in [META_MAP, ENDPOINTS_MAP, FLOWS_MAP] {
+            assert!(expected_shape(map).is_some(), "{map}");
+        }
+        assert_eq!(expected_shape("OTHER"), None);
+    }
+}

@@ -1,0 +1,489 @@
+//! census's datapath against the real kernel: programs, pinned maps, TCX links
+//! and traffic between network namespaces.
+//!
+//! These tests need root; they run through `cargo xtask test-privileged`, one at
+//! a time. Each uses its own pin directory (`/sys/fs/bpf/census-test-<pid>-<n>`)
+//! and its own namespaces, all removed by guards even when the test fails.
+
+#[path = "privileged/support.rs"]
+mod support;
+
+use std::{
+    io::Read as _,
+    net::IpAddr,
+    os::unix::fs::MetadataExt as _,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use census_agent::bpf::{
+    AttachOutcome, AttachmentState, Datapath, Direction, Endpoint, EndpointFlags, Error,
+    LAYOUT_VERSION, enable_run_time_stats, identity, uninstall,
+};
+use census_netlab::{Lab, packet};
+use support::*;
+
+const POD_A: u32 = 1000;
+const POD_B: u32 = 1001;
+const PAYLOAD: usize = 100;
+const COUNT: usize = 50;
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn programs_load_and_maps_are_pinned() -> TestResult {
+    let pins = PinDir::new();
+    let datapath = Datapath::open(pins.path())?;
+    assert_eq!(datapath.pin_dir(), pins.path());
+
+    for (name, map_type) in [
+        ("CENSUS_META", "array"),
+        ("ENDPOINTS", "hash"),
+        ("FLOWS", "lru_percpu_hash"),
+    ] {
+        let path = pins.join(name);
+        let map = bpftool(None, &["map", "show", "pinned", path_str(&path)?])?;
+        assert_eq!(map["type"], map_type, "{name}: {map}");
+        assert_eq!(map["name"], name, "{name}: {map}");
+    }
+    let meta = bpftool(
+        None,
+        &[
+            "map",
+            "dump",
+            "pinned",
+            path_str(&pins.join("CENSUS_META"))?,
+        ],
+    )?;
+    assert_eq!(
+        u32_at(&meta[0]["value"], 0)?,
+        LAYOUT_VERSION,
+        "layout version: {meta}"
+    );
+    for program in [Direction::Ingress.program(), Direction::Egress.program()] {
+        assert_eq!(program_ids(program)?.len(), 1, "{program} is loaded once");
+    }
+    assert!(pins.join("links").is_dir());
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn endpoints_are_readable_by_bpftool() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = Datapath::open(pins.path())?;
+    let v4: IpAddr = "198.18.7.9".parse()?;
+    let v6: IpAddr = "2001:2:0:7::9".parse()?;
+    let node: IpAddr = "198.18.7.1".parse()?;
+    datapath.upsert_endpoint(v4, Endpoint::local(4711))?;
+    datapath.upsert_endpoint(v6, Endpoint::remote(4712))?;
+    datapath.upsert_endpoint(node, Endpoint::host())?;
+    datapath.upsert_endpoint(v4, Endpoint::local(4713))?; // replaces
+
+    // Parsed from bpftool's bytes, independently of census_common's types.
+    let dump = bpftool(
+        None,
+        &["map", "dump", "pinned", path_str(&pins.join("ENDPOINTS"))?],
+    )?;
+    let mut seen = Vec::new();
+    for entry in dump.as_array().into_iter().flatten() {
+        let key = bytes(&entry["key"])?;
+        let value = bytes(&entry["value"])?;
+        assert_eq!((key.len(), value.len()), (20, 8), "{entry}");
+        let ip: IpAddr = match u32_at(&entry["key"], 0)? {
+            4 => {
+                assert_eq!(&key[8..], &[0; 12], "IPv4 keys are zero-padded: {entry}");
+                <[u8; 4]>::try_from(&key[4..8])?.into()
+            }
+            6 => <[u8; 16]>::try_from(&key[4..20])?.into(),
+            family => return Err(format!("family {family} in {entry}").into()),
+        };
+        seen.push((ip, u32_at(&entry["value"], 0)?, u32_at(&entry["value"], 4)?));
+    }
+    seen.sort();
+    let mut expected = vec![(v4, 4713, 1), (v6, 4712, 2), (node, identity::HOST, 4)];
+    expected.sort();
+    assert_eq!(seen, expected);
+
+    assert_eq!(datapath.endpoint(v6)?, Some(Endpoint::remote(4712)));
+    let listed: Vec<_> = datapath
+        .endpoints()?
+        .into_iter()
+        .map(|(key, endpoint)| (key.ip(), endpoint))
+        .collect();
+    assert_eq!(listed.len(), 3);
+    assert!(listed.contains(&(Some(node), Endpoint::host())));
+
+    assert!(datapath.delete_endpoint(v4)?);
+    assert!(
+        !datapath.delete_endpoint(v4)?,
+        "deleting twice finds nothing"
+    );
+    assert_eq!(datapath.endpoint(v4)?, None);
+    let dump = bpftool(
+        None,
+        &["map", "dump", "pinned", path_str(&pins.join("ENDPOINTS"))?],
+    )?;
+    assert_eq!(dump.as_array().map(Vec::len), Some(2), "{dump}");
+
+    let invalid = datapath.upsert_endpoint(
+        v4,
+        Endpoint {
+            identity: 5,
+            flags: EndpointFlags::HOST,
+        },
+    );
+    assert!(
+        matches!(invalid, Err(Error::InvalidEndpoint { .. })),
+        "{invalid:?}"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn same_node_traffic_is_counted_once() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let a = lab.add_pod()?;
+    let b = lab.add_pod()?;
+    let mut datapath = open_attached(&pins, &lab, &[&a, &b])?;
+    register(&mut datapath, &a, POD_A)?;
+    register(&mut datapath, &b, POD_B)?;
+    assert_one_census_program_per_hook(&pins, &lab, &[&a, &b])?;
+
+    for v6 in [false, true] {
+        let before = flow(&datapath, POD_A, POD_B)?;
+        let received = send(&a.ns, a.ip(v6), &b, v6, COUNT, PAYLOAD)?;
+        assert_eq!(received, COUNT, "every datagram arrived (v6: {v6})");
+        let after = flow(&datapath, POD_A, POD_B)?;
+        // Seen leaving A (counted) and entering B (skipped: A is local).
+        assert_eq!(after.0 - before.0, COUNT as u64, "packets (v6: {v6})");
+        assert_eq!(
+            after.1 - before.1,
+            COUNT as u64 * frame_len(PAYLOAD, v6),
+            "bytes (v6: {v6})"
+        );
+    }
+    assert_eq!(
+        flow(&datapath, POD_B, POD_A)?,
+        (0, 0),
+        "B sent nothing to A"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn unknown_sources_count_as_world_and_node_addresses_as_host() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let outside = lab.add_pod()?; // census is not attached here: "the world"
+    let b = lab.add_pod()?;
+    let mut datapath = open_attached(&pins, &lab, &[&b])?;
+    register(&mut datapath, &b, POD_B)?;
+    datapath.upsert_endpoint(b.gateway_v4.into(), Endpoint::host())?;
+
+    let received = send(&outside.ns, outside.ipv4.into(), &b, false, COUNT, PAYLOAD)?;
+    assert_eq!(received, COUNT);
+    assert_eq!(
+        flow(&datapath, identity::WORLD, POD_B)?,
+        (COUNT as u64, COUNT as u64 * frame_len(PAYLOAD, false)),
+        "counted once, entering B, as world"
+    );
+
+    let received = send(lab.node(), b.gateway_v4.into(), &b, false, COUNT, PAYLOAD)?;
+    assert_eq!(received, COUNT);
+    assert_eq!(
+        flow(&datapath, identity::HOST, POD_B)?,
+        (COUNT as u64, COUNT as u64 * frame_len(PAYLOAD, false)),
+        "the node's own address is the host identity"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn restart_reuses_maps_and_links_and_still_counts_once() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let a = lab.add_pod()?;
+    let b = lab.add_pod()?;
+    let mut first = open_attached(&pins, &lab, &[&a, &b])?;
+    register(&mut first, &a, POD_A)?;
+    register(&mut first, &b, POD_B)?;
+    assert_eq!(
+        send(&a.ns, a.ipv4.into(), &b, false, COUNT, PAYLOAD)?,
+        COUNT
+    );
+    let links_before = census_tcx_links()?;
+    let old_programs = lab.node().run(|| first.attachments())??;
+    drop(first); // the agent exits
+
+    let mut second = Datapath::open(pins.path())?;
+    for pod in [&a, &b] {
+        let outcomes = lab.node().run(|| second.attach(&pod.host_interface))??;
+        assert_eq!(
+            outcomes,
+            [
+                (Direction::Ingress, AttachOutcome::Adopted),
+                (Direction::Egress, AttachOutcome::Adopted)
+            ]
+        );
+    }
+    assert_eq!(
+        second.endpoint(a.ipv4.into())?,
+        Some(Endpoint::local(POD_A)),
+        "ENDPOINTS survived"
+    );
+    assert_eq!(
+        flow(&second, POD_A, POD_B)?,
+        (COUNT as u64, COUNT as u64 * frame_len(PAYLOAD, false)),
+        "FLOWS survived"
+    );
+
+    // The same links, now running the new agent's programs; no second program.
+    let links_after = census_tcx_links()?;
+    let ids = |links: &[CensusLink]| links.iter().map(|l| l.link_id).collect::<Vec<_>>();
+    assert_eq!(ids(&links_after), ids(&links_before));
+    let new_programs = lab.node().run(|| second.attachments())??;
+    for (old, new) in old_programs.iter().zip(&new_programs) {
+        assert_eq!(old.link_id, new.link_id);
+        assert_ne!(
+            old.program_id, new.program_id,
+            "the link runs the new program"
+        );
+    }
+    assert_one_census_program_per_hook(&pins, &lab, &[&a, &b])?;
+
+    assert_eq!(
+        send(&a.ns, a.ipv4.into(), &b, false, COUNT, PAYLOAD)?,
+        COUNT
+    );
+    assert_eq!(
+        flow(&second, POD_A, POD_B)?,
+        (
+            2 * COUNT as u64,
+            2 * COUNT as u64 * frame_len(PAYLOAD, false)
+        ),
+        "still counted exactly once"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn maps_of_another_layout_are_refused() -> TestResult {
+    // A layout version census does not know.
+    let pins = PinDir::new();
+    drop(Datapath::open(pins.path())?);
+    let meta = pins.join("CENSUS_META");
+    bpftool(
+        None,
+        &[
+            "map",
+            "update",
+            "pinned",
+            path_str(&meta)?,
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+            "value",
+            "99",
+            "0",
+            "0",
+            "0",
+        ],
+    )?;
+    match Datapath::open(pins.path()) {
+        Err(error @ Error::LayoutMismatch { found: 99, .. }) => {
+            let message = error.to_string();
+            assert!(message.contains("layout version 99"), "{message}");
+        }
+        other => return Err(format!("expected a layout mismatch, got {other:?}").into()),
+    }
+
+    // Maps pinned without a layout version.
+    let bare = PinDir::new();
+    std::fs::create_dir(bare.path())?;
+    create_map(&bare.join("ENDPOINTS"), "hash", 8, 8)?;
+    let result = Datapath::open(bare.path());
+    assert!(
+        matches!(result, Err(Error::UnversionedPins { .. })),
+        "{result:?}"
+    );
+
+    // The right version, but a map of another shape.
+    let odd = PinDir::new();
+    drop(Datapath::open(odd.path())?);
+    std::fs::remove_file(odd.join("ENDPOINTS"))?;
+    create_map(&odd.join("ENDPOINTS"), "hash", 16, 8)?;
+    let result = Datapath::open(odd.path());
+    assert!(
+        matches!(result, Err(Error::PinnedMapMismatch { .. })),
+        "{result:?}"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let a = lab.add_pod()?;
+    let datapath = open_attached(&pins, &lab, &[&a])?;
+    let attached = lab.node().run(|| datapath.attachments())??;
+    assert_eq!(attached.len(), 2);
+    drop(datapath);
+
+    let removed = uninstall(pins.path())?;
+    assert_eq!(removed.links.len(), 2);
+    assert_eq!(removed.pins.len(), 3);
+    assert!(!pins.path().exists());
+    assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
+
+    for hook in hook_programs(&lab, &a.host_interface)? {
+        assert!(hook.1.is_empty(), "nothing attached on {hook:?}");
+    }
+    let our_links: Vec<u32> = attached.iter().map(|a| a.link_id).collect();
+    let our_programs: Vec<u32> = attached.iter().map(|a| a.program_id).collect();
+    let gone = eventually(Duration::from_secs(5), || {
+        let links = census_tcx_links()?;
+        let loaded = [Direction::Ingress.program(), Direction::Egress.program()]
+            .into_iter()
+            .map(program_ids)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(!links.iter().any(|l| our_links.contains(&l.link_id))
+            && !loaded.iter().flatten().any(|id| our_programs.contains(id)))
+    })?;
+    assert!(gone, "the links and programs were freed");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn detach_and_prune_defunct_links() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let a = lab.add_pod()?;
+    let b = lab.add_pod()?;
+    let c = lab.add_pod()?;
+    let mut datapath = open_attached(&pins, &lab, &[&a, &b, &c])?;
+
+    assert!(datapath.detach(&a.host_interface)?);
+    assert!(
+        !datapath.detach(&a.host_interface)?,
+        "detaching twice finds nothing"
+    );
+    for (hook, programs) in hook_programs(&lab, &a.host_interface)? {
+        assert!(programs.is_empty(), "{hook}: {programs:?}");
+    }
+
+    // The pod goes away: its veth, and the host side with it.
+    let gone = c.host_interface.clone();
+    drop(c);
+    let defunct = eventually(Duration::from_secs(5), || {
+        let attachments = lab.node().run(|| datapath.attachments())??;
+        Ok(attachments
+            .iter()
+            .filter(|at| at.interface == gone)
+            .all(|at| at.state == AttachmentState::Defunct))
+    })?;
+    assert!(defunct, "the links of a deleted interface are defunct");
+    let pruned = lab.node().run(|| datapath.prune_defunct())??;
+    assert_eq!(pruned.len(), 2);
+    assert!(pruned.iter().all(|at| at.interface == gone));
+
+    let left = lab.node().run(|| datapath.attachments())??;
+    assert_eq!(left.len(), 2);
+    assert!(left.iter().all(|at| at.interface == b.host_interface
+        && matches!(at.state, AttachmentState::Attached { .. })));
+    assert_one_census_program_per_hook(&pins, &lab, &[&b])?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn programs_always_pass_packets_on() -> TestResult {
+    const TC_ACT_UNSPEC: i32 = -1;
+    let pins = PinDir::new();
+    let mut datapath = Datapath::open(pins.path())?;
+    let src: IpAddr = "198.18.1.2".parse()?;
+    let dst: IpAddr = "198.18.2.2".parse()?;
+    datapath.upsert_endpoint(src, Endpoint::local(POD_A))?;
+    datapath.upsert_endpoint(dst, Endpoint::local(POD_B))?;
+    let udp = packet::udp_frame(src, dst, PAYLOAD).ok_or("no frame")?;
+    let arp = packet::arp_frame();
+
+    for direction in Direction::BOTH {
+        for frame in [&udp, &arp] {
+            let run = datapath.test_run(direction, frame, 10)?;
+            assert_eq!(run.return_value, TC_ACT_UNSPEC, "{direction}");
+        }
+    }
+    // Ingress counted the 10 UDP runs; egress skipped them (local source); ARP
+    // is not IP.
+    assert_eq!(
+        flow(&datapath, POD_A, POD_B)?,
+        (10, 10 * frame_len(PAYLOAD, false))
+    );
+    assert_eq!(datapath.flows()?.len(), 1);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn run_time_statistics_count_runs() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = Datapath::open(pins.path())?;
+    let frame = packet::arp_frame();
+    let stats_enabled = enable_run_time_stats()?;
+    let before = datapath.program_stats(Direction::Egress)?;
+    datapath.test_run(Direction::Egress, &frame, 25)?;
+    let after = datapath.program_stats(Direction::Egress)?;
+    drop(stats_enabled);
+    assert_eq!(after.run_count - before.run_count, 25);
+    assert!(
+        after
+            .mean_since(&before)
+            .is_some_and(|mean| !mean.is_zero())
+    );
+    assert_eq!(after.mean_since(&after), None, "no runs, no mean");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn processes_spawned_in_a_namespace_see_the_pins() -> TestResult {
+    let pins = PinDir::new();
+    let _datapath = Datapath::open(pins.path())?;
+    let mut lab = Lab::new()?;
+    let pod = lab.add_pod()?;
+
+    let mut child = pod.ns.spawn(
+        Command::new("readlink")
+            .arg("/proc/self/ns/net")
+            .stdout(Stdio::piped()),
+    )?;
+    let mut namespace = String::new();
+    child
+        .child()
+        .stdout
+        .take()
+        .ok_or("no stdout")?
+        .read_to_string(&mut namespace)?;
+    assert!(child.child().wait()?.success());
+    let inode = std::fs::metadata(pod.ns.path())?.ino();
+    assert_eq!(namespace.trim(), format!("net:[{inode}]"));
+
+    // Unlike `ip netns exec`, /sys (and the BPF file system) stays as it is.
+    let endpoints = pins.join("ENDPOINTS");
+    let map = bpftool(
+        Some(&pod.ns),
+        &["map", "show", "pinned", path_str(&endpoints)?],
+    )?;
+    assert_eq!(map["name"], "ENDPOINTS");
+    Ok(())
+}

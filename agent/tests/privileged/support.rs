@@ -1,0 +1,313 @@
+//! Guards and independent observers (bpftool) for the privileged tests.
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use aya::programs::{SchedClassifier, TcAttachType};
+use census_agent::bpf::{Datapath, Endpoint, uninstall};
+use census_netlab::{Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp, unique_name};
+use serde_json::Value;
+
+pub(crate) type Fallible<T> = Result<T, Box<dyn std::error::Error>>;
+pub(crate) type TestResult = Fallible<()>;
+/// Each hook's name and the names of the programs on it, in order.
+pub(crate) type Hooks = Vec<(String, Vec<String>)>;
+
+/// A pin directory of its own, `/sys/fs/bpf/census-test-<pid>-<n>`, uninstalled
+/// on drop: links detached, pins and directory removed, also when a test fails.
+#[derive(Debug)]
+pub(crate) struct PinDir(PathBuf);
+
+impl PinDir {
+    pub(crate) fn new() -> Self {
+        Self(PathBuf::from("/sys/fs/bpf").join(unique_name("census-test")))
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub(crate) fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Err(error) = uninstall(&self.0) {
+            #[expect(
+                clippy::print_stderr,
+                reason = "a guard's drop cannot return its error"
+            )]
+            {
+                eprintln!("uninstalling {}: {error}", self.0.display());
+            }
+        }
+    }
+}
+
+/// Runs bpftool with `-j` (in `ns` if given) and parses its output.
+pub(crate) fn bpftool(ns: Option<&Netns>, args: &[&str]) -> Fallible<Value> {
+    let mut all = vec!["-j"];
+    all.extend_from_slice(args);
+    let output = match ns {
+        Some(ns) => ns.output("bpftool", &all)?,
+        None => {
+            let output = Command::new("bpftool").args(&all).output()?;
+            if !output.status.success() {
+                return Err(format!(
+                    "bpftool {}: {}",
+                    all.join(" "),
+                    String::from_utf8_lossy(&output.stderr)
+                )
+                .into());
+            }
+            output
+        }
+    };
+    Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+/// Ids of the programs named `name` that are loaded, per `bpftool prog show`.
+pub(crate) fn program_ids(name: &str) -> Fallible<Vec<u32>> {
+    let programs = bpftool(None, &["prog", "show"])?;
+    Ok(programs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["name"] == name)
+        .filter_map(|p| p["id"].as_u64())
+        .filter_map(|id| u32::try_from(id).ok())
+        .collect())
+}
+
+/// A TCX link running one of census's programs, per bpftool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CensusLink {
+    pub(crate) link_id: u32,
+    pub(crate) program: String,
+    /// Where it is pinned (`bpftool -f`).
+    pub(crate) pinned: Vec<String>,
+}
+
+/// Every TCX link running a census program on this machine, by link id, per
+/// `bpftool -f link show` and `bpftool prog show`. (Debian 12's bpftool 7.1
+/// predates TCX in `bpftool net` and shows TCX links as type 11 without their
+/// interface.)
+pub(crate) fn census_tcx_links() -> Fallible<Vec<CensusLink>> {
+    let programs = bpftool(None, &["prog", "show"])?;
+    let name_of = |id: &Value| {
+        programs
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| &p["id"] == id)
+            .and_then(|p| p["name"].as_str())
+            .map(str::to_owned)
+    };
+    let mut links = Vec::new();
+    for link in bpftool(None, &["-f", "link", "show"])?
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let is_tcx = link["type"] == 11 || link["type"] == "tcx";
+        let Some(program) = name_of(&link["prog_id"]) else {
+            continue;
+        };
+        if !is_tcx || !program.starts_with("census_") {
+            continue;
+        }
+        links.push(CensusLink {
+            link_id: u32::try_from(link["id"].as_u64().ok_or("link without id")?)?,
+            program,
+            pinned: link["pinned"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p.as_str().map(str::to_owned))
+                .collect(),
+        });
+    }
+    links.sort_by_key(|l| l.link_id);
+    Ok(links)
+}
+
+/// The names of the programs on each TCX hook of `interface` (in the node
+/// namespace), in order, as the kernel reports them (`BPF_PROG_QUERY`).
+pub(crate) fn hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
+    let query = || -> Result<Hooks, aya::programs::ProgramError> {
+        let mut hooks = Vec::new();
+        for (hook, attach_type) in [
+            ("ingress", TcAttachType::Ingress),
+            ("egress", TcAttachType::Egress),
+        ] {
+            let (_, programs) = SchedClassifier::query_tcx(interface, attach_type)?;
+            let names = programs
+                .iter()
+                .map(|p| p.name_as_str().unwrap_or("?").to_owned())
+                .collect();
+            hooks.push((hook.to_owned(), names));
+        }
+        Ok(hooks)
+    };
+    Ok(lab.node().run(query)??)
+}
+
+/// Exactly one census program on each hook of each pod's host side: the kernel
+/// lists exactly census_ingress on ingress and census_egress on egress, and
+/// bpftool sees exactly one census link pinned for each hook, running that
+/// hook's program.
+pub(crate) fn assert_one_census_program_per_hook(
+    pins: &PinDir,
+    lab: &Lab,
+    pods: &[&Pod],
+) -> TestResult {
+    let links = census_tcx_links()?;
+    for pod in pods {
+        for (hook, programs) in hook_programs(lab, &pod.host_interface)? {
+            let program = format!("census_{hook}");
+            assert_eq!(
+                programs,
+                vec![program.clone()],
+                "{} {hook}",
+                pod.host_interface
+            );
+            let pin = pins
+                .join("links")
+                .join(format!("{}-{hook}", pod.host_interface));
+            let pinned_here: Vec<_> = links
+                .iter()
+                .filter(|l| l.pinned.iter().any(|p| Path::new(p) == pin))
+                .collect();
+            assert_eq!(pinned_here.len(), 1, "{}: {links:?}", pin.display());
+            assert_eq!(pinned_here[0].program, program);
+        }
+    }
+    Ok(())
+}
+
+/// The counters of one identity pair: (packets, bytes), zeros if absent.
+pub(crate) fn flow(datapath: &Datapath, src: u32, dst: u32) -> Fallible<(u64, u64)> {
+    Ok(datapath
+        .flow(src, dst)?
+        .map_or((0, 0), |flow| (flow.packets, flow.bytes)))
+}
+
+/// Pins a new map made by bpftool (not by census) at `path`.
+pub(crate) fn create_map(
+    path: &Path,
+    map_type: &str,
+    key_size: u32,
+    value_size: u32,
+) -> TestResult {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or("no map name")?;
+    let status = Command::new("bpftool")
+        .args(["map", "create", path_str(path)?, "type", map_type])
+        .args([
+            "key",
+            &key_size.to_string(),
+            "value",
+            &value_size.to_string(),
+        ])
+        .args(["entries", "16", "name", name])
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("bpftool map create {}: {status}", path.display()).into())
+    }
+}
+
+pub(crate) fn path_str(path: &Path) -> Fallible<&str> {
+    path.to_str()
+        .ok_or_else(|| format!("{} is not UTF-8", path.display()).into())
+}
+
+/// The bytes of a bpftool JSON byte array (`["0x04", "0x00", ...]`).
+pub(crate) fn bytes(value: &Value) -> Fallible<Vec<u8>> {
+    value
+        .as_array()
+        .ok_or_else(|| format!("not a byte array: {value}"))?
+        .iter()
+        .map(|byte| {
+            let hex = byte.as_str().and_then(|b| b.strip_prefix("0x"));
+            let hex = hex.ok_or_else(|| format!("not a byte: {byte}"))?;
+            Ok(u8::from_str_radix(hex, 16)?)
+        })
+        .collect()
+}
+
+/// The little-endian u32 at `offset` of a bpftool JSON byte array.
+pub(crate) fn u32_at(value: &Value, offset: usize) -> Fallible<u32> {
+    let bytes = bytes(value)?;
+    let word = bytes
+        .get(offset..offset + 4)
+        .ok_or_else(|| format!("no u32 at {offset} in {value}"))?;
+    Ok(u32::from_le_bytes(word.try_into()?))
+}
+
+/// Polls `check` until it holds or `timeout` passes (the kernel frees programs
+/// and links asynchronously after their last reference goes).
+pub(crate) fn eventually(
+    timeout: Duration,
+    mut check: impl FnMut() -> Fallible<bool>,
+) -> Fallible<bool> {
+    let start = Instant::now();
+    loop {
+        if check()? {
+            return Ok(true);
+        }
+        if start.elapsed() > timeout {
+            return Ok(false);
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Opens the datapath in `pins` and attaches it to both hooks of each pod's
+/// host-side interface, from inside the node namespace.
+pub(crate) fn open_attached(pins: &PinDir, lab: &Lab, pods: &[&Pod]) -> Fallible<Datapath> {
+    let mut datapath = Datapath::open(pins.path())?;
+    for pod in pods {
+        lab.node().run(|| datapath.attach(&pod.host_interface))??;
+    }
+    Ok(datapath)
+}
+
+/// Registers `pod`'s IPv4 and IPv6 addresses as a local endpoint of `identity`.
+pub(crate) fn register(datapath: &mut Datapath, pod: &Pod, identity: u32) -> Fallible<()> {
+    datapath.upsert_endpoint(pod.ipv4.into(), Endpoint::local(identity))?;
+    datapath.upsert_endpoint(pod.ipv6.into(), Endpoint::local(identity))?;
+    Ok(())
+}
+
+/// Sends `count` UDP datagrams of `payload` bytes from `from` (bound to
+/// `source` in namespace `from_ns`) to `to` in lock step; returns how many
+/// arrived.
+pub(crate) fn send(
+    from_ns: &Netns,
+    source: IpAddr,
+    to: &Pod,
+    v6: bool,
+    count: usize,
+    payload: usize,
+) -> Fallible<usize> {
+    let receiver = UdpReceiver::bind(&to.ns, to.ip(v6))?;
+    let sender = UdpSender::bind(from_ns, source)?;
+    Ok(exchange_udp(&sender, &receiver, count, payload)?)
+}
+
+/// Link-layer bytes of one UDP datagram of `payload` bytes: Ethernet, IP, UDP.
+pub(crate) fn frame_len(payload: usize, v6: bool) -> u64 {
+    let ip_header = if v6 { 40 } else { 20 };
+    (14 + ip_header + 8 + payload) as u64
+}

@@ -1,0 +1,160 @@
+//! Named network namespaces, removed on drop, and running code inside them.
+
+use std::{
+    ffi::OsStr,
+    fs::File,
+    panic,
+    path::PathBuf,
+    process::{Child, Command, Output},
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+};
+
+use nix::sched::{CloneFlags, setns};
+
+use crate::Error;
+
+/// `<prefix>-<pid>-<n>`: unique among the namespaces (and pin directories)
+/// of every process running tests at the same time.
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{}-{n}", std::process::id())
+}
+
+/// A named network namespace (`/run/netns/<name>`), deleted on drop.
+#[derive(Debug)]
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    /// Creates a namespace named `<prefix>-<pid>-<n>-<role>` with `lo` up.
+    pub fn create(role: &str) -> Result<Self, Error> {
+        let name = format!("{}-{role}", unique_name("census"));
+        run_command(Command::new("ip").args(["netns", "add", &name]))?;
+        let netns = Self { name };
+        netns.ip(&["link", "set", "lo", "up"])?;
+        // No duplicate address detection: addresses (link-local ones too) are
+        // usable at once, so the first packets are not lost while it runs.
+        netns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
+        netns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+        Ok(netns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The namespace's bind mount.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.name)
+    }
+
+    /// Runs `ip -n <name> <args>`. (`ip -n` switches namespace inside the `ip`
+    /// process only; the caller's view of `/sys` is untouched.)
+    pub fn ip(&self, args: &[&str]) -> Result<(), Error> {
+        run_command(Command::new("ip").arg("-n").arg(&self.name).args(args)).map(drop)
+    }
+
+    /// Runs `f` on a new thread that entered this namespace, and returns its
+    /// result; a panic in `f` is resumed on the calling thread. Sockets `f`
+    /// creates stay in this namespace wherever they are used afterwards.
+    pub fn run<F, R>(&self, f: F) -> Result<R, Error>
+    where
+        F: FnOnce() -> R + Send,
+        R: Send,
+    {
+        let path = self.path();
+        let file = File::open(&path).map_err(Error::io(format!("opening {}", path.display())))?;
+        thread::scope(|scope| {
+            let thread = scope.spawn(move || {
+                setns(&file, CloneFlags::CLONE_NEWNET).map_err(|source| Error::Setns {
+                    netns: self.name.clone(),
+                    source,
+                })?;
+                Ok(f())
+            });
+            match thread.join() {
+                Ok(result) => result,
+                Err(payload) => panic::resume_unwind(payload),
+            }
+        })
+    }
+
+    /// Spawns `command` inside this namespace: it is forked by a thread that
+    /// entered the namespace, so the child starts there (namespaces are inherited
+    /// from the forking thread), with the caller's mounts, `/sys/fs/bpf`
+    /// included. The child is killed when the guard drops.
+    pub fn spawn(&self, command: &mut Command) -> Result<ChildGuard, Error> {
+        let what = format!("spawning {command:?} in {}", self.name);
+        let child = self.run(|| command.spawn())?.map_err(Error::io(what))?;
+        Ok(ChildGuard(child))
+    }
+
+    /// Runs `program args…` inside this namespace and returns its output if it
+    /// exited successfully.
+    pub fn output<S: AsRef<OsStr>>(&self, program: &str, args: &[S]) -> Result<Output, Error> {
+        let mut command = Command::new(program);
+        command.args(args);
+        self.run(|| run_command(&mut command))?
+    }
+
+    /// Writes a sysctl of this namespace (`net.ipv4.ip_forward` ->
+    /// `/proc/sys/net/ipv4/ip_forward`): the `net` tree of `/proc/sys` is that of
+    /// the namespace of the thread that opens it.
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<(), Error> {
+        let path = PathBuf::from("/proc/sys").join(key.replace('.', "/"));
+        let what = format!("writing {} in {}", path.display(), self.name);
+        self.run(|| std::fs::write(&path, value))?
+            .map_err(Error::io(what))
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Err(error) = run_command(Command::new("ip").args(["netns", "del", &self.name])) {
+            #[expect(
+                clippy::print_stderr,
+                reason = "a guard's drop cannot return its error"
+            )]
+            {
+                eprintln!("netlab: deleting network namespace {}: {error}", self.name);
+            }
+        }
+    }
+}
+
+/// A child process, killed and reaped on drop.
+#[derive(Debug)]
+pub struct ChildGuard(Child);
+
+impl ChildGuard {
+    pub fn child(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        // Already exited is fine: kill fails, wait reaps.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `command` to completion; its output if it succeeded.
+pub(crate) fn run_command(command: &mut Command) -> Result<Output, Error> {
+    let output = command
+        .output()
+        .map_err(Error::io(format!("running {command:?}")))?;
+    if output.status.success() {
+        Ok(output)
+    } else {
+        Err(Error::Command {
+            command: format!("{command:?}"),
+            status: output.status,
+            stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        })
+    }
+}

@@ -1,0 +1,112 @@
+//! UDP traffic between namespaces.
+
+use std::{
+    io,
+    net::{IpAddr, SocketAddr, UdpSocket},
+    time::Duration,
+};
+
+use crate::{Error, Netns};
+
+/// A UDP socket bound inside a namespace, to receive.
+#[derive(Debug)]
+pub struct UdpReceiver {
+    socket: UdpSocket,
+    addr: SocketAddr,
+}
+
+impl UdpReceiver {
+    /// Binds `ip`, port chosen by the kernel, inside `ns`.
+    pub fn bind(ns: &Netns, ip: IpAddr) -> Result<Self, Error> {
+        let what = format!("binding a UDP socket to {ip} in {}", ns.name());
+        let socket = ns
+            .run(|| UdpSocket::bind(SocketAddr::new(ip, 0)))?
+            .map_err(Error::io(what.clone()))?;
+        let addr = socket.local_addr().map_err(Error::io(what))?;
+        Ok(Self { socket, addr })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Receives one datagram; `None` after `timeout` without one.
+    pub fn recv(&self, timeout: Duration) -> Result<Option<usize>, Error> {
+        let what = "receiving a UDP datagram";
+        self.socket
+            .set_read_timeout(Some(timeout))
+            .map_err(Error::io(what))?;
+        let mut buf = vec![0u8; 65_536];
+        match self.socket.recv(&mut buf) {
+            Ok(len) => Ok(Some(len)),
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(error) => Err(Error::io(what)(error)),
+        }
+    }
+}
+
+/// A UDP socket bound inside a namespace, to send.
+#[derive(Debug)]
+pub struct UdpSender {
+    socket: UdpSocket,
+}
+
+impl UdpSender {
+    /// Binds `ip` (the source of the datagrams; an unspecified address lets the
+    /// kernel pick it), port chosen by the kernel, inside `ns`.
+    pub fn bind(ns: &Netns, ip: IpAddr) -> Result<Self, Error> {
+        let what = format!("binding a UDP socket to {ip} in {}", ns.name());
+        let socket = ns
+            .run(|| UdpSocket::bind(SocketAddr::new(ip, 0)))?
+            .map_err(Error::io(what))?;
+        Ok(Self { socket })
+    }
+
+    /// Sends one datagram of `payload` bytes (UDP payload, headers excluded).
+    pub fn send(&self, to: SocketAddr, payload: usize) -> Result<(), Error> {
+        let buf = vec![0xc5u8; payload];
+        let sent = self
+            .socket
+            .send_to(&buf, to)
+            .map_err(Error::io(format!("sending a UDP datagram to {to}")))?;
+        if sent == payload {
+            Ok(())
+        } else {
+            Err(Error::Io {
+                what: format!("sending a UDP datagram to {to}"),
+                source: io::Error::new(io::ErrorKind::WriteZero, "short send"),
+            })
+        }
+    }
+
+    /// Sends `count` datagrams, without waiting for anything.
+    pub fn send_many(&self, to: SocketAddr, count: usize, payload: usize) -> Result<(), Error> {
+        (0..count).try_for_each(|_| self.send(to, payload))
+    }
+}
+
+/// Sends `count` datagrams of `payload` bytes from `sender` to `receiver` in
+/// lock step (each one received, or given up after a second, before the next
+/// is sent, so no queue on the way overflows), and returns how many arrived.
+pub fn exchange_udp(
+    sender: &UdpSender,
+    receiver: &UdpReceiver,
+    count: usize,
+    payload: usize,
+) -> Result<usize, Error> {
+    let mut received = 0;
+    for _ in 0..count {
+        sender.send(receiver.addr(), payload)?;
+        if receiver.recv(Duration::from_secs(1))?.is_some() {
+            received += 1;
+        }
+    }
+    Ok(received)
+}
