@@ -93,6 +93,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         wire: limits.wire(&labels),
         snapshot_interval: cfg.snapshot_interval,
         max_message_bytes: limits.max_message_bytes(),
+        store_kind: store.kind(),
     };
     let tick_every = allocator.tick_interval;
     let alloc = Allocator::new(cfg, loaded, clock.now());

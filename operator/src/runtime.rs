@@ -67,6 +67,8 @@ pub struct Settings {
     pub wire: WireLimits,
     pub snapshot_interval: Duration,
     pub max_message_bytes: usize,
+    /// `redb`, `memory` or `kubernetes`.
+    pub store_kind: &'static str,
 }
 
 /// The sending half of an agent's stream.

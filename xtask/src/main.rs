@@ -4,9 +4,11 @@
 
 mod bench_classifier;
 mod cmd;
+mod codegen;
 mod ebpf;
 mod privileged;
 mod setup;
+mod test;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +34,10 @@ enum Command {
     TestPrivileged(privileged::Options),
     /// Measure the classifier's cost per packet (BPF_PROG_TEST_RUN), as root.
     BenchClassifier(bench_classifier::Options),
+    /// Run the whole test suite, as CI does (set-up, eBPF build, checks, tests, privileged suite).
+    Test(test::Options),
+    /// Regenerate the protobuf code under proto/src/generated/.
+    Codegen(codegen::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -40,5 +46,7 @@ fn main() -> anyhow::Result<()> {
         Command::BuildEbpf(options) => ebpf::run(options),
         Command::TestPrivileged(options) => privileged::run(options),
         Command::BenchClassifier(options) => bench_classifier::run(options),
+        Command::Test(options) => test::run(options),
+        Command::Codegen(options) => codegen::run(options),
     }
 }

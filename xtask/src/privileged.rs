@@ -15,10 +15,10 @@ use crate::{cmd, ebpf};
 pub(crate) struct Options {
     /// Do not (re)build the eBPF object first.
     #[arg(long)]
-    no_build_ebpf: bool,
+    pub(crate) no_build_ebpf: bool,
     /// Passed to the test executables (a test name filter, `--nocapture`, …).
     #[arg(last = true)]
-    test_args: Vec<OsString>,
+    pub(crate) test_args: Vec<OsString>,
 }
 
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {

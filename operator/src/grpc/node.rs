@@ -35,6 +35,16 @@ impl NodeService for Nodes {
         }))
     }
 
+    async fn get_version(&self, request: Request<pb::GetVersionRequest>) -> Result<Response<pb::VersionInfo>, Status> {
+        check_version(request.into_inner().protocol_version).map_err(version)?;
+        Ok(Response::new(pb::VersionInfo {
+            operator_version: env!("CARGO_PKG_VERSION").to_owned(),
+            protocol_version: census_proto::PROTOCOL_VERSION,
+            store: self.runtime.settings.store_kind.to_owned(),
+            id_range: self.runtime.read(|a| a.range()).to_string(),
+        }))
+    }
+
     async fn get_node(
         &self,
         request: Request<pb::GetNodeRequest>,

@@ -302,6 +302,24 @@ pub struct Rebind {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct SnapshotRequest {}
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct GetVersionRequest {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct VersionInfo {
+    #[prost(string, tag = "1")]
+    pub operator_version: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "2")]
+    pub protocol_version: u32,
+    /// `redb` or `kubernetes`.
+    #[prost(string, tag = "3")]
+    pub store: ::prost::alloc::string::String,
+    /// The id range, FIRST-LAST.
+    #[prost(string, tag = "4")]
+    pub id_range: ::prost::alloc::string::String,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ListNodesRequest {
     #[prost(uint32, tag = "1")]
     pub protocol_version: u32,
@@ -1446,6 +1464,28 @@ pub mod node_service_client {
                 .insert(GrpcMethod::new("census.v1.NodeService", "GetNode"));
             self.inner.unary(req, path, codec).await
         }
+        /// The operator's build and settings, for `census version` and diagnostics.
+        pub async fn get_version(
+            &mut self,
+            request: impl tonic::IntoRequest<super::GetVersionRequest>,
+        ) -> std::result::Result<tonic::Response<super::VersionInfo>, tonic::Status> {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/census.v1.NodeService/GetVersion",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("census.v1.NodeService", "GetVersion"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -1472,6 +1512,11 @@ pub mod node_service_server {
             &self,
             request: tonic::Request<super::GetNodeRequest>,
         ) -> std::result::Result<tonic::Response<super::Node>, tonic::Status>;
+        /// The operator's build and settings, for `census version` and diagnostics.
+        async fn get_version(
+            &self,
+            request: tonic::Request<super::GetVersionRequest>,
+        ) -> std::result::Result<tonic::Response<super::VersionInfo>, tonic::Status>;
     }
     #[derive(Debug)]
     pub struct NodeServiceServer<T> {
@@ -1624,6 +1669,51 @@ pub mod node_service_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = GetNodeSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/census.v1.NodeService/GetVersion" => {
+                    #[allow(non_camel_case_types)]
+                    struct GetVersionSvc<T: NodeService>(pub Arc<T>);
+                    impl<
+                        T: NodeService,
+                    > tonic::server::UnaryService<super::GetVersionRequest>
+                    for GetVersionSvc<T> {
+                        type Response = super::VersionInfo;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::GetVersionRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as NodeService>::get_version(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = GetVersionSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(

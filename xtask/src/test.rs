@@ -1,0 +1,90 @@
+//! `cargo xtask test`: the whole test suite, as CI runs it (`.ci/run`).
+//!
+//! Set-up first (Debian packages and bpf-linker, idempotent), then the eBPF build,
+//! formatting and lint checks, every unit, property and component test of the
+//! workspace, and, as root, the privileged end-to-end suite against the real kernel.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+use crate::{cmd, ebpf, privileged, setup};
+
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub(crate) struct Options {
+    /// Skip the privileged suite (it needs root; without this flag, not being root is an error).
+    #[arg(long)]
+    no_privileged: bool,
+}
+
+#[expect(clippy::print_stdout, reason = "xtask reports each step")]
+pub(crate) fn run(options: Options) -> anyhow::Result<()> {
+    let Options { no_privileged } = options;
+    if !no_privileged && !cmd::is_root() {
+        bail!(
+            "the privileged suite loads BPF programs and creates network namespaces: run \
+             `sudo -E cargo xtask test`, or `cargo xtask test --no-privileged` to skip it"
+        );
+    }
+    let root = cmd::workspace_root();
+    let mut timings: Vec<(&str, Duration)> = Vec::new();
+    let mut step =
+        |name: &'static str, f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<()> {
+            println!("\n==> {name}");
+            let started = Instant::now();
+            f().with_context(|| format!("step `{name}` failed"))?;
+            timings.push((name, started.elapsed()));
+            Ok(())
+        };
+
+    step("set-up", &mut || setup::run(setup::Options {}))?;
+    step("eBPF build", &mut || ebpf::build(ebpf::Profile::Release))?;
+    step("format", &mut || {
+        cmd::run(
+            cmd::host_cargo()
+                .current_dir(&root)
+                .args(["fmt", "--all", "--", "--check"]),
+        )?;
+        cmd::run(cmd::host_cargo().current_dir(&root).args([
+            "fmt",
+            "--manifest-path",
+            "agent-ebpf/Cargo.toml",
+            "--all",
+            "--",
+            "--check",
+        ]))
+    })?;
+    step("clippy", &mut || {
+        cmd::run(cmd::host_cargo().current_dir(&root).args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    step("tests", &mut || {
+        cmd::run(
+            cmd::host_cargo()
+                .current_dir(&root)
+                .args(["test", "--workspace"]),
+        )
+    })?;
+    if no_privileged {
+        println!("\n==> privileged suite: skipped (--no-privileged)");
+    } else {
+        step("privileged suite", &mut || {
+            privileged::run(privileged::Options {
+                no_build_ebpf: true,
+                test_args: Vec::new(),
+            })
+        })?;
+    }
+
+    println!("\nall steps passed:");
+    for (name, took) in timings {
+        println!("  {name:<20} {:>8.1?}", took);
+    }
+    Ok(())
+}
