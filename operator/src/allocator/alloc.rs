@@ -334,6 +334,48 @@ impl Allocator {
         }
     }
 
+    /// The store reports (from its own watch) that the binding of `id` to `labels` is
+    /// gone, deleted by someone else. The binding is written again; if nothing uses
+    /// it, garbage collection deletes it properly later (with its tombstone).
+    pub fn binding_lost(&mut self, id: IdentityId, labels: &LabelSet, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(entry) = core.ids.get_mut(id).filter(|e| e.labels == *labels) else {
+            return;
+        };
+        match entry.phase {
+            // Our own write is in flight; its answer decides.
+            Phase::Creating { inflight: true, .. } | Phase::Deleting { inflight: true, .. } => {}
+            Phase::Live
+            | Phase::Released { .. }
+            | Phase::Creating {
+                inflight: false, ..
+            }
+            | Phase::Deleting {
+                inflight: false, ..
+            } => {
+                entry.phase = Phase::Creating {
+                    inflight: true,
+                    attempt: 0,
+                    retry_at: now,
+                };
+                core.counters.bindings_recreated += 1;
+                core.create_op(id);
+            }
+        }
+    }
+
+    /// The store holds, for `id`, an object census did not write or that was edited
+    /// (`found` describes it): the id is blocked for good, reported, and whatever used
+    /// it moves to a new id.
+    pub fn binding_invalid(&mut self, id: IdentityId, found: String, now: Timestamp) {
+        if self.core.ids.get(id).is_some() {
+            self.rehome(id, Blocked::StoreConflict { found }, now);
+        } else if !self.core.ids.blocked().contains_key(&id) {
+            self.core.ids.block(id, Blocked::StoreConflict { found });
+            self.core.counters.blocked += 1;
+        }
+    }
+
     /// The store binds `id` otherwise than census does: the id is blocked for good,
     /// and whatever used it (endpoints, holds, waiting calls) moves to a new id for
     /// the same labels, with Rebinds to the agents.

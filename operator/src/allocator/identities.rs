@@ -212,9 +212,9 @@ impl Identities {
     /// Blocks a free id for good.
     pub(crate) fn block(&mut self, id: IdentityId, why: Blocked) {
         debug_assert!(!self.entries.contains_key(&id));
-        let was_used = self.quarantine.remove(&id).is_some() || self.blocked.contains_key(&id);
-        self.blocked.insert(id, why);
-        if !was_used {
+        let was_quarantined = self.quarantine.remove(&id).is_some();
+        let was_blocked = self.blocked.insert(id, why).is_some();
+        if !was_quarantined && !was_blocked {
             self.occupy(id);
         }
     }

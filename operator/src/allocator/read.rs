@@ -32,6 +32,8 @@ pub struct Counters {
     pub quarantine_ended: u64,
     /// Ids blocked because the store disagreed with census.
     pub blocked: u64,
+    /// Bindings written again after someone else deleted them from the store.
+    pub bindings_recreated: u64,
     /// Store answers for ops that no longer matched the core's state.
     pub stale_results: u64,
     /// GC delete outcomes by cause (`deleted`, `recreated`, `conflict`, `io`, ...).

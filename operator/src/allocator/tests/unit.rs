@@ -720,3 +720,49 @@ fn churn_leaves_only_live_identities_and_shrinks_maps() {
         "identity maps shrank: {by_labels}, {quarantine}"
     );
 }
+
+// ---- the store's own watch ----
+
+#[test]
+fn a_binding_deleted_behind_our_back_is_recreated() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("a", x.get(), "app=a")));
+    // Someone deletes the object; the store's watch reports it.
+    h.store.identities.remove(&x);
+    h.alloc.binding_lost(x, &labels("app=a"), h.now);
+    h.route();
+    assert_eq!(h.state(x.get()), Some(IdentityState::Creating));
+    h.settle_store();
+    assert_eq!(h.store.identities.get(&x), Some(&labels("app=a")));
+    assert_eq!(h.state(x.get()), Some(IdentityState::Live));
+    assert_eq!(h.alloc.counters().bindings_recreated, 1);
+    // A report about other labels, or while our own write is in flight, changes nothing.
+    h.alloc.binding_lost(x, &labels("app=b"), h.now);
+    h.route();
+    assert!(h.pending().next().is_none());
+}
+
+#[test]
+fn an_edited_object_blocks_its_id_and_moves_its_users() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("a", x.get(), "app=a")));
+    h.store.identities.insert(x, labels("app=evil"));
+    h.alloc
+        .binding_invalid(x, "labels edited to k8s:app=evil".into(), h.now);
+    h.route();
+    h.settle_store();
+    assert_eq!(h.state(x.get()), Some(IdentityState::Blocked));
+    let moved = h.alloc.lookup(&labels("app=a")).map(|i| (i.id, i.refs));
+    assert!(matches!(moved, Some((y, 1)) if y != x), "{moved:?}");
+    assert_eq!(h.rebinds().len(), 1);
+    // An unknown id found invalid is blocked too, and never handed out.
+    h.alloc
+        .binding_invalid(id(900), "labels \"not a label\"".into(), h.now);
+    h.route();
+    assert_eq!(h.state(900), Some(IdentityState::Blocked));
+    assert_eq!(h.alloc.counters().blocked, 2);
+}
