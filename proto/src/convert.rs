@@ -125,18 +125,9 @@ pub fn labels_from_wire(
     limits: &LabelLimits,
     field: &str,
 ) -> Result<LabelSet, FieldError> {
-    LabelSet::parse(labels, limits).map_err(|e| {
-        // Name the offending entry when the error is about one label.
-        let index = match &e {
-            LabelError::Syntax { label, .. } | LabelError::Reserved { label } => labels
-                .iter()
-                .position(|l| l.starts_with(label.trim_end_matches("..."))),
-            _ => None,
-        };
-        match index {
-            Some(i) => FieldError::new(format_args!("{field}[{i}]"), e),
-            None => FieldError::new(field, e),
-        }
+    LabelSet::parse_indexed(labels, limits).map_err(|(index, e)| match index {
+        Some(i) => FieldError::new(format_args!("{field}[{i}]"), e),
+        None => FieldError::new(field, e),
     })
 }
 

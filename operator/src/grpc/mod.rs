@@ -172,6 +172,7 @@ fn method_name(path: &str) -> &'static str {
         "/census.v1.EndpointSync/Sync" => "EndpointSync/Sync",
         "/census.v1.NodeService/ListNodes" => "NodeService/ListNodes",
         "/census.v1.NodeService/GetNode" => "NodeService/GetNode",
+        "/census.v1.NodeService/GetVersion" => "NodeService/GetVersion",
         "/grpc.health.v1.Health/Check" => "Health/Check",
         "/grpc.health.v1.Health/Watch" => "Health/Watch",
         p if p.starts_with("/grpc.reflection.") => "reflection",

@@ -35,7 +35,10 @@ impl NodeService for Nodes {
         }))
     }
 
-    async fn get_version(&self, request: Request<pb::GetVersionRequest>) -> Result<Response<pb::VersionInfo>, Status> {
+    async fn get_version(
+        &self,
+        request: Request<pb::GetVersionRequest>,
+    ) -> Result<Response<pb::VersionInfo>, Status> {
         check_version(request.into_inner().protocol_version).map_err(version)?;
         Ok(Response::new(pb::VersionInfo {
             operator_version: env!("CARGO_PKG_VERSION").to_owned(),

@@ -5,7 +5,11 @@
 //! decoded and validated off the core's lock; a refused one ends the stream with a
 //! precise status and changes nothing.
 
-use std::{net::SocketAddr, sync::Arc, time::Instant};
+use std::{
+    net::SocketAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use census_proto::{
     PROTOCOL_VERSION,
@@ -30,6 +34,8 @@ use crate::{
 
 /// Messages buffered towards one agent.
 const OUTBOUND: usize = 1024;
+/// How long a new stream may stay silent before its Hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct Sync {
@@ -53,9 +59,14 @@ impl EndpointSync for Sync {
     ) -> Result<Response<Self::SyncStream>, Status> {
         let peer = request.remote_addr();
         let mut inbound = request.into_inner();
-        let first = inbound
-            .message()
-            .await?
+        let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| {
+                self.invalid("no_hello");
+                Status::deadline_exceeded(format!(
+                    "no Hello within {HELLO_TIMEOUT:?} of opening the stream"
+                ))
+            })??
             .ok_or_else(|| Status::failed_precondition("the stream ended before Hello"))?;
         let Some(Body::Hello(hello)) = first.body else {
             self.invalid("no_hello");
@@ -136,7 +147,14 @@ impl Stream {
             let message = tokio::select! {
                 m = inbound.message() => m,
                 () = self.tx.closed() => break,
-                _ = shutdown.changed() => break,
+                _ = shutdown.changed() => {
+                    // Said here, not only by `Runtime::shut_down`: once this task has
+                    // disconnected, the runtime no longer holds the stream.
+                    let _ = self.tx.try_send(Err(Status::unavailable(
+                        "the operator is shutting down; reconnect",
+                    )));
+                    break;
+                }
             };
             match message {
                 Ok(Some(msg)) => match self.handle(msg) {
@@ -177,7 +195,8 @@ impl Stream {
     /// Validates and applies one message, answering with its Ack.
     fn handle(&self, msg: pb::AgentMessage) -> Result<pb::OperatorMessage, Status> {
         let seq = msg.seq;
-        if seq == 0 {
+        // Hello carries seq 0: a second Hello is refused as such below, not for its seq.
+        if seq == 0 && !matches!(msg.body, Some(Body::Hello(_))) {
             return Err(self.invalid(
                 "seq",
                 Status::invalid_argument("seq: must be above 0 after Hello"),

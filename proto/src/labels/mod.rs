@@ -135,26 +135,45 @@ impl LabelSet {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
+        Self::parse_indexed(labels, limits).map_err(|(_, e)| e)
+    }
+
+    /// As [`parse`](Self::parse); an error about one label comes with its index in
+    /// `labels`, so the caller can name the field (`labels[3]`).
+    pub fn parse_indexed<I, S>(
+        labels: I,
+        limits: &LabelLimits,
+    ) -> Result<Self, (Option<usize>, LabelError)>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
         let owned: Vec<S> = labels.into_iter().collect();
         if owned.len() > limits.max_labels.saturating_mul(4) {
             // Far over the limit even if most were duplicates: refuse before parsing.
-            return Err(LabelError::TooMany {
-                count: owned.len(),
-                max: limits.max_labels,
-            });
+            return Err((
+                None,
+                LabelError::TooMany {
+                    count: owned.len(),
+                    max: limits.max_labels,
+                },
+            ));
         }
         let mut parsed = Vec::with_capacity(owned.len());
-        for text in &owned {
+        for (i, text) in owned.iter().enumerate() {
             let text = text.as_ref();
-            let label = Label::parse(text)?;
+            let label = Label::parse(text).map_err(|e| (Some(i), e))?;
             if label.source == RESERVED_SOURCE {
-                return Err(LabelError::Reserved {
-                    label: shorten(text),
-                });
+                return Err((
+                    Some(i),
+                    LabelError::Reserved {
+                        label: shorten(text),
+                    },
+                ));
             }
             parsed.push(label);
         }
-        Self::from_labels(parsed, limits)
+        Self::from_labels(parsed, limits).map_err(|e| (None, e))
     }
 
     /// Builds the set from labels that are already valid (sorting and deduplicating).

@@ -1,0 +1,1471 @@
+//! The operator over real loopback gRPC: a real server started by
+//! `census_operator::daemon::start`, real tonic clients (the generated ones, and for
+//! reflection a generic client driven by descriptors fetched from the server).
+//!
+//! Every test starts its own operator on its own tempdir store. Time-driven behaviour
+//! (holds, GC, quarantine) runs on short timers and is waited for with deadlines.
+
+mod support;
+
+use std::{
+    collections::BTreeSet,
+    str::FromStr,
+    time::{Duration, Instant},
+};
+
+use census_proto::{
+    PROTOCOL_VERSION,
+    pb::{self, agent_message::Body, watch_event::Kind},
+};
+use prost::Message as _;
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, ReflectMessage, Value};
+use support::{
+    Agent, TestResult, endpoint, eventually, expect_status, fail, hello, open_stream,
+    open_stream_and_close, session, start_operator, start_operator_without, strings,
+};
+use tonic::{
+    Code, Status,
+    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
+};
+
+const SHOP: &[&str] = &["k8s:app=shop", "k8s:io.kubernetes.pod.namespace=shop"];
+const DB: &[&str] = &["k8s:app=db", "k8s:io.kubernetes.pod.namespace=shop"];
+
+fn live() -> i32 {
+    pb::IdentityState::Live.into()
+}
+
+// ---------------------------------------------------------------------------
+// The happy path
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hello_reply_carries_the_filter_the_interval_and_the_limits() -> TestResult {
+    let op = start_operator(&[
+        "--snapshot-interval",
+        "7s",
+        "--label-exclude",
+        "tenant-id",
+        "--max-labels",
+        "20",
+        "--max-snapshot-endpoints",
+        "500",
+        "--max-ips-per-endpoint",
+        "4",
+    ])
+    .await?;
+    let (_agent, reply) = Agent::connect(&op, "node-a", session(100)).await?;
+
+    assert_eq!(reply.protocol_version, PROTOCOL_VERSION);
+    assert!(!reply.operator_version.is_empty());
+    let filter = reply.filter.ok_or("HelloReply without a filter")?;
+    for key in [
+        "job-name",
+        "pod-template-hash",
+        "controller-uid",
+        "kubernetes.io/*",
+        "tenant-id",
+    ] {
+        assert!(
+            filter.exclude.iter().any(|p| p == key),
+            "{key} missing from {:?}",
+            filter.exclude
+        );
+    }
+    assert!(
+        !filter
+            .exclude
+            .iter()
+            .any(|p| p.starts_with("app.kubernetes.io")),
+        "app.kubernetes.io/* is kept: users select on it"
+    );
+    assert_eq!(reply.snapshot_interval_ms, 7000);
+    let limits = reply.limits.ok_or("HelloReply without limits")?;
+    assert_eq!(limits.max_snapshot_endpoints, 500);
+    assert_eq!(limits.max_labels, 20);
+    assert_eq!(limits.max_ips_per_endpoint, 4);
+    assert!(limits.max_message_bytes >= 4 * 1024 * 1024);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_canonicalizes_filters_persists_and_answers_get_and_lookup() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+
+    let first = op
+        .allocate_ok(
+            "node-a",
+            s,
+            &[
+                "k8s:tier=web",
+                "k8s:job-name=nightly-28312",
+                "k8s:app=shop",
+                "k8s:pod-template-hash=5d8f7c9b4",
+            ],
+        )
+        .await?;
+    assert!(first.id >= 256, "{first:?} is not in the allocation range");
+    assert_eq!(first.state, live(), "answered only once persisted");
+    assert_eq!(first.labels, ["k8s:app=shop", "k8s:tier=web"]);
+    assert_eq!(first.holds, 1);
+    assert_eq!(first.references, 0);
+
+    // The same labels in another order, duplicated, with other per-run labels.
+    let again = op
+        .allocate_ok(
+            "node-a",
+            s,
+            &[
+                "k8s:tier=web",
+                "k8s:app=shop",
+                "k8s:app=shop",
+                "k8s:job-name=nightly-28313",
+            ],
+        )
+        .await?;
+    assert_eq!(again.id, first.id);
+    let other = op
+        .allocate_ok("node-a", s, &["k8s:app=shop", "k8s:tier=db"])
+        .await?;
+    assert_ne!(other.id, first.id);
+
+    let got = op.get(first.id).await??;
+    assert_eq!(got.labels, first.labels);
+    assert_eq!(got.state, live());
+    assert_eq!((got.references, got.holds), (0, 1));
+
+    let mut identities = op.identities().await?;
+    let found = identities
+        .lookup(pb::LookupRequest {
+            protocol_version: PROTOCOL_VERSION,
+            labels: strings(&["k8s:job-name=x", "k8s:tier=web", "k8s:app=shop"]),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(found, got);
+    let unknown = identities
+        .lookup(pb::LookupRequest {
+            protocol_version: PROTOCOL_VERSION,
+            labels: strings(&["k8s:app=nobody"]),
+        })
+        .await;
+    expect_status(unknown, Code::NotFound, &["k8s:app=nobody"])?;
+
+    // Persisted: a restarted operator loads the binding from the store.
+    let op = op.restart(&[]).await?;
+    let loaded = op.get(first.id).await??;
+    assert_eq!(loaded.labels, first.labels);
+    assert_eq!(loaded.state, live());
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_deltas_are_acked_and_node_service_shows_the_view() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let shop = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let ep = |name: &str, id: u32| endpoint("shop", name, &["198.18.0.2"], id, SHOP);
+
+    let answer = agent.snapshot(vec![ep("web-0", shop)]).await?;
+    assert_eq!(
+        answer.ack,
+        pb::Ack {
+            seq: 1,
+            ignored: false,
+            corrections: 0
+        }
+    );
+    assert!(answer.rebinds.is_empty());
+    let node = op.get_node_ok("node-a").await?;
+    assert_eq!(node.session, Some(s));
+    assert!(node.connected);
+    assert!(!node.stale);
+    assert_eq!(node.last_seq, 1);
+    assert_eq!(node.endpoints, 1);
+    assert_eq!(node.adoptions, 1, "the session's first snapshot adopts");
+    assert_eq!(node.corrections, 0);
+    assert_eq!(node.holds, 0, "seen in the view: the hold ended");
+    assert!(node.last_heard_ms > 0 && node.last_snapshot_ms > 0);
+
+    let answer = agent.upsert(ep("web-1", shop)).await?;
+    assert_eq!(answer.ack.seq, 2);
+    assert!(!answer.ack.ignored);
+
+    // web-2 never came as a delta (a lost event), web-3 claims an id that is not
+    // its labels': one correction each, and a Rebind for web-3.
+    let answer = agent
+        .snapshot(vec![
+            ep("web-0", shop),
+            ep("web-1", shop),
+            ep("web-2", shop),
+            ep("web-3", 999),
+        ])
+        .await?;
+    assert_eq!(answer.ack.seq, 3);
+    assert_eq!(answer.ack.corrections, 2);
+    assert_eq!(
+        answer.rebinds,
+        [pb::Rebind {
+            namespace: "shop".into(),
+            name: "web-3".into(),
+            identity: shop
+        }]
+    );
+
+    let node = op.get_node_ok("node-a").await?;
+    assert_eq!(node.endpoints, 4);
+    assert_eq!(node.last_seq, 3);
+    assert_eq!((node.adoptions, node.corrections, node.rebinds), (1, 2, 1));
+    let identity = op.get(shop).await??;
+    assert_eq!(identity.references, 4);
+    assert_eq!(identity.holds, 0);
+
+    let mut nodes = op.nodes().await?;
+    let listed = nodes
+        .list_nodes(pb::ListNodesRequest {
+            protocol_version: PROTOCOL_VERSION,
+        })
+        .await?
+        .into_inner()
+        .nodes;
+    assert_eq!(listed, [node]);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_paginates_filters_by_selector_and_refuses_bad_tokens() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let mut want = Vec::new();
+    let mut db = Vec::new();
+    for (i, app) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+        let tier = if i % 2 == 0 { "db" } else { "web" };
+        let app = format!("k8s:app={app}");
+        let tier_label = format!("k8s:tier={tier}");
+        let id = op.allocate_ok("node-a", s, &[&app, &tier_label]).await?.id;
+        want.push(id);
+        if tier == "db" {
+            db.push(id);
+        }
+    }
+    want.sort_unstable();
+
+    let mut client = op.identities().await?;
+    let request = |page_token: String, selector: &[&str]| pb::ListRequest {
+        protocol_version: PROTOCOL_VERSION,
+        page_size: 2,
+        page_token,
+        selector: strings(selector),
+        include_quarantined: false,
+    };
+    let mut pages = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = client.list(request(token, &[])).await?.into_inner();
+        pages.push(page.identities.iter().map(|i| i.id).collect::<Vec<_>>());
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+        if pages.len() > 5 {
+            return fail("List does not end");
+        }
+    }
+    assert_eq!(pages.iter().map(Vec::len).collect::<Vec<_>>(), [2, 2, 1]);
+    assert_eq!(pages.concat(), want);
+
+    let page = client
+        .list(pb::ListRequest {
+            page_size: 0,
+            ..request(String::new(), &["k8s:tier=db"])
+        })
+        .await?
+        .into_inner();
+    let mut got: Vec<u32> = page.identities.iter().map(|i| i.id).collect();
+    got.sort_unstable();
+    db.sort_unstable();
+    assert_eq!(got, db);
+    assert!(page.next_page_token.is_empty());
+    assert!(
+        page.identities
+            .iter()
+            .all(|i| i.labels.iter().any(|l| l == "k8s:tier=db"))
+    );
+
+    let before = op.observe().await?;
+    let bad = client.list(request("not-a-token".into(), &[])).await;
+    expect_status(bad, Code::InvalidArgument, &["page_token"])?;
+    let bad = client.list(request(String::new(), &["k8s:tier"])).await;
+    expect_status(bad, Code::InvalidArgument, &["selector[0]", "k8s:tier"])?;
+    assert_eq!(op.observe().await?, before);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
+    // The node goes silent after Hello: its view and holds are dropped after the
+    // node TTL, and GC deletes the identities after the grace period.
+    let op = start_operator(&[
+        "--snapshot-interval",
+        "1s",
+        "--node-ttl",
+        "1s",
+        "--hold-timeout",
+        "1s",
+        "--grace-period",
+        "200ms",
+        "--quarantine",
+        "30s",
+    ])
+    .await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let shop = op.allocate_ok("node-a", s, SHOP).await?;
+    let db = op.allocate_ok("node-a", s, DB).await?;
+
+    let mut client = op.identities().await?;
+    let mut watch = client
+        .watch(pb::WatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+        })
+        .await?
+        .into_inner();
+    let mut next = async || -> TestResult<pb::WatchEvent> {
+        tokio::time::timeout(Duration::from_secs(10), watch.message())
+            .await
+            .map_err(|_| "no watch event within 10 s")??
+            .ok_or_else(|| "the watch ended".into())
+    };
+    let kind = |e: &pb::WatchEvent| Kind::try_from(e.kind).unwrap_or(Kind::Unspecified);
+
+    assert_eq!(kind(&next().await?), Kind::ResyncStart);
+    let mut listed = BTreeSet::new();
+    for _ in 0..2 {
+        let event = next().await?;
+        assert_eq!(kind(&event), Kind::Upsert);
+        let identity = event.identity.ok_or("UPSERT without an identity")?;
+        listed.insert((identity.id, identity.labels));
+    }
+    assert_eq!(
+        listed,
+        BTreeSet::from([(shop.id, shop.labels), (db.id, db.labels)])
+    );
+    assert_eq!(kind(&next().await?), Kind::ResyncEnd);
+
+    let web = op
+        .allocate_ok("node-a", s, &["k8s:app=web", "k8s:tier=front"])
+        .await?;
+    let event = next().await?;
+    assert_eq!(kind(&event), Kind::Upsert);
+    let identity = event.identity.ok_or("UPSERT without an identity")?;
+    assert_eq!((identity.id, &identity.labels), (web.id, &web.labels));
+
+    let mut removed = BTreeSet::new();
+    while !removed.contains(&web.id) {
+        let event = next().await?;
+        assert_eq!(kind(&event), Kind::Removed, "{event:?}");
+        let identity = event.identity.ok_or("REMOVED without an identity")?;
+        assert!(!identity.labels.is_empty(), "REMOVED names the labels");
+        removed.insert(identity.id);
+    }
+    let gone = op.get(web.id).await??;
+    assert_eq!(gone.state, i32::from(pb::IdentityState::Quarantined));
+    assert!(gone.labels.is_empty());
+    op.shut_down().await
+}
+
+// ---------------------------------------------------------------------------
+// Bad input: a precise status, and state untouched
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_labels_are_invalid_argument_naming_label_and_field() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+    op.allocate_ok("node-a", s, SHOP).await?;
+    let before = op.observe().await?;
+
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["k8s:tier=db", "k8s:app"],
+            &["labels[1]", "\"k8s:app\"", "no `=`"],
+        ),
+        (
+            &["k8s:tier=db", "k8s:-x=y"],
+            &["labels[1]", "\"k8s:-x=y\"", "key's name"],
+        ),
+        (
+            &["k8s:tier=db", ":app=web"],
+            &["labels[1]", "\":app=web\"", "source is empty"],
+        ),
+        (
+            &["app=web"],
+            &["labels[0]", "\"app=web\"", "source:key=value"],
+        ),
+        (
+            &["reserved:host="],
+            &["labels[0]", "\"reserved:host=\"", "reserved"],
+        ),
+        (
+            &["k8s:app=a", "k8s:app=b"],
+            &["labels", "k8s:app=a", "k8s:app=b"],
+        ),
+        (&[], &["labels", "at least one label"]),
+        (
+            &["k8s:job-name=x"],
+            &["labels", "after the label filter", "at least one label"],
+        ),
+    ];
+    let mut client = op.identities().await?;
+    for (labels, needles) in cases {
+        let answer = op.allocate("node-a", s, labels).await?;
+        expect_status(answer, Code::InvalidArgument, needles)?;
+        let answer = client
+            .lookup(pb::LookupRequest {
+                protocol_version: PROTOCOL_VERSION,
+                labels: strings(labels),
+            })
+            .await;
+        expect_status(answer, Code::InvalidArgument, needles)?;
+    }
+    assert_eq!(op.observe().await?, before);
+    op.shut_down().await
+}
+
+/// `labels_from_wire` names the first label that *starts with* the bad one, so a bad
+/// `k8s:app` after a good `k8s:app=web` is reported as `labels[0]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_label_index_is_exact_when_a_good_label_shares_its_prefix() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let answer = op
+        .allocate("node-a", s, &["k8s:app=web", "k8s:app"])
+        .await?;
+    expect_status(answer, Code::InvalidArgument, &["labels[1]", "\"k8s:app\""])?;
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn label_set_over_the_size_limit_is_invalid_argument() -> TestResult {
+    let op = start_operator(&["--max-labels", "4"]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let four = ["k8s:a=1", "k8s:b=2", "k8s:c=3", "k8s:d=4"];
+    let id = op.allocate_ok("node-a", s, &four).await?.id;
+    agent
+        .snapshot(vec![endpoint("shop", "web-0", &[], id, &four)])
+        .await?;
+    let before = op.observe().await?;
+
+    let five = ["k8s:a=1", "k8s:b=2", "k8s:c=3", "k8s:d=4", "k8s:e=5"];
+    let answer = op.allocate("node-a", s, &five).await?;
+    expect_status(
+        answer,
+        Code::InvalidArgument,
+        &["labels", "5 labels", "limit of 4"],
+    )?;
+    let seq = agent.next_seq();
+    agent
+        .send(
+            seq,
+            Body::Snapshot(pb::Snapshot {
+                endpoints: vec![endpoint("shop", "web-0", &[], id, &five)],
+            }),
+        )
+        .await?;
+    agent
+        .expect_end(
+            Code::InvalidArgument,
+            &["snapshot.endpoints[0].labels", "5 labels", "limit of 4"],
+        )
+        .await?;
+    assert_eq!(op.observe().await?, before);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_over_the_endpoint_limit_ends_the_stream_and_keeps_the_view() -> TestResult {
+    let op = start_operator(&["--max-snapshot-endpoints", "3"]).await?;
+    let s = session(100);
+    let (mut agent, reply) = Agent::connect(&op, "node-a", s).await?;
+    assert_eq!(
+        reply.limits.map(|l| l.max_snapshot_endpoints),
+        Some(3),
+        "the agent is told the limit"
+    );
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let ep = |name: &str| endpoint("shop", name, &["198.18.0.2"], id, SHOP);
+    agent.snapshot(vec![ep("web-0"), ep("web-1")]).await?;
+    let before = op.observe().await?;
+
+    let seq = agent.next_seq();
+    agent
+        .send(
+            seq,
+            Body::Snapshot(pb::Snapshot {
+                endpoints: vec![ep("web-0"), ep("web-1"), ep("web-2"), ep("web-3")],
+            }),
+        )
+        .await?;
+    agent
+        .expect_end(
+            Code::InvalidArgument,
+            &["snapshot.endpoints", "4 entries", "limit of 3"],
+        )
+        .await?;
+
+    let after = op.observe().await?;
+    assert_eq!(after, before);
+    let node = after.node("node-a").ok_or("node-a is gone")?;
+    assert_eq!((node.endpoints, node.last_seq), (2, 1));
+    assert_eq!(after.identity(id).map(|i| i.references), Some(2));
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_snapshot_entries_end_the_stream_naming_the_entry() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let ep = |name: &str, ips: &[&str], id: u32| endpoint("shop", name, ips, id, SHOP);
+    agent
+        .snapshot(vec![ep("web-0", &["198.18.0.2"], id)])
+        .await?;
+    let before = op.observe().await?;
+
+    let cases: Vec<(Vec<pb::Endpoint>, &[&str])> = vec![
+        (
+            vec![
+                ep("web-0", &[], id),
+                ep("web-1", &[], id),
+                ep("web-0", &[], id),
+            ],
+            &["snapshot.endpoints[2]", "shop/web-0", "appears twice"],
+        ),
+        (
+            vec![ep("web-0", &[], id), ep("web-1", &["198.18.0.300"], id)],
+            &[
+                "snapshot.endpoints[1].ips[0]",
+                "198.18.0.300",
+                "not an IPv4 or IPv6",
+            ],
+        ),
+        (
+            vec![ep("web-0", &["198.18.0.2", "2001:db8::zz"], id)],
+            &["snapshot.endpoints[0].ips[1]", "2001:db8::zz"],
+        ),
+        (
+            vec![ep("web-0", &[], id), ep("web-1", &[], 0)],
+            &["snapshot.endpoints[1].identity", "must not be 0"],
+        ),
+        (
+            vec![endpoint("Shop", "web-0", &[], id, SHOP)],
+            &["snapshot.endpoints[0].namespace", "\"Shop\""],
+        ),
+        (
+            vec![endpoint("shop", "", &[], id, SHOP)],
+            &["snapshot.endpoints[0].name", "is required"],
+        ),
+        (
+            vec![endpoint(
+                "shop",
+                "web-0",
+                &[],
+                id,
+                &["k8s:tier=db", "k8s:app"],
+            )],
+            &["snapshot.endpoints[0].labels[1]", "\"k8s:app\""],
+        ),
+    ];
+    for (endpoints, needles) in cases {
+        let seq = agent.next_seq();
+        agent
+            .send(seq, Body::Snapshot(pb::Snapshot { endpoints }))
+            .await?;
+        agent.expect_end(Code::InvalidArgument, needles).await?;
+        assert_eq!(op.observe().await?, before, "after {needles:?}");
+        // The same session reconnects; its seq goes on.
+        (agent, _) = agent.reconnect(&op).await?;
+    }
+
+    // A bad upsert and a bad delete are refused the same way.
+    let seq = agent.next_seq();
+    agent
+        .send(
+            seq,
+            Body::Upsert(pb::EndpointUpsert {
+                endpoint: Some(ep("web-1", &["x"], id)),
+            }),
+        )
+        .await?;
+    agent
+        .expect_end(Code::InvalidArgument, &["upsert.endpoint.ips[0]", "\"x\""])
+        .await?;
+    (agent, _) = agent.reconnect(&op).await?;
+    let seq = agent.next_seq();
+    agent
+        .send(
+            seq,
+            Body::Delete(pb::EndpointDelete {
+                namespace: "shop".into(),
+                name: String::new(),
+            }),
+        )
+        .await?;
+    agent
+        .expect_end(Code::InvalidArgument, &["delete.name", "is required"])
+        .await?;
+    assert_eq!(op.observe().await?, before);
+
+    // And the stream still works for good input.
+    let (mut agent, _) = agent.reconnect(&op).await?;
+    let answer = agent
+        .snapshot(vec![ep("web-0", &["198.18.0.2"], id), ep("web-1", &[], id)])
+        .await?;
+    assert!(!answer.ack.ignored);
+    assert_eq!(op.get_node_ok("node-a").await?.endpoints, 2);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_before_hello_is_failed_precondition() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let before = op.observe().await?;
+    let upsert = pb::AgentMessage {
+        seq: 1,
+        body: Some(Body::Upsert(pb::EndpointUpsert {
+            endpoint: Some(endpoint("shop", "web-0", &[], 300, SHOP)),
+        })),
+    };
+    let answer = open_stream(&op, vec![upsert, hello("node-a", session(100))]).await?;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &["first message", "Hello"],
+    )?;
+    let answer = open_stream_and_close(&op, vec![]).await?;
+    expect_status(answer, Code::FailedPrecondition, &["before Hello"])?;
+    assert_eq!(op.observe().await?, before);
+    assert!(before.nodes.is_empty());
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_hello_on_a_stream_is_failed_precondition() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    for seq in [0, 5] {
+        let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+        let before = op.observe().await?;
+        let second = hello("node-a", session(200));
+        let body = second.body.ok_or("hello has a body")?;
+        agent.send(seq, body).await?;
+        agent
+            .expect_end(Code::FailedPrecondition, &["Hello", "first message"])
+            .await?;
+        assert_eq!(op.observe().await?, before, "second Hello with seq {seq}");
+        assert_eq!(
+            op.get_node_ok("node-a").await?.session,
+            Some(s),
+            "the second Hello changed nothing"
+        );
+    }
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_session_replaces_the_stream_and_an_older_one_is_refused() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let (s1, s2) = (session(100), session(200));
+    let (mut a, _) = Agent::connect(&op, "node-a", s1).await?;
+    let id = op.allocate_ok("node-a", s1, SHOP).await?.id;
+    a.snapshot(vec![endpoint("shop", "web-0", &[], id, SHOP)])
+        .await?;
+
+    let (_b, _) = Agent::connect(&op, "node-a", s2).await?;
+    a.expect_end(
+        Code::FailedPrecondition,
+        &["node-a", "replaced", "200-0000000000000007"],
+    )
+    .await?;
+    let node = op.get_node_ok("node-a").await?;
+    assert_eq!(node.session, Some(s2));
+    assert!(node.connected, "stream B is the node's stream");
+    assert_eq!(node.last_seq, 0, "a new session starts its seq again");
+    assert_eq!(
+        node.endpoints, 1,
+        "the view stays until the new session's snapshot"
+    );
+
+    let before = op.observe().await?;
+    let answer = open_stream(&op, vec![hello("node-a", s1)]).await?;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &[
+            "node-a",
+            "100-0000000000000007",
+            "200-0000000000000007",
+            "older",
+        ],
+    )?;
+    let answer = op.allocate("node-a", s1, DB).await?;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &["100-0000000000000007", "200-0000000000000007"],
+    )?;
+    assert_eq!(op.observe().await?, before);
+    assert!(op.get_node_ok("node-a").await?.connected);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_seq_is_acked_as_ignored_and_counted() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let ep = |name: &str| endpoint("shop", name, &[], id, SHOP);
+    agent.snapshot(vec![ep("web-0")]).await?;
+    agent.upsert(ep("web-1")).await?;
+    let before = op.observe().await?;
+
+    let answer = agent
+        .exchange(1, Body::Snapshot(pb::Snapshot { endpoints: vec![] }))
+        .await?;
+    assert_eq!(
+        answer.ack,
+        pb::Ack {
+            seq: 1,
+            ignored: true,
+            corrections: 0
+        }
+    );
+    let answer = agent
+        .exchange(
+            2,
+            Body::Delete(pb::EndpointDelete {
+                namespace: "shop".into(),
+                name: "web-0".into(),
+            }),
+        )
+        .await?;
+    assert!(answer.ack.ignored);
+
+    let mut after = op.observe().await?;
+    let node = after.nodes.first_mut().ok_or("no node")?;
+    assert_eq!(node.old_seq_ignored, 2);
+    assert_eq!((node.last_seq, node.endpoints), (2, 2));
+    node.old_seq_ignored = 0;
+    assert_eq!(after, before, "ignored messages change nothing else");
+
+    // seq 0 is Hello's alone.
+    agent
+        .send(
+            0,
+            Body::Upsert(pb::EndpointUpsert {
+                endpoint: Some(ep("web-2")),
+            }),
+        )
+        .await?;
+    agent
+        .expect_end(Code::InvalidArgument, &["seq", "above 0"])
+        .await?;
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protocol_version_mismatch_is_failed_precondition_naming_both() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let before = op.observe().await?;
+    let both: &[&str] = &["version mismatch", "version 2", "version 1"];
+
+    let mut identities = op.identities().await?;
+    let answer = identities
+        .allocate(pb::AllocateRequest {
+            protocol_version: 2,
+            node: "node-a".into(),
+            session: Some(s),
+            labels: strings(DB),
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let answer = identities
+        .get(pb::GetRequest {
+            protocol_version: 2,
+            id,
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let answer = identities
+        .lookup(pb::LookupRequest {
+            protocol_version: 2,
+            labels: strings(SHOP),
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let answer = identities
+        .list(pb::ListRequest {
+            protocol_version: 2,
+            ..pb::ListRequest::default()
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let answer = identities.list(pb::ListRequest::default()).await;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &["version 0", "version 1", "unset"],
+    )?;
+    let answer = identities
+        .watch(pb::WatchRequest {
+            protocol_version: 2,
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let mut nodes = op.nodes().await?;
+    let answer = nodes
+        .get_node(pb::GetNodeRequest {
+            protocol_version: 2,
+            name: "node-a".into(),
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let answer = nodes
+        .list_nodes(pb::ListNodesRequest {
+            protocol_version: 2,
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    let answer = nodes
+        .get_version(pb::GetVersionRequest {
+            protocol_version: 2,
+        })
+        .await;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+
+    let mut bad_hello = hello("node-a", session(200));
+    if let Some(Body::Hello(h)) = &mut bad_hello.body {
+        h.protocol_version = 2;
+    }
+    let answer = open_stream(&op, vec![bad_hello]).await?;
+    expect_status(answer, Code::FailedPrecondition, both)?;
+    assert_eq!(op.observe().await?, before);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_needs_the_nodes_current_session() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let before = op.observe().await?;
+    let answer = op.allocate("node-x", session(100), SHOP).await?;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &["node-x", "no session", "Hello"],
+    )?;
+    assert_eq!(op.observe().await?, before);
+
+    let current = session(200);
+    let (_agent, _) = Agent::connect(&op, "node-a", current).await?;
+    let before = op.observe().await?;
+    let answer = op.allocate("node-a", session(100), SHOP).await?;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &[
+            "node-a",
+            "100-0000000000000007",
+            "older",
+            "200-0000000000000007",
+        ],
+    )?;
+    let answer = op.allocate("node-a", session(300), SHOP).await?;
+    expect_status(
+        answer,
+        Code::FailedPrecondition,
+        &["node-a", "300-0000000000000007", "not the current session"],
+    )?;
+
+    let mut identities = op.identities().await?;
+    let answer = identities
+        .allocate(pb::AllocateRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node: "node-a".into(),
+            session: None,
+            labels: strings(SHOP),
+        })
+        .await;
+    expect_status(answer, Code::InvalidArgument, &["session", "is required"])?;
+    let answer = op.allocate("Node_A", current, SHOP).await?;
+    expect_status(answer, Code::InvalidArgument, &["node", "\"Node_A\""])?;
+    assert_eq!(op.observe().await?, before);
+
+    assert!(op.allocate("node-a", current, SHOP).await?.is_ok());
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_id_range_is_resource_exhausted_until_ids_are_freed() -> TestResult {
+    let op = start_operator(&[
+        "--id-range",
+        "256-258",
+        "--snapshot-interval",
+        "1s",
+        "--node-ttl",
+        "1s",
+        "--hold-timeout",
+        "1s",
+        "--grace-period",
+        "1s",
+        "--quarantine",
+        "2s",
+    ])
+    .await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let mut ids = BTreeSet::new();
+    for app in ["a", "b", "c"] {
+        let label = format!("k8s:app={app}");
+        ids.insert(op.allocate_ok("node-a", s, &[&label]).await?.id);
+    }
+    assert_eq!(ids, BTreeSet::from([256, 257, 258]));
+
+    let before = op.observe().await?;
+    let answer = op.allocate("node-a", s, &["k8s:app=d"]).await?;
+    expect_status(
+        answer,
+        Code::ResourceExhausted,
+        &["identity range 256-258", "exhausted"],
+    )?;
+    assert_eq!(op.observe().await?, before);
+
+    // The node stays alive with snapshots that reference none of the three: their
+    // holds expire, GC deletes them, and their quarantine ends.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let fresh = loop {
+        agent.snapshot(vec![]).await?;
+        match op.allocate("node-a", s, &["k8s:app=d"]).await? {
+            Ok(identity) => break identity,
+            Err(status) if status.code() == Code::ResourceExhausted => {}
+            Err(status) => return fail(format!("Allocate failed otherwise: {status:?}")),
+        }
+        if Instant::now() > deadline {
+            return fail("no id was freed within 20 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(ids.contains(&fresh.id), "{fresh:?} is from the range");
+    assert_eq!(fresh.labels, ["k8s:app=d"]);
+    let node = op.get_node_ok("node-a").await?;
+    assert!(node.connected, "the node was kept alive");
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_quota_is_resource_exhausted() -> TestResult {
+    let op = start_operator(&["--max-holds-per-node", "2"]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let a = op.allocate_ok("node-a", s, &["k8s:app=a"]).await?.id;
+    op.allocate_ok("node-a", s, &["k8s:app=b"]).await?;
+
+    let before = op.observe().await?;
+    let answer = op.allocate("node-a", s, &["k8s:app=c"]).await?;
+    expect_status(
+        answer,
+        Code::ResourceExhausted,
+        &["node-a", "holds 2", "limit"],
+    )?;
+    assert_eq!(op.observe().await?, before);
+    // A label set the node already holds is still answered.
+    assert_eq!(op.allocate_ok("node-a", s, &["k8s:app=a"]).await?.id, a);
+
+    // Seen in the node's view, `a` is no longer held: room for one more.
+    agent
+        .snapshot(vec![endpoint("shop", "web-0", &[], a, &["k8s:app=a"])])
+        .await?;
+    assert_eq!(op.get_node_ok("node-a").await?.holds, 1);
+    op.allocate_ok("node-a", s, &["k8s:app=c"]).await?;
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_and_get_node_refuse_unknown_and_bad_input() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let (_agent, _) = Agent::connect(&op, "node-a", session(100)).await?;
+    let before = op.observe().await?;
+
+    expect_status(op.get(4000).await?, Code::NotFound, &["identity 4000"])?;
+    expect_status(op.get(0).await?, Code::InvalidArgument, &["id", "0"])?;
+    let host = op.get(1).await??;
+    assert_eq!(host.labels, ["reserved:host="]);
+    assert_eq!(host.state, i32::from(pb::IdentityState::Reserved));
+    let world = op.get(2).await??;
+    assert_eq!(world.labels, ["reserved:world="]);
+
+    expect_status(op.get_node("node-zz").await?, Code::NotFound, &["node-zz"])?;
+    expect_status(
+        op.get_node("Node_A").await?,
+        Code::InvalidArgument,
+        &["name", "\"Node_A\""],
+    )?;
+    expect_status(
+        op.get_node("").await?,
+        Code::InvalidArgument,
+        &["name", "is required"],
+    )?;
+    assert_eq!(op.observe().await?, before);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_store_hands_out_no_new_id_in_the_adoption_window_but_serves_adopted() -> TestResult
+{
+    // The default adoption window: one node TTL (90 s).
+    let op = start_operator_without(&["--adoption-window"], &[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let before = op.observe().await?;
+    let answer = op.allocate("node-a", s, DB).await?;
+    expect_status(
+        answer,
+        Code::Unavailable,
+        &["store was empty", "re-reported"],
+    )?;
+    assert_eq!(op.observe().await?, before);
+
+    // An agent that still holds 4242 for SHOP reports it: adopted, no rebind.
+    let answer = agent
+        .snapshot(vec![endpoint("shop", "web-0", &[], 4242, SHOP)])
+        .await?;
+    assert!(answer.rebinds.is_empty());
+    let adopted = eventually("4242 persisted", Duration::from_secs(10), || async {
+        let identity = op.get(4242).await??;
+        Ok((identity.state == live()).then_some(identity))
+    })
+    .await?;
+    assert_eq!(adopted.labels, SHOP);
+    assert_eq!(adopted.references, 1);
+    assert_eq!(op.allocate_ok("node-a", s, SHOP).await?.id, 4242);
+    assert_eq!(op.get_node_ok("node-a").await?.adoptions, 1);
+
+    let answer = op.allocate("node-a", s, DB).await?;
+    expect_status(answer, Code::Unavailable, &["store was empty"])?;
+    op.shut_down().await
+}
+
+// ---------------------------------------------------------------------------
+// Generic tooling: reflection, health, the admin port
+// ---------------------------------------------------------------------------
+
+/// Encodes `DynamicMessage`s and decodes answers of one message type: what a generic
+/// client such as grpcurl does with descriptors it fetched by reflection.
+#[derive(Debug, Clone)]
+struct DynamicCodec {
+    output: MessageDescriptor,
+}
+
+#[derive(Debug)]
+struct DynamicEncoder;
+
+#[derive(Debug)]
+struct DynamicDecoder(MessageDescriptor);
+
+impl Codec for DynamicCodec {
+    type Encode = DynamicMessage;
+    type Decode = DynamicMessage;
+    type Encoder = DynamicEncoder;
+    type Decoder = DynamicDecoder;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        DynamicEncoder
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        DynamicDecoder(self.output.clone())
+    }
+}
+
+impl Encoder for DynamicEncoder {
+    type Item = DynamicMessage;
+    type Error = Status;
+
+    fn encode(&mut self, item: DynamicMessage, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        item.encode(dst)
+            .map_err(|e| Status::internal(format!("encoding: {e}")))
+    }
+}
+
+impl Decoder for DynamicDecoder {
+    type Item = DynamicMessage;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<DynamicMessage>, Status> {
+        DynamicMessage::decode(self.0.clone(), src)
+            .map(Some)
+            .map_err(|e| Status::internal(format!("decoding: {e}")))
+    }
+}
+
+/// A `FileDescriptorSet` of the encoded `FileDescriptorProto`s reflection returned.
+fn descriptor_set(files: &[Vec<u8>]) -> Vec<u8> {
+    let mut set = Vec::new();
+    for file in files {
+        prost::encoding::bytes::encode(1, file, &mut set);
+    }
+    set
+}
+
+const SERVICES: &[&str] = &[
+    "census.v1.IdentityService",
+    "census.v1.EndpointSync",
+    "census.v1.NodeService",
+    "grpc.health.v1.Health",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_v1_lets_a_generic_client_discover_and_call_get() -> TestResult {
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+
+    let op = start_operator(&[]).await?;
+    let channel = op.channel().await?;
+    let mut reflection = ServerReflectionClient::new(channel.clone());
+    let requests = [
+        MessageRequest::ListServices(String::new()),
+        MessageRequest::FileContainingSymbol("census.v1.IdentityService".into()),
+    ]
+    .map(|r| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(r),
+    });
+    let mut answers = reflection
+        .server_reflection_info(tokio_stream::iter(requests))
+        .await?
+        .into_inner();
+
+    let listed = match answers.message().await?.and_then(|a| a.message_response) {
+        Some(MessageResponse::ListServicesResponse(list)) => list.service,
+        other => return fail(format!("expected the list of services, got {other:?}")),
+    };
+    let names: BTreeSet<&str> = listed.iter().map(|s| s.name.as_str()).collect();
+    for service in SERVICES {
+        assert!(names.contains(service), "{service} missing from {names:?}");
+    }
+    let files = match answers.message().await?.and_then(|a| a.message_response) {
+        Some(MessageResponse::FileDescriptorResponse(files)) => files.file_descriptor_proto,
+        other => return fail(format!("expected file descriptors, got {other:?}")),
+    };
+
+    // Everything from here on knows only what reflection returned.
+    let pool = DescriptorPool::decode(descriptor_set(&files).as_slice())?;
+    let service = pool
+        .get_service_by_name("census.v1.IdentityService")
+        .ok_or("reflection did not describe census.v1.IdentityService")?;
+    let get = service
+        .methods()
+        .find(|m| m.name() == "Get")
+        .ok_or("IdentityService has no Get")?;
+    assert_eq!(get.input().full_name(), "census.v1.GetRequest");
+    let mut request = DynamicMessage::new(get.input());
+    request.try_set_field_by_name("protocol_version", Value::U32(PROTOCOL_VERSION))?;
+    request.try_set_field_by_name("id", Value::U32(1))?;
+
+    let path = format!("/{}/{}", service.full_name(), get.name());
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await?;
+    let answer = grpc
+        .unary(
+            tonic::Request::new(request),
+            http::uri::PathAndQuery::from_str(&path)?,
+            DynamicCodec {
+                output: get.output(),
+            },
+        )
+        .await?
+        .into_inner();
+
+    assert_eq!(answer.descriptor().full_name(), "census.v1.Identity");
+    let id = answer
+        .get_field_by_name("id")
+        .and_then(|v| v.as_u32())
+        .ok_or("no id in the answer")?;
+    assert_eq!(id, 1);
+    let state = answer
+        .get_field_by_name("state")
+        .and_then(|v| v.as_enum_number())
+        .ok_or("no state in the answer")?;
+    let state_name = get
+        .output()
+        .get_field_by_name("state")
+        .and_then(|f| f.kind().as_enum().cloned())
+        .and_then(|e| e.get_value(state))
+        .map(|v| v.name().to_owned());
+    assert_eq!(state_name.as_deref(), Some("IDENTITY_STATE_RESERVED"));
+    let labels = answer
+        .get_field_by_name("labels")
+        .and_then(|v| {
+            v.as_list().map(|l| {
+                l.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .ok_or("no labels in the answer")?;
+    assert_eq!(labels, ["reserved:host="]);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_v1alpha_lists_the_services_and_describes_them() -> TestResult {
+    use tonic_reflection::pb::v1alpha::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+
+    let op = start_operator(&[]).await?;
+    let mut reflection = ServerReflectionClient::new(op.channel().await?);
+    let requests = [
+        MessageRequest::ListServices(String::new()),
+        MessageRequest::FileContainingSymbol("census.v1.NodeService".into()),
+    ]
+    .map(|r| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(r),
+    });
+    let mut answers = reflection
+        .server_reflection_info(tokio_stream::iter(requests))
+        .await?
+        .into_inner();
+    let listed = match answers.message().await?.and_then(|a| a.message_response) {
+        Some(MessageResponse::ListServicesResponse(list)) => list.service,
+        other => return fail(format!("expected the list of services, got {other:?}")),
+    };
+    let names: BTreeSet<&str> = listed.iter().map(|s| s.name.as_str()).collect();
+    for service in SERVICES {
+        assert!(names.contains(service), "{service} missing from {names:?}");
+    }
+    let files = match answers.message().await?.and_then(|a| a.message_response) {
+        Some(MessageResponse::FileDescriptorResponse(files)) => files.file_descriptor_proto,
+        other => return fail(format!("expected file descriptors, got {other:?}")),
+    };
+    let pool = DescriptorPool::decode(descriptor_set(&files).as_slice())?;
+    // Reflection describes the services as this build compiled them.
+    let compiled = DescriptorPool::decode(pb::FILE_DESCRIPTOR_SET)?;
+    let methods = |pool: &DescriptorPool| -> TestResult<BTreeSet<String>> {
+        let service = pool
+            .get_service_by_name("census.v1.NodeService")
+            .ok_or("no census.v1.NodeService")?;
+        Ok(service.methods().map(|m| m.name().to_owned()).collect())
+    };
+    let reflected = methods(&pool)?;
+    assert!(reflected.contains("GetNode") && reflected.contains("ListNodes"));
+    assert_eq!(reflected, methods(&compiled)?);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_reports_the_services_serving() -> TestResult {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+
+    let op = start_operator(&[]).await?;
+    let mut health = HealthClient::new(op.channel().await?);
+    for service in [
+        "census.v1.IdentityService",
+        "census.v1.EndpointSync",
+        "census.v1.NodeService",
+    ] {
+        let answer = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await?
+            .into_inner();
+        assert_eq!(
+            answer.status,
+            i32::from(ServingStatus::Serving),
+            "{service}"
+        );
+    }
+    let unknown = health
+        .check(HealthCheckRequest {
+            service: "census.v1.Nope".into(),
+        })
+        .await;
+    expect_status(unknown, Code::NotFound, &[])?;
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_port_serves_health_readiness_and_openmetrics() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let (status, _, body) = op.admin_get("/healthz").await?;
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    let (status, _, body) = op.admin_get("/readyz").await?;
+    assert_eq!(status, 200);
+    assert!(
+        body.starts_with("ready: ") && body.contains("redb") && body.contains("gRPC on"),
+        "{body:?}"
+    );
+
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    agent
+        .snapshot(vec![endpoint("shop", "web-0", &[], id, SHOP)])
+        .await?;
+    expect_status(
+        op.allocate("node-x", s, SHOP).await?,
+        Code::FailedPrecondition,
+        &[],
+    )?;
+
+    let (status, head, body) = op.admin_get("/metrics").await?;
+    assert_eq!(status, 200);
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text"),
+        "{head}"
+    );
+    for line in [
+        "census_identities{state=\"live\"} 1",
+        "census_grpc_requests_total{method=\"IdentityService/Allocate\",code=\"OK\"} 1",
+        "census_grpc_requests_total{method=\"IdentityService/Allocate\",code=\"FailedPrecondition\"} 1",
+        "census_snapshots_total 1",
+        "census_nodes 1",
+        "census_connected_nodes 1",
+        "census_endpoints 1",
+    ] {
+        assert!(
+            body.lines().any(|l| l == line),
+            "no line {line:?} in\n{body}"
+        );
+    }
+    for name in [
+        "census_id_range_usage_ratio ",
+        "census_allocate_duration_seconds_bucket{",
+        "census_allocate_duration_seconds_count{kind=\"new\"} 1",
+    ] {
+        assert!(body.contains(name), "no {name:?} in\n{body}");
+    }
+    assert!(body.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
+
+    let (status, _, _) = op.admin_get("/nope").await?;
+    assert_eq!(status, 404);
+    op.shut_down().await
+}
+
+// ---------------------------------------------------------------------------
+// Limits and shutdown
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_at_the_endpoint_limit_fits_the_message_limit() -> TestResult {
+    const ENDPOINTS: usize = 10_000;
+    const APPS: usize = 100;
+    let op = start_operator(&["--max-snapshot-endpoints", "10000"]).await?;
+    let s = session(100);
+    let (mut agent, reply) = Agent::connect(&op, "node-a", s).await?;
+    let max_bytes = reply.limits.map_or(0, |l| l.max_message_bytes);
+
+    // 100 deployments of 100 pods, with the labels they typically carry.
+    let label_sets: Vec<Vec<String>> = (0..APPS)
+        .map(|app| {
+            let namespace = format!("team-{:02}-payments-production", app % 10);
+            vec![
+                format!("k8s:app.kubernetes.io/name=checkout-payments-service-{app:03}"),
+                format!("k8s:app.kubernetes.io/instance=checkout-payments-service-{app:03}-primary"),
+                "k8s:app.kubernetes.io/part-of=online-boutique-storefront-platform".to_owned(),
+                format!("k8s:io.kubernetes.pod.namespace={namespace}"),
+                format!("k8s:io.kubernetes.pod.serviceaccount=checkout-payments-service-{app:03}-runtime"),
+            ]
+        })
+        .collect();
+    let endpoints: Vec<pb::Endpoint> = (0..ENDPOINTS)
+        .map(|i| {
+            let app = i % APPS;
+            pb::Endpoint {
+                namespace: format!("team-{:02}-payments-production", app % 10),
+                name: format!("checkout-payments-service-{app:03}-7f9c8d6b5d-{i:05}"),
+                ips: vec![
+                    format!("198.18.{}.{}", i / 250, i % 250 + 1),
+                    format!("2001:db8:1234:5678::{i:x}"),
+                ],
+                identity: 1000 + app as u32,
+                labels: label_sets[app].clone(),
+            }
+        })
+        .collect();
+    let snapshot = pb::Snapshot { endpoints };
+    let size = snapshot.encoded_len();
+    assert!(
+        size > 4 * 1024 * 1024,
+        "the snapshot ({size} bytes) must exceed tonic's 4 MiB default to prove anything"
+    );
+    assert!(size as u64 <= max_bytes, "{size} > {max_bytes}");
+
+    let seq = agent.next_seq();
+    let answer = agent.exchange(seq, Body::Snapshot(snapshot)).await?;
+    assert!(!answer.ack.ignored);
+    assert!(answer.rebinds.is_empty(), "every claimed id is adopted");
+    let node = op.get_node_ok("node-a").await?;
+    assert_eq!(node.endpoints, ENDPOINTS as u64);
+    assert_eq!(node.adoptions, ENDPOINTS as u64);
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shut_down_ends_agent_streams_and_watches_with_unavailable() -> TestResult {
+    let op = start_operator(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    agent
+        .snapshot(vec![endpoint("shop", "web-0", &[], id, SHOP)])
+        .await?;
+    let (mut other, _) = Agent::connect(&op, "node-b", session(100)).await?;
+    let mut watch = op
+        .identities()
+        .await?
+        .watch(pb::WatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+        })
+        .await?
+        .into_inner();
+    // The full list has been sent: the watch is in its change loop.
+    loop {
+        let event = watch.message().await?.ok_or("the watch ended")?;
+        if event.kind == i32::from(Kind::ResyncEnd) {
+            break;
+        }
+    }
+
+    op.shut_down().await?;
+    agent
+        .expect_end(Code::Unavailable, &["shutting down"])
+        .await?;
+    other
+        .expect_end(Code::Unavailable, &["shutting down"])
+        .await?;
+    let end = tokio::time::timeout(Duration::from_secs(10), watch.message())
+        .await
+        .map_err(|_| "the watch did not end")?;
+    expect_status(end, Code::Unavailable, &["shutting down"])?;
+    Ok(())
+}
