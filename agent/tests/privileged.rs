@@ -7,6 +7,8 @@
 
 #[path = "privileged/support.rs"]
 mod support;
+#[path = "privileged/cli.rs"]
+mod cli;
 
 use std::{
     io::Read as _,

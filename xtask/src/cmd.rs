@@ -114,3 +114,56 @@ pub(crate) fn build_test_executables(args: &[&str]) -> anyhow::Result<Vec<PathBu
     }
     Ok(executables)
 }
+
+/// Runs `cargo <args> --message-format=json` (a `build` of binaries), passing its
+/// diagnostics through, and returns the binaries it built by name.
+pub(crate) fn build_binaries(
+    args: &[&str],
+) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
+    let mut command = host_cargo();
+    command
+        .current_dir(workspace_root())
+        .args(args)
+        .arg("--message-format=json-diagnostic-rendered-ansi")
+        .stdout(Stdio::piped());
+    announce(&command);
+    let mut child = command.spawn().context("running cargo")?;
+    let stdout = child.stdout.take().context("cargo's stdout")?;
+    let mut binaries = std::collections::BTreeMap::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo's output")?;
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        match message["reason"].as_str() {
+            Some("compiler-artifact") => {
+                let is_bin = message["target"]["kind"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|kind| kind == "bin");
+                if let (true, Some(name), Some(executable)) = (
+                    is_bin,
+                    message["target"]["name"].as_str(),
+                    message["executable"].as_str(),
+                ) {
+                    binaries.insert(name.to_owned(), PathBuf::from(executable));
+                }
+            }
+            Some("compiler-message") => {
+                if let Some(rendered) = message["message"]["rendered"].as_str() {
+                    #[expect(clippy::print_stderr, reason = "passing cargo's diagnostics on")]
+                    {
+                        eprint!("{rendered}");
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let status = child.wait().context("waiting for cargo")?;
+    if !status.success() {
+        bail!("cargo {} failed: {status}", args.join(" "));
+    }
+    Ok(binaries)
+}

@@ -2,9 +2,11 @@
 //!
 //! One module per command; each has an `Options` (clap `Args`) and a `run`.
 
+mod bench_agent;
 mod bench_classifier;
 mod cmd;
 mod codegen;
+mod demo;
 mod ebpf;
 mod privileged;
 mod setup;
@@ -25,6 +27,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The README's main job: set up, build, and run census on this machine (operator,
+    /// agent, labelled pods in network namespaces, traffic, identities and counters), then
+    /// clean up. Without root, runs the part that needs none.
+    Demo(demo::Options),
     /// Install what building and testing the eBPF side needs (Debian packages,
     /// bpf-linker); idempotent.
     Setup(setup::Options),
@@ -32,6 +38,9 @@ enum Command {
     BuildEbpf(ebpf::Options),
     /// Build the privileged tests and run them as root.
     TestPrivileged(privileged::Options),
+    /// Measure the agent: reconcile throughput at 1,000 endpoints, endpoints-file-to-map
+    /// latency (p50/p99), RSS at 110 endpoints; as root.
+    BenchAgent(bench_agent::Options),
     /// Measure the classifier's cost per packet (BPF_PROG_TEST_RUN), as root.
     BenchClassifier(bench_classifier::Options),
     /// Run the whole test suite, as CI does (set-up, eBPF build, checks, tests, privileged suite).
@@ -42,9 +51,11 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Demo(options) => demo::run(options),
         Command::Setup(options) => setup::run(options),
         Command::BuildEbpf(options) => ebpf::run(options),
         Command::TestPrivileged(options) => privileged::run(options),
+        Command::BenchAgent(options) => bench_agent::run(options),
         Command::BenchClassifier(options) => bench_classifier::run(options),
         Command::Test(options) => test::run(options),
         Command::Codegen(options) => codegen::run(options),

@@ -1,13 +1,15 @@
 //! `cargo xtask test-privileged`: the tests that need root.
 //!
-//! Builds `census-agent`'s `privileged` test target as the calling user would
-//! (`cargo test --no-run --message-format=json`), then runs its executables
-//! with `--ignored --test-threads=1`. Only these tests need root: nothing sets a
-//! global `runner = "sudo -E"`.
+//! Builds `census-agent`'s `privileged` (the datapath against the kernel) and `e2e`
+//! (real operator and agent processes, network namespaces, traffic) test targets as
+//! the calling user would (`cargo test --no-run --message-format=json`), and the
+//! `census-operator` and `census-agent` binaries the end-to-end tests run, then runs
+//! the test executables with `--ignored --test-threads=1`. Only these tests need
+//! root: nothing sets a global `runner = "sudo -E"`.
 
 use std::{ffi::OsString, process::Command};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 
 use crate::{cmd, ebpf};
 
@@ -35,6 +37,21 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if !no_build_ebpf {
         ebpf::build(ebpf::Profile::Release)?;
     }
+    let binaries = cmd::build_binaries(&[
+        "build",
+        "--package",
+        "census-operator",
+        "--package",
+        "census-agent",
+        "--bins",
+    ])?;
+    let binary = |name: &str| {
+        binaries
+            .get(name)
+            .cloned()
+            .with_context(|| format!("cargo built no {name} binary"))
+    };
+    let (operator, agent) = (binary("census-operator")?, binary("census-agent")?);
     let executables = cmd::build_test_executables(&[
         "test",
         "--no-run",
@@ -42,12 +59,16 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         "census-agent",
         "--test",
         "privileged",
+        "--test",
+        "e2e",
     ])?;
     for executable in executables {
         cmd::run(
             Command::new(&executable)
                 .args(["--ignored", "--test-threads=1"])
-                .args(&test_args),
+                .args(&test_args)
+                .env("CENSUS_OPERATOR_BIN", &operator)
+                .env("CENSUS_AGENT_BIN", &agent),
         )?;
     }
     Ok(())

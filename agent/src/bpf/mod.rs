@@ -21,6 +21,7 @@
 
 mod attach;
 mod error;
+mod inspect;
 mod loader;
 mod maps;
 mod object;
@@ -31,6 +32,7 @@ mod sys;
 pub use attach::{AttachOutcome, Attachment, AttachmentState, Direction};
 pub use census_common::{EndpointKey, LAYOUT_VERSION, identity};
 pub use error::{CapabilityList, Error};
+pub use inspect::{InspectError, Inspector, PinnedMapInfo, map_type_name};
 pub use loader::{Datapath, ProgramStats, TestRunOutcome, enable_run_time_stats};
 pub use maps::{Endpoint, EndpointFlags, Flow, MapShape};
 pub use object::is_embedded as object_is_embedded;

@@ -1,0 +1,220 @@
+//! The agent's admin HTTP port: `/metrics`, `/healthz`, `/readyz`, and the JSON
+//! API the `census` CLI reads (`/v1/endpoints`, `/v1/version`, `/v1/flows`; see
+//! [`api`]).
+//!
+//! The agent is Ready once its datapath is loaded and its endpoint source has given
+//! a first full set. It stays Ready while the operator is away (fail-static) and
+//! while the source's input is broken (the last good set stays in force); `/readyz`
+//! says both in its detail.
+
+pub mod api;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Json, Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use parking_lot::Mutex;
+use prometheus_client::registry::Registry;
+use tokio::{
+    net::TcpListener,
+    sync::{mpsc, oneshot, watch},
+};
+
+use crate::{bpf::Inspector, sync::SyncStatus};
+
+/// What the core publishes after every change, for `/readyz`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CoreStatus {
+    /// The source has given its first full set.
+    pub synced: bool,
+    pub source_error: Option<String>,
+    pub programmed: u64,
+    pub waiting: u64,
+    pub errors: u64,
+}
+
+/// A question for the core, answered on its task.
+#[derive(Debug)]
+pub enum Query {
+    Endpoints(oneshot::Sender<Vec<api::EndpointStatus>>),
+}
+
+/// Everything the handlers read.
+#[derive(Debug, Clone)]
+pub struct AdminState {
+    pub registry: Arc<Registry>,
+    pub node: String,
+    pub operator_address: String,
+    pub session: String,
+    pub source: String,
+    pub sync: Arc<Mutex<SyncStatus>>,
+    pub core: Arc<Mutex<CoreStatus>>,
+    pub queries: mpsc::Sender<Query>,
+    pub maps: Option<Arc<Inspector>>,
+}
+
+/// How long a handler waits for the core.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/v1/endpoints", get(endpoints))
+        .route("/v1/version", get(version))
+        .route("/v1/flows", get(flows))
+        .with_state(state)
+}
+
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+        })
+        .await
+}
+
+async fn metrics(State(state): State<AdminState>) -> Response {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
+        Ok(()) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "encoding the metrics failed\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn readyz(State(state): State<AdminState>) -> Response {
+    let core = state.core.lock().clone();
+    let sync = state.sync.lock().clone();
+    let source = match &core.source_error {
+        None => format!("{}: ok", state.source),
+        Some(error) => format!(
+            "{}: the last read failed, the last good set stays in force: {error}",
+            state.source
+        ),
+    };
+    let operator = if sync.connected {
+        format!("operator {}: connected", state.operator_address)
+    } else {
+        let why = sync.last_error.as_deref().unwrap_or("not connected yet");
+        format!(
+            "operator {}: disconnected ({why}); the datapath keeps its state",
+            state.operator_address
+        )
+    };
+    let endpoints = format!(
+        "endpoints: {} programmed, {} waiting for identity, {} in error",
+        core.programmed, core.waiting, core.errors
+    );
+    if core.synced {
+        (
+            StatusCode::OK,
+            format!("ready\n{endpoints}\n{source}\n{operator}\n"),
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: waiting for the first full set of endpoints\n{source}\n{operator}\n"
+            ),
+        )
+            .into_response()
+    }
+}
+
+async fn endpoints(State(state): State<AdminState>) -> Response {
+    let (tx, rx) = oneshot::channel();
+    if state.queries.send(Query::Endpoints(tx)).await.is_err() {
+        return unavailable("the agent is stopping");
+    }
+    let endpoints = match tokio::time::timeout(QUERY_TIMEOUT, rx).await {
+        Ok(Ok(endpoints)) => endpoints,
+        Ok(Err(_)) => return unavailable("the agent is stopping"),
+        Err(_) => return unavailable("the agent's core did not answer in time"),
+    };
+    let sync = state.sync.lock().clone();
+    let core = state.core.lock().clone();
+    Json(api::EndpointsResponse {
+        node: state.node.clone(),
+        operator: api::OperatorStatus {
+            address: state.operator_address.clone(),
+            connected: sync.connected,
+            session: state.session.clone(),
+            last_ack_seq: sync.last_ack_seq,
+            error: if sync.connected {
+                None
+            } else {
+                sync.last_error
+            },
+        },
+        endpoints,
+        source: Some(api::SourceStatus {
+            source: state.source.clone(),
+            synced: core.synced,
+            error: core.source_error,
+        }),
+    })
+    .into_response()
+}
+
+async fn version() -> Json<api::VersionResponse> {
+    Json(api::VersionResponse {
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        protocol_version: census_proto::PROTOCOL_VERSION,
+        layout_version: crate::bpf::LAYOUT_VERSION,
+    })
+}
+
+async fn flows(State(state): State<AdminState>) -> Response {
+    let Some(maps) = state.maps.clone() else {
+        return unavailable("this agent has no pinned FLOWS map to read");
+    };
+    let read = tokio::task::spawn_blocking(move || maps.flows()).await;
+    match read {
+        Ok(Ok(flows)) => Json(api::FlowsResponse {
+            node: state.node.clone(),
+            flows: flows
+                .into_iter()
+                .map(|f| api::FlowEntry {
+                    src_identity: f.src_identity,
+                    dst_identity: f.dst_identity,
+                    packets: f.packets,
+                    bytes: f.bytes,
+                })
+                .collect(),
+        })
+        .into_response(),
+        Ok(Err(error)) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading FLOWS failed: {error}\n"),
+        )
+            .into_response(),
+        Err(_) => unavailable("reading FLOWS was interrupted"),
+    }
+}
+
+fn unavailable(why: &str) -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+}

@@ -1,0 +1,478 @@
+//! Read-only inspection of the maps an agent pinned, for the `census` CLI.
+//!
+//! [`Inspector::open`] loads nothing and writes nothing: it opens the pins, checks
+//! the layout version recorded in `CENSUS_META` first and then the shape of every
+//! map, and afterwards only looks entries up. It works while the agent is down, and
+//! says precisely why it cannot read (nothing pinned, no permission, another layout,
+//! a map of another shape), so the CLI can give each case its own exit code.
+//! (aya 0.14 opens pins read-write, with no way to ask for `BPF_F_RDONLY`; no
+//! update, delete or pin call is ever made on what it returns.)
+#![forbid(unsafe_code)]
+
+use std::{
+    collections::BTreeMap,
+    fmt, fs, io,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{Array, HashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuHashMap},
+    sys::SyscallError,
+};
+use census_common::{
+    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, LAYOUT_VERSION,
+    META_LAYOUT_INDEX, META_MAP,
+};
+
+use super::{Error, Flow, MapShape, pins, privileges};
+
+/// Why the pinned maps cannot be read. Nothing was written in any case.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("{path} does not exist")]
+    MissingDir { path: PathBuf },
+
+    #[error("{path} is not a directory")]
+    NotADir { path: PathBuf },
+
+    #[error("{path} is not on a BPF file system (bpffs)")]
+    NotBpffs { path: PathBuf },
+
+    #[error("map {map} is not pinned at {path}")]
+    MissingMap { map: &'static str, path: PathBuf },
+
+    #[error("no permission to read {path}")]
+    PermissionDenied {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("maps are pinned in {pin_dir} but their layout version map {META_MAP} is missing")]
+    Unversioned { pin_dir: PathBuf },
+
+    #[error(
+        "the maps pinned in {pin_dir} have layout version {found}, this build reads layout {expected}"
+    )]
+    LayoutMismatch {
+        pin_dir: PathBuf,
+        /// 0: the meta map exists but an agent has not stamped it yet.
+        found: u32,
+        expected: u32,
+    },
+
+    #[error(
+        "the map pinned at {path} is not what layout {layout} expects: expected {expected}, found {found}"
+    )]
+    ShapeMismatch {
+        path: PathBuf,
+        layout: u32,
+        expected: MapShape,
+        found: MapShape,
+    },
+
+    #[error("reading the map pinned at {path} failed")]
+    Map {
+        path: PathBuf,
+        #[source]
+        source: MapError,
+    },
+
+    #[error("checking {path} failed")]
+    Check {
+        path: PathBuf,
+        #[source]
+        source: Box<Error>,
+    },
+
+    #[error("{operation} {path} failed")]
+    Io {
+        operation: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// One pinned map as the kernel describes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PinnedMapInfo {
+    /// The name census gives it (the pin's file name).
+    pub name: &'static str,
+    /// The name the kernel knows it by (at most 15 bytes).
+    pub kernel_name: String,
+    pub pin: PathBuf,
+    /// The kernel's map id.
+    pub id: u32,
+    pub shape: MapShape,
+    /// Entries present now (for an array, every slot).
+    pub entries: u64,
+}
+
+type EndpointsMap = HashMap<MapData, EndpointKey, EndpointValue>;
+type FlowsMap = PerCpuHashMap<MapData, FlowKey, FlowValue>;
+
+/// The maps pinned in one directory, opened for reading after their layout version
+/// and shapes were checked.
+pub struct Inspector {
+    dir: PathBuf,
+    layout: u32,
+    infos: Vec<(&'static str, PathBuf, MapInfo)>,
+    endpoints: EndpointsMap,
+    flows: FlowsMap,
+}
+
+impl fmt::Debug for Inspector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Inspector")
+            .field("dir", &self.dir)
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Inspector {
+    /// Opens the maps pinned in `dir` (by default
+    /// [`DEFAULT_PIN_DIR`](super::DEFAULT_PIN_DIR)). Refuses, before reading any
+    /// entry, maps of another layout version and maps of an unexpected kind or size.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, InspectError> {
+        let dir = dir.as_ref().to_owned();
+        match fs::metadata(&dir) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => return Err(InspectError::NotADir { path: dir }),
+            Err(source) => return Err(io_error("reading", &dir, source, None)),
+        }
+        match privileges::is_bpffs(&dir) {
+            Ok(true) => {}
+            Ok(false) => return Err(InspectError::NotBpffs { path: dir }),
+            Err(Error::Io {
+                operation,
+                path,
+                source,
+            }) => return Err(io_error(operation, &path, source, None)),
+            Err(source) => {
+                return Err(InspectError::Check {
+                    path: dir,
+                    source: Box::new(source),
+                });
+            }
+        }
+
+        // The layout version first: a map of another layout is never interpreted.
+        let meta_path = dir.join(META_MAP);
+        if !exists(&meta_path)? {
+            for map in [ENDPOINTS_MAP, FLOWS_MAP] {
+                if exists(&dir.join(map))? {
+                    return Err(InspectError::Unversioned { pin_dir: dir });
+                }
+            }
+            return Err(InspectError::MissingMap {
+                map: META_MAP,
+                path: meta_path,
+            });
+        }
+        let (meta, meta_info) = open_map(META_MAP, &meta_path)?;
+        let layout = read_layout(meta, &meta_path)?;
+        if layout != LAYOUT_VERSION {
+            return Err(InspectError::LayoutMismatch {
+                pin_dir: dir,
+                found: layout,
+                expected: LAYOUT_VERSION,
+            });
+        }
+
+        let endpoints_path = dir.join(ENDPOINTS_MAP);
+        let (endpoints, endpoints_info) = open_map(ENDPOINTS_MAP, &endpoints_path)?;
+        let endpoints = EndpointsMap::try_from(endpoints).map_err(|source| InspectError::Map {
+            path: endpoints_path.clone(),
+            source,
+        })?;
+        let flows_path = dir.join(FLOWS_MAP);
+        let (flows, flows_info) = open_map(FLOWS_MAP, &flows_path)?;
+        let flows = FlowsMap::try_from(flows).map_err(|source| InspectError::Map {
+            path: flows_path.clone(),
+            source,
+        })?;
+        Ok(Self {
+            dir,
+            layout,
+            infos: vec![
+                (META_MAP, meta_path, meta_info),
+                (ENDPOINTS_MAP, endpoints_path, endpoints_info),
+                (FLOWS_MAP, flows_path, flows_info),
+            ],
+            endpoints,
+            flows,
+        })
+    }
+
+    /// The directory the maps are pinned in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The layout version recorded with the maps (always [`LAYOUT_VERSION`]: other
+    /// versions are refused).
+    pub fn layout_version(&self) -> u32 {
+        self.layout
+    }
+
+    /// Every pinned map with its current number of entries.
+    pub fn maps(&self) -> Result<Vec<PinnedMapInfo>, InspectError> {
+        let mut maps = Vec::with_capacity(self.infos.len());
+        for (name, pin, info) in &self.infos {
+            let shape = shape_of(info);
+            let entries = match *name {
+                ENDPOINTS_MAP => count(self.endpoints.keys(), pin)?,
+                FLOWS_MAP => count(self.flows.keys(), pin)?,
+                _ => u64::from(shape.max_entries),
+            };
+            maps.push(PinnedMapInfo {
+                name,
+                kernel_name: String::from_utf8_lossy(info.name()).into_owned(),
+                pin: pin.clone(),
+                id: info.id(),
+                shape,
+                entries,
+            });
+        }
+        Ok(maps)
+    }
+
+    /// Every ENDPOINTS entry by raw key (`EndpointKey::ip` gives the address of the
+    /// keys census writes). A key deleted while the map is walked may be missing.
+    pub fn endpoints(&self) -> Result<BTreeMap<EndpointKey, EndpointValue>, InspectError> {
+        let mut entries = BTreeMap::new();
+        for entry in self.endpoints.iter() {
+            match entry {
+                Ok((key, value)) => {
+                    entries.insert(key, value);
+                }
+                Err(error) if is_not_found(&error) => {}
+                Err(source) => return Err(self.map_error(ENDPOINTS_MAP, source)),
+            }
+        }
+        Ok(entries)
+    }
+
+    /// The ENDPOINTS entry of `ip`, if any.
+    pub fn endpoint(&self, ip: IpAddr) -> Result<Option<EndpointValue>, InspectError> {
+        match self.endpoints.get(&EndpointKey::from(ip), 0) {
+            Ok(value) => Ok(Some(value)),
+            Err(error) if is_not_found(&error) => Ok(None),
+            Err(source) => Err(self.map_error(ENDPOINTS_MAP, source)),
+        }
+    }
+
+    /// Every identity pair's counters, summed over CPUs, ordered by pair. The walk
+    /// is not atomic: a pair evicted meanwhile is missing, never counted twice.
+    pub fn flows(&self) -> Result<Vec<Flow>, InspectError> {
+        let mut flows = BTreeMap::new();
+        for entry in self.flows.iter() {
+            match entry {
+                Ok((key, per_cpu)) => {
+                    let flow = per_cpu.iter().fold(
+                        Flow {
+                            src_identity: key.src_identity,
+                            dst_identity: key.dst_identity,
+                            packets: 0,
+                            bytes: 0,
+                        },
+                        |flow, value| Flow {
+                            packets: flow.packets.wrapping_add(value.packets),
+                            bytes: flow.bytes.wrapping_add(value.bytes),
+                            ..flow
+                        },
+                    );
+                    flows.insert(key, flow);
+                }
+                Err(error) if is_not_found(&error) => {}
+                Err(source) => return Err(self.map_error(FLOWS_MAP, source)),
+            }
+        }
+        Ok(flows.into_values().collect())
+    }
+
+    fn map_error(&self, map: &str, source: MapError) -> InspectError {
+        InspectError::Map {
+            path: self.dir.join(map),
+            source,
+        }
+    }
+}
+
+/// Whether `path` exists; a permission error is an error, not a "no".
+fn exists(path: &Path) -> Result<bool, InspectError> {
+    match fs::symlink_metadata(path) {
+        Ok(_) => Ok(true),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(io_error("reading", path, source, None)),
+    }
+}
+
+fn io_error(
+    operation: &'static str,
+    path: &Path,
+    source: io::Error,
+    map: Option<&'static str>,
+) -> InspectError {
+    let path = path.to_owned();
+    match (source.kind(), map) {
+        (io::ErrorKind::NotFound, Some(map)) => InspectError::MissingMap { map, path },
+        (io::ErrorKind::NotFound, None) => InspectError::MissingDir { path },
+        (io::ErrorKind::PermissionDenied, _) => InspectError::PermissionDenied { path, source },
+        _ => InspectError::Io {
+            operation,
+            path,
+            source,
+        },
+    }
+}
+
+/// Opens the pin of `name`, checking the map's kind and sizes against this layout.
+fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectError> {
+    let map_error = |source| InspectError::Map {
+        path: path.to_owned(),
+        source,
+    };
+    let data = MapData::from_pin(path).map_err(|source| match source {
+        MapError::SyscallError(SyscallError { io_error, .. }) => {
+            // EPERM: this user may not use bpf(2) at all.
+            let io_error = if io_error.raw_os_error() == Some(libc::EPERM) {
+                io::Error::from(io::ErrorKind::PermissionDenied)
+            } else {
+                io_error
+            };
+            self::io_error("opening", path, io_error, Some(name))
+        }
+        source => map_error(source),
+    })?;
+    let info = data.info().map_err(map_error)?;
+    let found = shape_of(&info);
+    if let Some(expected) = pins::expected_shape(name) {
+        // The meta map's entry count may grow one day; its kind and sizes never change.
+        let matches = if name == META_MAP {
+            found.map_type == expected.map_type
+                && found.key_size == expected.key_size
+                && found.value_size == expected.value_size
+                && found.max_entries >= 1
+        } else {
+            found == expected
+        };
+        if !matches {
+            return Err(InspectError::ShapeMismatch {
+                path: path.to_owned(),
+                layout: LAYOUT_VERSION,
+                expected,
+                found,
+            });
+        }
+    }
+    let map = Map::from_map_data(data).map_err(map_error)?;
+    Ok((map, info))
+}
+
+fn read_layout(meta: Map, path: &Path) -> Result<u32, InspectError> {
+    let map_error = |source| InspectError::Map {
+        path: path.to_owned(),
+        source,
+    };
+    let meta: Array<MapData, u32> = Array::try_from(meta).map_err(map_error)?;
+    meta.get(&META_LAYOUT_INDEX, 0).map_err(map_error)
+}
+
+fn shape_of(info: &MapInfo) -> MapShape {
+    MapShape {
+        map_type: info.map_type().ok(),
+        key_size: info.key_size(),
+        value_size: info.value_size(),
+        max_entries: info.max_entries(),
+    }
+}
+
+fn count<K>(
+    keys: impl Iterator<Item = Result<K, MapError>>,
+    path: &Path,
+) -> Result<u64, InspectError> {
+    let mut entries = 0;
+    for key in keys {
+        match key {
+            Ok(_) => entries += 1,
+            Err(error) if is_not_found(&error) => {}
+            Err(source) => {
+                return Err(InspectError::Map {
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(entries)
+}
+
+fn is_not_found(error: &MapError) -> bool {
+    match error {
+        MapError::KeyNotFound | MapError::ElementNotFound => true,
+        MapError::SyscallError(SyscallError { io_error, .. }) => {
+            io_error.kind() == io::ErrorKind::NotFound
+        }
+        _ => false,
+    }
+}
+
+/// The kernel's name for a map type, as bpftool prints it (`lru_percpu_hash`).
+pub fn map_type_name(map_type: Option<MapType>) -> String {
+    let Some(map_type) = map_type else {
+        return "unknown".to_owned();
+    };
+    let camel = format!("{map_type:?}").replace("PerCpu", "Percpu");
+    let mut name = String::with_capacity(camel.len() + 4);
+    for (i, c) in camel.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                name.push('_');
+            }
+            name.push(c.to_ascii_lowercase());
+        } else {
+            name.push(c);
+        }
+    }
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_types_are_named_as_bpftool_names_them() {
+        assert_eq!(map_type_name(Some(MapType::Hash)), "hash");
+        assert_eq!(map_type_name(Some(MapType::Array)), "array");
+        assert_eq!(
+            map_type_name(Some(MapType::LruPerCpuHash)),
+            "lru_percpu_hash"
+        );
+        assert_eq!(map_type_name(None), "unknown");
+    }
+
+    #[test]
+    fn a_missing_directory_is_named() {
+        let dir = std::env::temp_dir().join("census-inspect-test-missing/census");
+        let result = Inspector::open(&dir);
+        assert!(
+            matches!(&result, Err(InspectError::MissingDir { path }) if *path == dir),
+            "{result:?}"
+        );
+    }
+
+    #[test]
+    fn a_directory_off_bpffs_is_refused() {
+        let dir = std::env::temp_dir();
+        let result = Inspector::open(&dir);
+        assert!(
+            matches!(&result, Err(InspectError::NotBpffs { path }) if *path == dir),
+            "{result:?}"
+        );
+    }
+}

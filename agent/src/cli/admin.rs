@@ -1,0 +1,206 @@
+//! The local agent's admin port: `GET /v1/endpoints` and `GET /v1/version`, over
+//! plain HTTP/1.1, bounded by `--timeout`.
+//!
+//! The shapes here are the agent's; `census endpoint list -o json` prints them as they
+//! are (docs/cli.md).
+
+use std::{collections::BTreeMap, future::poll_fn, pin::Pin, time::Duration};
+
+use hyper::body::Body as _;
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use tokio::net::TcpStream;
+
+use super::{
+    args::ServerAddr,
+    error::{CliError, Peer, one_line},
+    operator::root_cause,
+};
+
+pub(crate) const ENDPOINTS_PATH: &str = "/v1/endpoints";
+pub(crate) const VERSION_PATH: &str = "/v1/version";
+
+/// Answers larger than this are refused rather than read.
+const MAX_BODY: usize = 64 * 1024 * 1024;
+/// Bytes of an error answer's body quoted in the message.
+const MAX_QUOTED: usize = 200;
+
+/// Fields this CLI does not know (an agent of a later release), kept so that
+/// `-o json` prints the agent's answer as it is.
+type Extra = BTreeMap<String, serde_json::Value>;
+
+/// `GET /v1/endpoints`: the endpoints the agent manages and its link to the operator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct AgentEndpoints {
+    pub(crate) node: String,
+    pub(crate) operator: OperatorLink,
+    pub(crate) endpoints: Vec<AgentEndpoint>,
+    /// Where the agent's endpoints come from.
+    #[serde(default)]
+    pub(crate) source: Option<SourceStatus>,
+    #[serde(flatten)]
+    pub(crate) extra: Extra,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct OperatorLink {
+    pub(crate) address: String,
+    pub(crate) connected: bool,
+    /// The agent's session, while it has one.
+    #[serde(default)]
+    pub(crate) session: Option<String>,
+    /// The last seq the operator acknowledged.
+    #[serde(default)]
+    pub(crate) last_ack_seq: Option<u64>,
+    /// Why the stream last ended or could not start.
+    #[serde(default)]
+    pub(crate) error: Option<String>,
+    #[serde(flatten)]
+    pub(crate) extra: Extra,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SourceStatus {
+    /// `file /path/to/endpoints.yaml`, `kubernetes`.
+    pub(crate) source: String,
+    /// Whether the first full set has been read.
+    pub(crate) synced: bool,
+    /// The last read's failure (the last good set stays in force).
+    #[serde(default)]
+    pub(crate) error: Option<String>,
+    #[serde(flatten)]
+    pub(crate) extra: Extra,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct AgentEndpoint {
+    pub(crate) namespace: String,
+    pub(crate) name: String,
+    pub(crate) ips: Vec<String>,
+    /// The host-side interface census counts on.
+    #[serde(default)]
+    pub(crate) interface: Option<String>,
+    /// `None` while the endpoint waits for its identity.
+    #[serde(default)]
+    pub(crate) identity: Option<u32>,
+    #[serde(default)]
+    pub(crate) labels: Vec<String>,
+    /// `programmed`, `waiting_for_identity` or `error`.
+    pub(crate) state: String,
+    #[serde(default)]
+    pub(crate) error: Option<String>,
+    #[serde(flatten)]
+    pub(crate) extra: Extra,
+}
+
+/// `GET /v1/version`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct AgentVersion {
+    pub(crate) agent_version: String,
+    pub(crate) protocol_version: u32,
+    pub(crate) layout_version: u32,
+}
+
+/// The local agent's admin port.
+#[derive(Debug, Clone)]
+pub(crate) struct Agent {
+    addr: ServerAddr,
+    timeout: Duration,
+}
+
+impl Agent {
+    pub(crate) fn new(addr: &ServerAddr, timeout: Duration) -> Self {
+        Self {
+            addr: addr.clone(),
+            timeout,
+        }
+    }
+
+    pub(crate) fn addr(&self) -> &ServerAddr {
+        &self.addr
+    }
+
+    pub(crate) async fn endpoints(&self) -> Result<AgentEndpoints, CliError> {
+        self.get_json(ENDPOINTS_PATH).await
+    }
+
+    pub(crate) async fn version(&self) -> Result<AgentVersion, CliError> {
+        self.get_json(VERSION_PATH).await
+    }
+
+    async fn get_json<T: DeserializeOwned>(&self, path: &'static str) -> Result<T, CliError> {
+        let (status, body) = match tokio::time::timeout(self.timeout, self.get(path)).await {
+            Ok(answer) => answer?,
+            Err(_) => {
+                return Err(self.unreachable(format!(
+                    "no answer within {}",
+                    humantime::format_duration(self.timeout)
+                )));
+            }
+        };
+        if status != 200 {
+            let text = String::from_utf8_lossy(&body);
+            let mut quoted: String = one_line(&text).chars().take(MAX_QUOTED).collect();
+            if quoted.is_empty() {
+                quoted = "(no body)".to_owned();
+            }
+            return Err(CliError::AgentFailed {
+                addr: self.addr.clone(),
+                path,
+                status,
+                body: quoted,
+            });
+        }
+        serde_json::from_slice(&body).map_err(|e| CliError::BadAnswer {
+            peer: Peer::Agent,
+            addr: self.addr.clone(),
+            reason: format!("GET {path}: {e}"),
+        })
+    }
+
+    fn unreachable(&self, reason: String) -> CliError {
+        CliError::AgentUnreachable {
+            addr: self.addr.clone(),
+            reason,
+        }
+    }
+
+    /// One GET on its own connection: status code and body.
+    async fn get(&self, path: &'static str) -> Result<(u16, Vec<u8>), CliError> {
+        let authority = self.addr.authority();
+        let stream = TcpStream::connect(authority)
+            .await
+            .map_err(|e| self.unreachable(root_cause(&e)))?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| self.unreachable(root_cause(&e)))?;
+        let driver = tokio::spawn(connection);
+        let request = http::Request::get(path)
+            .header(http::header::HOST, authority)
+            .header(http::header::ACCEPT, "application/json")
+            .body(String::new())
+            .map_err(|e| self.unreachable(e.to_string()))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| self.unreachable(root_cause(&e)))?;
+        let status = response.status().as_u16();
+        let mut body = response.into_body();
+        let mut bytes = Vec::new();
+        while let Some(frame) = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+            let frame = frame.map_err(|e| self.unreachable(root_cause(&e)))?;
+            if let Ok(data) = frame.into_data() {
+                if bytes.len() + data.len() > MAX_BODY {
+                    return Err(CliError::BadAnswer {
+                        peer: Peer::Agent,
+                        addr: self.addr.clone(),
+                        reason: format!("GET {path}: the answer is over {MAX_BODY} bytes"),
+                    });
+                }
+                bytes.extend_from_slice(&data);
+            }
+        }
+        driver.abort();
+        Ok((status, bytes))
+    }
+}

@@ -1,0 +1,236 @@
+//! `census bpf endpoints list | get <ip>`: the ENDPOINTS map, address -> identity and
+//! flags.
+
+use std::net::IpAddr;
+
+use census_common::{EndpointKey, EndpointValue, flags};
+use clap::Subcommand;
+use serde::Serialize;
+
+use crate::cli::{Ctx, args::parse_ip, error::CliError, operator::IdentityLabels, output::Table};
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum EndpointsCommand {
+    /// Every entry, by address.
+    List,
+    /// The entry of one address.
+    Get {
+        /// An IPv4 or IPv6 address.
+        ip: String,
+    },
+}
+
+/// One ENDPOINTS entry, as `-o json` prints it (docs/cli.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct EndpointView {
+    /// `null` for a key census did not write (see `raw_key`).
+    pub(crate) address: Option<IpAddr>,
+    pub(crate) identity: u32,
+    /// `local`, `remote`, `host`, and unknown bits in hex.
+    pub(crate) flags: Vec<String>,
+    pub(crate) flag_bits: u32,
+    /// The key's 20 bytes in hex, only when it holds no address census writes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) raw_key: Option<String>,
+}
+
+impl EndpointView {
+    fn new(key: Option<&EndpointKey>, ip: Option<IpAddr>, value: EndpointValue) -> Self {
+        Self {
+            address: ip,
+            identity: value.identity,
+            flags: flag_names(value.flags),
+            flag_bits: value.flags,
+            raw_key: match (ip, key) {
+                (None, Some(key)) => Some(raw_key(key)),
+                _ => None,
+            },
+        }
+    }
+}
+
+fn flag_names(bits: u32) -> Vec<String> {
+    let mut names: Vec<String> = [
+        (flags::LOCAL, "local"),
+        (flags::REMOTE, "remote"),
+        (flags::HOST, "host"),
+    ]
+    .into_iter()
+    .filter(|(flag, _)| bits & flag != 0)
+    .map(|(_, name)| name.to_owned())
+    .collect();
+    let unknown = bits & !flags::ALL;
+    if unknown != 0 {
+        names.push(format!("{unknown:#x}"));
+    }
+    names
+}
+
+fn raw_key(key: &EndpointKey) -> String {
+    let mut hex = String::with_capacity(40);
+    for byte in key.family.to_ne_bytes().into_iter().chain(key.octets()) {
+        hex.push_str(&format!("{byte:02x}"));
+    }
+    hex
+}
+
+pub(super) async fn run(command: EndpointsCommand, ctx: &mut Ctx) -> Result<String, CliError> {
+    match command {
+        EndpointsCommand::List => {
+            let maps = ctx.maps()?;
+            let mut views: Vec<EndpointView> = maps
+                .endpoints()?
+                .iter()
+                .map(|(key, value)| EndpointView::new(Some(key), key.ip(), *value))
+                .collect();
+            // Addresses in order (IPv4 first); keys without one last.
+            views.sort_by(|a, b| {
+                (a.address.is_none(), a.address, &a.raw_key).cmp(&(
+                    b.address.is_none(),
+                    b.address,
+                    &b.raw_key,
+                ))
+            });
+            let labels = ctx.labels(views.iter().map(|view| view.identity)).await;
+            ctx.render(&views, || table(&views, &labels))
+        }
+        EndpointsCommand::Get { ip } => {
+            let ip = parse_ip(&ip)?;
+            let maps = ctx.maps()?;
+            let value = maps.endpoint(ip)?.ok_or_else(|| CliError::UnknownAddress {
+                ip,
+                dir: maps.dir().to_owned(),
+            })?;
+            let view = EndpointView::new(None, Some(ip), value);
+            let labels = ctx.labels([view.identity]).await;
+            ctx.render(&view, || table(std::slice::from_ref(&view), &labels))
+        }
+    }
+}
+
+fn table(endpoints: &[EndpointView], labels: &IdentityLabels) -> Table {
+    let mut header = vec!["ADDRESS", "IDENTITY", "FLAGS"];
+    if labels.shown() {
+        header.push("LABELS");
+    }
+    let mut table = Table::new(header);
+    for endpoint in endpoints {
+        let address = match (&endpoint.address, &endpoint.raw_key) {
+            (Some(ip), _) => ip.to_string(),
+            (None, Some(key)) => format!("(key {key})"),
+            (None, None) => String::new(),
+        };
+        let mut row = vec![
+            address,
+            endpoint.identity.to_string(),
+            endpoint.flags.join(","),
+        ];
+        if labels.shown() {
+            row.push(labels.cell(endpoint.identity));
+        }
+        table.row(row);
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::output::{Format, render};
+
+    fn fixture() -> Result<Vec<EndpointView>, std::net::AddrParseError> {
+        let value = |identity, flags| EndpointValue { identity, flags };
+        let mut odd = EndpointKey::v4([10, 0, 0, 1]);
+        odd.family = 9;
+        Ok(vec![
+            EndpointView::new(None, Some("198.18.0.1".parse()?), value(1, flags::HOST)),
+            EndpointView::new(None, Some("198.18.0.2".parse()?), value(4711, flags::LOCAL)),
+            EndpointView::new(
+                None,
+                Some("2001:db8::2".parse()?),
+                value(4712, flags::REMOTE | 1 << 7),
+            ),
+            EndpointView::new(Some(&odd), None, value(5, flags::LOCAL)),
+        ])
+    }
+
+    #[test]
+    fn table_with_labels() -> Result<(), Box<dyn std::error::Error>> {
+        let endpoints = fixture()?;
+        let labels = IdentityLabels::fixed(&[
+            (1, &["reserved:host="]),
+            (
+                4711,
+                &["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop"],
+            ),
+        ]);
+        let out = render(Format::Table, false, &endpoints, || {
+            table(&endpoints, &labels)
+        })?;
+        assert_eq!(
+            out,
+            "\
+ADDRESS                                         IDENTITY  FLAGS        LABELS
+198.18.0.1                                      1         host         reserved:host=
+198.18.0.2                                      4711      local        k8s:app=web,k8s:io.kubernetes.pod.namespace=shop
+2001:db8::2                                     4712      remote,0x80  (unknown)
+(key 090000000a000001000000000000000000000000)  5         local        (unknown)
+"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn numeric_table_without_headers() -> Result<(), Box<dyn std::error::Error>> {
+        let endpoints = &fixture()?[1..2];
+        let out = render(Format::Table, true, endpoints, || {
+            table(endpoints, &IdentityLabels::none())
+        })?;
+        assert_eq!(out, "198.18.0.2  4711  local\n");
+        Ok(())
+    }
+
+    #[test]
+    fn json_and_yaml() -> Result<(), Box<dyn std::error::Error>> {
+        let endpoints = fixture()?;
+        let json = render(Format::Json, false, &endpoints[1..], || unreachable!())?;
+        assert_eq!(
+            json,
+            r#"[
+  {
+    "address": "198.18.0.2",
+    "identity": 4711,
+    "flags": [
+      "local"
+    ],
+    "flag_bits": 1
+  },
+  {
+    "address": "2001:db8::2",
+    "identity": 4712,
+    "flags": [
+      "remote",
+      "0x80"
+    ],
+    "flag_bits": 130
+  },
+  {
+    "address": null,
+    "identity": 5,
+    "flags": [
+      "local"
+    ],
+    "flag_bits": 1,
+    "raw_key": "090000000a000001000000000000000000000000"
+  }
+]
+"#
+        );
+        let yaml = render(Format::Yaml, false, &endpoints[1], || unreachable!())?;
+        assert_eq!(
+            yaml,
+            "address: 198.18.0.2\nidentity: 4711\nflags:\n- local\nflag_bits: 1\n"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,203 @@
+//! census-agent's command line. Every flag has a `CENSUS_*` environment variable.
+
+use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
+
+use census_proto::domain::NodeName;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::bpf::DEFAULT_PIN_DIR;
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "census-agent",
+    version,
+    about = "census's node agent: endpoints -> identities -> pinned BPF maps, and traffic per identity pair",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub agent: AgentArgs,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Detach census's programs from every interface and remove its pins (maps and
+    /// links). Idempotent; says what it removed.
+    Uninstall(UninstallArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct UninstallArgs {
+    /// Where census pinned its maps and links.
+    #[arg(long, env = "CENSUS_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AgentArgs {
+    /// This node's name, as the operator knows it [default: the host name].
+    #[arg(long, env = "CENSUS_NODE_NAME")]
+    pub node_name: Option<NodeName>,
+    /// The operator's gRPC address.
+    #[arg(long, env = "CENSUS_OPERATOR", default_value = "http://127.0.0.1:9460")]
+    pub operator: OperatorAddress,
+    /// Where the maps and links are pinned (on a BPF file system).
+    #[arg(long, env = "CENSUS_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
+    /// Address of the admin HTTP server (/metrics, /healthz, /readyz, /v1/...).
+    #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "0.0.0.0:9462")]
+    pub admin_listen: SocketAddr,
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// How often a full pass compares the maps and links with the desired state and
+    /// repairs them (the endpoints file is re-read as often, as a safety net).
+    #[arg(long, env = "CENSUS_RECONCILE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub reconcile_interval: Duration,
+    /// The longest wait between two attempts to reach the operator (they back off
+    /// exponentially, jittered, up to this).
+    #[arg(long, env = "CENSUS_RECONNECT_MAX_BACKOFF", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub reconnect_max_backoff: Duration,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Where endpoints come from. (The Kubernetes pod source joins here.)
+#[derive(Debug, Clone, Args)]
+pub struct SourceArgs {
+    /// A JSON (.json) or YAML (.yaml, .yml) list of endpoints, re-read when it changes.
+    #[arg(long, env = "CENSUS_ENDPOINTS_FILE")]
+    pub endpoints_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log filter, in `tracing` EnvFilter syntax.
+    #[arg(long, env = "CENSUS_LOG", default_value = "info")]
+    pub log: String,
+    #[arg(long, env = "CENSUS_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// The operator's gRPC URI; `host:port` means `http://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperatorAddress(String);
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("operator address {address:?}: {reason}")]
+pub struct AddressError {
+    address: String,
+    reason: String,
+}
+
+impl OperatorAddress {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for OperatorAddress {
+    type Err = AddressError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        let full = if s.contains("://") {
+            s.to_owned()
+        } else {
+            format!("http://{s}")
+        };
+        let error = |reason: String| AddressError {
+            address: s.to_owned(),
+            reason,
+        };
+        let uri: http::Uri = full
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| error(e.to_string()))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some(other) => {
+                return Err(error(format!(
+                    "scheme {other:?} is not supported (use http://)"
+                )));
+            }
+            None => return Err(error("no scheme".to_owned())),
+        }
+        if uri.host().is_none_or(str::is_empty) {
+            return Err(error("no host".to_owned()));
+        }
+        Ok(Self(full.trim_end_matches('/').to_owned()))
+    }
+}
+
+impl fmt::Display for OperatorAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from(["census-agent", "--endpoints-file", "/e.yaml"])?;
+        assert!(cli.command.is_none());
+        assert_eq!(cli.agent.pin_dir, PathBuf::from("/sys/fs/bpf/census"));
+        assert_eq!(cli.agent.admin_listen.port(), 9462);
+        assert_eq!(cli.agent.operator.as_str(), "http://127.0.0.1:9460");
+        assert_eq!(cli.agent.reconcile_interval, Duration::from_secs(10));
+        Ok(())
+    }
+
+    #[test]
+    fn uninstall_is_a_subcommand() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from(["census-agent", "uninstall", "--pin-dir", "/sys/fs/bpf/x"])?;
+        let Some(Command::Uninstall(args)) = cli.command else {
+            return Err(clap::Error::new(clap::error::ErrorKind::InvalidSubcommand));
+        };
+        assert_eq!(args.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
+        Ok(())
+    }
+
+    #[test]
+    fn operator_addresses() {
+        let parse = |s: &str| {
+            s.parse::<OperatorAddress>()
+                .map(|a| a.0)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            parse("10.0.0.1:9460"),
+            Ok("http://10.0.0.1:9460".to_owned())
+        );
+        assert_eq!(
+            parse("http://op.census:9460/"),
+            Ok("http://op.census:9460".to_owned())
+        );
+        assert!(parse("https://x:1").is_err_and(|e| e.contains("not supported")));
+        assert!(parse("http://").is_err());
+    }
+
+    #[test]
+    fn bad_node_names_are_refused() {
+        let err = Cli::try_parse_from(["census-agent", "--node-name", "Node_1"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("is not a DNS subdomain")));
+    }
+}

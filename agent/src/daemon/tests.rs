@@ -1,0 +1,401 @@
+//! The whole agent against a real operator in process, over loopback, with an
+//! endpoints file and an in-memory datapath.
+
+use std::{collections::BTreeMap, net::IpAddr, path::Path, sync::Arc, time::Duration};
+
+use census_proto::{
+    PROTOCOL_VERSION,
+    labels::{LabelFilter, LabelLimits, LabelSet},
+    pb::{self, identity_service_client::IdentityServiceClient},
+};
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tonic::transport::Channel;
+
+use super::*;
+use crate::{
+    admin::api::{EndpointState, EndpointsResponse},
+    reconcile::{MapKey, fake::FakeMaps},
+    source::FileSource,
+    testing::{TestResult, channel, eventually, identity, node, operator},
+};
+
+type Fallible<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+const FOUR: &str = "
+- {namespace: default, name: web-0, ips: [198.18.1.2], labels: {app: web}, interface: veth1}
+- {namespace: default, name: web-1, ips: [198.18.2.2], labels: {app: web, pod-template-hash: x1}, interface: veth2}
+- {namespace: default, name: db-0, ips: [198.18.3.2], labels: {app: db}, interface: veth3}
+- {namespace: default, name: batch-1, ips: [198.18.4.2], labels: {app: batch, job-name: batch-1}, interface: veth4}
+";
+
+struct Agent {
+    running: Running,
+    maps: Arc<Mutex<FakeMaps>>,
+}
+
+async fn agent(dir: &Path, operator: SocketAddr, maps: Arc<Mutex<FakeMaps>>) -> Fallible<Agent> {
+    let options = Options {
+        node: NodeName::new("n1")?,
+        operator: format!("http://{operator}"),
+        admin_listen: "127.0.0.1:0".parse()?,
+        reconcile_interval: Duration::from_millis(200),
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(300),
+        session: new_session(),
+        host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
+    };
+    let source = FileSource::new(dir.join("endpoints.yaml"), Duration::from_millis(200))?;
+    let running = start(options, maps.clone(), None, Box::new(source)).await?;
+    Ok(Agent { running, maps })
+}
+
+fn fake_maps() -> Arc<Mutex<FakeMaps>> {
+    let mut maps = FakeMaps::default();
+    for i in 1..=9 {
+        maps.interfaces.insert(format!("veth{i}"));
+    }
+    Arc::new(Mutex::new(maps))
+}
+
+fn write(dir: &Path, text: &str) -> std::io::Result<()> {
+    let tmp = dir.join("endpoints.tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(tmp, dir.join("endpoints.yaml"))
+}
+
+fn entry(maps: &Arc<Mutex<FakeMaps>>, ip: &str) -> Option<bpf::Endpoint> {
+    let ip: IpAddr = ip.parse().ok()?;
+    maps.lock().entries.get(&MapKey::from(ip)).copied()
+}
+
+async fn lookup(channel: &Channel, labels: &[(&str, &str)]) -> Option<u32> {
+    let labels: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let set = LabelSet::for_pod(
+        &labels,
+        "default",
+        "default",
+        &LabelFilter::default(),
+        &LabelLimits::default(),
+    )
+    .ok()?;
+    let identity = IdentityServiceClient::new(channel.clone())
+        .lookup(pb::LookupRequest {
+            protocol_version: PROTOCOL_VERSION,
+            labels: set.to_strings(),
+        })
+        .await
+        .ok()?
+        .into_inner();
+    Some(identity.id)
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Fallible<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let (head, body) = response.split_once("\r\n\r\n").ok_or("no HTTP header")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no HTTP status")?;
+    Ok((status, body.to_owned()))
+}
+
+async fn endpoints_api(addr: SocketAddr) -> Fallible<EndpointsResponse> {
+    let (status, body) = get(addr, "/v1/endpoints").await?;
+    if status != 200 {
+        return Err(format!("GET /v1/endpoints: {status} {body}").into());
+    }
+    Ok(serde_json::from_str(&body)?)
+}
+
+async fn all_programmed(addr: SocketAddr, count: usize) -> Option<EndpointsResponse> {
+    let response = endpoints_api(addr).await.ok()?;
+    (response.endpoints.len() == count
+        && response
+            .endpoints
+            .iter()
+            .all(|e| e.state == EndpointState::Programmed))
+    .then_some(response)
+}
+
+#[tokio::test]
+async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = operator(dir.path(), 0).await?;
+    let ch = channel(op.grpc_addr)?;
+    write(dir.path(), FOUR)?;
+    let agent = agent(dir.path(), op.grpc_addr, fake_maps()).await?;
+    let admin = agent.running.admin_addr;
+
+    let response = eventually(WAIT, || all_programmed(admin, 4))
+        .await
+        .ok_or("every endpoint is programmed")?;
+    assert_eq!(response.node, "n1");
+    assert!(response.operator.connected);
+    let names: Vec<&str> = response.endpoints.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["batch-1", "db-0", "web-0", "web-1"], "sorted");
+    let batch = &response.endpoints[0];
+    assert!(
+        batch.labels.iter().all(|l| !l.contains("job-name")),
+        "the operator's filter dropped job-name: {:?}",
+        batch.labels
+    );
+
+    let web = lookup(&ch, &[("app", "web")])
+        .await
+        .ok_or("web is allocated")?;
+    let db = lookup(&ch, &[("app", "db")])
+        .await
+        .ok_or("db is allocated")?;
+    assert_ne!(web, db);
+    assert_eq!(
+        entry(&agent.maps, "198.18.1.2"),
+        Some(bpf::Endpoint::local(web))
+    );
+    assert_eq!(
+        entry(&agent.maps, "198.18.2.2"),
+        Some(bpf::Endpoint::local(web)),
+        "pod-template-hash is filtered: same identity"
+    );
+    assert_eq!(
+        entry(&agent.maps, "198.18.3.2"),
+        Some(bpf::Endpoint::local(db))
+    );
+    assert_eq!(
+        entry(&agent.maps, "198.18.0.1"),
+        Some(bpf::Endpoint::host())
+    );
+    assert_eq!(
+        agent.maps.lock().links.len(),
+        4,
+        "one attachment per interface"
+    );
+
+    let counted = eventually(WAIT, || async {
+        let refs = identity(&ch, web).await?.references;
+        (refs == 2).then_some(())
+    })
+    .await;
+    assert!(counted.is_some(), "the operator counts both web endpoints");
+
+    // An endpoint leaves: its entry goes, and the operator's count drops.
+    write(
+        dir.path(),
+        &FOUR.replace("- {namespace: default, name: web-1", "# "),
+    )?;
+    let dropped = eventually(WAIT, || async {
+        let refs = identity(&ch, web).await?.references;
+        (refs == 1 && entry(&agent.maps, "198.18.2.2").is_none()).then_some(())
+    })
+    .await;
+    assert!(
+        dropped.is_some(),
+        "the delete reached the map and the operator"
+    );
+    assert_eq!(node(&ch, "n1").await.map(|n| n.endpoints), Some(3));
+
+    let (status, version) = get(admin, "/v1/version").await?;
+    assert_eq!(status, 200);
+    let version: serde_json::Value = serde_json::from_str(&version)?;
+    assert_eq!(version["protocol_version"], PROTOCOL_VERSION);
+    assert_eq!(version["layout_version"], bpf::LAYOUT_VERSION);
+    let (status, metrics) = get(admin, "/metrics").await?;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("census_agent_operator_connected 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("census_agent_endpoints{state=\"programmed\"} 3"),
+        "{metrics}"
+    );
+
+    agent.running.shut_down().await;
+    op.shut_down().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_malformed_file_changes_nothing() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = operator(dir.path(), 0).await?;
+    write(dir.path(), FOUR)?;
+    let agent = agent(dir.path(), op.grpc_addr, fake_maps()).await?;
+    let admin = agent.running.admin_addr;
+    eventually(WAIT, || all_programmed(admin, 4))
+        .await
+        .ok_or("programmed")?;
+    let before = agent.maps.lock().entries.clone();
+
+    write(
+        dir.path(),
+        "- {namespace: default, name: web-0, ips: [not-an-ip]",
+    )?;
+    let reported = eventually(WAIT, || async {
+        let response = endpoints_api(admin).await.ok()?;
+        response.source?.error
+    })
+    .await
+    .ok_or("the failure is reported")?;
+    assert!(
+        reported.contains("endpoints.yaml: invalid YAML"),
+        "{reported}"
+    );
+    let (status, readyz) = get(admin, "/readyz").await?;
+    assert_eq!(status, 200, "still ready: {readyz}");
+    assert!(readyz.contains("endpoints.yaml: invalid YAML"), "{readyz}");
+    let (_, metrics) = get(admin, "/metrics").await?;
+    assert!(
+        metrics.contains("census_agent_source_errors_total{kind=\"parse\"} 1"),
+        "{metrics}"
+    );
+    // A few full passes later, the datapath is as it was.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(agent.maps.lock().entries, before);
+    assert_eq!(endpoints_api(admin).await?.endpoints.len(), 4);
+
+    agent.running.shut_down().await;
+    op.shut_down().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn fail_static_while_the_operator_is_away() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = operator(dir.path(), 0).await?;
+    let addr = op.grpc_addr;
+    let ch = channel(addr)?;
+    write(dir.path(), FOUR)?;
+    let agent = agent(dir.path(), addr, fake_maps()).await?;
+    let admin = agent.running.admin_addr;
+    eventually(WAIT, || all_programmed(admin, 4))
+        .await
+        .ok_or("programmed")?;
+
+    op.shut_down().await;
+    let response = eventually(WAIT, || async {
+        endpoints_api(admin)
+            .await
+            .ok()
+            .filter(|r| !r.operator.connected)
+    })
+    .await
+    .ok_or("the agent notices")?;
+    assert!(response.operator.error.is_some());
+    let (status, readyz) = get(admin, "/readyz").await?;
+    assert_eq!(status, 200, "still ready: {readyz}");
+    assert!(readyz.contains("disconnected"), "{readyz}");
+
+    // While it is away: web-1 goes, a web pod comes (a known identity: programmed at
+    // once), and an api pod whose identity is new has to wait.
+    let changed = FOUR.replace("- {namespace: default, name: web-1", "# ")
+        + "- {namespace: default, name: web-2, ips: [198.18.5.2], labels: {app: web}, interface: veth5}\n"
+        + "- {namespace: default, name: api-0, ips: [198.18.6.2], labels: {app: api}, interface: veth6}\n";
+    write(dir.path(), &changed)?;
+    let web = entry(&agent.maps, "198.18.1.2").ok_or("web-0")?.identity;
+    let waiting = eventually(WAIT, || async {
+        let response = endpoints_api(admin).await.ok()?;
+        let state = |name: &str| {
+            response
+                .endpoints
+                .iter()
+                .find(|e| e.name == name)
+                .map(|e| e.state)
+        };
+        (state("web-2") == Some(EndpointState::Programmed)
+            && state("api-0") == Some(EndpointState::WaitingForIdentity))
+        .then_some(())
+    })
+    .await;
+    assert!(waiting.is_some(), "known identities need no operator");
+    assert_eq!(
+        entry(&agent.maps, "198.18.5.2"),
+        Some(bpf::Endpoint::local(web))
+    );
+    assert_eq!(
+        entry(&agent.maps, "198.18.6.2"),
+        None,
+        "waiting endpoints are not written"
+    );
+    assert_eq!(entry(&agent.maps, "198.18.2.2"), None);
+
+    // The operator comes back on its store: the agent's snapshot is the truth.
+    let op = operator(dir.path(), addr.port()).await?;
+    eventually(WAIT, || all_programmed(admin, 5))
+        .await
+        .ok_or("api-0 got its identity")?;
+    let truth = eventually(WAIT, || async {
+        let n = node(&ch, "n1").await?;
+        let web_refs = identity(&ch, web).await?.references;
+        (n.connected && n.endpoints == 5 && web_refs == 2).then_some(())
+    })
+    .await;
+    assert!(truth.is_some(), "the operator's view is the node's truth");
+    let api = lookup(&ch, &[("app", "api")]).await.ok_or("api")?;
+    assert_eq!(
+        entry(&agent.maps, "198.18.6.2"),
+        Some(bpf::Endpoint::local(api))
+    );
+
+    agent.running.shut_down().await;
+    op.shut_down().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restarted_agent_keeps_identities_and_repairs_the_maps() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = operator(dir.path(), 0).await?;
+    write(dir.path(), FOUR)?;
+    let maps = fake_maps();
+    let first = agent(dir.path(), op.grpc_addr, maps.clone()).await?;
+    eventually(WAIT, || all_programmed(first.running.admin_addr, 4))
+        .await
+        .ok_or("programmed")?;
+    first.running.shut_down().await;
+    let before = maps.lock().entries.clone();
+    let attaches = maps.lock().attaches;
+
+    // Someone meddles with the maps while no agent runs.
+    {
+        let mut m = maps.lock();
+        m.entries.insert(
+            MapKey::from("198.18.3.2".parse::<IpAddr>()?),
+            bpf::Endpoint::local(999),
+        );
+        m.entries.insert(
+            MapKey::from("198.18.9.9".parse::<IpAddr>()?),
+            bpf::Endpoint::local(998),
+        );
+    }
+    let second = agent(dir.path(), op.grpc_addr, maps.clone()).await?;
+    let repaired = eventually(WAIT, || async {
+        (maps.lock().entries == before).then_some(())
+    })
+    .await;
+    assert!(repaired.is_some(), "the full pass repaired the maps");
+    eventually(WAIT, || all_programmed(second.running.admin_addr, 4))
+        .await
+        .ok_or("programmed")?;
+    assert_eq!(maps.lock().entries, before, "no identity changed");
+    assert_eq!(
+        maps.lock().attaches,
+        attaches + 4,
+        "links adopted once each"
+    );
+
+    second.running.shut_down().await;
+    op.shut_down().await;
+    Ok(())
+}

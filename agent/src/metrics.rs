@@ -1,0 +1,374 @@
+//! The agent's Prometheus metrics.
+//!
+//! Counters are updated where things happen. Gauges of the agent's state (endpoints
+//! by state, map entries, identities, connection) are read at scrape time from the
+//! [`Gauges`] the core publishes after every change, and per-identity-pair traffic
+//! straight from the pinned FLOWS map, by [`AgentCollector`], so they cannot drift.
+//!
+//! Traffic is exported for the [`TOP_FLOWS`] busiest pairs (by bytes) with their
+//! identities as labels, and everything else summed into one pair labelled `other`:
+//! the number of series stays bounded however many pairs the node sees. A pair that
+//! moves between the top and `other` makes `other` go down; Prometheus reads that as a
+//! counter reset, which is what it is for that bucket.
+
+use std::{fmt, sync::Arc};
+
+use parking_lot::Mutex;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::ConstGauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+
+use crate::{
+    bpf::{Flow, Inspector},
+    sync::SyncStatus,
+};
+
+/// Identity pairs exported with their own labels.
+pub const TOP_FLOWS: usize = 50;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MapLabels {
+    pub map: &'static str,
+}
+
+/// Handles to the counters and histograms.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub snapshots_sent: Counter,
+    pub deltas_sent: Counter,
+    /// Deltas not sent because the stream was full; the next snapshot covers them.
+    pub deltas_dropped: Counter,
+    pub reconnects: Counter,
+    pub rebinds: Counter,
+    pub map_write_errors: Family<MapLabels, Counter>,
+    pub attach_errors: Counter,
+    /// Entries the periodic full pass found wrong or missing and rewrote.
+    pub map_repairs: Counter,
+    /// Entries the full pass removed because nothing wants them.
+    pub map_removals: Counter,
+    pub source_errors: Family<KindLabels, Counter>,
+    pub allocations: Family<OutcomeLabels, Counter>,
+    pub full_pass_duration: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            snapshots_sent: Counter::default(),
+            deltas_sent: Counter::default(),
+            deltas_dropped: Counter::default(),
+            reconnects: Counter::default(),
+            rebinds: Counter::default(),
+            map_write_errors: Family::default(),
+            attach_errors: Counter::default(),
+            map_repairs: Counter::default(),
+            map_removals: Counter::default(),
+            source_errors: Family::default(),
+            allocations: Family::default(),
+            // 10 µs .. ~40 s.
+            full_pass_duration: Histogram::new(exponential_buckets(0.000_01, 2.5, 17)),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn allocation(&self, outcome: &'static str) {
+        self.allocations
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("census_agent");
+        r.register(
+            "snapshots_sent",
+            "Snapshots sent to the operator",
+            self.snapshots_sent.clone(),
+        );
+        r.register(
+            "deltas_sent",
+            "Endpoint upserts and deletes sent to the operator",
+            self.deltas_sent.clone(),
+        );
+        r.register(
+            "deltas_dropped",
+            "Deltas left to the next snapshot because the stream was full",
+            self.deltas_dropped.clone(),
+        );
+        r.register(
+            "reconnects",
+            "EndpointSync streams opened after the first",
+            self.reconnects.clone(),
+        );
+        r.register(
+            "rebinds",
+            "Rebinds received from the operator",
+            self.rebinds.clone(),
+        );
+        r.register(
+            "map_write_errors",
+            "Failed writes to the BPF maps",
+            self.map_write_errors.clone(),
+        );
+        r.register(
+            "attach_errors",
+            "Failed attachments of the classifier to an interface",
+            self.attach_errors.clone(),
+        );
+        r.register(
+            "map_repairs",
+            "ENDPOINTS entries the periodic full pass found changed or missing and rewrote",
+            self.map_repairs.clone(),
+        );
+        r.register(
+            "map_removals",
+            "ENDPOINTS entries the periodic full pass removed because no endpoint wants them",
+            self.map_removals.clone(),
+        );
+        r.register(
+            "source_errors",
+            "Reads of the endpoint source that failed (the last good set stayed in force), by kind",
+            self.source_errors.clone(),
+        );
+        r.register(
+            "allocations",
+            "Allocate calls to the operator, by outcome",
+            self.allocations.clone(),
+        );
+        r.register(
+            "full_pass_duration_seconds",
+            "Time of one full reconcile pass",
+            self.full_pass_duration.clone(),
+        );
+    }
+}
+
+/// The state gauges, published by the core.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Gauges {
+    pub endpoints_programmed: u64,
+    pub endpoints_waiting: u64,
+    pub endpoints_error: u64,
+    pub map_entries: u64,
+    pub identities: u64,
+    pub pending_allocations: u64,
+    pub interfaces: u64,
+}
+
+/// Reads [`Gauges`] and FLOWS at scrape time.
+#[derive(Debug)]
+pub struct AgentCollector {
+    gauges: Arc<Mutex<Gauges>>,
+    sync: Arc<Mutex<SyncStatus>>,
+    flows: Option<Arc<Inspector>>,
+}
+
+impl AgentCollector {
+    pub fn new(
+        gauges: Arc<Mutex<Gauges>>,
+        sync: Arc<Mutex<SyncStatus>>,
+        flows: Option<Arc<Inspector>>,
+    ) -> Self {
+        Self {
+            gauges,
+            sync,
+            flows,
+        }
+    }
+}
+
+/// The busiest `top` pairs by bytes, then the rest summed (`None` when there is no rest).
+pub fn top_flows(mut flows: Vec<Flow>, top: usize) -> (Vec<Flow>, Option<(u64, u64)>) {
+    flows.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.packets.cmp(&a.packets)));
+    if flows.len() <= top {
+        return (flows, None);
+    }
+    let rest = flows.split_off(top);
+    let other = rest.iter().fold((0u64, 0u64), |(p, b), f| {
+        (p.wrapping_add(f.packets), b.wrapping_add(f.bytes))
+    });
+    (flows, Some(other))
+}
+
+impl Collector for AgentCollector {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
+        let g = self.gauges.lock().clone();
+        let connected = self.sync.lock().connected;
+        gauge(
+            &mut e,
+            "census_agent_operator_connected",
+            "1 while the EndpointSync stream to the operator is up",
+            u64::from(connected),
+        )?;
+        let kind = ConstGauge::new(0i64).metric_type();
+        let mut family = e.encode_descriptor(
+            "census_agent_endpoints",
+            "Endpoints managed, by state",
+            None,
+            kind,
+        )?;
+        for (state, n) in [
+            ("programmed", g.endpoints_programmed),
+            ("waiting_for_identity", g.endpoints_waiting),
+            ("error", g.endpoints_error),
+        ] {
+            let labels = [("state", state)];
+            ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
+        }
+        gauge(
+            &mut e,
+            "census_agent_map_entries",
+            "ENDPOINTS entries written by this agent",
+            g.map_entries,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_identities",
+            "Label sets in the identity cache (only those in use)",
+            g.identities,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_pending_allocations",
+            "Label sets waiting for the operator",
+            g.pending_allocations,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_interfaces",
+            "Interfaces the classifier should be attached to",
+            g.interfaces,
+        )?;
+
+        let Some(maps) = &self.flows else {
+            return Ok(());
+        };
+        // A failed read leaves the flow series out of this scrape.
+        let Ok(flows) = maps.flows() else {
+            return Ok(());
+        };
+        gauge(
+            &mut e,
+            "census_agent_flow_pairs",
+            "Identity pairs counted in FLOWS",
+            flows.len() as u64,
+        )?;
+        let (top, other) = top_flows(flows, TOP_FLOWS);
+        for (name, help, pick) in [
+            (
+                "census_agent_flow_packets",
+                "Packets per (source identity, destination identity), top pairs and `other`",
+                (|f: &Flow| f.packets) as fn(&Flow) -> u64,
+            ),
+            (
+                "census_agent_flow_bytes",
+                "Bytes per (source identity, destination identity), top pairs and `other`",
+                |f: &Flow| f.bytes,
+            ),
+        ] {
+            let kind = ConstCounter::new(0u64).metric_type();
+            let mut family = e.encode_descriptor(name, help, None, kind)?;
+            for flow in &top {
+                let (src, dst) = (flow.src_identity.to_string(), flow.dst_identity.to_string());
+                let labels = [
+                    ("src_identity", src.as_str()),
+                    ("dst_identity", dst.as_str()),
+                ];
+                ConstCounter::new(pick(flow)).encode(family.encode_family(&labels)?)?;
+            }
+            if let Some((packets, bytes)) = other {
+                let value = if name.ends_with("packets") {
+                    packets
+                } else {
+                    bytes
+                };
+                let labels = [("src_identity", "other"), ("dst_identity", "other")];
+                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn as_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), fmt::Error> {
+    let g = ConstGauge::new(as_i64(value));
+    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flow(src: u32, dst: u32, bytes: u64) -> Flow {
+        Flow {
+            src_identity: src,
+            dst_identity: dst,
+            packets: bytes / 100,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn keeps_the_busiest_pairs_and_sums_the_rest() {
+        let flows = (0..10)
+            .map(|i| flow(256 + i, 300, u64::from(i) * 100))
+            .collect();
+        let (top, other) = top_flows(flows, 3);
+        let kept: Vec<u32> = top.iter().map(|f| f.src_identity).collect();
+        assert_eq!(kept, vec![265, 264, 263]);
+        // 0 + 100 + ... + 600 bytes, 0 + 1 + ... + 6 packets.
+        assert_eq!(other, Some((21, 2100)));
+        let (top, other) = top_flows(vec![flow(1, 2, 5)], 3);
+        assert_eq!((top.len(), other), (1, None));
+    }
+
+    #[test]
+    fn encodes_gauges_without_flows() -> Result<(), fmt::Error> {
+        let gauges = Arc::new(Mutex::new(Gauges {
+            endpoints_programmed: 3,
+            ..Gauges::default()
+        }));
+        let sync = Arc::new(Mutex::new(SyncStatus {
+            connected: true,
+            ..SyncStatus::default()
+        }));
+        let mut registry = Registry::default();
+        Metrics::default().register(&mut registry);
+        registry.register_collector(Box::new(AgentCollector::new(gauges, sync, None)));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry)?;
+        assert!(text.contains("census_agent_operator_connected 1"), "{text}");
+        assert!(
+            text.contains("census_agent_endpoints{state=\"programmed\"} 3"),
+            "{text}"
+        );
+        Ok(())
+    }
+}

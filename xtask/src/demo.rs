@@ -1,0 +1,788 @@
+//! `cargo xtask demo`: census on this machine, end to end, in about a minute.
+//!
+//! As root: set-up and the eBPF build (idempotent), then the binaries; an operator
+//! on its embedded store (a temporary directory) and an agent on an endpoints file,
+//! both inside a "node" network namespace; four labelled pods (network namespaces
+//! with veth pairs, 198.18.0.0/15, no route out): two `app=web`, one `app=db`, one
+//! `app=batch` carrying a per-run `job-name` that the operator's label filter drops.
+//! It sends a little traffic between the pods and prints the identities (from the
+//! operator, over gRPC) and the per-identity-pair counters (from the kernel's FLOWS
+//! map, through the agent), then removes everything: processes, pins, namespaces,
+//! files, also on Ctrl-C or failure.
+//!
+//! Without root it says so and runs what needs none: an operator, a session, a few
+//! identities allocated and reported over gRPC.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use census_netlab::{ChildGuard, Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp};
+use census_proto::{
+    PROTOCOL_VERSION,
+    pb::{
+        self, agent_message, endpoint_sync_client::EndpointSyncClient,
+        identity_service_client::IdentityServiceClient, operator_message,
+    },
+};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+
+use crate::{cmd, ebpf, setup};
+
+const OPERATOR_PORT: u16 = 9460;
+const OPERATOR_ADMIN_PORT: u16 = 9461;
+const AGENT_ADMIN_PORT: u16 = 9462;
+const NODE: &str = "demo-node";
+
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub(crate) struct Options {
+    /// Skip set-up and the eBPF build (they are idempotent, but take a few seconds).
+    #[arg(long)]
+    no_setup: bool,
+    /// Run only the part that needs no root (the operator and identities over gRPC),
+    /// as the demo does without root.
+    #[arg(long)]
+    operator_only: bool,
+}
+
+pub(crate) fn run(options: Options) -> anyhow::Result<()> {
+    let Options {
+        no_setup,
+        operator_only,
+    } = options;
+    let interrupted = watch_for_interrupt();
+    if operator_only {
+        unprivileged(&interrupted)
+    } else if cmd::is_root() {
+        privileged(no_setup, &interrupted)
+    } else {
+        say(
+            "not running as root: the datapath part of the demo (BPF programs and maps, network\n\
+             namespaces) needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON, CAP_SYS_ADMIN).\n\
+             Running the part that needs no privileges: the operator and identities over gRPC.\n\
+             For everything: sudo -E cargo xtask demo",
+        );
+        unprivileged(&interrupted)
+    }
+}
+
+/// Set by Ctrl-C or SIGTERM: every wait checks it, and the guards clean up.
+type Interrupted = Arc<AtomicBool>;
+
+fn watch_for_interrupt() -> Interrupted {
+    let flag = Arc::new(AtomicBool::new(false));
+    let set = flag.clone();
+    thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) else {
+                return;
+            };
+            tokio::select! {
+                _ = int.recv() => {},
+                _ = term.recv() => {},
+            }
+            set.store(true, Ordering::SeqCst);
+        });
+    });
+    flag
+}
+
+fn check(interrupted: &Interrupted) -> anyhow::Result<()> {
+    if interrupted.load(Ordering::SeqCst) {
+        bail!("interrupted; cleaning up");
+    }
+    Ok(())
+}
+
+fn wait_until(
+    interrupted: &Interrupted,
+    timeout: Duration,
+    what: &str,
+    mut done: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        check(interrupted)?;
+        if done()? {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[expect(clippy::print_stdout, reason = "the demo's report")]
+fn say(text: &str) {
+    println!("{text}");
+}
+
+#[expect(clippy::print_stdout, reason = "the demo's report")]
+fn step(text: &str) {
+    println!("\n==> {text}");
+}
+
+/// A daemon of the demo: stopped with SIGTERM (then killed) on drop; its log is
+/// shown if the demo fails.
+struct Daemon {
+    name: &'static str,
+    child: Option<Proc>,
+    log: PathBuf,
+}
+
+/// A child spawned in a namespace (netlab's guard) or here.
+enum Proc {
+    InNamespace(ChildGuard),
+    Here(std::process::Child),
+}
+
+impl Proc {
+    fn child(&mut self) -> &mut std::process::Child {
+        match self {
+            Self::InNamespace(guard) => guard.child(),
+            Self::Here(child) => child,
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Self::Here(child) = self {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Daemon {
+    fn stop(&mut self) {
+        let Some(mut guard) = self.child.take() else {
+            return;
+        };
+        if let Ok(pid) = i32::try_from(guard.child().id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(guard.child().try_wait(), Ok(Some(_))) {
+                return;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        // The guard kills it.
+    }
+
+    fn exited(&mut self) -> Option<String> {
+        let status = self.child.as_mut()?.child().try_wait().ok()??;
+        Some(format!(
+            "{} exited ({status}); its log:\n{}",
+            self.name,
+            tail(&self.log)
+        ))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn tail(path: &Path) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// Removes the demo's pins with `census-agent uninstall` on drop.
+struct Pins {
+    agent: PathBuf,
+    dir: PathBuf,
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        if !self.dir.exists() {
+            return;
+        }
+        let output = Command::new(&self.agent)
+            .arg("uninstall")
+            .arg("--pin-dir")
+            .arg(&self.dir)
+            .output();
+        match output {
+            Ok(output) if output.status.success() => {
+                let text = String::from_utf8_lossy(&output.stdout);
+                let removed = text.lines().count();
+                say(&format!(
+                    "    census-agent uninstall: {removed} pins and links removed from {}",
+                    self.dir.display()
+                ));
+            }
+            Ok(output) => say(&format!(
+                "    census-agent uninstall failed: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            )),
+            Err(error) => say(&format!("    cannot run census-agent uninstall: {error}")),
+        }
+    }
+}
+
+struct DemoPod {
+    name: &'static str,
+    labels: &'static [(&'static str, &'static str)],
+    pod: Pod,
+}
+
+const PODS: [(&str, &[(&str, &str)]); 4] = [
+    ("web-0", &[("app", "web")]),
+    ("web-1", &[("app", "web"), ("pod-template-hash", "7d4b9")]),
+    ("db-0", &[("app", "db")]),
+    (
+        "batch-28871",
+        &[("app", "batch"), ("job-name", "nightly-28871")],
+    ),
+];
+
+fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
+    if !no_setup {
+        step("set-up (idempotent)");
+        setup::run(setup::Options {})?;
+        check(interrupted)?;
+        step("eBPF build");
+        ebpf::build(ebpf::Profile::Release)?;
+    }
+    check(interrupted)?;
+    step("building census-operator and census-agent");
+    let binaries = build(&["census-operator", "census-agent"])?;
+    let (operator_bin, agent_bin) = (&binaries[0], &binaries[1]);
+    check(interrupted)?;
+
+    let started = Instant::now();
+    // Dropped in reverse: agent, operator, pins, pods, node namespace, files.
+    let dir = tempfile::Builder::new().prefix("census-demo-").tempdir()?;
+    step("network namespaces: a node and four pods (198.18.0.0/15, no route out)");
+    let mut lab = Lab::new().context("creating the node namespace")?;
+    let mut pods = Vec::new();
+    for (name, labels) in PODS {
+        let pod = lab.add_pod().context("creating a pod namespace")?;
+        say(&format!(
+            "    {name:<12} {:<12} {:<17} {}",
+            pod.ipv4.to_string(),
+            pod.host_interface,
+            labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ));
+        pods.push(DemoPod { name, labels, pod });
+    }
+    let pins = Pins {
+        agent: agent_bin.clone(),
+        dir: PathBuf::from("/sys/fs/bpf").join(census_netlab::unique_name("census-demo")),
+    };
+    let endpoints = dir.path().join("endpoints.yaml");
+    fs::write(&endpoints, endpoints_file(&pods))?;
+
+    step("census-operator on its embedded store, in the node namespace");
+    let mut operator = spawn(
+        lab.node(),
+        "census-operator",
+        dir.path(),
+        Command::new(operator_bin)
+            .args(["--grpc-listen", &format!("127.0.0.1:{OPERATOR_PORT}")])
+            .args([
+                "--admin-listen",
+                &format!("127.0.0.1:{OPERATOR_ADMIN_PORT}"),
+            ])
+            .arg("--store-path")
+            .arg(dir.path().join("census.redb"))
+            .args(["--snapshot-interval", "5s"])
+            // A new store in a demo: no agent has identities to re-report first.
+            .args(["--adoption-window", "0s"]),
+    )?;
+    wait_until(interrupted, Duration::from_secs(20), "the operator", || {
+        if let Some(exit) = operator.exited() {
+            bail!(exit);
+        }
+        let addr = SocketAddr::from(([127, 0, 0, 1], OPERATOR_PORT));
+        Ok(lab.node().run(|| TcpStream::connect(addr).is_ok())?)
+    })?;
+    say(&format!(
+        "    listening on 127.0.0.1:{OPERATOR_PORT} (store {})",
+        dir.path().join("census.redb").display()
+    ));
+
+    step("census-agent on the endpoints file, in the node namespace");
+    let mut agent = spawn(
+        lab.node(),
+        "census-agent",
+        dir.path(),
+        Command::new(agent_bin)
+            .args(["--node-name", NODE])
+            .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
+            .arg("--pin-dir")
+            .arg(&pins.dir)
+            .args(["--admin-listen", &format!("127.0.0.1:{AGENT_ADMIN_PORT}")])
+            .arg("--endpoints-file")
+            .arg(&endpoints)
+            .args(["--reconcile-interval", "2s"]),
+    )?;
+    let mut listed = serde_json::Value::Null;
+    wait_until(
+        interrupted,
+        Duration::from_secs(30),
+        "every endpoint to be programmed",
+        || {
+            if let Some(exit) = agent.exited() {
+                bail!(exit);
+            }
+            let Ok((200, body)) = http_get(lab.node(), AGENT_ADMIN_PORT, "/v1/endpoints") else {
+                return Ok(false);
+            };
+            listed = serde_json::from_str(&body)?;
+            let endpoints = listed["endpoints"].as_array().cloned().unwrap_or_default();
+            Ok(endpoints.len() == PODS.len()
+                && endpoints.iter().all(|e| e["state"] == "programmed"))
+        },
+    )?;
+    print_endpoints(&listed);
+
+    step("traffic between the pods (UDP, 100-byte payloads)");
+    let plan: [(usize, usize, usize); 4] = [(0, 2, 10), (2, 0, 10), (3, 1, 5), (1, 0, 3)];
+    for (from, to, count) in plan {
+        check(interrupted)?;
+        let (from, to) = (&pods[from], &pods[to]);
+        let receiver = UdpReceiver::bind(&to.pod.ns, to.pod.ipv4.into())?;
+        let sender = UdpSender::bind(&from.pod.ns, from.pod.ipv4.into())?;
+        let arrived = exchange_udp(&sender, &receiver, count, 100)?;
+        say(&format!(
+            "    {:<12} -> {:<12} {arrived}/{count} datagrams",
+            from.name, to.name
+        ));
+    }
+
+    step("identities, from the operator (IdentityService.Get)");
+    let ids: BTreeSet<u32> = listed["endpoints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["identity"].as_u64())
+        .filter_map(|id| u32::try_from(id).ok())
+        .collect();
+    let identities = lab.node().run(|| get_identities(&ids))??;
+    say(&format!(
+        "    {:<6} {:<5} {:<6} labels",
+        "id", "refs", "holds"
+    ));
+    for identity in &identities {
+        say(&format!(
+            "    {:<6} {:<5} {:<6} {}",
+            identity.id,
+            identity.references,
+            identity.holds,
+            identity.labels.join(" ")
+        ));
+    }
+    say("    (web-1's pod-template-hash and batch's job-name are dropped by the operator's");
+    say("     label filter: every replica and every run of the job share one identity)");
+
+    step("traffic per identity pair, from the kernel's FLOWS map (agent: /v1/flows)");
+    let names: BTreeMap<u32, String> = identities
+        .iter()
+        .map(|i| (i.id, short_name(&i.labels)))
+        .chain([(1, "host".to_owned()), (2, "world".to_owned())])
+        .collect();
+    let (status, body) = http_get(lab.node(), AGENT_ADMIN_PORT, "/v1/flows")?;
+    if status != 200 {
+        bail!("GET /v1/flows: {status}: {body}");
+    }
+    let flows: serde_json::Value = serde_json::from_str(&body)?;
+    say(&format!(
+        "    {:<18} {:<18} {:>8} {:>8}",
+        "source", "destination", "packets", "bytes"
+    ));
+    for flow in flows["flows"].as_array().into_iter().flatten() {
+        let name = |key: &str| {
+            let id = flow[key]
+                .as_u64()
+                .and_then(|i| u32::try_from(i).ok())
+                .unwrap_or(0);
+            format!("{id} {}", names.get(&id).map_or("?", String::as_str))
+        };
+        say(&format!(
+            "    {:<18} {:<18} {:>8} {:>8}",
+            name("src_identity"),
+            name("dst_identity"),
+            flow["packets"].to_string(),
+            flow["bytes"].to_string()
+        ));
+    }
+    say("    (each packet counted once, on the host side of the sender's veth. `host` is the");
+    say("     node's own addresses; `world` is any address no endpoint lists: here IPv6");
+    say("     neighbour discovery between link-local and multicast addresses)");
+
+    step("cleaning up: agent, pins, operator, namespaces, files");
+    agent.stop();
+    drop(agent);
+    drop(pins);
+    operator.stop();
+    drop(operator);
+    drop(pods);
+    drop(lab);
+    drop(dir);
+    say(&format!(
+        "\ndone in {:.1?} after the build. The agent left the datapath in place when it \
+         stopped (fail-static); `census-agent uninstall` removed it.",
+        started.elapsed()
+    ));
+    Ok(())
+}
+
+fn endpoints_file(pods: &[DemoPod]) -> String {
+    let mut text = String::from("# Written by `cargo xtask demo`.\n");
+    for pod in pods {
+        let labels: Vec<String> = pod
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
+        text.push_str(&format!(
+            "- namespace: default\n  name: {}\n  ips: [{}, '{}']\n  labels: {{{}}}\n  interface: {}\n",
+            pod.name,
+            pod.pod.ipv4,
+            pod.pod.ipv6,
+            labels.join(", "),
+            pod.pod.host_interface
+        ));
+    }
+    text
+}
+
+fn print_endpoints(listed: &serde_json::Value) {
+    say(&format!(
+        "    operator connected: {}, session {}",
+        listed["operator"]["connected"],
+        listed["operator"]["session"].as_str().unwrap_or("?")
+    ));
+    say(&format!(
+        "    {:<22} {:<12} {:<8} {:<9} {}",
+        "endpoint", "address", "iface", "identity", "state"
+    ));
+    for e in listed["endpoints"].as_array().into_iter().flatten() {
+        say(&format!(
+            "    {:<22} {:<12} {:<8} {:<9} {}",
+            format!(
+                "{}/{}",
+                e["namespace"].as_str().unwrap_or(""),
+                e["name"].as_str().unwrap_or("")
+            ),
+            e["ips"][0].as_str().unwrap_or(""),
+            e["interface"].as_str().unwrap_or(""),
+            e["identity"].to_string(),
+            e["state"].as_str().unwrap_or("")
+        ));
+    }
+}
+
+/// `app=web` for an identity with an `app` label, else its labels.
+fn short_name(labels: &[String]) -> String {
+    labels
+        .iter()
+        .find_map(|l| l.strip_prefix("k8s:app="))
+        .map_or_else(|| labels.join(","), |app| format!("app={app}"))
+}
+
+/// Builds the named binaries (dev profile) and returns their paths, in order.
+fn build(names: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut args = vec!["build"];
+    for name in names {
+        args.extend(["--bin", name]);
+    }
+    let built = cmd::build_binaries(&args)?;
+    names
+        .iter()
+        .map(|name| {
+            built
+                .get(*name)
+                .cloned()
+                .with_context(|| format!("cargo built no {name}"))
+        })
+        .collect()
+}
+
+/// Spawns `command` in `ns` (or here) with its stderr in `<dir>/<name>.log`.
+fn spawn(
+    ns: &Netns,
+    name: &'static str,
+    dir: &Path,
+    command: &mut Command,
+) -> anyhow::Result<Daemon> {
+    let log = dir.join(format!("{name}.log"));
+    let file = fs::File::create(&log)?;
+    command
+        .stdout(Stdio::null())
+        .stderr(file)
+        .stdin(Stdio::null());
+    let child = ns
+        .spawn(command)
+        .with_context(|| format!("starting {name}"))?;
+    Ok(Daemon {
+        name,
+        child: Some(Proc::InNamespace(child)),
+        log,
+    })
+}
+
+/// An HTTP/1.0 GET to `port` on the loopback of `ns`.
+fn http_get(ns: &Netns, port: u16, path: &str) -> anyhow::Result<(u16, String)> {
+    let request = format!("GET {path} HTTP/1.0\r\nHost: census\r\n\r\n");
+    let response = ns.run(|| -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port)))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream.write_all(request.as_bytes())?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response)
+    })??;
+    let (head, body) = response.split_once("\r\n\r\n").context("no HTTP header")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no HTTP status")?;
+    Ok((status, body.to_owned()))
+}
+
+/// The operator's identities `ids` (called from a thread in the node namespace).
+fn get_identities(ids: &BTreeSet<u32>) -> anyhow::Result<Vec<pb::Identity>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{OPERATOR_PORT}"))?
+                .connect()
+                .await?;
+        let mut client = IdentityServiceClient::new(channel);
+        let mut identities = Vec::new();
+        for id in ids {
+            let identity = client
+                .get(pb::GetRequest {
+                    protocol_version: PROTOCOL_VERSION,
+                    id: *id,
+                })
+                .await?
+                .into_inner();
+            identities.push(identity);
+        }
+        Ok(identities)
+    })
+}
+
+/// Without root: the operator, a session, identities over gRPC.
+fn unprivileged(interrupted: &Interrupted) -> anyhow::Result<()> {
+    step("building census-operator");
+    let binaries = build(&["census-operator"])?;
+    check(interrupted)?;
+    let dir = tempfile::Builder::new().prefix("census-demo-").tempdir()?;
+    let port = free_port()?;
+    let admin = free_port()?;
+    step("census-operator on its embedded store");
+    let log = dir.path().join("census-operator.log");
+    let child = Command::new(&binaries[0])
+        .args(["--grpc-listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .arg("--store-path")
+        .arg(dir.path().join("census.redb"))
+        .args(["--adoption-window", "0s"])
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log)?)
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting census-operator")?;
+    let mut operator = Daemon {
+        name: "census-operator",
+        child: Some(Proc::Here(child)),
+        log,
+    };
+    wait_until(interrupted, Duration::from_secs(20), "the operator", || {
+        if let Some(exit) = operator.exited() {
+            bail!(exit);
+        }
+        Ok(TcpStream::connect(("127.0.0.1", port)).is_ok())
+    })?;
+    say(&format!("    listening on 127.0.0.1:{port}"));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(identities_over_grpc(port))?;
+    step("stopping the operator");
+    operator.stop();
+    say("done. For the datapath (programs, maps, traffic counters): sudo -E cargo xtask demo");
+    Ok(())
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+async fn identities_over_grpc(port: u16) -> anyhow::Result<()> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
+        .connect()
+        .await?;
+    step("an agent's session: EndpointSync Hello");
+    let session = pb::Session {
+        start_time_ns: u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_nanos(),
+        )?,
+        nonce: rand::random(),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(pb::AgentMessage {
+        seq: 0,
+        body: Some(agent_message::Body::Hello(pb::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            node: NODE.to_owned(),
+            session: Some(session),
+            agent_version: "demo".to_owned(),
+        })),
+    })
+    .await?;
+    let mut inbound = EndpointSyncClient::new(channel.clone())
+        .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let Some(operator_message::Body::HelloReply(reply)) =
+        inbound.message().await?.and_then(|m| m.body)
+    else {
+        bail!("the operator did not answer HelloReply");
+    };
+    let filter = reply.filter.unwrap_or_default();
+    say(&format!(
+        "    HelloReply: operator {}, snapshots every {} ms, label filter drops {} key patterns ({}, ...)",
+        reply.operator_version,
+        reply.snapshot_interval_ms,
+        filter.exclude.len(),
+        filter
+            .exclude
+            .iter()
+            .take(3)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+
+    step("IdentityService.Allocate for three pods' labels");
+    let mut identities = IdentityServiceClient::new(channel);
+    let pods: [(&str, &[&str]); 3] = [
+        ("web-0", &["k8s:app=web"]),
+        ("db-0", &["k8s:app=db"]),
+        (
+            "batch-28871",
+            &["k8s:app=batch", "k8s:job-name=nightly-28871"],
+        ),
+    ];
+    let mut allocated = Vec::new();
+    for (name, labels) in pods {
+        let mut labels: Vec<String> = labels.iter().map(|l| (*l).to_owned()).collect();
+        labels.push("k8s:io.kubernetes.pod.namespace=default".to_owned());
+        labels.push("k8s:io.kubernetes.pod.serviceaccount=default".to_owned());
+        let identity = identities
+            .allocate(pb::AllocateRequest {
+                protocol_version: PROTOCOL_VERSION,
+                node: NODE.to_owned(),
+                session: Some(session),
+                labels: labels.clone(),
+            })
+            .await?
+            .into_inner()
+            .identity
+            .context("Allocate answered no identity")?;
+        say(&format!("    {name:<12} -> {}", identity.id));
+        allocated.push((name, labels, identity.id));
+    }
+    print_identities(&mut identities, &allocated).await?;
+
+    step("EndpointSync Snapshot: the node's endpoints, which the operator counts");
+    tx.send(pb::AgentMessage {
+        seq: 1,
+        body: Some(agent_message::Body::Snapshot(pb::Snapshot {
+            endpoints: allocated
+                .iter()
+                .enumerate()
+                .map(|(i, (name, labels, id))| pb::Endpoint {
+                    namespace: "default".to_owned(),
+                    name: (*name).to_owned(),
+                    ips: vec![format!("198.18.{}.2", i + 1)],
+                    identity: *id,
+                    labels: labels.clone(),
+                })
+                .collect(),
+        })),
+    })
+    .await?;
+    match inbound.message().await?.and_then(|m| m.body) {
+        Some(operator_message::Body::Ack(ack)) => say(&format!("    Ack seq {}", ack.seq)),
+        other => bail!("expected an Ack, got {other:?}"),
+    }
+    print_identities(&mut identities, &allocated).await?;
+    say("    (holds turned into references: the snapshot is the truth of the node's endpoints)");
+    Ok(())
+}
+
+async fn print_identities(
+    client: &mut IdentityServiceClient<tonic::transport::Channel>,
+    allocated: &[(&str, Vec<String>, u32)],
+) -> anyhow::Result<()> {
+    say(&format!(
+        "    {:<6} {:<5} {:<6} labels",
+        "id", "refs", "holds"
+    ));
+    for (_, _, id) in allocated {
+        let identity = client
+            .get(pb::GetRequest {
+                protocol_version: PROTOCOL_VERSION,
+                id: *id,
+            })
+            .await?
+            .into_inner();
+        say(&format!(
+            "    {:<6} {:<5} {:<6} {}",
+            identity.id,
+            identity.references,
+            identity.holds,
+            identity.labels.join(" ")
+        ));
+    }
+    Ok(())
+}
