@@ -1,4 +1,5 @@
-//! The admin HTTP server: `/metrics` (OpenMetrics text), `/healthz`, `/readyz`.
+//! The admin HTTP server: `/metrics` (OpenMetrics text), `/healthz`, `/readyz`, and
+//! `/debug/pprof/heap` (a heap profile when started with `--heap-profiling`).
 //! Internal only; never the gRPC port.
 
 use std::sync::{
@@ -54,6 +55,7 @@ pub fn router(registry: Arc<Registry>, readiness: Readiness) -> Router {
             registry,
             readiness,
         })
+        .merge(census_daemon::profiling::routes())
 }
 
 pub async fn serve(

@@ -31,6 +31,8 @@ pub struct Cli {
     pub limits: LimitArgs,
     #[command(flatten)]
     pub log: LogArgs,
+    #[command(flatten)]
+    pub profiling: census_daemon::ProfilingArgs,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -33,6 +33,8 @@ pub enum StartError {
     },
     #[error("the store task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+    #[error(transparent)]
+    Profiling(#[from] census_daemon::ProfilingError),
 }
 
 /// How long shutdown waits for writes in flight to finish.
@@ -59,6 +61,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         labels,
         limits,
         log: _,
+        profiling,
     } = cli;
     let StoreArgs {
         kind,
@@ -66,6 +69,11 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         store_cache_bytes,
         store_timeout,
     } = store_args;
+    let census_daemon::ProfilingArgs { heap_profiling } = profiling;
+    if heap_profiling {
+        census_daemon::profiling::activate().await?;
+        info!("jemalloc heap profiling is on: /debug/pprof/heap on the admin port");
+    }
     let cfg = allocator.config();
     let store: Arc<dyn Store> = match kind {
         StoreKind::Redb => {
@@ -104,6 +112,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     registry.register_collector(Box::new(CoreCollector::new(runtime.clone())));
+    registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
     let registry = Arc::new(registry);
 
     let grpc_listener = TcpListener::bind(listen.grpc_listen)

@@ -9,6 +9,10 @@ use census_operator::{
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
+/// jemalloc, counting live heap bytes (census-daemon's `alloc` module says why).
+#[global_allocator]
+static ALLOCATOR: census_daemon::DaemonAllocator = census_daemon::DaemonAllocator::new();
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = EnvFilter::try_new(&cli.log.log).unwrap_or_else(|_| EnvFilter::new("info"));

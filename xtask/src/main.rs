@@ -2,6 +2,7 @@
 //!
 //! One module per command; each has an `Options` (clap `Args`) and a `run`.
 
+mod bench;
 mod bench_agent;
 mod bench_classifier;
 mod cmd;
@@ -47,6 +48,9 @@ enum Command {
     Test(test::Options),
     /// Regenerate the protobuf code under proto/src/generated/.
     Codegen(codegen::Options),
+    /// Benchmark a real census-operator with simulated agents (presets: churn-short,
+    /// churn-long, scale-1k, scale-5k, alloc, gc, restart); results in results/.
+    Bench(bench::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,5 +63,6 @@ fn main() -> anyhow::Result<()> {
         Command::BenchClassifier(options) => bench_classifier::run(options),
         Command::Test(options) => test::run(options),
         Command::Codegen(options) => codegen::run(options),
+        Command::Bench(options) => bench::run(options),
     }
 }

@@ -1,0 +1,23 @@
+//! Process plumbing shared by census's daemons (the operator and the agent):
+//!
+//! - [`alloc`]: the global allocator, jemalloc, with a counter of live heap bytes
+//!   and the jemalloc options that make freed memory go back to the OS;
+//! - [`profiling`]: jemalloc heap profiles in pprof format at `/debug/pprof/heap`,
+//!   compiled in, inactive unless the daemon runs with `--heap-profiling`;
+//! - [`metrics`]: a Prometheus collector for the process's resident memory and live
+//!   heap.
+//!
+//! A daemon declares the allocator in its `main.rs`, merges [`profiling::routes`]
+//! into its admin router (never the gRPC port), registers
+//! [`metrics::ProcessCollector`] and flattens [`profiling::ProfilingArgs`] into its
+//! command line.
+
+pub mod alloc;
+pub mod metrics;
+pub mod profiling;
+
+pub use self::{
+    alloc::{DaemonAllocator, live_heap_bytes},
+    metrics::ProcessCollector,
+    profiling::{ProfilingArgs, ProfilingError},
+};

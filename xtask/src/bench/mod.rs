@@ -1,0 +1,169 @@
+//! `cargo xtask bench <preset>`: starts a real `census-operator` (release build, on
+//! its embedded store in a temporary directory), drives it over real gRPC from
+//! simulated agents, samples it every second, and writes JSON and SVG plots to
+//! `results/<preset>-<timestamp>/`. Presets and what they gate on are in
+//! [`presets`] and docs/benchmarks.md.
+//!
+//! One module per concern: [`presets`] (what runs), [`agents`] (simulated nodes),
+//! [`operator`] (the process under test), [`sample`] (what is measured),
+//! [`report`] and [`plot`] (what is written), and one module per scenario.
+
+mod agents;
+mod alloc;
+mod churn;
+mod gc;
+mod operator;
+mod plot;
+mod presets;
+mod report;
+mod restart;
+mod sample;
+mod scale;
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Args;
+
+pub(crate) use self::presets::Preset;
+use self::{operator::Binary, report::say};
+
+#[derive(Debug, Args)]
+pub(crate) struct Options {
+    /// What to run.
+    #[arg(value_enum)]
+    preset: Preset,
+    /// Where results go (a folder per run is made inside it); relative to the
+    /// workspace root.
+    #[arg(long, default_value = "results")]
+    out: PathBuf,
+    /// Use this census-operator binary instead of building it (release) first.
+    #[arg(long)]
+    operator: Option<PathBuf>,
+    /// churn presets: the retained live heap the gate allows, bytes per churned pod.
+    /// Lower it to see the gate fail.
+    #[arg(long, default_value_t = 64.0)]
+    max_retained_bytes_per_pod: f64,
+    /// churn presets: Job pods per drop rate (overrides the preset).
+    #[arg(long)]
+    pods: Option<usize>,
+    /// scale presets: simulated nodes (overrides the preset).
+    #[arg(long)]
+    nodes: Option<usize>,
+    /// gc preset: released identities to delete (overrides the preset's 50,000).
+    #[arg(long)]
+    identities: Option<usize>,
+    /// gc preset: the operator's hold timeout (overrides the preset's 600 s; a short
+    /// one lets identities be released while they are still being allocated).
+    #[arg(long, value_parser = humantime_secs)]
+    hold_timeout: Option<std::time::Duration>,
+}
+
+fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
+    s.strip_suffix('s')
+        .unwrap_or(s)
+        .parse::<f64>()
+        .map(std::time::Duration::from_secs_f64)
+        .map_err(|e| format!("{s}: {e} (seconds, e.g. 3s)"))
+}
+
+/// Set in the environment of the release harness this command re-executes.
+const RELEASE_HARNESS: &str = "CENSUS_BENCH_RELEASE_HARNESS";
+
+pub(crate) fn run(options: Options) -> anyhow::Result<()> {
+    // The client side of the heavy presets (thousands of streams, hundreds of
+    // concurrent Allocate calls) must not be a debug build sharing the cores with the
+    // operator: build the harness in release and run that instead.
+    if cfg!(debug_assertions)
+        && options.preset.needs_release_harness()
+        && std::env::var_os(RELEASE_HARNESS).is_none()
+    {
+        return reexec_release();
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run_async(options))
+}
+
+async fn run_async(options: Options) -> anyhow::Result<()> {
+    let Options {
+        preset,
+        out,
+        operator,
+        max_retained_bytes_per_pod,
+        pods,
+        nodes,
+        identities,
+        hold_timeout,
+    } = options;
+    let binary = match operator {
+        Some(path) => Binary::at(path)?,
+        None => Binary::build_release()?,
+    };
+    let results = report::Results::create(&crate::cmd::workspace_root().join(out), preset.name())?;
+    say(format!(
+        "census bench {}: results in {}",
+        preset.name(),
+        results.dir().display()
+    ));
+    let passed = match preset {
+        Preset::ChurnShort | Preset::ChurnLong => {
+            let mut params = presets::churn(preset);
+            if let Some(pods) = pods {
+                params.pods = pods;
+            }
+            params.max_retained_bytes_per_pod = max_retained_bytes_per_pod;
+            churn::run(&binary, &results, params).await?
+        }
+        Preset::Scale1k | Preset::Scale5k => {
+            let mut params = presets::scale(preset);
+            if let Some(nodes) = nodes {
+                params.nodes = nodes;
+            }
+            scale::run(&binary, &results, params).await?
+        }
+        Preset::Alloc => alloc::run(&binary, &results, presets::alloc()).await?,
+        Preset::Gc => {
+            let mut params = presets::gc();
+            if let Some(n) = identities {
+                params.identities = n;
+            }
+            if let Some(t) = hold_timeout {
+                params.hold_timeout = t;
+            }
+            gc::run(&binary, &results, params).await?
+        }
+        Preset::Restart => restart::run(&binary, &results, presets::restart()).await?,
+    };
+    say(format!("results: {}", results.dir().display()));
+    if !passed {
+        anyhow::bail!("bench {}: the gate failed (see above)", preset.name());
+    }
+    Ok(())
+}
+
+fn reexec_release() -> anyhow::Result<()> {
+    let root = crate::cmd::workspace_root();
+    let mut build = crate::cmd::host_cargo();
+    build
+        .current_dir(&root)
+        .args(["build", "--release", "-p", "xtask", "-p", "census-operator"]);
+    crate::cmd::run(&mut build)?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|t| if t.is_absolute() { t } else { root.join(t) })
+        .unwrap_or_else(|| root.join("target"));
+    let mut release = std::process::Command::new(target.join("release").join("xtask"));
+    release
+        .args(std::env::args_os().skip(1))
+        .env(RELEASE_HARNESS, "1");
+    crate::cmd::announce(&release);
+    let status = release.status().context("running the release harness")?;
+    if !status.success() {
+        anyhow::bail!("the release harness failed: {status}");
+    }
+    Ok(())
+}

@@ -1,0 +1,281 @@
+//! The named presets and their parameters. Each scenario prints its parameters
+//! before it starts, so a result can always be traced back to what produced it.
+
+use std::time::Duration;
+
+use clap::ValueEnum;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Preset {
+    /// CronJob churn with lost deletes, 450 Job pods per drop rate, short timers
+    /// (the CI gate, under 2 minutes).
+    ChurnShort,
+    /// The same with 10,000 Job pods per drop rate.
+    ChurnLong,
+    /// 1,000 simulated nodes x 110 endpoints, 30 s snapshots.
+    #[value(name = "scale-1k")]
+    Scale1k,
+    /// 5,000 simulated nodes x 110 endpoints, 30 s snapshots.
+    #[value(name = "scale-5k")]
+    Scale5k,
+    /// Allocate throughput and latency: 1, 16, 256 clients, known and new label sets,
+    /// with and without a GC storm.
+    Alloc,
+    /// Deleting 50,000 released identities at several GC budgets.
+    Gc,
+    /// SIGKILL the operator mid-churn and restart it.
+    Restart,
+}
+
+impl Preset {
+    /// Presets whose client side is heavy enough to need an optimized harness.
+    pub(crate) fn needs_release_harness(self) -> bool {
+        matches!(self, Self::Scale1k | Self::Scale5k | Self::Alloc | Self::Gc)
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::ChurnShort => "churn-short",
+            Self::ChurnLong => "churn-long",
+            Self::Scale1k => "scale-1k",
+            Self::Scale5k => "scale-5k",
+            Self::Alloc => "alloc",
+            Self::Gc => "gc",
+            Self::Restart => "restart",
+        }
+    }
+}
+
+/// Operator timers shared by the short presets.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Timers {
+    #[serde(with = "millis", rename = "snapshot_interval_ms")]
+    pub(crate) snapshot_interval: Duration,
+    #[serde(with = "millis", rename = "grace_ms")]
+    pub(crate) grace: Duration,
+    #[serde(with = "millis", rename = "quarantine_ms")]
+    pub(crate) quarantine: Duration,
+    pub(crate) gc_rate: f64,
+}
+
+impl Timers {
+    pub(crate) fn flags(&self) -> Vec<String> {
+        vec![
+            "--snapshot-interval".into(),
+            humantime(self.snapshot_interval),
+            "--grace-period".into(),
+            humantime(self.grace),
+            "--quarantine".into(),
+            humantime(self.quarantine),
+            "--gc-rate".into(),
+            self.gc_rate.to_string(),
+        ]
+    }
+}
+
+pub(crate) fn humantime(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Churn {
+    pub(crate) preset: &'static str,
+    pub(crate) nodes: usize,
+    pub(crate) steady_pods: usize,
+    /// Distinct label sets among the steady pods (deployments of 5 replicas).
+    pub(crate) steady_apps: usize,
+    /// Job pods per drop rate.
+    pub(crate) pods: usize,
+    /// Job pods started per second.
+    pub(crate) pods_per_second: f64,
+    /// How long a Job pod lives, uniformly between these.
+    #[serde(with = "millis", rename = "lifetime_min_ms")]
+    pub(crate) lifetime_min: Duration,
+    #[serde(with = "millis", rename = "lifetime_max_ms")]
+    pub(crate) lifetime_max: Duration,
+    /// Shares of delete events dropped, one phase each.
+    pub(crate) drop_rates: Vec<f64>,
+    /// Job pods churned and drained before the first baseline, so one-time growth
+    /// (bounded caches reaching their working size) is not counted as retained.
+    pub(crate) warmup_pods: usize,
+    pub(crate) timers: Timers,
+    pub(crate) store_cache_bytes: usize,
+    pub(crate) max_retained_bytes_per_pod: f64,
+}
+
+pub(crate) fn churn(preset: Preset) -> Churn {
+    let long = preset == Preset::ChurnLong;
+    Churn {
+        preset: preset.name(),
+        nodes: 3,
+        steady_pods: 170,
+        steady_apps: 34,
+        pods: if long { 10_000 } else { 450 },
+        pods_per_second: if long { 200.0 } else { 90.0 },
+        lifetime_min: Duration::from_millis(500),
+        lifetime_max: Duration::from_millis(1500),
+        drop_rates: vec![0.0, 0.5, 1.0],
+        // As many as a phase keeps in flight at its peak (Job pods alive, released and
+        // quarantined: about 15 s of churn), capped by the phase's own size.
+        warmup_pods: if long { 3000 } else { 450 },
+        timers: Timers {
+            snapshot_interval: Duration::from_secs(1),
+            grace: Duration::from_secs(2),
+            quarantine: Duration::from_secs(10),
+            gc_rate: 500.0,
+        },
+        store_cache_bytes: 4 * 1024 * 1024,
+        max_retained_bytes_per_pod: 64.0,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Scale {
+    pub(crate) preset: &'static str,
+    pub(crate) nodes: usize,
+    pub(crate) endpoints_per_node: usize,
+    /// Distinct label sets, per node.
+    pub(crate) label_sets_per_node: usize,
+    #[serde(with = "millis", rename = "snapshot_interval_ms")]
+    pub(crate) snapshot_interval: Duration,
+    /// Snapshot intervals measured after every node has sent its first snapshot.
+    pub(crate) intervals: u32,
+    /// Agents' streams share one HTTP/2 connection per this many nodes.
+    pub(crate) nodes_per_connection: usize,
+    /// Nodes connecting at once during the ramp.
+    pub(crate) ramp_concurrency: usize,
+}
+
+pub(crate) fn scale(preset: Preset) -> Scale {
+    Scale {
+        preset: preset.name(),
+        nodes: if preset == Preset::Scale5k {
+            5_000
+        } else {
+            1_000
+        },
+        endpoints_per_node: 110,
+        label_sets_per_node: 10,
+        snapshot_interval: Duration::from_secs(30),
+        intervals: 3,
+        nodes_per_connection: 100,
+        ramp_concurrency: 64,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Alloc {
+    pub(crate) concurrency: Vec<usize>,
+    #[serde(with = "millis", rename = "cell_duration_ms")]
+    pub(crate) cell_duration: Duration,
+    /// Label sets referenced by a node's view, for "known" allocations.
+    pub(crate) known_pool: usize,
+    /// Released identities deleted during the storm cells.
+    pub(crate) storm_identities: usize,
+    pub(crate) storm_gc_rate: f64,
+    pub(crate) connections: usize,
+    pub(crate) timers: Timers,
+    pub(crate) id_range: &'static str,
+}
+
+pub(crate) fn alloc() -> Alloc {
+    Alloc {
+        concurrency: vec![1, 16, 256],
+        cell_duration: Duration::from_secs(4),
+        known_pool: 1000,
+        storm_identities: 60_000,
+        storm_gc_rate: 2000.0,
+        connections: 4,
+        timers: Timers {
+            snapshot_interval: Duration::from_secs(1),
+            grace: Duration::from_secs(1),
+            quarantine: Duration::from_secs(600),
+            gc_rate: 2000.0,
+        },
+        id_range: "256-4000000",
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Gc {
+    pub(crate) identities: usize,
+    /// Long, so nothing is released while the identities are being allocated: they
+    /// are released together when their nodes go silent and are dropped.
+    #[serde(with = "millis", rename = "hold_timeout_ms")]
+    pub(crate) hold_timeout: Duration,
+    pub(crate) budgets: Vec<f64>,
+    /// Allocate calls per second while GC runs (half known, half new label sets).
+    pub(crate) probe_rate: f64,
+    pub(crate) timers: Timers,
+    pub(crate) id_range: &'static str,
+}
+
+pub(crate) fn gc() -> Gc {
+    Gc {
+        identities: 50_000,
+        hold_timeout: Duration::from_secs(600),
+        budgets: vec![100.0, 1000.0, 5000.0],
+        probe_rate: 200.0,
+        timers: Timers {
+            snapshot_interval: Duration::from_secs(1),
+            grace: Duration::from_secs(1),
+            quarantine: Duration::from_secs(600),
+            gc_rate: 0.0,
+        },
+        id_range: "256-4000000",
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Restart {
+    pub(crate) nodes: usize,
+    pub(crate) steady_pods_per_node: usize,
+    pub(crate) pods_per_second: f64,
+    pub(crate) drop_rate: f64,
+    #[serde(with = "millis", rename = "lifetime_min_ms")]
+    pub(crate) lifetime_min: Duration,
+    #[serde(with = "millis", rename = "lifetime_max_ms")]
+    pub(crate) lifetime_max: Duration,
+    /// Churn before the SIGKILL.
+    #[serde(with = "millis", rename = "churn_before_kill_ms")]
+    pub(crate) churn_before_kill: Duration,
+    /// How long the operator stays down.
+    #[serde(with = "millis", rename = "downtime_ms")]
+    pub(crate) downtime: Duration,
+    /// Churn after the restart, once refcounts match the truth again.
+    #[serde(with = "millis", rename = "churn_after_ms")]
+    pub(crate) churn_after: Duration,
+    pub(crate) timers: Timers,
+}
+
+pub(crate) fn restart() -> Restart {
+    Restart {
+        nodes: 20,
+        steady_pods_per_node: 50,
+        pods_per_second: 40.0,
+        drop_rate: 0.5,
+        lifetime_min: Duration::from_millis(500),
+        lifetime_max: Duration::from_millis(3000),
+        churn_before_kill: Duration::from_secs(20),
+        downtime: Duration::from_secs(2),
+        churn_after: Duration::from_secs(15),
+        timers: Timers {
+            snapshot_interval: Duration::from_secs(1),
+            grace: Duration::from_secs(2),
+            // Longer than the run: any id bound to two label sets is a violation.
+            quarantine: Duration::from_secs(3600),
+            gc_rate: 500.0,
+        },
+    }
+}
+
+pub(crate) mod millis {
+    use std::time::Duration;
+
+    use serde::Serializer;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+}
