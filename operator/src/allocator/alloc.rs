@@ -234,7 +234,7 @@ impl Allocator {
                     .into_iter()
                     .partition(|w| matches!(w, Waiter::Request { .. }));
                 entry.waiters = rest;
-                core.gc.retries.insert((retry_at, id));
+                core.gc.create_retries.insert((retry_at, id));
                 for waiter in requests {
                     if let Waiter::Request { req, node } = waiter {
                         if let Some(n) = self.nodes.get_mut(&node) {
@@ -328,7 +328,7 @@ impl Allocator {
                         attempt,
                         retry_at,
                     };
-                    core.gc.retries.insert((retry_at, id));
+                    core.gc.delete_retries.insert((retry_at, id));
                 }
             }
         }

@@ -154,43 +154,54 @@ impl Allocator {
     /// Failed writes whose backoff ended: creates are retried at once (they are
     /// allocation writes), deletes spend from the budget like any delete.
     fn retry_due(&mut self, now: Timestamp) {
-        while let Some(&(at, id)) = self.core.gc.retries.first() {
+        while let Some(&(at, id)) = self.core.gc.create_retries.first() {
             if at > now {
                 break;
             }
-            let Some(phase) = self.core.ids.get(id).map(|e| e.phase) else {
-                self.core.gc.retries.pop_first();
-                continue;
-            };
-            match phase {
-                Phase::Creating {
+            self.core.gc.create_retries.pop_first();
+            if let Some(entry) = self.core.ids.get_mut(id)
+                && let Phase::Creating {
                     inflight: false,
                     attempt,
                     retry_at,
-                } if retry_at == at => {
-                    self.core.gc.retries.pop_first();
-                    if let Some(entry) = self.core.ids.get_mut(id) {
-                        entry.phase = Phase::Creating {
-                            inflight: true,
-                            attempt,
-                            retry_at,
-                        };
-                    }
-                    self.core.create_op(id);
-                }
+                } = entry.phase
+                && retry_at == at
+            {
+                entry.phase = Phase::Creating {
+                    inflight: true,
+                    attempt,
+                    retry_at,
+                };
+                self.core.create_op(id);
+            }
+        }
+        while let Some(&(at, id)) = self.core.gc.delete_retries.first() {
+            if at > now {
+                break;
+            }
+            let due = self.core.ids.get(id).and_then(|e| match e.phase {
                 Phase::Deleting {
                     inflight: false,
                     attempt,
                     retry_at,
-                } if retry_at == at => {
+                } if retry_at == at => Some((attempt, e.wanted())),
+                _ => None,
+            });
+            match due {
+                // Wanted again meanwhile: the binding is asserted again instead.
+                Some((_, true)) => {
+                    self.core.gc.delete_retries.pop_first();
+                    self.core.wake(id, now);
+                }
+                Some((attempt, false)) => {
                     if !self.delete_allowed() {
                         break;
                     }
-                    self.core.gc.retries.pop_first();
+                    self.core.gc.delete_retries.pop_first();
                     self.issue_delete(id, attempt, now);
                 }
-                _ => {
-                    self.core.gc.retries.pop_first();
+                None => {
+                    self.core.gc.delete_retries.pop_first();
                 }
             }
         }

@@ -75,8 +75,10 @@ struct Gc {
     unused: Vec<IdentityId>,
     /// Released identities in release order (entries are re-checked when popped).
     released: VecDeque<(Timestamp, IdentityId)>,
-    /// Failed writes waiting for their retry time (re-checked when due).
-    retries: BTreeSet<(Timestamp, IdentityId)>,
+    /// Failed creates waiting for their retry time (re-checked when due). Kept apart
+    /// from deletes, so a create never waits behind deletes the budget holds back.
+    create_retries: BTreeSet<(Timestamp, IdentityId)>,
+    delete_retries: BTreeSet<(Timestamp, IdentityId)>,
     /// Failed tombstone and node deletes, retried with the next quarantine scan.
     cleanup_retries: Vec<StoreOp>,
     next_tomb_scan: Timestamp,
@@ -140,7 +142,8 @@ impl Allocator {
                     inflight: 0,
                     unused: Vec::new(),
                     released: VecDeque::new(),
-                    retries: BTreeSet::new(),
+                    create_retries: BTreeSet::new(),
+                    delete_retries: BTreeSet::new(),
                     cleanup_retries: Vec::new(),
                     next_tomb_scan: now,
                 },

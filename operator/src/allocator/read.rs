@@ -191,7 +191,7 @@ impl Allocator {
             .range(IdentityId::new(start.max(1)).unwrap_or(IdentityId::HOST)..)
             .filter(|(_, e)| selector.is_none_or(|s| e.labels.contains_all(s)))
             .map(|(&id, _)| id);
-        let mut ids: Vec<IdentityId> = bound.take(limit + 1).collect();
+        let mut ids: Vec<IdentityId> = bound.take(limit.saturating_add(1)).collect();
         if include_quarantined && selector.is_none() {
             let mut gone: Vec<IdentityId> = self
                 .core
@@ -203,10 +203,10 @@ impl Allocator {
                 .filter(|id| id.get() >= start)
                 .collect();
             gone.sort_unstable();
-            gone.truncate(limit + 1);
+            gone.truncate(limit.saturating_add(1));
             ids.extend(gone);
             ids.sort_unstable();
-            ids.truncate(limit + 1);
+            ids.truncate(limit.saturating_add(1));
         }
         let more = ids.len() > limit;
         ids.truncate(limit);
@@ -278,7 +278,9 @@ impl Allocator {
             stats.pending_allocations += u64::from(node.pending);
         }
         stats.gc_inflight = self.core.gc.inflight as u64;
-        stats.gc_backlog = self.core.gc.released.len() as u64 + self.core.gc.retries.len() as u64;
+        stats.gc_backlog = self.core.gc.released.len() as u64
+            + self.core.gc.create_retries.len() as u64
+            + self.core.gc.delete_retries.len() as u64;
         stats
     }
 }

@@ -19,7 +19,6 @@ use census_proto::pb::{
     node_service_server::NodeServiceServer,
 };
 use tokio::{net::TcpListener, sync::watch};
-use tokio_stream::wrappers::TcpListenerStream;
 use tower::{Layer, Service};
 
 pub use self::{identity::Identities, node::Nodes, sync::Sync};
@@ -73,6 +72,9 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
 
+    // Small request/answer exchanges (Allocate, an Ack per message) must not wait for
+    // Nagle's algorithm: tonic applies its nodelay option only to listeners it binds.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut stop = shutdown.clone();
     tonic::transport::Server::builder()
         .layer(GrpcMetricsLayer {
@@ -84,7 +86,7 @@ pub async fn serve(
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+        .serve_with_incoming_shutdown(incoming, async move {
             let _ = stop.wait_for(|stopping| *stopping).await;
         })
         .await?;
