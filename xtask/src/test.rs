@@ -2,9 +2,14 @@
 //!
 //! Set-up first (Debian packages and bpf-linker, idempotent), then the eBPF build,
 //! formatting and lint checks, every unit, property and component test of the
-//! workspace, and, as root, the privileged end-to-end suite against the real kernel.
+//! workspace, as root the privileged end-to-end suite against the real kernel, and
+//! the churn benchmark's gate (no identity left beyond the live set, under 64 bytes of
+//! live heap retained per churned pod).
 
-use std::time::{Duration, Instant};
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, bail};
 
@@ -15,11 +20,17 @@ pub(crate) struct Options {
     /// Skip the privileged suite (it needs root; without this flag, not being root is an error).
     #[arg(long)]
     no_privileged: bool,
+    /// Skip the churn benchmark's gate (`cargo xtask bench churn-short`).
+    #[arg(long)]
+    no_bench_gate: bool,
 }
 
 #[expect(clippy::print_stdout, reason = "xtask reports each step")]
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
-    let Options { no_privileged } = options;
+    let Options {
+        no_privileged,
+        no_bench_gate,
+    } = options;
     if !no_privileged && !cmd::is_root() {
         bail!(
             "the privileged suite loads BPF programs and creates network namespaces: run \
@@ -79,6 +90,18 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
                 no_build_ebpf: true,
                 test_args: Vec::new(),
             })
+        })?;
+    }
+    if no_bench_gate {
+        println!("\n==> churn benchmark gate: skipped (--no-bench-gate)");
+    } else {
+        step("churn benchmark gate", &mut || {
+            let xtask = std::env::current_exe().context("locating the xtask binary")?;
+            cmd::run(
+                Command::new(xtask)
+                    .current_dir(&root)
+                    .args(["bench", "churn-short"]),
+            )
         })?;
     }
 
