@@ -1,14 +1,18 @@
 //! The operator's command line. Every flag has a `CENSUS_*` environment variable;
 //! related flags are grouped and flattened.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
 
 use census_proto::{
     convert::WireLimits,
     domain::IdRange,
     labels::{KeyPattern, LabelFilter, LabelLimits},
 };
-use clap::{Args, Parser, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::allocator::{self, Liveness};
 
@@ -33,6 +37,21 @@ pub struct Cli {
     pub log: LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
+    #[command(flatten)]
+    pub kubernetes: KubernetesArgs,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// Commands besides running the operator (the default).
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Write the Identity CustomResourceDefinition (YAML) to a file, or to stdout.
+    Crdgen {
+        /// The file to write (e.g. deploy/crds/identity.yaml); stdout if not given.
+        #[arg(long, short)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -49,6 +68,8 @@ pub struct ListenArgs {
 pub enum StoreKind {
     /// An embedded redb file (no cluster needed).
     Redb,
+    /// Identity objects in the cluster; replicas elect a leader on a Lease.
+    Kubernetes,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -109,6 +130,44 @@ pub struct AllocatorArgs {
     /// How often time-driven work runs (holds, liveness, GC).
     #[arg(long, env = "CENSUS_TICK_INTERVAL", default_value = "250ms", value_parser = humantime::parse_duration)]
     pub tick_interval: Duration,
+    /// In a cluster: how long a node may stay stale (silent past the node TTL) before its
+    /// view is dropped anyway, a last resort for an agent gone for good. A deleted Node
+    /// is dropped at once.
+    #[arg(long, env = "CENSUS_STALE_VIEW_LIMIT", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub stale_view_limit: Duration,
+}
+
+/// `--store kubernetes`: the cluster, leader election and this replica's pod.
+#[derive(Debug, Clone, Args)]
+pub struct KubernetesArgs {
+    /// A kubeconfig file [default: the in-cluster service account, else $KUBECONFIG or
+    /// ~/.kube/config].
+    #[arg(long, env = "CENSUS_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the Lease, of this replica's pod and of its Events [default: the
+    /// service account's (in-cluster) or the kubeconfig context's].
+    #[arg(long, env = "CENSUS_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// The Lease replicas elect the leader on.
+    #[arg(long, env = "CENSUS_LEASE_NAME", default_value = "census-operator")]
+    pub lease_name: String,
+    /// How long a Lease stays valid after its last renewal (whole seconds in the Lease).
+    #[arg(long, env = "CENSUS_LEASE_DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub lease_duration: Duration,
+    /// A leader that has not renewed for this long stops writing (below the duration).
+    #[arg(long, env = "CENSUS_LEASE_RENEW_DEADLINE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub lease_renew_deadline: Duration,
+    /// How often followers try the Lease and the leader renews it.
+    #[arg(long, env = "CENSUS_LEASE_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub lease_retry_period: Duration,
+    /// This replica's pod (downward API `metadata.name`): its identity in the Lease, and
+    /// the pod labelled `census.dev/leader=true` while it leads [default: $HOSTNAME].
+    #[arg(long, env = "CENSUS_POD_NAME")]
+    pub pod_name: Option<String>,
+    /// This replica's pod IP (downward API `status.podIP`): the leader publishes
+    /// `IP:gRPC port` in the Lease, and followers name it when they refuse a write.
+    #[arg(long, env = "CENSUS_POD_IP")]
+    pub pod_ip: Option<IpAddr>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -213,6 +272,17 @@ impl AllocatorArgs {
             ..allocator::Config::default()
         }
     }
+
+    /// The core's parameters in a cluster: a silent node only goes stale; its view is
+    /// dropped when its Node is deleted or after the stale-view limit.
+    pub fn cluster_config(&self) -> allocator::Config {
+        allocator::Config {
+            liveness: Liveness::Cluster {
+                stale_view_limit: self.stale_view_limit,
+            },
+            ..self.config()
+        }
+    }
 }
 
 #[cfg(test)]
@@ -249,6 +319,41 @@ mod tests {
             .err()
             .map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("`*` may only end a pattern")));
+    }
+
+    #[test]
+    fn kubernetes_flags_parse() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from([
+            "census-operator",
+            "--store",
+            "kubernetes",
+            "--namespace",
+            "census",
+            "--lease-duration",
+            "20s",
+            "--pod-ip",
+            "10.0.0.7",
+            "--stale-view-limit",
+            "30m",
+        ])?;
+        assert_eq!(cli.store.kind, StoreKind::Kubernetes);
+        assert_eq!(cli.kubernetes.namespace.as_deref(), Some("census"));
+        assert_eq!(cli.kubernetes.lease_duration, Duration::from_secs(20));
+        assert_eq!(cli.kubernetes.lease_renew_deadline, Duration::from_secs(10));
+        assert_eq!(cli.kubernetes.pod_ip, Some(IpAddr::from([10, 0, 0, 7])));
+        assert_eq!(
+            cli.allocator.cluster_config().liveness,
+            Liveness::Cluster {
+                stale_view_limit: Duration::from_secs(1800)
+            }
+        );
+        assert_eq!(cli.allocator.config().liveness, Liveness::Embedded);
+        let crdgen = Cli::try_parse_from(["census-operator", "crdgen", "--out", "x.yaml"])?;
+        assert!(matches!(
+            crdgen.command,
+            Some(Command::Crdgen { out: Some(_) })
+        ));
+        Ok(())
     }
 
     #[test]

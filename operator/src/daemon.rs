@@ -1,5 +1,6 @@
 //! Assembles the operator: store, core, writers, tick loop, gRPC and admin servers;
-//! and takes it down in order on shutdown.
+//! and takes it down in order on shutdown. With `--store kubernetes` the store, the
+//! core and the writers come and go with leadership (see `crate::k8s`).
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -12,6 +13,7 @@ use crate::{
     allocator::Allocator,
     config::{Cli, StoreArgs, StoreKind},
     grpc,
+    k8s::{self, Cluster, ClusterError},
     metrics::{CoreCollector, Metrics},
     runtime::{Clock, Runtime, Settings},
     store::{
@@ -35,6 +37,8 @@ pub enum StartError {
     Join(#[from] tokio::task::JoinError),
     #[error(transparent)]
     Profiling(#[from] census_daemon::ProfilingError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
 }
 
 /// How long shutdown waits for writes in flight to finish.
@@ -50,6 +54,8 @@ pub struct Running {
     shutdown: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     writers: Vec<JoinHandle<()>>,
+    /// `--store kubernetes`: the cluster side (its writers come and go with leadership).
+    pub cluster: Option<Cluster>,
 }
 
 /// Opens the store, loads it, and starts serving.
@@ -62,6 +68,8 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         limits,
         log: _,
         profiling,
+        kubernetes,
+        command: _,
     } = cli;
     let StoreArgs {
         kind,
@@ -74,47 +82,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         census_daemon::profiling::activate().await?;
         info!("jemalloc heap profiling is on: /debug/pprof/heap on the admin port");
     }
-    let cfg = allocator.config();
-    let store: Arc<dyn Store> = match kind {
-        StoreKind::Redb => {
-            let path = store_path.clone();
-            let options = RedbOptions {
-                cache_bytes: store_cache_bytes,
-                ..RedbOptions::default()
-            };
-            let redb =
-                tokio::task::spawn_blocking(move || RedbStore::open(&path, options)).await??;
-            info!(path = %store_path.display(), "opened the redb store");
-            Arc::new(redb)
-        }
-    };
-    let loaded = store.load().await?;
-    info!(
-        identities = loaded.identities.len(),
-        nodes = loaded.nodes.len(),
-        tombstones = loaded.tombstones.len(),
-        "loaded the store"
-    );
-    let clock = Clock::new();
-    let settings = Settings {
-        filter: labels.filter(),
-        wire: limits.wire(&labels),
-        snapshot_interval: cfg.snapshot_interval,
-        max_message_bytes: limits.max_message_bytes(),
-        store_kind: store.kind(),
-    };
-    let tick_every = allocator.tick_interval;
-    let alloc = Allocator::new(cfg, loaded, clock.now());
-    let metrics = Metrics::default();
-    let (runtime, queues) = Runtime::new(alloc, clock, settings, metrics.clone());
-    let writers = writer::spawn(queues, store.clone(), runtime.clone(), store_timeout);
-
-    let mut registry = Registry::default();
-    metrics.register(&mut registry);
-    registry.register_collector(Box::new(CoreCollector::new(runtime.clone())));
-    registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
-    let registry = Arc::new(registry);
-
+    // Listen first: a replica in a cluster publishes its gRPC address.
     let grpc_listener = TcpListener::bind(listen.grpc_listen)
         .await
         .map_err(|source| StartError::Listen {
@@ -143,9 +111,67 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
             addr: listen.admin_listen,
             source,
         })?;
+    let clock = Clock::new();
+    let tick_every = allocator.tick_interval;
+    let metrics = Metrics::default();
+    let readiness = Readiness::default();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let settings = |store_kind| Settings {
+        filter: labels.filter(),
+        wire: limits.wire(&labels),
+        snapshot_interval: allocator.snapshot_interval,
+        max_message_bytes: limits.max_message_bytes(),
+        store_kind,
+    };
+    let (runtime, writers, cluster) = match kind {
+        StoreKind::Redb => {
+            let cfg = allocator.config();
+            let path = store_path.clone();
+            let options = RedbOptions {
+                cache_bytes: store_cache_bytes,
+                ..RedbOptions::default()
+            };
+            let redb =
+                tokio::task::spawn_blocking(move || RedbStore::open(&path, options)).await??;
+            info!(path = %store_path.display(), "opened the redb store");
+            let store: Arc<dyn Store> = Arc::new(redb);
+            let loaded = store.load().await?;
+            info!(
+                identities = loaded.identities.len(),
+                nodes = loaded.nodes.len(),
+                tombstones = loaded.tombstones.len(),
+                "loaded the store"
+            );
+            let alloc = Allocator::new(cfg, loaded, clock.now());
+            let (runtime, queues) =
+                Runtime::new(alloc, clock, settings(store.kind()), metrics.clone());
+            let writers = writer::spawn(queues, store, runtime.clone(), store_timeout);
+            (runtime, writers, None)
+        }
+        StoreKind::Kubernetes => {
+            let settings = settings("kubernetes");
+            let parts = k8s::Parts {
+                cfg: allocator.cluster_config(),
+                limits: settings.wire.labels,
+                store_timeout,
+                grpc_addr,
+                clock,
+                settings,
+                metrics: metrics.clone(),
+                readiness: readiness.clone(),
+            };
+            let cluster = k8s::start(&kubernetes, parts).await?;
+            registry.register_collector(cluster.store.collector());
+            registry.register_collector(cluster.collector());
+            (cluster.runtime.clone(), Vec::new(), Some(cluster))
+        }
+    };
+    registry.register_collector(Box::new(CoreCollector::new(runtime.clone())));
+    registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
+    let registry = Arc::new(registry);
 
     let (shutdown, stop) = watch::channel(false);
-    let readiness = Readiness::default();
     let mut servers = Vec::new();
     {
         let runtime = runtime.clone();
@@ -178,10 +204,9 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
             }
         }));
     }
-    readiness.set_ready(format!(
-        "store {} loaded, gRPC on {grpc_addr}",
-        store.kind()
-    ));
+    if cluster.is_none() {
+        readiness.set_ready(format!("store redb loaded, gRPC on {grpc_addr}"));
+    }
     info!(%grpc_addr, %admin_addr, "serving");
     Ok(Running {
         grpc_addr,
@@ -191,6 +216,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         shutdown,
         servers,
         writers,
+        cluster,
     })
 }
 
@@ -200,6 +226,9 @@ impl Running {
     pub async fn shut_down(self) {
         self.readiness.set_not_ready("shutting down");
         let _ = self.shutdown.send(true);
+        if let Some(cluster) = self.cluster {
+            cluster.shut_down().await;
+        }
         self.runtime.shut_down();
         for server in self.servers {
             let _ = server.await;

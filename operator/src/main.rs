@@ -3,8 +3,9 @@
 use std::process::ExitCode;
 
 use census_operator::{
-    config::{Cli, LogFormat},
+    config::{Cli, Command, LogFormat},
     daemon,
+    store::kubernetes::crd,
 };
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
@@ -22,6 +23,9 @@ fn main() -> ExitCode {
     match cli.log.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
+    }
+    if let Some(Command::Crdgen { out }) = &cli.command {
+        return crdgen(out.as_deref());
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -61,5 +65,32 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = term.recv() => {},
         _ = int.recv() => {},
+    }
+}
+
+/// `census-operator crdgen`: the Identity CRD as YAML.
+fn crdgen(out: Option<&std::path::Path>) -> ExitCode {
+    let yaml = match crd::crd_yaml() {
+        Ok(yaml) => yaml,
+        Err(e) => {
+            tracing::error!("crdgen: cannot render the CRD: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let written = match out {
+        Some(path) => std::fs::write(path, yaml).map_err(|e| format!("{}: {e}", path.display())),
+        None => {
+            use std::io::Write;
+            std::io::stdout()
+                .write_all(yaml.as_bytes())
+                .map_err(|e| format!("stdout: {e}"))
+        }
+    };
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("crdgen: cannot write {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -6,7 +6,11 @@ use census_proto::{
 };
 use tonic::Status;
 
-use crate::allocator::{AllocError, IdentityInfo, IdentityState, NodeInfo, SyncError};
+use crate::{
+    allocator::{AllocError, IdentityInfo, IdentityState, NodeInfo, SyncError},
+    replica::AdmissionError,
+    runtime::{Refused, not_leader_status},
+};
 
 pub(super) fn identity_to_wire(info: &IdentityInfo) -> pb::Identity {
     let (state, released_at_ms, quarantined_until_ms) = match info.state {
@@ -72,6 +76,25 @@ pub(super) fn alloc(e: AllocError) -> Status {
         }
         e @ (AllocError::AdoptionWindow { .. } | AllocError::StoreUnavailable { .. }) => {
             Status::unavailable(e.to_string())
+        }
+    }
+}
+
+pub(super) fn refused(e: Refused) -> Status {
+    match e {
+        Refused::NotLeader(e) => not_leader_status(&e),
+        Refused::Admission(e) => admission(e),
+        Refused::Sync(e) => sync(e),
+        Refused::Alloc(e) => alloc(e),
+    }
+}
+
+fn admission(e: AdmissionError) -> Status {
+    match e {
+        AdmissionError::NotSynced => Status::unavailable(e.to_string()),
+        AdmissionError::UnknownNode { .. } => Status::failed_precondition(e.to_string()),
+        AdmissionError::WrongAddress { .. } | AdmissionError::NoPeer { .. } => {
+            Status::permission_denied(e.to_string())
         }
     }
 }

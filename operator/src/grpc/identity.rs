@@ -13,7 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
-use super::convert::{alloc, field, identity_to_wire, version};
+use super::convert::{alloc, field, identity_to_wire, refused, version};
 use crate::{
     allocator::{IdentityInfo, IdentityState, WatchChange},
     metrics::KindLabels,
@@ -61,7 +61,7 @@ impl IdentityService for Identities {
         let (id, kind) = match self
             .runtime
             .allocate(&node, session, labels)
-            .map_err(alloc)?
+            .map_err(refused)?
         {
             Ok(id) => (id, "known"),
             Err(pending) => {
@@ -76,7 +76,7 @@ impl IdentityService for Identities {
             .allocate_latency
             .get_or_create(&KindLabels { kind })
             .observe(started.elapsed().as_secs_f64());
-        let info = self.runtime.read(|a| a.identity(id));
+        let info = self.runtime.identity(id);
         let identity = info.as_ref().map_or_else(
             || pb::Identity {
                 id: id.get(),
@@ -105,7 +105,7 @@ impl IdentityService for Identities {
                 ..pb::Identity::default()
             }));
         }
-        match self.runtime.read(|a| a.identity(id)) {
+        match self.runtime.identity(id) {
             Some(info) => Ok(Response::new(identity_to_wire(&info))),
             None => Err(Status::not_found(format!("identity {id} is not known"))),
         }
@@ -118,7 +118,7 @@ impl IdentityService for Identities {
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let labels = self.labels(&req.labels, "labels")?;
-        match self.runtime.read(|a| a.lookup(&labels)) {
+        match self.runtime.lookup(&labels) {
             Some(info) => Ok(Response::new(identity_to_wire(&info))),
             None => Err(Status::not_found(format!(
                 "no identity has the labels {labels}"
@@ -158,9 +158,9 @@ impl IdentityService for Identities {
             };
             Some(labels_from_wire(&req.selector, &limits, "selector").map_err(field)?)
         };
-        let (page, more) = self
-            .runtime
-            .read(|a| a.list(after, limit, selector.as_ref(), req.include_quarantined));
+        let (page, more) =
+            self.runtime
+                .list(after, limit, selector.as_ref(), req.include_quarantined);
         let next_page_token = match (more, page.last()) {
             (true, Some(last)) => last.id.to_string(),
             _ => String::new(),
@@ -205,11 +205,13 @@ fn bound(id: IdentityId, labels: LabelSet) -> pb::Identity {
 type WatchTx = mpsc::Sender<Result<pb::WatchEvent, Status>>;
 
 /// Sends the full list, then changes; starts over with the full list when the
-/// subscriber falls behind. Ends when the client goes away or the operator stops.
+/// subscriber falls behind or the replica's role changes. Ends when the client goes
+/// away or the operator stops.
 async fn run_watch(runtime: Arc<Runtime>, tx: WatchTx, mut shutdown: watch::Receiver<bool>) {
     loop {
+        let mut terms = runtime.terms();
         let mut changes = runtime.subscribe();
-        let all = runtime.read(|a| a.bindings());
+        let all = runtime.bindings();
         let mut full = Vec::with_capacity(all.len() + 2);
         full.push(event(Kind::ResyncStart, None));
         full.extend(
@@ -226,6 +228,10 @@ async fn run_watch(runtime: Arc<Runtime>, tx: WatchTx, mut shutdown: watch::Rece
             let change = tokio::select! {
                 change = changes.recv() => change,
                 () = tx.closed() => return,
+                _ = terms.changed() => {
+                    debug!("the replica's role changed: sending the full list again");
+                    break;
+                }
                 _ = shutdown.changed() => {
                     let _ = tx.send(Err(Status::unavailable("the operator is shutting down"))).await;
                     return;

@@ -25,11 +25,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::convert::{field, sync, version};
+use super::convert::{field, refused, sync, version};
 use crate::{
     allocator::{Applied, ConnId},
     metrics::KindLabels,
-    runtime::Runtime,
+    runtime::{Runtime, Term, not_leader_status},
 };
 
 /// Messages buffered towards one agent.
@@ -97,10 +97,12 @@ impl EndpointSync for Sync {
         // The reply is queued before the stream is registered, so it is always first.
         tx.try_send(Ok(reply))
             .map_err(|_| Status::internal("cannot queue HelloReply"))?;
-        let accepted = self
+        // Agents use host networking: the peer is their Node's address.
+        let peer_ip = peer.map(|p| p.ip().to_canonical());
+        let (accepted, term) = self
             .runtime
-            .hello(&node, session, tx.clone())
-            .map_err(sync)?;
+            .hello(&node, session, peer_ip, tx.clone())
+            .map_err(refused)?;
         let span = info_span!("sync", %node, %session, conn = accepted.conn.get());
         span.in_scope(
             || info!(agent_version = %hello.agent_version, peer = ?peer, "agent connected"),
@@ -110,6 +112,7 @@ impl EndpointSync for Sync {
             node,
             session,
             conn: accepted.conn,
+            term,
             tx,
             peer,
         };
@@ -133,6 +136,8 @@ struct Stream {
     node: NodeName,
     session: SessionId,
     conn: ConnId,
+    /// The runtime's term at Hello: after a change of role the stream is over.
+    term: Term,
     tx: mpsc::Sender<Result<pb::OperatorMessage, Status>>,
     peer: Option<SocketAddr>,
 }
@@ -180,7 +185,7 @@ impl Stream {
             }
         }
         info!(peer = ?self.peer, session = %self.session, "agent disconnected");
-        self.runtime.disconnect(&self.node, self.conn);
+        self.runtime.disconnect(self.term, &self.node, self.conn);
     }
 
     fn invalid(&self, kind: &'static str, status: Status) -> Status {
@@ -227,14 +232,16 @@ impl Stream {
                     .decode(&wire, "upsert.endpoint")
                     .map_err(|s| self.invalid("upsert", s))?;
                 self.runtime
-                    .with(|a, now| a.upsert(node, conn, seq, endpoint, now))
+                    .with_term(self.term, |a, now| a.upsert(node, conn, seq, endpoint, now))
+                    .map_err(|e| not_leader_status(&e))?
                     .map_err(sync)?
             }
             Some(Body::Delete(delete)) => {
                 let key = endpoint_key_from_wire(&delete.namespace, &delete.name, "delete")
                     .map_err(|e| self.invalid("delete", field(e)))?;
                 self.runtime
-                    .with(|a, now| a.delete(node, conn, seq, &key, now))
+                    .with_term(self.term, |a, now| a.delete(node, conn, seq, &key, now))
+                    .map_err(|e| not_leader_status(&e))?
                     .map_err(sync)?
             }
             Some(Body::Snapshot(snapshot)) => {
@@ -255,7 +262,7 @@ impl Stream {
                 }
                 let metrics = &self.runtime.metrics;
                 self.runtime
-                    .with(|a, now| {
+                    .with_term(self.term, |a, now| {
                         let started = Instant::now();
                         let r = a.snapshot(node, conn, seq, endpoints, now);
                         metrics
@@ -263,6 +270,7 @@ impl Stream {
                             .observe(started.elapsed().as_secs_f64());
                         r
                     })
+                    .map_err(|e| not_leader_status(&e))?
                     .map_err(sync)?
             }
         };

@@ -2,10 +2,14 @@
 //!
 //! The allocator core never touches a store. Its effects become [`StoreOp`]s, which
 //! writer tasks apply in batches (see `crate::writer`); the outcome of each op goes
-//! back to the core as a `store_result` event. Two implementations: [`redb`], an
-//! embedded file (the default), and [`memory`], for tests. The Kubernetes one (an
-//! `Identity` CRD) implements the same trait.
+//! back to the core as a `store_result` event. Three implementations: [`redb`], an
+//! embedded file (the default), [`kubernetes`] (an `Identity` CRD, written only by
+//! the leader), and [`memory`], for tests.
+//!
+//! A store that watches itself (Kubernetes) also reports changes census did not make
+//! as [`StoreEvent`]s, which the runtime feeds to the core.
 
+pub mod kubernetes;
 pub mod memory;
 pub mod redb;
 
@@ -15,6 +19,7 @@ use census_proto::{
     domain::{IdentityId, NodeName},
     labels::LabelSet,
 };
+use tokio::sync::mpsc;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -127,6 +132,17 @@ impl StoreError {
     }
 }
 
+/// A change to the store that census did not make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreEvent {
+    /// The binding of `id` to `labels` is gone from the store (deleted, or made a
+    /// tombstone, by someone else). The core writes it again if it still holds it.
+    BindingLost { id: IdentityId, labels: LabelSet },
+    /// The store holds for `id` an object census did not write, or one that was
+    /// edited (`found` says what): the core blocks the id for good.
+    BindingInvalid { id: IdentityId, found: String },
+}
+
 /// Durable state behind the allocator.
 pub trait Store: Send + Sync + 'static {
     /// Reads everything. Called once at start, before the core exists.
@@ -139,4 +155,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs and metrics (`redb`, `memory`, `kubernetes`).
     fn kind(&self) -> &'static str;
+
+    /// Changes to the store that census did not make, for the core (see
+    /// [`StoreEvent`]). The first call takes the receiver; a store that cannot see
+    /// such changes, and every later call, returns `None`.
+    fn events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
+        None
+    }
 }

@@ -1,0 +1,322 @@
+//! The operator in a Kubernetes cluster: clients, the Identity store, the Node watch,
+//! leader election and the leader's pod label, assembled for the daemon.
+//!
+//! Every replica watches the Identity objects (its read model and, when it leads, the
+//! source of `binding_lost`/`binding_invalid`) and the Nodes (Hello admission and
+//! `node_gone`), and tries the Lease; the one that holds it runs the core. No replica
+//! watches anything else: Leases are read one at a time, pods only patched.
+
+mod leader;
+pub mod lease;
+pub mod nodes;
+pub mod pod;
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use census_proto::labels::LabelLimits;
+use kube::{
+    Api, Client,
+    api::{DynamicObject, ListParams},
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use tokio::{sync::watch, task::JoinHandle};
+use tracing::{Instrument, info, info_span, warn};
+
+use self::{
+    leader::Leadership,
+    lease::{ElectionError, Elector, LeaseConfig},
+    nodes::NodeIndex,
+    pod::{OwnLabel, Pods},
+};
+use crate::{
+    admin::Readiness,
+    allocator::Config,
+    config::KubernetesArgs,
+    metrics::Metrics,
+    replica::{Fence, Replica},
+    runtime::{Clock, Runtime, Settings, feed_store_events},
+    store::{
+        Store as _,
+        kubernetes::{EventsConfig, KubeStore, KubeStoreConfig},
+    },
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cannot read the kubeconfig {path}: {source}")]
+    Kubeconfig {
+        path: String,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error("cannot find a cluster configuration (in-cluster or kubeconfig): {0}")]
+    Infer(#[from] kube::config::InferConfigError),
+    #[error("cannot build a Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+    #[error(
+        "the Identity CustomResourceDefinition is not installed (identities.census.dev): apply deploy/crds/identity.yaml first"
+    )]
+    CrdMissing,
+    #[error(transparent)]
+    Election(#[from] ElectionError),
+}
+
+/// What the daemon passes in.
+#[derive(Debug)]
+pub struct Parts {
+    /// The core's parameters (cluster liveness).
+    pub cfg: Config,
+    pub limits: LabelLimits,
+    /// The writers' batch timeout; also bounds one API request.
+    pub store_timeout: Duration,
+    /// Where this replica serves gRPC (the port is published with the pod IP).
+    pub grpc_addr: SocketAddr,
+    pub clock: Clock,
+    pub settings: Settings,
+    pub metrics: Metrics,
+    pub readiness: Readiness,
+}
+
+/// A running replica's cluster side.
+#[derive(Debug)]
+pub struct Cluster {
+    pub runtime: Arc<Runtime>,
+    pub store: Arc<KubeStore>,
+    pub nodes: Arc<NodeIndex>,
+    stop: watch::Sender<bool>,
+    leadership: JoinHandle<()>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn kube_config(args: &KubernetesArgs) -> Result<kube::Config, ClusterError> {
+    match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig =
+                Kubeconfig::read_from(path).map_err(|source| ClusterError::Kubeconfig {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|source| ClusterError::Kubeconfig {
+                    path: path.display().to_string(),
+                    source,
+                })
+        }
+        None => Ok(kube::Config::infer().await?),
+    }
+}
+
+fn client(mut config: kube::Config, retry: bool) -> Result<Client, ClusterError> {
+    // kube retries 429/503/504 up to 15 times with long backoff by default; writes and
+    // the Lease have their own retry (the core's backoff, the retry period).
+    config.default_retry = retry;
+    Client::try_from(config).map_err(ClusterError::Client)
+}
+
+/// Connects to the cluster and starts this replica as a follower.
+pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, ClusterError> {
+    let KubernetesArgs {
+        kubeconfig: _,
+        namespace,
+        lease_name,
+        lease_duration,
+        lease_renew_deadline,
+        lease_retry_period,
+        pod_name,
+        pod_ip,
+    } = args;
+    let Parts {
+        cfg,
+        limits,
+        store_timeout,
+        grpc_addr,
+        clock,
+        settings,
+        metrics,
+        readiness,
+    } = parts;
+    let config = kube_config(args).await?;
+    let namespace = namespace
+        .clone()
+        .unwrap_or_else(|| config.default_namespace.clone());
+    let identity = pod_name
+        .clone()
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+        .unwrap_or_else(|| format!("census-operator-{:08x}", rand::random::<u32>()));
+    let lease = LeaseConfig {
+        namespace: namespace.clone(),
+        name: lease_name.clone(),
+        identity: identity.clone(),
+        address: pod_ip.map(|ip| SocketAddr::new(ip, grpc_addr.port()).to_string()),
+        duration: *lease_duration,
+        renew_deadline: *lease_renew_deadline,
+        retry_period: *lease_retry_period,
+    };
+    lease.check()?;
+    let writes = client(config.clone(), false)?;
+    let reads = client(config.clone(), true)?;
+    let leases = client(config, false)?;
+    check_crd(&reads).await?;
+
+    let fence = Arc::new(Fence::closed());
+    let store = Arc::new(KubeStore::new(
+        writes.clone(),
+        reads.clone(),
+        fence.clone(),
+        KubeStoreConfig {
+            limits,
+            request_timeout: store_timeout,
+            events: Some(EventsConfig {
+                namespace: namespace.clone(),
+                instance: identity.clone(),
+            }),
+            ..KubeStoreConfig::default()
+        },
+    ));
+    let nodes = Arc::new(NodeIndex::default());
+    let runtime = Runtime::new_replica(
+        cfg.clone(),
+        clock,
+        settings,
+        metrics,
+        Replica {
+            reads: store.read_model(),
+            admission: nodes.clone(),
+        },
+    );
+    let mut tasks = vec![tokio::spawn(
+        nodes::run(nodes.clone(), reads, runtime.clone())
+            .instrument(info_span!("watch", resource = "nodes")),
+    )];
+    if let Some(events) = store.events() {
+        tasks.push(tokio::spawn(feed_store_events(runtime.clone(), events)));
+    }
+    {
+        let store = store.clone();
+        let nodes = nodes.clone();
+        let identity = identity.clone();
+        tasks.push(tokio::spawn(async move {
+            store.wait_synced().await;
+            readiness.set_ready(format!(
+                "replica {identity}: listed {} Identity objects; serving reads",
+                store.cached_objects()
+            ));
+            info!(nodes = nodes.len(), "listed the Identity objects: ready");
+        }));
+    }
+    let pods = match pod_name {
+        Some(name) => {
+            let pods = Pods::new(writes, &namespace);
+            let label = OwnLabel::start(pods.clone(), name.clone());
+            Some((pods, label))
+        }
+        None => {
+            warn!("no --pod-name: the leader's pod is not labelled, so no Service can select it");
+            None
+        }
+    };
+    if pod_ip.is_none() {
+        warn!("no --pod-ip: followers cannot tell clients the leader's address");
+    }
+    let (stop, stop_rx) = watch::channel(false);
+    let leadership = Leadership {
+        runtime: runtime.clone(),
+        store: store.clone(),
+        fence,
+        elector: Elector::new(leases, lease.clone()),
+        pods,
+        cfg,
+        store_timeout,
+        stop: stop_rx,
+    };
+    let leadership = tokio::spawn(
+        leadership
+            .run()
+            .instrument(info_span!("leader_election", lease = %lease.name, identity = %identity)),
+    );
+    info!(%namespace, lease = %lease.name, %identity, "joined the cluster as a follower");
+    Ok(Cluster {
+        runtime,
+        store,
+        nodes,
+        stop,
+        leadership,
+        tasks,
+    })
+}
+
+/// Fails fast when the CRD is missing; any other failure is left to the watch, which
+/// retries (the API server may be down at start).
+async fn check_crd(client: &Client) -> Result<(), ClusterError> {
+    let api: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::erase::<crate::store::kubernetes::crd::Identity>(&()),
+    );
+    match api.list_metadata(&ListParams::default().limit(1)).await {
+        Err(kube::Error::Api(s)) if s.code == 404 => Err(ClusterError::CrdMissing),
+        Err(e) => {
+            warn!(error = %e, "cannot list Identity objects yet; the watch retries");
+            Ok(())
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+impl Cluster {
+    /// Steps down (a leader drains its writes, releases the Lease and removes its
+    /// label), then stops the watches.
+    pub async fn shut_down(self) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(Duration::from_secs(15), self.leadership)
+            .await
+            .is_err()
+        {
+            warn!("leadership did not step down in time");
+        }
+        for task in self.tasks {
+            task.abort();
+        }
+    }
+
+    /// Scrape-time gauges: whether this replica leads, and the Node index's size.
+    pub fn collector(&self) -> Box<dyn prometheus_client::collector::Collector> {
+        Box::new(ClusterCollector {
+            runtime: self.runtime.clone(),
+            nodes: self.nodes.clone(),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct ClusterCollector {
+    runtime: Arc<Runtime>,
+    nodes: Arc<NodeIndex>,
+}
+
+impl prometheus_client::collector::Collector for ClusterCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::{encoding::EncodeMetric, metrics::gauge::ConstGauge};
+        let leader = i64::from(self.runtime.role().is_leader());
+        let nodes = i64::try_from(self.nodes.len()).unwrap_or(i64::MAX);
+        for (name, help, value) in [
+            (
+                "census_leader",
+                "1 while this replica leads (holds the Lease)",
+                leader,
+            ),
+            (
+                "census_kubernetes_cached_nodes",
+                "Nodes in the operator's Node index (name and addresses of each)",
+                nodes,
+            ),
+        ] {
+            let gauge = ConstGauge::new(value);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,330 @@
+//! One store op as API requests. Every write is conditional on the version census
+//! last saw (resourceVersion; a delete also the UID); a 409 leads to a re-read, after
+//! which the op is retried if the object still says what census wrote, and refused
+//! with [`StoreError::Conflict`] only when a fresh read shows labels census did not
+//! write. An op makes at most [`ATTEMPTS`] rounds, so conflicts that keep coming fail
+//! it with a retryable error and the core's backoff takes over.
+
+use std::{
+    future::Future,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use census_proto::{domain::IdentityId, labels::LabelSet};
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions};
+
+use super::{
+    Shared,
+    error::{Failure, classify},
+    index::Source,
+    object::{self, Meta, State},
+};
+use crate::store::{StoreError, StoreOp, Tombstone};
+
+/// Rounds of one op (each 409 costs a re-read and a round).
+const ATTEMPTS: usize = 5;
+
+/// What one round decided.
+enum Next {
+    /// Read the object again, then decide anew.
+    Reread,
+    /// Decide anew from the index (it was just updated by a write's answer).
+    Again,
+}
+
+impl Shared {
+    pub(super) async fn apply_one(&self, op: StoreOp) -> Result<(), StoreError> {
+        match op {
+            StoreOp::CreateIdentity { id, labels } => self.create(id, &labels).await,
+            StoreOp::DeleteIdentity {
+                id,
+                labels,
+                tombstone,
+            } => self.tombstone(id, &labels, &tombstone).await,
+            StoreOp::DeleteTombstone { id } => self.forget(id).await,
+            // The cluster's Node objects are the record of known nodes.
+            StoreOp::PutNode { .. } | StoreOp::DeleteNode { .. } => Ok(()),
+        }
+    }
+
+    /// Runs one request if the fence is open, within the time it leaves.
+    pub(super) async fn request<T>(
+        &self,
+        call: impl Future<Output = Result<T, kube::Error>>,
+    ) -> Result<T, Failure> {
+        let Some(left) = self.fence.remaining() else {
+            return Err(Failure::unavailable(
+                "not_leader",
+                "this replica does not hold the lease",
+            ));
+        };
+        let limit = left.min(self.cfg.request_timeout);
+        match tokio::time::timeout(limit, call).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(e)) => Err(classify(&e)),
+            Err(_) => Err(Failure::unavailable(
+                "timeout",
+                format!("no answer within {limit:?}"),
+            )),
+        }
+    }
+
+    fn known(&self, id: IdentityId) -> Option<(Meta, State)> {
+        self.index
+            .read()
+            .get(id)
+            .map(|e| (e.meta.clone(), e.state.clone()))
+    }
+
+    /// Records the object a write returned.
+    async fn observe(&self, obj: &DynamicObject) {
+        if let Ok(p) = object::parse(obj, &self.cfg.limits) {
+            let events = self.index.write().apply(p, Source::OwnWrite);
+            self.emit(events).await;
+        }
+    }
+
+    /// Reads the object again into the index (a change found there may be someone
+    /// else's, so it is reported like one the watch saw).
+    async fn reread(&self, id: IdentityId) -> Result<(), Failure> {
+        let name = id.to_string();
+        // Reads are not fenced: a follower may read, and this one only informs a write.
+        let events = match self.writes.get(&name).await {
+            Ok(obj) => match object::parse(&obj, &self.cfg.limits) {
+                Ok(p) => self.index.write().apply(p, Source::Observed),
+                Err(_) => Vec::new(),
+            },
+            Err(e) => match classify(&e) {
+                Failure::NotFound => self.index.write().delete(id, None, Source::Observed),
+                other => return Err(other),
+            },
+        };
+        self.emit(events).await;
+        Ok(())
+    }
+
+    async fn patch_status(
+        &self,
+        id: IdentityId,
+        patch: &serde_json::Value,
+    ) -> Result<DynamicObject, Failure> {
+        let name = id.to_string();
+        self.request(
+            self.writes
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(patch)),
+        )
+        .await
+    }
+
+    async fn delete_exact(&self, id: IdentityId, meta: &Meta) -> Result<(), Failure> {
+        let name = id.to_string();
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: Some(meta.resource_version.to_string()),
+                uid: Some(meta.uid.to_string()),
+            }),
+            ..DeleteParams::default()
+        };
+        match self.request(self.writes.delete(&name, &params)).await {
+            Ok(_) | Err(Failure::NotFound) => {
+                let events = self
+                    .index
+                    .write()
+                    .delete(id, Some(&meta.uid), Source::OwnWrite);
+                self.emit(events).await;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn post(&self, id: IdentityId, labels: &LabelSet) -> Result<(), Failure> {
+        let obj = object::binding(&self.resource, id, labels);
+        let created = self
+            .request(self.writes.create(&PostParams::default(), &obj))
+            .await?;
+        self.observe(&created).await;
+        Ok(())
+    }
+
+    /// CreateIdentity: bind `id` to `labels`, replacing a tombstone of the id.
+    async fn create(&self, id: IdentityId, labels: &LabelSet) -> Result<(), StoreError> {
+        let doing = || format!("create identity {id}");
+        let mut reread = false;
+        for _ in 0..ATTEMPTS {
+            let next = match self.known(id) {
+                None => match self.post(id, labels).await {
+                    Ok(()) => return Ok(()),
+                    Err(Failure::AlreadyExists) => Next::Reread,
+                    Err(e) => return Err(e.into_store_error(&doing())),
+                },
+                Some((_, State::Binding(bound))) if bound == *labels => return Ok(()),
+                Some((
+                    meta,
+                    State::Tombstone {
+                        labels: Some(was), ..
+                    },
+                )) if was == *labels => {
+                    // Bound again to the same labels (within or after its quarantine).
+                    let patch = object::revive_patch(&meta.resource_version);
+                    match self.patch_status(id, &patch).await {
+                        Ok(obj) => {
+                            self.observe(&obj).await;
+                            return Ok(());
+                        }
+                        Err(Failure::Conflict | Failure::NotFound) => Next::Reread,
+                        Err(e) => return Err(e.into_store_error(&doing())),
+                    }
+                }
+                Some((
+                    meta,
+                    State::Tombstone {
+                        labels_hash,
+                        until_ms,
+                        ..
+                    },
+                )) => {
+                    if until_ms > now_ms() && labels_hash != labels.stable_hash() {
+                        if reread {
+                            return Err(conflict(
+                                id,
+                                labels,
+                                format!(
+                                    "a tombstone that quarantines it for other labels until {}",
+                                    super::crd::time_to_text(until_ms)
+                                ),
+                            ));
+                        }
+                        Next::Reread
+                    } else {
+                        // A tombstone census is done with: replace it.
+                        match self.delete_exact(id, &meta).await {
+                            Ok(()) => Next::Again,
+                            Err(Failure::Conflict) => Next::Reread,
+                            Err(e) => return Err(e.into_store_error(&doing())),
+                        }
+                    }
+                }
+                Some((_, state)) => {
+                    if reread {
+                        return Err(conflict(id, labels, describe(&state)));
+                    }
+                    Next::Reread
+                }
+            };
+            if let Next::Reread = next {
+                self.reread(id)
+                    .await
+                    .map_err(|e| e.into_store_error(&doing()))?;
+                reread = true;
+            }
+        }
+        Err(Failure::Conflict.into_store_error(&doing()))
+    }
+
+    /// DeleteIdentity: turn the binding of `id` to `labels` into a tombstone.
+    async fn tombstone(
+        &self,
+        id: IdentityId,
+        labels: &LabelSet,
+        tombstone: &Tombstone,
+    ) -> Result<(), StoreError> {
+        let doing = || format!("delete identity {id}");
+        let mut reread = false;
+        for _ in 0..ATTEMPTS {
+            let next = match self.known(id) {
+                None if !reread => Next::Reread,
+                None => {
+                    // Gone already (404 counts as success): the quarantine is recorded
+                    // all the same, so it survives a restart.
+                    match self.post(id, labels).await {
+                        Ok(()) => Next::Again,
+                        Err(Failure::AlreadyExists) => Next::Reread,
+                        Err(e) => return Err(e.into_store_error(&doing())),
+                    }
+                }
+                Some((meta, State::Binding(bound))) if bound == *labels => {
+                    let patch = object::tombstone_patch(&meta.resource_version, tombstone);
+                    match self.patch_status(id, &patch).await {
+                        Ok(obj) => {
+                            self.observe(&obj).await;
+                            return Ok(());
+                        }
+                        // Changed (an annotation added?) or gone: read it and decide again.
+                        Err(Failure::Conflict | Failure::NotFound) => Next::Reread,
+                        Err(e) => return Err(e.into_store_error(&doing())),
+                    }
+                }
+                Some((_, State::Tombstone { labels_hash, .. }))
+                    if labels_hash == labels.stable_hash() =>
+                {
+                    return Ok(());
+                }
+                Some((_, state)) => {
+                    if reread {
+                        return Err(conflict(id, labels, describe(&state)));
+                    }
+                    Next::Reread
+                }
+            };
+            if let Next::Reread = next {
+                self.reread(id)
+                    .await
+                    .map_err(|e| e.into_store_error(&doing()))?;
+                reread = true;
+            }
+        }
+        Err(Failure::Conflict.into_store_error(&doing()))
+    }
+
+    /// DeleteTombstone: remove the tombstone of `id`, never a binding.
+    async fn forget(&self, id: IdentityId) -> Result<(), StoreError> {
+        let doing = || format!("delete the tombstone of {id}");
+        let mut reread = false;
+        for _ in 0..ATTEMPTS {
+            let next = match self.known(id) {
+                Some((meta, State::Tombstone { .. })) => match self.delete_exact(id, &meta).await {
+                    Ok(()) => return Ok(()),
+                    Err(Failure::Conflict) => Next::Reread,
+                    Err(e) => return Err(e.into_store_error(&doing())),
+                },
+                // Gone, or bound again: nothing of the tombstone is left.
+                _ if reread => return Ok(()),
+                _ => Next::Reread,
+            };
+            if let Next::Reread = next {
+                self.reread(id)
+                    .await
+                    .map_err(|e| e.into_store_error(&doing()))?;
+                reread = true;
+            }
+        }
+        Err(Failure::Conflict.into_store_error(&doing()))
+    }
+}
+
+fn conflict(id: IdentityId, labels: &LabelSet, found: String) -> StoreError {
+    StoreError::Conflict {
+        id,
+        expected: labels.to_string(),
+        found,
+    }
+}
+
+/// What an object holds, for a conflict's `found`.
+fn describe(state: &State) -> String {
+    match state {
+        State::Binding(labels) => format!("an Identity object with the labels {labels}"),
+        State::Tombstone { until_ms, .. } => format!(
+            "a tombstone of other labels (quarantined until {})",
+            super::crd::time_to_text(*until_ms)
+        ),
+        State::Invalid(why) => format!("an invalid Identity object: {why}"),
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}

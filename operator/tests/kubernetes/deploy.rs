@@ -1,0 +1,382 @@
+//! deploy/: every manifest parses into the k8s-openapi type of its kind with no field
+//! that type does not know (the PrometheusRule into a typed struct that denies unknown
+//! fields), says what DESIGN.md asks of it, and the CRD is what `crdgen` writes.
+
+use std::{collections::BTreeMap, path::Path};
+
+use k8s_openapi::{
+    api::{
+        apps::v1::{DaemonSet, Deployment},
+        core::v1::{Container, Namespace, PodSpec, Service, ServiceAccount},
+        policy::v1::PodDisruptionBudget,
+        rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
+    },
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use serde_json::Value;
+
+use crate::common::{TestResult, fail, repo_root, yaml_docs};
+
+/// The PrometheusRule CRD's fields census uses.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PrometheusRule {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: RuleSpec,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleSpec {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<AlertRule>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AlertRule {
+    alert: String,
+    expr: String,
+    #[serde(default, rename = "for")]
+    for_: Option<String>,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+/// Keys of `original` that the typed round trip lost: fields the type does not have.
+fn unknown_keys(original: &Value, typed: &Value, path: &str, out: &mut Vec<String>) {
+    match (original, typed) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in a {
+                match b.get(k) {
+                    Some(w) => unknown_keys(v, w, &format!("{path}.{k}"), out),
+                    None => out.push(format!("{path}.{k}")),
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            for (i, v) in a.iter().enumerate() {
+                match b.get(i) {
+                    Some(w) => unknown_keys(v, w, &format!("{path}[{i}]"), out),
+                    None => out.push(format!("{path}[{i}]")),
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+fn strict<T: DeserializeOwned + Serialize>(doc: &Value, file: &str) -> TestResult<T> {
+    let typed: T = serde_json::from_value(doc.clone())
+        .map_err(|e| format!("{file}: {} {}: {e}", doc["kind"], doc["metadata"]["name"]))?;
+    let back = serde_json::to_value(&typed)?;
+    let mut unknown = Vec::new();
+    unknown_keys(doc, &back, "", &mut unknown);
+    if !unknown.is_empty() {
+        return fail(format!(
+            "{file}: {} {} has fields its type does not know: {unknown:?}",
+            doc["kind"], doc["metadata"]["name"]
+        ));
+    }
+    Ok(typed)
+}
+
+/// Every manifest under deploy/, parsed strictly.
+#[derive(Default)]
+struct Manifests {
+    deployments: Vec<Deployment>,
+    daemonsets: Vec<DaemonSet>,
+    services: Vec<Service>,
+    pdbs: Vec<PodDisruptionBudget>,
+    cluster_roles: Vec<ClusterRole>,
+    rules: Vec<PrometheusRule>,
+    crds: Vec<CustomResourceDefinition>,
+    count: usize,
+}
+
+fn yaml_files(dir: &Path, out: &mut Vec<String>) -> TestResult {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            yaml_files(&path, out)?;
+        } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            let relative = path.strip_prefix(repo_root())?.display().to_string();
+            out.push(relative);
+        }
+    }
+    Ok(())
+}
+
+fn manifests() -> TestResult<Manifests> {
+    let mut files = Vec::new();
+    yaml_files(&repo_root().join("deploy"), &mut files)?;
+    let mut m = Manifests::default();
+    for file in &files {
+        for doc in yaml_docs(file)? {
+            m.count += 1;
+            let api_version = doc["apiVersion"].as_str().unwrap_or_default();
+            let kind = doc["kind"].as_str().unwrap_or_default();
+            match (api_version, kind) {
+                ("v1", "Namespace") => drop(strict::<Namespace>(&doc, file)?),
+                ("v1", "ServiceAccount") => drop(strict::<ServiceAccount>(&doc, file)?),
+                ("v1", "Service") => m.services.push(strict(&doc, file)?),
+                ("apps/v1", "Deployment") => m.deployments.push(strict(&doc, file)?),
+                ("apps/v1", "DaemonSet") => m.daemonsets.push(strict(&doc, file)?),
+                ("policy/v1", "PodDisruptionBudget") => m.pdbs.push(strict(&doc, file)?),
+                ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
+                    m.cluster_roles.push(strict(&doc, file)?);
+                }
+                ("rbac.authorization.k8s.io/v1", "Role") => drop(strict::<Role>(&doc, file)?),
+                ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+                    drop(strict::<ClusterRoleBinding>(&doc, file)?);
+                }
+                ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
+                    drop(strict::<RoleBinding>(&doc, file)?);
+                }
+                ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
+                    m.crds.push(strict(&doc, file)?);
+                }
+                ("monitoring.coreos.com/v1", "PrometheusRule") => m.rules.push(strict(&doc, file)?),
+                _ => {
+                    return fail(format!(
+                        "{file}: a {api_version} {kind} the test does not know"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(m)
+}
+
+fn containers(spec: &PodSpec) -> impl Iterator<Item = &Container> {
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+}
+
+fn probe_port(c: &Container) -> Vec<String> {
+    [&c.readiness_probe, &c.liveness_probe]
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.http_get.as_ref())
+        .map(|g| match &g.port {
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n) => n.to_string(),
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => c
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref() == Some(name))
+                .map_or_else(|| name.clone(), |p| p.container_port.to_string()),
+        })
+        .collect()
+}
+
+#[test]
+fn every_manifest_parses_strictly_and_says_what_the_design_asks() -> TestResult {
+    let m = manifests()?;
+    assert!(m.count >= 15, "{} manifests", m.count);
+
+    let pod_specs: Vec<&PodSpec> = m
+        .deployments
+        .iter()
+        .filter_map(|d| d.spec.as_ref()?.template.spec.as_ref())
+        .chain(
+            m.daemonsets
+                .iter()
+                .filter_map(|d| d.spec.as_ref()?.template.spec.as_ref()),
+        )
+        .collect();
+    assert_eq!(pod_specs.len(), 2);
+    for spec in &pod_specs {
+        for c in containers(spec) {
+            let resources = c
+                .resources
+                .as_ref()
+                .ok_or(format!("{}: no resources", c.name))?;
+            assert!(
+                resources
+                    .requests
+                    .as_ref()
+                    .is_some_and(|r| r.contains_key("memory")),
+                "{}",
+                c.name
+            );
+            assert!(
+                resources
+                    .limits
+                    .as_ref()
+                    .is_some_and(|l| l.contains_key("memory")),
+                "{}",
+                c.name
+            );
+        }
+    }
+
+    let operator = m.deployments.first().ok_or("no operator Deployment")?;
+    let spec = operator.spec.as_ref().ok_or("no spec")?;
+    assert_eq!(spec.replicas, Some(2));
+    let pod = spec.template.spec.as_ref().ok_or("no pod spec")?;
+    let c = &pod.containers[0];
+    assert_eq!(probe_port(c), ["9461", "9461"]);
+    let env: BTreeMap<&str, &k8s_openapi::api::core::v1::EnvVar> = c
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.as_str(), e))
+        .collect();
+    assert_eq!(env["CENSUS_STORE"].value.as_deref(), Some("kubernetes"));
+    for (var, field) in [
+        ("CENSUS_POD_NAME", "metadata.name"),
+        ("CENSUS_POD_IP", "status.podIP"),
+    ] {
+        let from = env[var]
+            .value_from
+            .as_ref()
+            .and_then(|v| v.field_ref.as_ref());
+        assert_eq!(from.map(|f| f.field_path.as_str()), Some(field));
+    }
+
+    let agent = m.daemonsets.first().ok_or("no agent DaemonSet")?;
+    let pod = agent
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .ok_or("no pod spec")?;
+    assert_eq!(pod.host_network, Some(true));
+    assert!(
+        pod.tolerations
+            .iter()
+            .flatten()
+            .any(|t| t.operator.as_deref() == Some("Exists")
+                && t.key.is_none()
+                && t.effect.is_none()),
+        "the agent must tolerate every taint"
+    );
+    let c = &pod.containers[0];
+    assert_eq!(probe_port(c), ["9462", "9462"]);
+    let security = c.security_context.as_ref().ok_or("no securityContext")?;
+    assert_ne!(security.privileged, Some(true));
+    let caps = security.capabilities.as_ref().ok_or("no capabilities")?;
+    assert_eq!(
+        caps.add.as_deref(),
+        Some(
+            &[
+                "BPF".to_owned(),
+                "NET_ADMIN".to_owned(),
+                "PERFMON".to_owned()
+            ][..]
+        )
+    );
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+    let bpffs = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| {
+            v.host_path
+                .as_ref()
+                .is_some_and(|h| h.path == "/sys/fs/bpf")
+        })
+        .ok_or("no bpffs volume")?;
+    assert!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|v| v.name == bpffs.name && v.mount_path == "/sys/fs/bpf")
+    );
+
+    let pdb = m.pdbs.first().ok_or("no PodDisruptionBudget")?;
+    assert_eq!(
+        pdb.spec.as_ref().and_then(|s| s.max_unavailable.clone()),
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
+    );
+    let selectors: Vec<BTreeMap<String, String>> = m
+        .services
+        .iter()
+        .filter_map(|s| s.spec.as_ref()?.selector.clone())
+        .collect();
+    assert!(
+        selectors
+            .iter()
+            .any(|s| s.get("census.dev/leader").map(String::as_str) == Some("true"))
+    );
+    assert!(
+        selectors
+            .iter()
+            .any(|s| !s.contains_key("census.dev/leader"))
+    );
+
+    let agent_role = m
+        .cluster_roles
+        .iter()
+        .find(|r| r.metadata.name.as_deref() == Some("census-agent"))
+        .ok_or("no agent ClusterRole")?;
+    let rules = agent_role.rules.as_ref().ok_or("no rules")?;
+    assert_eq!(rules.len(), 1);
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["pods".to_owned()][..])
+    );
+    assert_eq!(rules[0].verbs, ["get", "list", "watch"]);
+
+    let exprs: Vec<&str> = m
+        .rules
+        .iter()
+        .flat_map(|r| &r.spec.groups)
+        .flat_map(|g| &g.rules)
+        .map(|r| r.expr.as_str())
+        .collect();
+    for needle in [
+        "census_id_range_usage_ratio",
+        "census_stale_nodes",
+        "container_memory_working_set_bytes{container=\"census-operator\"}",
+        "container_memory_working_set_bytes{container=\"census-agent\"}",
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(needle)),
+            "no alert on {needle}"
+        );
+    }
+    assert!(
+        exprs
+            .iter()
+            .filter(|e| e.contains("> 1.10") && e.contains("[7d:1d]"))
+            .count()
+            == 2
+    );
+    assert_eq!(m.crds.len(), 1);
+    Ok(())
+}
+
+#[test]
+fn the_crd_manifest_is_what_crdgen_writes() -> TestResult {
+    let committed = std::fs::read_to_string(repo_root().join("deploy/crds/identity.yaml"))?;
+    let fresh = census_operator::store::kubernetes::crd::crd_yaml()?;
+    assert!(
+        committed == fresh,
+        "deploy/crds/identity.yaml is stale: run `cargo run -p census-operator -- crdgen --out deploy/crds/identity.yaml`"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_field_the_type_does_not_know_is_refused() {
+    let doc = serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "x"},
+        "spec": {"selector": {"a": "b"}, "ports": [{"port": 1, "protocl": "TCP"}]},
+    });
+    let err = strict::<Service>(&doc, "test.yaml")
+        .err()
+        .map(|e| e.to_string());
+    assert!(err.is_some_and(|e| e.contains(".spec.ports[0].protocl")));
+}

@@ -1,0 +1,13 @@
+//! The Kubernetes side of the operator against the in-repo fake API server (real
+//! HTTP/JSON over loopback, real kube clients): the Identity store, garbage collection
+//! per item, node admission, leader election (in-process replicas and two real
+//! operator processes), the deploy/ manifests and the RBAC they grant. `real` runs the
+//! same scenarios against a real cluster (`#[ignore]`, `CENSUS_TEST_KUBECONFIG`).
+
+mod common;
+mod deploy;
+mod gc;
+mod ha;
+mod operator;
+mod real;
+mod store;

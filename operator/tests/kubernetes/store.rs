@@ -1,0 +1,481 @@
+//! The Identity store against the fake API server: paginated load, conditional writes
+//! and the re-read on 409, bounded failure causes, the watch's events and its resets.
+
+use std::{sync::Arc, time::Duration};
+
+use census_fake_apiserver::{DownMode, Failure, RequestFilter, TOUCH_ANNOTATION, Verb};
+use census_operator::{
+    replica::Fence,
+    store::{
+        Store, StoreError, StoreEvent, StoreOp, Tombstone,
+        kubernetes::{EventsConfig, KubeStoreConfig},
+    },
+};
+use prometheus_client::registry::Registry;
+use serde_json::json;
+
+use crate::common::{
+    TestResult, WAIT, binding, eventually, fail, fake, id, identities, labels, now_ms, object,
+    store, synced, tombstone,
+};
+
+fn tomb_of(n: u32, app: &str) -> Tombstone {
+    Tombstone {
+        id: id(n),
+        labels_hash: labels(app).stable_hash(),
+        until_ms: now_ms() + 600_000,
+    }
+}
+
+async fn next_event(
+    events: &mut tokio::sync::mpsc::Receiver<StoreEvent>,
+) -> TestResult<StoreEvent> {
+    tokio::time::timeout(WAIT, events.recv())
+        .await
+        .map_err(|_| "no store event")?
+        .ok_or_else(|| "the store's events ended".into())
+}
+
+#[tokio::test]
+async fn load_lists_every_page_and_malformed_objects_are_reported_not_fatal() -> TestResult {
+    let server = fake().await?;
+    let bindings: Vec<_> = (1000..2100)
+        .map(|n| binding(n, &labels(&format!("a{n}"))))
+        .collect();
+    server.insert_many(bindings)?;
+    let until = now_ms() + 600_000;
+    server.insert_many((3000..3050).map(|n| tombstone(n, &labels(&format!("t{n}")), until)))?;
+    let mut bad_labels = binding(5000, &labels("x"));
+    bad_labels["spec"]["labels"] = json!(["k8s:-bad=x"]);
+    let mut not_a_list = binding(5001, &labels("x"));
+    not_a_list["spec"]["labels"] = json!("oops");
+    let mut bad_tomb = tombstone(5002, &labels("y"), until);
+    bad_tomb["status"]["tombstone"]["labelsHash"] = json!("nothex");
+    let mut bad_name = binding(1, &labels("z"));
+    bad_name["metadata"]["name"] = json!("web");
+    // Two objects claim one label set: the older keeps it.
+    let mut younger = binding(6000, &labels("dup"));
+    younger["metadata"]["creationTimestamp"] = json!("2026-01-02T00:00:00Z");
+    let mut older = binding(6001, &labels("dup"));
+    older["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    server.insert_many([bad_labels, not_a_list, bad_tomb, bad_name, younger, older])?;
+
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    let mut events = store.events().ok_or("no events")?;
+    synced(&store).await?;
+    let loaded = store.load().await?;
+    assert_eq!(loaded.identities.len(), 1100 + 1);
+    assert_eq!(loaded.tombstones.len(), 50);
+    assert!(loaded.nodes.is_empty(), "nodes are not stored");
+    assert!(loaded.identities.iter().any(|s| s.id == id(6001)));
+    for n in [5000, 5001, 5002, 6000] {
+        assert!(
+            loaded.identities.iter().all(|s| s.id != id(n)),
+            "{n} loaded"
+        );
+    }
+    // The load asked for pages, and followed the continue tokens.
+    let load_pages = server
+        .requests()
+        .lists_of("identities")
+        .into_iter()
+        .filter(|r| r.param("limit") == Some("500"))
+        .count();
+    assert!(
+        load_pages >= 2 * 3,
+        "{load_pages} list pages (watch + load)"
+    );
+
+    let mut invalid: Vec<u32> = store
+        .invalid_objects()
+        .into_iter()
+        .map(|(i, _)| i.get())
+        .collect();
+    invalid.sort_unstable();
+    assert_eq!(invalid, [5000, 5001, 5002, 6000]);
+    let mut reported = Vec::new();
+    for _ in 0..4 {
+        match next_event(&mut events).await? {
+            StoreEvent::BindingInvalid { id, found } => reported.push((id.get(), found)),
+            other => return fail(format!("unexpected {other:?}")),
+        }
+    }
+    reported.sort();
+    assert!(
+        reported[0].1.contains("spec.labels[0]"),
+        "{:?}",
+        reported[0]
+    );
+    assert!(reported[1].1.contains("spec:"), "{:?}", reported[1]);
+    assert!(reported[2].1.contains("labelsHash"), "{:?}", reported[2]);
+    assert!(reported[3].1.contains("identity 6001"), "{:?}", reported[3]);
+
+    let mut registry = Registry::default();
+    registry.register_collector(store.collector());
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)?;
+    assert!(text.contains("census_invalid_identity_objects 5"), "{text}");
+
+    // The watch goes on after the malformed objects.
+    server.insert(binding(7000, &labels("later")))?;
+    let reads = store.read_model();
+    eventually("the watch sees a later object", WAIT, || async {
+        Ok(reads.identity(id(7000)))
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_conflict_is_reread_and_retried_when_only_an_annotation_changed() -> TestResult {
+    let server = fake().await?;
+    let web = labels("web");
+    server.insert(binding(300, &web))?;
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    synced(&store).await?;
+    let gvr = identities();
+
+    // Someone annotates the object right before census's tombstone write: its
+    // resourceVersion precondition really is stale.
+    server.faults().touch_before_write(
+        RequestFilter::object(&gvr, None, "300").verb(Verb::Patch),
+        1,
+    );
+    let op = StoreOp::DeleteIdentity {
+        id: id(300),
+        labels: web.clone(),
+        tombstone: tomb_of(300, "web"),
+    };
+    assert_eq!(store.apply(vec![op]).await, [Ok(())]);
+    let obj = object(&server, 300).ok_or("300 is gone")?;
+    assert_eq!(obj["status"]["state"], "Quarantined");
+    assert_eq!(
+        obj["status"]["tombstone"]["labelsHash"],
+        format!("{:016x}", web.stable_hash())
+    );
+    assert!(obj["metadata"]["annotations"][TOUCH_ANNOTATION].is_string());
+    let log = server.requests();
+    let writes: Vec<(Verb, u16, bool)> = log
+        .iter()
+        .filter(|r| r.resource == "identities" && r.name.as_deref() == Some("300"))
+        .map(|r| (r.verb, r.code, r.injected))
+        .collect();
+    assert_eq!(
+        writes,
+        [
+            (Verb::Patch, 409, false),
+            (Verb::Get, 200, false),
+            (Verb::Patch, 200, false)
+        ],
+        "a real precondition failure, a re-read, a retry"
+    );
+
+    // The same for the delete of the tombstone: uid and resourceVersion preconditions.
+    server.clear_requests();
+    server.faults().touch_before_write(
+        RequestFilter::object(&gvr, None, "300").verb(Verb::Delete),
+        1,
+    );
+    assert_eq!(
+        store
+            .apply(vec![StoreOp::DeleteTombstone { id: id(300) }])
+            .await,
+        [Ok(())]
+    );
+    assert!(object(&server, 300).is_none());
+    let verbs: Vec<(Verb, u16)> = server
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "identities" && r.name.is_some())
+        .map(|r| (r.verb, r.code))
+        .collect();
+    assert_eq!(
+        verbs,
+        [(Verb::Delete, 409), (Verb::Get, 200), (Verb::Delete, 200)]
+    );
+
+    // 404 on a delete is success.
+    assert_eq!(
+        store
+            .apply(vec![StoreOp::DeleteTombstone { id: id(300) }])
+            .await,
+        [Ok(())]
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn create_is_idempotent_and_refuses_only_other_labels() -> TestResult {
+    let server = fake().await?;
+    let (web, db) = (labels("web"), labels("db"));
+    server.insert(binding(400, &web))?;
+    server.insert(binding(401, &db))?;
+    server.insert(tombstone(402, &web, now_ms() + 600_000))?;
+    server.insert(tombstone(403, &db, now_ms() - 1))?;
+    // The store's first list comes late, so it writes knowing nothing: every answer
+    // below comes from the API (409 AlreadyExists and a re-read).
+    let slow = server.faults().delay(
+        RequestFilter::resource("identities").verbs([Verb::List, Verb::Watch]),
+        Duration::from_secs(3),
+    );
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    let ops = vec![
+        StoreOp::CreateIdentity {
+            id: id(400),
+            labels: web.clone(),
+        },
+        StoreOp::CreateIdentity {
+            id: id(401),
+            labels: web.clone(),
+        },
+        StoreOp::CreateIdentity {
+            id: id(402),
+            labels: web.clone(),
+        },
+        StoreOp::CreateIdentity {
+            id: id(403),
+            labels: web.clone(),
+        },
+        StoreOp::CreateIdentity {
+            id: id(404),
+            labels: db.clone(),
+        },
+    ];
+    let results = store.apply(ops).await;
+    server.faults().remove(slow);
+    assert_eq!(results[0], Ok(()), "same labels: success");
+    match &results[1] {
+        Err(StoreError::Conflict { found, .. }) => {
+            assert!(found.contains(db.as_str()), "{found}");
+        }
+        other => return fail(format!("401 bound to other labels: {other:?}")),
+    }
+    assert_eq!(
+        results[2],
+        Ok(()),
+        "a tombstone of the same labels is revived"
+    );
+    assert_eq!(
+        results[3],
+        Ok(()),
+        "an expired tombstone of other labels is replaced"
+    );
+    assert_eq!(results[4], Ok(()));
+    let revived = object(&server, 402).ok_or("402 is gone")?;
+    assert!(revived["status"].is_null(), "{revived}");
+    let replaced = object(&server, 403).ok_or("403 is gone")?;
+    assert_eq!(replaced["spec"]["labels"], json!(web.to_strings()));
+    assert!(replaced["status"].is_null());
+    assert!(object(&server, 404).is_some());
+    Ok(())
+}
+
+#[tokio::test]
+async fn failures_are_retryable_with_bounded_causes() -> TestResult {
+    let server = fake().await?;
+    let fence = Arc::new(Fence::always_open());
+    let cfg = KubeStoreConfig {
+        request_timeout: Duration::from_millis(500),
+        ..KubeStoreConfig::default()
+    };
+    let store = store(&server, fence.clone(), cfg)?;
+    synced(&store).await?;
+    let create = |n| StoreOp::CreateIdentity {
+        id: id(n),
+        labels: labels(&format!("f{n}")),
+    };
+    let cause = |r: &Result<(), StoreError>| match r {
+        Err(e @ StoreError::Unavailable { .. }) => e.cause(),
+        _ => "none",
+    };
+    let writes = RequestFilter::resource("identities").verb(Verb::Create);
+    server
+        .faults()
+        .fail_next(writes.clone(), 1, Failure::InternalError);
+    assert_eq!(
+        cause(&store.apply(vec![create(500)]).await[0]),
+        "server_error"
+    );
+    server.clear_requests();
+    server.faults().fail_next(
+        writes.clone(),
+        1,
+        Failure::TooManyRequests {
+            retry_after_secs: 30,
+        },
+    );
+    assert_eq!(cause(&store.apply(vec![create(501)]).await[0]), "throttled");
+    assert_eq!(
+        server.requests().writes_of("identities").len(),
+        1,
+        "kube's own retries are off for writes: the core's backoff governs"
+    );
+    let slow = server
+        .faults()
+        .delay(writes.clone(), Duration::from_secs(2));
+    assert_eq!(cause(&store.apply(vec![create(502)]).await[0]), "timeout");
+    server.faults().remove(slow);
+    server.faults().go_down(DownMode::Refuse);
+    assert_eq!(cause(&store.apply(vec![create(503)]).await[0]), "transport");
+    server.faults().come_up();
+    fence.close();
+    server.clear_requests();
+    assert_eq!(
+        cause(&store.apply(vec![create(504)]).await[0]),
+        "not_leader"
+    );
+    assert!(
+        server.requests().writes_of("identities").is_empty(),
+        "a closed fence sends nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn foreign_deletes_and_edits_become_events_and_a_kubernetes_event() -> TestResult {
+    let server = fake().await?;
+    let (web, db) = (labels("web"), labels("db"));
+    server.insert(binding(500, &web))?;
+    server.insert(binding(501, &db))?;
+    let cfg = KubeStoreConfig {
+        events: Some(EventsConfig {
+            namespace: "default".into(),
+            instance: "op-test".into(),
+        }),
+        ..KubeStoreConfig::default()
+    };
+    let store = store(&server, Arc::new(Fence::always_open()), cfg)?;
+    let mut events = store.events().ok_or("no events")?;
+    synced(&store).await?;
+    let gvr = identities();
+    server.modify(&gvr, None, "500", |obj| {
+        obj["spec"]["labels"] = json!(labels("edited").to_strings());
+    })?;
+    match next_event(&mut events).await? {
+        StoreEvent::BindingInvalid { id: i, found } => {
+            assert_eq!(i, id(500));
+            assert!(found.contains("edited"), "{found}");
+        }
+        other => return fail(format!("expected BindingInvalid, got {other:?}")),
+    }
+    server.delete(&gvr, None, "501");
+    assert_eq!(
+        next_event(&mut events).await?,
+        StoreEvent::BindingLost {
+            id: id(501),
+            labels: db
+        }
+    );
+    let event_gvr = census_fake_apiserver::Gvr::new("events.k8s.io", "v1", "events");
+    let event = eventually("a Kubernetes Event about 500", WAIT, || async {
+        Ok(server
+            .list(&event_gvr)
+            .into_iter()
+            .find(|e| e["regarding"]["name"] == "500"))
+    })
+    .await?;
+    assert_eq!(event["reason"], "InvalidIdentityObject");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["kind"], "Identity");
+    assert!(
+        event["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("blocks id 500"))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_watch_restart_forgets_what_disappeared_during_the_gap() -> TestResult {
+    let server = fake().await?;
+    let (web, db) = (labels("web"), labels("db"));
+    server.insert(binding(600, &web))?;
+    server.insert(binding(601, &db))?;
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    let mut events = store.events().ok_or("no events")?;
+    synced(&store).await?;
+    let reads = store.read_model();
+    let mut changes = reads.subscribe();
+    server.faults().go_down(DownMode::Refuse);
+    server.delete(&identities(), None, "601");
+    server.faults().compact();
+    server.faults().come_up();
+    // The watch resumes from a compacted version, gets 410, lists again: one reset.
+    assert_eq!(
+        next_event(&mut events).await?,
+        StoreEvent::BindingLost {
+            id: id(601),
+            labels: db.clone()
+        }
+    );
+    assert!(reads.identity(id(601)).is_none());
+    assert!(reads.lookup(&web).is_some());
+    let change = tokio::time::timeout(WAIT, changes.recv()).await??;
+    assert_eq!(
+        change,
+        census_operator::allocator::WatchChange::Removed {
+            id: id(601),
+            labels: db
+        }
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_read_model_answers_reads() -> TestResult {
+    let server = fake().await?;
+    let (web, db) = (labels("web"), labels("db"));
+    let until = now_ms() + 60_000;
+    server.insert(binding(700, &web))?;
+    server.insert(tombstone(701, &db, until))?;
+    let mut bad = binding(702, &labels("x"));
+    bad["spec"]["labels"] = json!(["nope"]);
+    server.insert(bad)?;
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    synced(&store).await?;
+    let reads = store.read_model();
+    use census_operator::allocator::IdentityState;
+    let info = reads.lookup(&web).ok_or("no lookup")?;
+    assert_eq!((info.id, info.state), (id(700), IdentityState::Live));
+    assert_eq!(
+        reads.identity(id(701)).map(|i| i.state),
+        Some(IdentityState::Quarantined {
+            until: census_operator::allocator::Timestamp::from_millis(until)
+        })
+    );
+    assert_eq!(
+        reads.identity(id(702)).map(|i| i.state),
+        Some(IdentityState::Blocked)
+    );
+    let (page, more) = reads.list(None, 2, None, true);
+    assert_eq!(
+        page.iter().map(|i| i.id.get()).collect::<Vec<_>>(),
+        [700, 701]
+    );
+    assert!(more);
+    let (page, more) = reads.list(None, 10, None, false);
+    assert_eq!(page.len(), 1);
+    assert!(!more);
+    assert_eq!(reads.bindings(), [(id(700), web)]);
+    Ok(())
+}
