@@ -1,14 +1,27 @@
 //! census's TC classifier: counts packets and bytes per (source identity,
 //! destination identity) on the host side of each endpoint's interface.
 //!
-//! The same code runs on both hooks of the host-side veth, and each packet is
-//! counted exactly once, also between two endpoints on the same node:
+//! The same code runs on both hooks of the host-side veth. One side of every
+//! packet is the endpoint behind that interface, and INTERFACES says who it is
+//! (looked up by ifindex: an array slot, nearly free), so only the other side is
+//! looked up by address in ENDPOINTS (a hash lookup). The local side is where the
+//! packet is, not what its header claims: an endpoint cannot be counted as another
+//! by sending with that one's address.
+//!
+//! Each packet is counted exactly once, also between two endpoints on the same
+//! node:
 //!
 //! - `census_ingress` (host-side ingress: the packet leaves the endpoint) always
-//!   counts;
+//!   counts; the source is the interface's endpoint;
 //! - `census_egress` (host-side egress: the packet enters the endpoint) counts only
-//!   when the source is not a LOCAL endpoint, whose packets were already counted
-//!   when they left it.
+//!   packets that did not arrive through an interface census counts on
+//!   (`skb->ingress_ifindex` has no INTERFACES entry): the others were counted when
+//!   they left it. The destination is the interface's endpoint.
+//!
+//! INTERFACES only ever speeds counting up and pins the local side: without an
+//! entry for an interface (not written yet, or its slot taken by another), both
+//! sides are looked up by address, and egress skips packets whose source address
+//! is a LOCAL endpoint, as before INTERFACES existed.
 //!
 //! Both always return `TC_ACT_UNSPEC` (TCX "next"): the packet goes on to whatever
 //! runs after census (a CNI's policy), never dropped, never redirected.
@@ -27,7 +40,8 @@ use aya_ebpf::{
 };
 use census_common::{
     ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES, FlowKey, FlowValue,
-    META_MAX_ENTRIES, flags, identity,
+    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, META_MAX_ENTRIES, flags,
+    identity, interface_slot,
 };
 
 #[map(name = "ENDPOINTS")]
@@ -37,6 +51,10 @@ static ENDPOINTS: HashMap<EndpointKey, EndpointValue> =
 #[map(name = "FLOWS")]
 static FLOWS: LruPerCpuHashMap<FlowKey, FlowValue> =
     LruPerCpuHashMap::with_max_entries(FLOWS_MAX_ENTRIES, 0);
+
+#[map(name = "INTERFACES")]
+static INTERFACES: Array<InterfaceValue> =
+    Array::with_max_entries(INTERFACES_MAX_ENTRIES, INTERFACES_MAP_FLAGS);
 
 /// Holds the layout version; written and read by the agent only. It lives in the
 /// object so that every map census pins comes from one declaration site.
@@ -82,19 +100,58 @@ fn count(ctx: &TcContext, hook: Hook) {
     let Some((src, dst)) = addresses(ctx) else {
         return;
     };
-    let src = endpoint(&src);
-    if hook == Hook::Egress && src.is_some_and(|ep| ep.is_local()) {
-        return;
-    }
-    let dst = endpoint(&dst);
-    let key = FlowKey {
-        src_identity: identity_of(src),
-        dst_identity: identity_of(dst),
-    };
     // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole run;
-    // `len` and `gso_segs` are readable context fields of a TC program.
-    let (len, gso_segs) = unsafe { ((*ctx.skb.skb).len, (*ctx.skb.skb).gso_segs) };
+    // these are readable context fields of a TC program.
+    let (ifindex, ingress_ifindex, len, gso_segs) = unsafe {
+        let skb = ctx.skb.skb;
+        (
+            (*skb).ifindex,
+            (*skb).ingress_ifindex,
+            (*skb).len,
+            (*skb).gso_segs,
+        )
+    };
+    let key = match hook {
+        Hook::Ingress => FlowKey {
+            src_identity: local_identity(ifindex, &src),
+            dst_identity: identity_of(endpoint(&dst)),
+        },
+        Hook::Egress => {
+            if interface(ingress_ifindex).is_some() {
+                // Counted when it left that interface.
+                return;
+            }
+            let src = endpoint(&src);
+            if src.is_some_and(|ep| ep.is_local()) {
+                // From an endpoint whose interface has no entry (yet): it was
+                // counted when it left, by address.
+                return;
+            }
+            FlowKey {
+                src_identity: identity_of(src),
+                dst_identity: local_identity(ifindex, &dst),
+            }
+        }
+    };
     add(&key, u64::from(gso_segs.max(1)), u64::from(len));
+}
+
+/// The entry of interface `ifindex` in INTERFACES, if census counts on it.
+#[inline(always)]
+fn interface(ifindex: u32) -> Option<InterfaceValue> {
+    let slot = INTERFACES.get(interface_slot(ifindex))?;
+    slot.is_for(ifindex).then_some(*slot)
+}
+
+/// The identity of the endpoint behind interface `ifindex` (the side of the
+/// packet that is on this interface, whose address is `address`): from
+/// INTERFACES, else by address.
+#[inline(always)]
+fn local_identity(ifindex: u32, address: &EndpointKey) -> u32 {
+    match interface(ifindex) {
+        Some(entry) if entry.identity != identity::INVALID => entry.identity,
+        _ => identity_of(endpoint(address)),
+    }
 }
 
 /// The source and destination of an IPv4 or IPv6 packet with an Ethernet header,

@@ -39,7 +39,7 @@ use census_agent::{
     host::HostIps,
     metrics::Metrics,
     reconcile::Reconciler,
-    source::{FileSource, SourceEndpoint, SourceEvent},
+    source::{FileSource, HostInterface, SourceEndpoint, SourceEvent},
 };
 use census_netlab::{Netns, unique_name};
 use census_proto::domain::{EndpointKey, IdentityId, NodeName, canonical_ips};
@@ -197,7 +197,7 @@ fn source_endpoint(i: usize, app: &str) -> Fallible<SourceEndpoint> {
         ips: canonical_ips(vec![ipv4(i), ipv6(i)]),
         labels: BTreeMap::from([("app".to_owned(), app.to_owned())]),
         service_account: "default".to_owned(),
-        interface: format!("dummy{i}"),
+        interface: HostInterface::Named(format!("dummy{i}")),
     })
 }
 
@@ -236,10 +236,12 @@ fn throughput(count: usize) -> Fallible<()> {
         return Err(format!("{} map writes failed: {:?}", failures.len(), failures[0]).into());
     }
     let started = Instant::now();
+    let identities = endpoints.interface_identities();
     let failures = reconciler.apply_interfaces(
         &mut datapath,
         fx.interfaces.iter().cloned(),
         |i| endpoints.interface_wanted(i),
+        |i| identities.get(i).copied(),
         true,
     );
     let attaches = started.elapsed();
@@ -259,7 +261,8 @@ fn throughput(count: usize) -> Fallible<()> {
         return Err(format!("the full pass found work: {pass:?}").into());
     }
 
-    // Every label set rebound: each endpoint's two entries rewritten.
+    // Every label set rebound: each endpoint's two ENDPOINTS entries and its
+    // INTERFACES entry rewritten.
     let started = Instant::now();
     let mut fx = Effects::default();
     for (n, labels) in labels.iter().enumerate() {
@@ -270,6 +273,15 @@ fn throughput(count: usize) -> Fallible<()> {
         &mut datapath,
         fx.ips.iter().copied(),
         |ip| endpoints.desired(ip),
+        true,
+    );
+    // And each interface's INTERFACES entry.
+    let identities = endpoints.interface_identities();
+    reconciler.apply_interfaces(
+        &mut datapath,
+        fx.interfaces.iter().cloned(),
+        |i| endpoints.interface_wanted(i),
+        |i| identities.get(i).copied(),
         true,
     );
     let rebind = started.elapsed();

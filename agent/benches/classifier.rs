@@ -8,6 +8,13 @@
 //! run-time statistics, `BPF_ENABLE_STATS`, are no better here: they add two
 //! clock reads per run, which cost more than the program on a virtual machine.)
 //!
+//! A test run's packet is on the loopback (`skb->ifindex` 1): each scenario
+//! gives the loopback the INTERFACES entry of the endpoint whose host-side
+//! interface the packet is on, and sets the interface it arrived on
+//! (`skb->ingress_ifindex`), which the program only looks up. The fallback
+//! scenarios run without those entries: both sides by address, as for an
+//! interface whose entry is missing.
+//!
 //! Needs root: run it with `cargo xtask bench-classifier`. Without root (as in
 //! `cargo bench --workspace`) it says so and exits successfully.
 //!
@@ -18,16 +25,30 @@
 
 use std::{net::IpAddr, path::PathBuf, process::ExitCode, time::Duration};
 
-use census_agent::bpf::{Datapath, Direction, Endpoint, object_is_embedded, uninstall};
+use census_agent::bpf::{
+    Datapath, Direction, Endpoint, Interface, TestContext, object_is_embedded, uninstall,
+};
 use census_netlab::{packet, unique_name};
 
 /// What census aims for, per packet.
 const TARGET: Duration = Duration::from_nanos(100);
 
+/// The interface a test run's packet is on (`skb->ifindex`).
+const LOOPBACK: u32 = 1;
+/// Pod A's host-side interface, as the interface a packet arrived on.
+const POD_A_INTERFACE: u32 = 50;
+/// An interface without an entry (the node's uplink, say).
+const UPLINK: u32 = 2;
+
 struct Scenario {
     name: &'static str,
     direction: Direction,
     frame: Vec<u8>,
+    context: TestContext,
+    /// The INTERFACES entries during the scenario, besides the node's others.
+    interfaces: Vec<Interface>,
+    /// Judged against the target (the steady state), or shown for information.
+    judged: bool,
 }
 
 /// Removes the bench's pin directory, also on failure.
@@ -83,6 +104,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let a6: IpAddr = "2001:2:0:1::2".parse()?;
     let b6: IpAddr = "2001:2:0:2::2".parse()?;
     let outside: IpAddr = "198.19.0.9".parse()?;
+    let outside6: IpAddr = "2001:3::9".parse()?;
     for (ip, identity) in [(a, 1000), (b, 1001), (a6, 1000), (b6, 1001)] {
         datapath.upsert_endpoint(ip, Endpoint::local(identity))?;
     }
@@ -92,57 +114,127 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         datapath.upsert_endpoint(ip, Endpoint::local(2000 + u32::from(i)))?;
     }
 
+    // A node's worth of other interfaces.
+    for i in 0..110u32 {
+        datapath.set_interface(Interface {
+            ifindex: 100 + i,
+            identity: Some(2000 + i),
+        })?;
+    }
+
     let udp = |src, dst| packet::udp_frame(src, dst, 64).ok_or("mixed address families");
+    let on = |ifindex, identity| Interface {
+        ifindex,
+        identity: Some(identity),
+    };
+    let leaving_a = TestContext::default();
+    let from_a = TestContext {
+        ingress_ifindex: POD_A_INTERFACE,
+        ..TestContext::default()
+    };
+    let from_uplink = TestContext {
+        ingress_ifindex: UPLINK,
+        ..TestContext::default()
+    };
     let scenarios = [
         Scenario {
             name: "ingress  IPv4 pod -> pod (counted)",
             direction: Direction::Ingress,
             frame: udp(a, b)?,
+            context: leaving_a,
+            interfaces: vec![on(LOOPBACK, 1000)],
+            judged: true,
         },
         Scenario {
-            name: "egress   IPv4 pod -> pod (skipped: local source)",
+            name: "egress   IPv4 pod -> pod (skipped: from a census interface)",
             direction: Direction::Egress,
             frame: udp(a, b)?,
+            context: from_a,
+            interfaces: vec![on(LOOPBACK, 1001), on(POD_A_INTERFACE, 1000)],
+            judged: true,
         },
         Scenario {
             name: "egress   IPv4 world -> pod (counted)",
             direction: Direction::Egress,
             frame: udp(outside, b)?,
+            context: from_uplink,
+            interfaces: vec![on(LOOPBACK, 1001)],
+            judged: true,
         },
         Scenario {
             name: "ingress  IPv6 pod -> pod (counted)",
             direction: Direction::Ingress,
             frame: udp(a6, b6)?,
+            context: leaving_a,
+            interfaces: vec![on(LOOPBACK, 1000)],
+            judged: true,
+        },
+        Scenario {
+            name: "egress   IPv6 world -> pod (counted)",
+            direction: Direction::Egress,
+            frame: udp(outside6, b6)?,
+            context: from_uplink,
+            interfaces: vec![on(LOOPBACK, 1001)],
+            judged: true,
+        },
+        Scenario {
+            name: "fallback: ingress IPv4 pod -> pod, by address",
+            direction: Direction::Ingress,
+            frame: udp(a, b)?,
+            context: leaving_a,
+            interfaces: vec![],
+            judged: false,
+        },
+        Scenario {
+            name: "fallback: egress IPv4 pod -> pod (skipped: local source)",
+            direction: Direction::Egress,
+            frame: udp(a, b)?,
+            context: from_a,
+            interfaces: vec![],
+            judged: false,
+        },
+        Scenario {
+            name: "fallback: egress IPv4 world -> pod, by address",
+            direction: Direction::Egress,
+            frame: udp(outside, b)?,
+            context: from_uplink,
+            interfaces: vec![],
+            judged: false,
         },
     ];
     let baseline = Scenario {
         name: "ingress  ARP (not IP: returns at once)",
         direction: Direction::Ingress,
         frame: packet::arp_frame(),
+        context: leaving_a,
+        interfaces: vec![],
+        judged: false,
     };
 
     println!(
         "census classifier, BPF_PROG_TEST_RUN, {repeat} runs x {rounds} rounds, median ns/packet:"
     );
-    println!("  {:<50} {:>8} {:>8}", "scenario", "measured", "net");
+    println!("  {:<60} {:>8} {:>8}", "scenario", "measured", "net");
     let harness = measure(&mut datapath, &baseline, repeat, rounds)?;
-    println!("  {:<50} {:>8}", baseline.name, harness.as_nanos());
+    println!("  {:<60} {:>8}", baseline.name, harness.as_nanos());
     let mut worst = (Duration::ZERO, Duration::ZERO);
     for scenario in &scenarios {
         let measured = measure(&mut datapath, scenario, repeat, rounds)?;
         let net = measured.saturating_sub(harness);
-        worst = worst.max((net, measured));
+        if scenario.judged {
+            worst = worst.max((net, measured));
+        }
         println!(
-            "  {:<50} {:>8} {:>8}",
+            "  {:<60} {:>8} {:>8}",
             scenario.name,
             measured.as_nanos(),
             net.as_nanos()
         );
     }
     let (net, measured) = worst;
-    let verdict = if net < TARGET { "under" } else { "OVER" };
+    let verdict = if measured < TARGET { "under" } else { "OVER" };
     println!(
-        "worst case: {} ns/packet measured, {} ns/packet net of the test loop: {verdict} the {} ns target",
+        "worst case (INTERFACES entries in place): {} ns/packet measured ({} ns net of the test loop): {verdict} the {} ns target",
         measured.as_nanos(),
         net.as_nanos(),
         TARGET.as_nanos()
@@ -157,11 +249,18 @@ fn measure(
     repeat: u32,
     rounds: usize,
 ) -> Result<Duration, Box<dyn std::error::Error>> {
+    for ifindex in [LOOPBACK, POD_A_INTERFACE] {
+        datapath.delete_interface(ifindex)?;
+    }
+    for interface in &scenario.interfaces {
+        datapath.set_interface(*interface)?;
+    }
+    let (direction, frame, context) = (scenario.direction, &scenario.frame, scenario.context);
     // Warm up: the flow entry exists from here on, as in steady state.
-    datapath.test_run(scenario.direction, &scenario.frame, 1_000)?;
+    datapath.test_run(direction, frame, context, 1_000)?;
     let mut means = Vec::with_capacity(rounds);
     for _ in 0..rounds {
-        let run = datapath.test_run(scenario.direction, &scenario.frame, repeat)?;
+        let run = datapath.test_run(direction, frame, context, repeat)?;
         if run.return_value != -1 {
             return Err(format!(
                 "{}: returned {} instead of TC_ACT_UNSPEC",

@@ -61,14 +61,73 @@ pub struct AgentArgs {
     pub reconnect_max_backoff: Duration,
     #[command(flatten)]
     pub log: LogArgs,
+    #[command(flatten)]
+    pub profiling: census_daemon::ProfilingArgs,
 }
 
-/// Where endpoints come from. (The Kubernetes pod source joins here.)
+/// Where endpoints come from.
 #[derive(Debug, Clone, Args)]
 pub struct SourceArgs {
+    /// The endpoint source [default: `file` when --endpoints-file is given, else
+    /// `kubernetes`].
+    #[arg(long, env = "CENSUS_ENDPOINT_SOURCE", value_enum)]
+    pub endpoint_source: Option<SourceKind>,
     /// A JSON (.json) or YAML (.yaml, .yml) list of endpoints, re-read when it changes.
     #[arg(long, env = "CENSUS_ENDPOINTS_FILE")]
     pub endpoints_file: Option<PathBuf>,
+    /// The kubeconfig of the Kubernetes pod source [default: the pod's service
+    /// account in a cluster, else $KUBECONFIG or ~/.kube/config].
+    #[arg(long, env = "CENSUS_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SourceKind {
+    /// The pods of this node (`spec.nodeName` = --node-name), from the API server.
+    Kubernetes,
+    /// The endpoints file (--endpoints-file).
+    File,
+}
+
+/// The endpoint source the flags name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceChoice {
+    File(PathBuf),
+    Kubernetes { kubeconfig: Option<PathBuf> },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceArgsError {
+    #[error("--endpoint-source file needs --endpoints-file FILE (or CENSUS_ENDPOINTS_FILE)")]
+    NoFile,
+    #[error("--endpoints-file is for --endpoint-source file, not kubernetes")]
+    FileWithKubernetes,
+    #[error("--kubeconfig is for --endpoint-source kubernetes, not file")]
+    KubeconfigWithFile,
+}
+
+impl SourceArgs {
+    pub fn choose(&self) -> Result<SourceChoice, SourceArgsError> {
+        let Self {
+            endpoint_source,
+            endpoints_file,
+            kubeconfig,
+        } = self;
+        let kind = endpoint_source.unwrap_or(if endpoints_file.is_some() {
+            SourceKind::File
+        } else {
+            SourceKind::Kubernetes
+        });
+        match (kind, endpoints_file, kubeconfig) {
+            (SourceKind::File, _, Some(_)) => Err(SourceArgsError::KubeconfigWithFile),
+            (SourceKind::File, Some(file), None) => Ok(SourceChoice::File(file.clone())),
+            (SourceKind::File, None, None) => Err(SourceArgsError::NoFile),
+            (SourceKind::Kubernetes, Some(_), _) => Err(SourceArgsError::FileWithKubernetes),
+            (SourceKind::Kubernetes, None, kubeconfig) => Ok(SourceChoice::Kubernetes {
+                kubeconfig: kubeconfig.clone(),
+            }),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -191,6 +250,46 @@ mod tests {
         );
         assert!(parse("https://x:1").is_err_and(|e| e.contains("not supported")));
         assert!(parse("http://").is_err());
+    }
+
+    #[test]
+    fn the_endpoint_source_follows_the_flags() -> Result<(), clap::Error> {
+        let choose = |args: &[&str]| {
+            Cli::try_parse_from([&["census-agent"], args].concat())
+                .map(|cli| cli.agent.source.choose().map_err(|e| e.to_string()))
+        };
+        assert_eq!(
+            choose(&["--endpoints-file", "/e.yaml"])?,
+            Ok(SourceChoice::File("/e.yaml".into()))
+        );
+        assert_eq!(
+            choose(&[])?,
+            Ok(SourceChoice::Kubernetes { kubeconfig: None })
+        );
+        assert_eq!(
+            choose(&["--endpoint-source", "kubernetes", "--kubeconfig", "/k"])?,
+            Ok(SourceChoice::Kubernetes {
+                kubeconfig: Some("/k".into())
+            })
+        );
+        assert!(
+            choose(&["--endpoint-source", "file"])?
+                .is_err_and(|e| e.contains("needs --endpoints-file"))
+        );
+        assert!(
+            choose(&[
+                "--endpoint-source",
+                "kubernetes",
+                "--endpoints-file",
+                "/e.yaml"
+            ])?
+            .is_err_and(|e| e.contains("not kubernetes"))
+        );
+        assert!(
+            choose(&["--endpoints-file", "/e.yaml", "--kubeconfig", "/k"])?
+                .is_err_and(|e| e.contains("not file"))
+        );
+        Ok(())
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::{
     bpf,
     identities::{AllocationRequest, IdentityCache, Lookup},
     reconcile::Desired,
-    source::{SourceEndpoint, SourceEvent, SourceFailure},
+    source::{HostInterface, SourceEndpoint, SourceEvent, SourceFailure},
     sync::Report,
 };
 
@@ -204,20 +204,22 @@ impl Endpoints {
         // What the operator was told about this endpoint (nothing unless it held an identity).
         let before = previous.as_ref().and_then(|m| to_report(&key, m));
         let mut managed = match previous {
-            Some(old) => {
+            Some(mut old) => {
                 for ip in &old.source.ips {
                     self.disown(*ip, &key);
                     fx.ips.insert(*ip);
                 }
                 if old.source.interface != source.interface {
-                    self.interface_users(&old.source.interface, -1);
-                    self.interface_users(&source.interface, 1);
-                    fx.interfaces.insert(old.source.interface.clone());
+                    self.interface_users(old.source.interface.name(), -1);
+                    self.interface_users(source.interface.name(), 1);
+                    fx.interfaces
+                        .extend(old.source.interface.name().map(str::to_owned));
+                    old.interface_error = None;
                 }
                 old
             }
             None => {
-                self.interface_users(&source.interface, 1);
+                self.interface_users(source.interface.name(), 1);
                 Managed {
                     held: self.adopt(&source, &wanted),
                     source: source.clone(),
@@ -232,7 +234,8 @@ impl Endpoints {
             self.owners.entry(*ip).or_default().insert(key.clone());
             fx.ips.insert(*ip);
         }
-        fx.interfaces.insert(source.interface.clone());
+        fx.interfaces
+            .extend(source.interface.name().map(str::to_owned));
         managed.source = source;
         if managed.wanted != wanted {
             self.relabel(&key, &mut managed, wanted, fx);
@@ -290,6 +293,8 @@ impl Endpoints {
             }
         }
         fx.ips.extend(managed.source.ips.iter().copied());
+        fx.interfaces
+            .extend(managed.source.interface.name().map(str::to_owned));
     }
 
     fn remove(&mut self, key: &EndpointKey, fx: &mut Effects) {
@@ -300,8 +305,9 @@ impl Endpoints {
             self.disown(*ip, key);
             fx.ips.insert(*ip);
         }
-        self.interface_users(&managed.source.interface, -1);
-        fx.interfaces.insert(managed.source.interface.clone());
+        self.interface_users(managed.source.interface.name(), -1);
+        fx.interfaces
+            .extend(managed.source.interface.name().map(str::to_owned));
         if let Ok(labels) = &managed.wanted {
             self.cache.release(labels, key);
         }
@@ -319,7 +325,10 @@ impl Endpoints {
         }
     }
 
-    fn interface_users(&mut self, interface: &str, delta: isize) {
+    fn interface_users(&mut self, interface: Option<&str>, delta: isize) {
+        let Some(interface) = interface else {
+            return;
+        };
         let count = self.interfaces.entry(interface.to_owned()).or_default();
         *count = count.saturating_add_signed(delta);
         if *count == 0 {
@@ -396,6 +405,8 @@ impl Endpoints {
         }
         managed.held = Some(held);
         fx.ips.extend(managed.source.ips.iter().copied());
+        fx.interfaces
+            .extend(managed.source.interface.name().map(str::to_owned));
         report(key, managed, fx);
     }
 
@@ -440,8 +451,13 @@ impl Endpoints {
             .get(&ip)
             .and_then(|owners| owners.first())
             .and_then(|key| self.table.get(key));
-        match owner.and_then(|m| m.held.as_ref()) {
-            Some(held) => Some(bpf::Endpoint::local(held.id.get())),
+        match owner.and_then(|m| m.held.as_ref().map(|held| (m, held))) {
+            Some((m, held)) => Some(match m.source.interface {
+                HostInterface::Named(_) => bpf::Endpoint::local(held.id.get()),
+                // No census program sees its packets leave: it must not be skipped
+                // where they enter another local endpoint.
+                HostInterface::Unknown(_) => bpf::Endpoint::unattached(held.id.get()),
+            }),
             None if self.host_ips.contains(&ip) => Some(bpf::Endpoint::host()),
             None => None,
         }
@@ -471,7 +487,39 @@ impl Endpoints {
         Desired {
             entries,
             interfaces: self.interfaces.keys().cloned().collect(),
+            interface_identities: self
+                .interface_identities()
+                .into_iter()
+                .map(|(interface, id)| (interface.to_owned(), id))
+                .collect(),
         }
+    }
+
+    /// The interfaces behind which every endpoint holds one same identity, and
+    /// that identity: the classifier takes it as the local side of every packet
+    /// there (INTERFACES), whatever address the packet carries. An interface with
+    /// an endpoint still waiting for its identity, or endpoints of different
+    /// identities, is not listed: its packets are counted by address.
+    pub fn interface_identities(&self) -> HashMap<&str, u32> {
+        let mut identities: HashMap<&str, Option<u32>> = HashMap::new();
+        for managed in self.table.values() {
+            let Some(interface) = managed.source.interface.name() else {
+                continue;
+            };
+            let id = managed.held.as_ref().map(|held| held.id.get());
+            identities
+                .entry(interface)
+                .and_modify(|seen| {
+                    if *seen != id {
+                        *seen = None;
+                    }
+                })
+                .or_insert(id);
+        }
+        identities
+            .into_iter()
+            .filter_map(|(interface, id)| Some((interface, id?)))
+            .collect()
     }
 
     /// Records the outcome of writing the entries of `touched` (the failures among them).
@@ -512,8 +560,10 @@ impl Endpoints {
             .map(|(i, e)| (i.as_str(), e.to_string()))
             .collect();
         for managed in self.table.values_mut() {
-            if touched.contains(&managed.source.interface) {
-                managed.interface_error = failed.get(managed.source.interface.as_str()).cloned();
+            if let Some(name) = managed.source.interface.name()
+                && touched.contains(name)
+            {
+                managed.interface_error = failed.get(name).cloned();
             }
         }
     }
@@ -528,7 +578,7 @@ impl Endpoints {
                     namespace: key.namespace().to_owned(),
                     name: key.name().to_owned(),
                     ips: m.source.ips.iter().map(ToString::to_string).collect(),
-                    interface: m.source.interface.clone(),
+                    interface: m.source.interface.name().unwrap_or_default().to_owned(),
                     identity: m.held.as_ref().map(|h| h.id.get()),
                     labels: m
                         .wanted
@@ -567,7 +617,11 @@ impl Endpoints {
             }
             _ => conflict
                 .or_else(|| m.map_error.clone())
-                .or_else(|| m.interface_error.clone()),
+                .or_else(|| m.interface_error.clone())
+                .or_else(|| match &m.source.interface {
+                    HostInterface::Unknown(why) => Some(format!("no host-side interface: {why}")),
+                    HostInterface::Named(_) => None,
+                }),
         };
         if let Some(error) = error {
             return (api::EndpointState::Error, Some(error));
@@ -621,7 +675,7 @@ mod tests {
             ips: vec![ip].into_boxed_slice(),
             labels: BTreeMap::from([("app".to_owned(), app.to_owned())]),
             service_account: "default".to_owned(),
-            interface: format!("veth{name}"),
+            interface: HostInterface::Named(format!("veth{name}")),
         }
     }
 
@@ -858,6 +912,97 @@ mod tests {
         assert!(fx.ips.contains(&node));
         assert_eq!(e.desired(node), Some(bpf::Endpoint::host()));
         assert_eq!(e.desired_all().entries.len(), 1);
+    }
+
+    #[test]
+    fn an_endpoint_without_an_interface_is_written_and_shows_why() {
+        let mut e = Endpoints::new(&BTreeMap::new());
+        let (mut r, mut maps) = (Reconciler::default(), FakeMaps::default());
+        let mut fx = Effects::default();
+        let mut lost = ep("web-0", "198.18.1.2", "web");
+        lost.interface = HostInterface::Unknown("no route to 198.18.1.2 (unreachable)".into());
+        e.on_source(SourceEvent::Reset(vec![lost]), &mut fx);
+        assert!(fx.interfaces.is_empty(), "nothing to attach");
+        e.allocated(&labels_of(&e, "web-0"), id(300), &mut fx);
+        apply(&mut e, &mut r, &mut maps, &fx);
+        assert_eq!(entries(&maps), vec![("198.18.1.2".into(), 300)]);
+        assert_eq!(
+            e.desired(
+                "198.18.1.2"
+                    .parse()
+                    .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED))
+            ),
+            Some(bpf::Endpoint::unattached(300)),
+            "not LOCAL: no census hook counts its packets as they leave it"
+        );
+        assert_eq!(fx.reports.len(), 1, "the operator counts it");
+        let view = e.view();
+        assert_eq!(view[0].state, api::EndpointState::Error);
+        assert_eq!(
+            view[0].error.as_deref(),
+            Some("no host-side interface: no route to 198.18.1.2 (unreachable)")
+        );
+        assert_eq!(view[0].interface, "");
+        assert_eq!(e.desired_interfaces(), 0);
+
+        let mut fx = Effects::default();
+        e.on_source(
+            SourceEvent::Upsert(ep("web-0", "198.18.1.2", "web")),
+            &mut fx,
+        );
+        assert!(fx.interfaces.contains("vethweb-0"), "found later: attached");
+        assert_eq!(e.counts(), (1, 0, 0));
+    }
+
+    #[test]
+    fn an_interface_carries_the_identity_every_endpoint_behind_it_holds() {
+        let mut e = Endpoints::new(&BTreeMap::new());
+        let mut fx = Effects::default();
+        let mut web1 = ep("web-1", "198.18.2.2", "web");
+        web1.interface = HostInterface::Named("vethweb-0".into());
+        let mut db1 = ep("db-1", "198.18.4.2", "db");
+        db1.interface = HostInterface::Named("vethdb-0".into());
+        e.on_source(
+            SourceEvent::Reset(vec![
+                ep("web-0", "198.18.1.2", "web"),
+                web1,
+                ep("db-0", "198.18.3.2", "db"),
+                db1,
+                ep("api-0", "198.18.5.2", "api"),
+            ]),
+            &mut fx,
+        );
+        assert!(e.interface_identities().is_empty(), "nobody holds one yet");
+
+        let mut fx = Effects::default();
+        e.allocated(&labels_of(&e, "web-0"), id(300), &mut fx);
+        e.allocated(&labels_of(&e, "db-0"), id(301), &mut fx);
+        assert!(
+            fx.interfaces.contains("vethweb-0") && fx.interfaces.contains("vethdb-0"),
+            "an identity known is an INTERFACES entry to write: {:?}",
+            fx.interfaces
+        );
+        assert_eq!(
+            e.interface_identities(),
+            HashMap::from([("vethweb-0", 300), ("vethdb-0", 301)]),
+            "api-0 still waits: its interface has no identity"
+        );
+
+        // db-1 moves to another label set: two identities behind one interface.
+        let mut fx = Effects::default();
+        let mut db1 = ep("db-1", "198.18.4.2", "cache");
+        db1.interface = HostInterface::Named("vethdb-0".into());
+        e.on_source(SourceEvent::Upsert(db1), &mut fx);
+        e.allocated(&labels_of(&e, "db-1"), id(302), &mut fx);
+        assert!(fx.interfaces.contains("vethdb-0"));
+        assert_eq!(
+            e.interface_identities(),
+            HashMap::from([("vethweb-0", 300)])
+        );
+        assert_eq!(
+            e.desired_all().interface_identities,
+            HashMap::from([("vethweb-0".to_owned(), 300)])
+        );
     }
 
     #[test]

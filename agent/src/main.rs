@@ -1,19 +1,33 @@
-//! census-agent: the node agent. `census-agent --endpoints-file FILE` runs it;
+//! census-agent: the node agent. `census-agent --endpoints-file FILE` runs it on a
+//! file, `census-agent --node-name NODE` on the pods of NODE from the API server;
 //! `census-agent uninstall` removes census's datapath from the node.
 
-use std::{fs, path::Path, process::ExitCode, time::Duration};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::{Context as _, bail};
 use census_agent::{
     bpf::{self, Datapath, Inspector},
-    config::{AgentArgs, Cli, Command, LogFormat, SourceArgs, UninstallArgs},
+    config::{AgentArgs, Cli, Command, LogFormat, SourceChoice, UninstallArgs},
     daemon::{self, Options},
     host::HostIps,
-    source::FileSource,
+    source::{
+        EndpointSource, FileSource, PodSource,
+        kubernetes::{RouteLookup, Timing},
+    },
 };
 use census_proto::domain::NodeName;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
+
+/// jemalloc, counting live heap bytes (census-daemon's `alloc` module says why).
+#[global_allocator]
+static ALLOCATOR: census_daemon::DaemonAllocator = census_daemon::DaemonAllocator::new();
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -66,22 +80,28 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         operator,
         pin_dir,
         admin_listen,
-        source: SourceArgs { endpoints_file },
+        source,
         reconcile_interval,
         reconnect_max_backoff,
         log: _,
+        profiling,
     } = args;
-    let node = match node_name {
-        Some(node) => node,
-        None => host_name()?,
+    let choice = source.choose()?;
+    let node = match (node_name, &choice) {
+        (Some(node), _) => node,
+        // Watching the pods of a guessed name would find none and report an empty node.
+        (None, SourceChoice::Kubernetes { .. }) => bail!(
+            "the Kubernetes pod source needs this node's name: set CENSUS_NODE_NAME from the \
+             downward API (fieldRef spec.nodeName) or pass --node-name"
+        ),
+        (None, SourceChoice::File(_)) => host_name()?,
     };
-    let Some(endpoints_file) = endpoints_file else {
-        bail!(
-            "no endpoint source: pass --endpoints-file FILE (or CENSUS_ENDPOINTS_FILE); the \
-             Kubernetes pod source is not built yet"
-        );
+    // The file is checked before the datapath is loaded; the API server's client
+    // needs the runtime.
+    let planned = match choice {
+        SourceChoice::File(path) => Planned::File(FileSource::new(path, reconcile_interval)?),
+        SourceChoice::Kubernetes { kubeconfig } => Planned::Kubernetes { kubeconfig },
     };
-    let source = FileSource::new(endpoints_file, reconcile_interval)?;
 
     // Loading fails early and clearly: capabilities, bpffs, the verifier's log.
     let datapath = Datapath::open(&pin_dir)
@@ -95,6 +115,28 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(async move {
+        let census_daemon::ProfilingArgs { heap_profiling } = profiling;
+        if heap_profiling {
+            census_daemon::profiling::activate().await?;
+            tracing::info!("jemalloc heap profiling is on: /debug/pprof/heap on the admin port");
+        }
+        let source: Box<dyn EndpointSource> = match planned {
+            Planned::File(file) => Box::new(file),
+            Planned::Kubernetes { kubeconfig } => {
+                let client = kube_client(kubeconfig.as_deref()).await?;
+                let timing = Timing {
+                    resync: reconcile_interval,
+                    max_backoff: reconnect_max_backoff,
+                    ..Timing::default()
+                };
+                Box::new(PodSource::new(
+                    client,
+                    node.clone(),
+                    Arc::new(RouteLookup),
+                    timing,
+                ))
+            }
+        };
         let options = Options {
             node,
             operator: operator.to_string(),
@@ -105,12 +147,40 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             session: daemon::new_session(),
             host_ips: HostIps::Discover,
         };
-        let running = daemon::start(options, datapath, Some(pinned), Box::new(source)).await?;
+        let running = daemon::start(options, datapath, Some(pinned), source).await?;
         wait_for_signal().await;
         tracing::info!("shutting down; the datapath stays in place");
         running.shut_down().await;
         Ok(())
     })
+}
+
+/// The endpoint source, all but started.
+enum Planned {
+    File(FileSource),
+    Kubernetes { kubeconfig: Option<PathBuf> },
+}
+
+/// A client for the API server: `kubeconfig` if given, else the pod's service
+/// account in a cluster, else $KUBECONFIG or ~/.kube/config.
+async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("the kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no API server to watch pods on: not in a cluster, and no kubeconfig (pass --kubeconfig, or --endpoints-file for the file source)")?,
+    };
+    let url = config.cluster_url.clone();
+    let client = kube::Client::try_from(config)
+        .with_context(|| format!("cannot make a client for the API server at {url}"))?;
+    tracing::info!(%url, "watching this node's pods on the API server");
+    Ok(client)
 }
 
 fn host_name() -> anyhow::Result<NodeName> {

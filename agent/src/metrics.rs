@@ -135,12 +135,12 @@ impl Metrics {
         );
         r.register(
             "map_repairs",
-            "ENDPOINTS entries the periodic full pass found changed or missing and rewrote",
+            "ENDPOINTS and INTERFACES entries the periodic full pass found changed or missing and rewrote",
             self.map_repairs.clone(),
         );
         r.register(
             "map_removals",
-            "ENDPOINTS entries the periodic full pass removed because no endpoint wants them",
+            "ENDPOINTS and INTERFACES entries the periodic full pass removed because nothing wants them",
             self.map_removals.clone(),
         );
         r.register(
@@ -171,6 +171,8 @@ pub struct Gauges {
     pub identities: u64,
     pub pending_allocations: u64,
     pub interfaces: u64,
+    /// Attached interfaces whose INTERFACES slot another interface holds.
+    pub interfaces_by_address: u64,
 }
 
 /// Reads [`Gauges`] and FLOWS at scrape time.
@@ -256,6 +258,13 @@ impl Collector for AgentCollector {
             "census_agent_interfaces",
             "Interfaces the classifier should be attached to",
             g.interfaces,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_interfaces_by_address",
+            "Interfaces the classifier is attached to whose INTERFACES slot another interface \
+             holds: their packets are counted by address, not by interface",
+            g.interfaces_by_address,
         )?;
 
         let Some(maps) = &self.flows else {

@@ -325,7 +325,10 @@ async fn version_shows_the_agent_and_the_operator_when_they_answer() -> TestResu
     .json()?;
     assert_eq!(version["cli"]["version"], env!("CARGO_PKG_VERSION"));
     assert_eq!(version["cli"]["protocol_version"], 1);
-    assert_eq!(version["cli"]["layout_version"], 1);
+    assert_eq!(
+        version["cli"]["layout_version"],
+        census_agent::bpf::LAYOUT_VERSION
+    );
     assert_eq!(version["agent"]["version"], "0.1.0");
     assert_eq!(version["agent"]["layout_version"], 1);
     assert_eq!(version["agent"]["error"], Value::Null);

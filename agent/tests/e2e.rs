@@ -23,7 +23,8 @@ use census_netlab::Pod;
 use harness::{World, endpoint_entry, wait_for};
 use support::{
     CensusLink, Fallible, TestResult, assert_one_census_program_per_hook, bpftool, bytes,
-    census_tcx_links, eventually, frame_len, hook_programs, path_str, send, u32_at,
+    census_tcx_links, eventually, frame_len, hook_programs, host_ifindex,
+    interface_entry_by_bpftool, path_str, send, spoof_addresses_of, u32_at,
 };
 
 const PAYLOAD: usize = 100;
@@ -33,6 +34,7 @@ const HOST: u32 = 4;
 
 const WEB: &[(&str, &str)] = &[("app", "web")];
 const DB: &[(&str, &str)] = &[("app", "db")];
+const CACHE: &[(&str, &str)] = &[("app", "cache")];
 
 /// ENDPOINTS as bpftool reads it (parsed from its bytes, independently of
 /// census's types): address -> (identity, flags).
@@ -148,6 +150,17 @@ fn agent_programs_identities_and_counts_each_packet_once() -> TestResult {
         );
     }
     assert_one_census_program_per_hook(&world.pins, &world.lab, &[&web0, &web1, &db0])?;
+    // INTERFACES, as bpftool sees it: each pod's host side -> its identity.
+    for (pod, id) in [(&web0, web), (&web1, web), (&db0, db)] {
+        let ifindex = host_ifindex(&world.lab, pod)?;
+        assert_eq!(
+            interface_entry_by_bpftool(world.pins.path(), ifindex)?,
+            Some(id),
+            "{}",
+            pod.host_interface
+        );
+    }
+    let web1_ifindex = host_ifindex(&world.lab, &web1)?;
 
     // Each packet once, per identity pair; same-identity and same-node pairs too.
     counted_once(&world, &web0, &db0, (web, db))?;
@@ -174,7 +187,9 @@ fn agent_programs_identities_and_counts_each_packet_once() -> TestResult {
     world.wait_programmed(&["db-0", "web-0"])?;
     wait_for(Duration::from_secs(10), "web-1's entries to go", || {
         let entries = endpoints_by_bpftool(&world)?;
-        Ok(!entries.contains_key(&web1.ip(false)) && !entries.contains_key(&web1.ip(true)))
+        Ok(!entries.contains_key(&web1.ip(false))
+            && !entries.contains_key(&web1.ip(true))
+            && interface_entry_by_bpftool(world.pins.path(), web1_ifindex)?.is_none())
     })?;
     wait_for(
         Duration::from_secs(10),
@@ -196,6 +211,48 @@ fn agent_programs_identities_and_counts_each_packet_once() -> TestResult {
         )),
         "{metrics}"
     );
+    world.pass();
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_spoofed_source_is_counted_as_the_interface_it_left() -> TestResult {
+    let mut world = World::new()?;
+    let a = world.lab.add_pod()?;
+    let b = world.lab.add_pod()?;
+    let c = world.lab.add_pod()?;
+    world.write_endpoints(
+        &(endpoint_entry("a", &a, WEB)
+            + &endpoint_entry("b", &b, DB)
+            + &endpoint_entry("c", &c, CACHE)),
+    )?;
+    world.start_operator()?;
+    world.start_agent()?;
+    world.wait_programmed(&["a", "b", "c"])?;
+    let (web, db, cache) = (world.lookup(WEB)?, world.lookup(DB)?, world.lookup(CACHE)?);
+    // The agent writes the INTERFACES entries as it attaches; wait for a's.
+    let ia = host_ifindex(&world.lab, &a)?;
+    wait_for(Duration::from_secs(10), "a's INTERFACES entry", || {
+        Ok(interface_entry_by_bpftool(world.pins.path(), ia)? == Some(web))
+    })?;
+
+    // a sends to c with b's addresses: counted once, as a (web), not as b (db).
+    spoof_addresses_of(&world.lab, &a, &b)?;
+    for v6 in [false, true] {
+        let before = (flow(&world, web, cache)?, flow(&world, db, cache)?);
+        let received = send(&a.ns, b.ip(v6), &c, v6, COUNT, PAYLOAD)?;
+        assert_eq!(received, COUNT);
+        let after = (flow(&world, web, cache)?, flow(&world, db, cache)?);
+        assert_eq!(
+            after.0.0 - before.0.0,
+            COUNT as u64,
+            "as the interface it left (v6: {v6})"
+        );
+        assert_eq!(after.1, before.1, "not as the address claims (v6: {v6})");
+    }
+    // b's own traffic is still b's.
+    counted_once(&world, &b, &c, (db, cache))?;
     world.pass();
     Ok(())
 }

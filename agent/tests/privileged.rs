@@ -5,10 +5,12 @@
 //! a time. Each uses its own pin directory (`/sys/fs/bpf/census-test-<pid>-<n>`)
 //! and its own namespaces, all removed by guards even when the test fails.
 
-#[path = "privileged/support.rs"]
-mod support;
 #[path = "privileged/cli.rs"]
 mod cli;
+#[path = "privileged/pod_route.rs"]
+mod pod_route;
+#[path = "privileged/support.rs"]
+mod support;
 
 use std::{
     io::Read as _,
@@ -19,8 +21,8 @@ use std::{
 };
 
 use census_agent::bpf::{
-    AttachOutcome, AttachmentState, Datapath, Direction, Endpoint, EndpointFlags, Error,
-    LAYOUT_VERSION, enable_run_time_stats, identity, uninstall,
+    AttachOutcome, AttachmentState, Datapath, Direction, Endpoint, EndpointFlags, Error, Interface,
+    LAYOUT_VERSION, TestContext, enable_run_time_stats, identity, interface_slot, uninstall,
 };
 use census_netlab::{Lab, packet};
 use support::*;
@@ -37,15 +39,17 @@ fn programs_load_and_maps_are_pinned() -> TestResult {
     let datapath = Datapath::open(pins.path())?;
     assert_eq!(datapath.pin_dir(), pins.path());
 
-    for (name, map_type) in [
-        ("CENSUS_META", "array"),
-        ("ENDPOINTS", "hash"),
-        ("FLOWS", "lru_percpu_hash"),
+    for (name, map_type, flags) in [
+        ("CENSUS_META", "array", 0),
+        ("ENDPOINTS", "hash", 0),
+        ("FLOWS", "lru_percpu_hash", 0),
+        ("INTERFACES", "array", 0x400), // BPF_F_MMAPABLE
     ] {
         let path = pins.join(name);
         let map = bpftool(None, &["map", "show", "pinned", path_str(&path)?])?;
         assert_eq!(map["type"], map_type, "{name}: {map}");
         assert_eq!(map["name"], name, "{name}: {map}");
+        assert_eq!(map["flags"], flags, "{name}: {map}");
     }
     let meta = bpftool(
         None,
@@ -223,13 +227,10 @@ fn restart_reuses_maps_and_links_and_still_counts_once() -> TestResult {
 
     let mut second = Datapath::open(pins.path())?;
     for pod in [&a, &b] {
-        let outcomes = lab.node().run(|| second.attach(&pod.host_interface))??;
+        let attached = lab.node().run(|| second.attach(&pod.host_interface))??;
         assert_eq!(
-            outcomes,
-            [
-                (Direction::Ingress, AttachOutcome::Adopted),
-                (Direction::Egress, AttachOutcome::Adopted)
-            ]
+            (attached.ingress, attached.egress),
+            (AttachOutcome::Adopted, AttachOutcome::Adopted)
         );
     }
     assert_eq!(
@@ -278,26 +279,7 @@ fn maps_of_another_layout_are_refused() -> TestResult {
     // A layout version census does not know.
     let pins = PinDir::new();
     drop(Datapath::open(pins.path())?);
-    let meta = pins.join("CENSUS_META");
-    bpftool(
-        None,
-        &[
-            "map",
-            "update",
-            "pinned",
-            path_str(&meta)?,
-            "key",
-            "0",
-            "0",
-            "0",
-            "0",
-            "value",
-            "99",
-            "0",
-            "0",
-            "0",
-        ],
-    )?;
+    set_layout(&pins, 99)?;
     match Datapath::open(pins.path()) {
         Err(error @ Error::LayoutMismatch { found: 99, .. }) => {
             let message = error.to_string();
@@ -305,6 +287,29 @@ fn maps_of_another_layout_are_refused() -> TestResult {
         }
         other => return Err(format!("expected a layout mismatch, got {other:?}").into()),
     }
+
+    // The previous layout (1: no INTERFACES), as an older agent left it.
+    let old = PinDir::new();
+    drop(Datapath::open(old.path())?);
+    std::fs::remove_file(old.join("INTERFACES"))?;
+    set_layout(&old, 1)?;
+    match Datapath::open(old.path()) {
+        Err(error @ Error::LayoutMismatch { found: 1, .. }) => {
+            let message = error.to_string();
+            for needle in [
+                "have layout version 1",
+                &format!("this agent reads layout {LAYOUT_VERSION}"),
+                "census-agent uninstall",
+            ] {
+                assert!(message.contains(needle), "{needle:?} in {message}");
+            }
+        }
+        other => return Err(format!("expected a layout mismatch, got {other:?}").into()),
+    }
+    assert!(
+        !old.join("INTERFACES").exists(),
+        "nothing was created beside the old maps"
+    );
 
     // Maps pinned without a layout version.
     let bare = PinDir::new();
@@ -329,6 +334,192 @@ fn maps_of_another_layout_are_refused() -> TestResult {
     Ok(())
 }
 
+/// Writes `version` into the layout version map pinned in `pins`, with bpftool.
+fn set_layout(pins: &PinDir, version: u8) -> TestResult {
+    let meta = pins.join("CENSUS_META");
+    let version = version.to_string();
+    bpftool(
+        None,
+        &[
+            "map",
+            "update",
+            "pinned",
+            path_str(&meta)?,
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+            "value",
+            &version,
+            "0",
+            "0",
+            "0",
+        ],
+    )?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn interfaces_are_written_read_and_cleared_before_detaching() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let a = lab.add_pod()?;
+    let b = lab.add_pod()?;
+    let mut datapath = Datapath::open(pins.path())?;
+    let mut ifindexes = Vec::new();
+    for pod in [&a, &b] {
+        let attached = lab.node().run(|| datapath.attach(&pod.host_interface))??;
+        assert_eq!(attached.ifindex, host_ifindex(&lab, pod)?);
+        ifindexes.push(attached.ifindex);
+    }
+    let [ia, ib] = [ifindexes[0], ifindexes[1]];
+    let with = |ifindex, identity| Interface { ifindex, identity };
+    datapath.set_interface(with(ia, Some(POD_A)))?;
+    datapath.set_interface(with(ib, None))?;
+    datapath.set_interface(with(ia, Some(POD_B)))?; // replaces
+
+    // As bpftool reads the slots.
+    assert_eq!(interface_entry_by_bpftool(pins.path(), ia)?, Some(POD_B));
+    assert_eq!(
+        interface_entry_by_bpftool(pins.path(), ib)?,
+        Some(0),
+        "no identity"
+    );
+    assert_eq!(datapath.interface(ia), Some(with(ia, Some(POD_B))));
+    let listed: Vec<_> = datapath.interfaces().into_iter().collect();
+    let mut expected = vec![
+        (interface_slot(ia), with(ia, Some(POD_B))),
+        (interface_slot(ib), with(ib, None)),
+    ];
+    expected.sort_by_key(|(slot, _)| *slot);
+    assert_eq!(listed, expected);
+
+    // Another interface whose index shares a slot gets no entry; nonsense neither.
+    let twin = ia + census_common::INTERFACES_MAX_ENTRIES;
+    assert_eq!(interface_slot(twin), interface_slot(ia));
+    let taken = datapath.set_interface(with(twin, Some(POD_A)));
+    assert!(
+        matches!(taken, Err(Error::InterfaceSlotTaken { holder, .. }) if holder == ia),
+        "{taken:?}"
+    );
+    assert!(!datapath.delete_interface(twin)?, "not its entry to delete");
+    assert_eq!(datapath.interface(ia), Some(with(ia, Some(POD_B))));
+    for bad in [with(0, Some(POD_A)), with(ia, Some(identity::INVALID))] {
+        let result = datapath.set_interface(bad);
+        assert!(
+            matches!(result, Err(Error::InvalidInterface { .. })),
+            "{result:?}"
+        );
+    }
+
+    // Detaching takes the entry with it.
+    assert!(lab.node().run(|| datapath.detach(&a.host_interface))??);
+    assert_eq!(interface_entry_by_bpftool(pins.path(), ia)?, None);
+    assert_eq!(datapath.interface(ib), Some(with(ib, None)));
+    assert!(datapath.delete_interface(ib)?);
+    assert!(
+        !datapath.delete_interface(ib)?,
+        "deleting twice finds nothing"
+    );
+    assert!(datapath.interfaces().is_empty());
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_spoofed_source_is_counted_as_the_interface_it_left() -> TestResult {
+    const POD_C: u32 = 1002;
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let a = lab.add_pod()?;
+    let b = lab.add_pod()?;
+    let c = lab.add_pod()?;
+    let mut datapath = open_attached(&pins, &lab, &[&a, &b, &c])?;
+    for (pod, id) in [(&a, POD_A), (&b, POD_B), (&c, POD_C)] {
+        register(&mut datapath, pod, id)?;
+        datapath.set_interface(Interface {
+            ifindex: host_ifindex(&lab, pod)?,
+            identity: Some(id),
+        })?;
+    }
+    // A sends with B's addresses.
+    spoof_addresses_of(&lab, &a, &b)?;
+    let counters = |datapath: &Datapath| -> Fallible<Vec<(u64, u64)>> {
+        [POD_A, POD_B, identity::WORLD]
+            .into_iter()
+            .map(|src| flow(datapath, src, POD_C))
+            .collect()
+    };
+
+    for v6 in [false, true] {
+        // Neighbour discovery first: the node's solicitations entering C count
+        // as C's too (they are for C), and must not land among the datagrams.
+        assert_eq!(send(&a.ns, b.ip(v6), &c, v6, 1, PAYLOAD)?, 1);
+        let before = counters(&datapath)?;
+        assert_eq!(send(&a.ns, b.ip(v6), &c, v6, COUNT, PAYLOAD)?, COUNT);
+        let after = counters(&datapath)?;
+        let bytes = COUNT as u64 * frame_len(PAYLOAD, v6);
+        assert_eq!(
+            after[0],
+            (before[0].0 + COUNT as u64, before[0].1 + bytes),
+            "counted once, as A, the interface it left (v6: {v6})"
+        );
+        assert_eq!(after[1..], before[1..], "not as B, nor as world (v6: {v6})");
+    }
+
+    // Without A's entry: by address (as B, the address claims), still once.
+    datapath.delete_interface(host_ifindex(&lab, &a)?)?;
+    let before = counters(&datapath)?;
+    assert_eq!(
+        send(&a.ns, b.ipv4.into(), &c, false, COUNT, PAYLOAD)?,
+        COUNT
+    );
+    let after = counters(&datapath)?;
+    assert_eq!(after[0], before[0]);
+    assert_eq!(after[1].0 - before[1].0, COUNT as u64, "by address, once");
+    assert_eq!(after[2], before[2]);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn an_endpoint_without_an_identity_is_counted_once_as_world() -> TestResult {
+    let pins = PinDir::new();
+    let mut lab = Lab::new()?;
+    let waiting = lab.add_pod()?;
+    let b = lab.add_pod()?;
+    let mut datapath = open_attached(&pins, &lab, &[&waiting, &b])?;
+    register(&mut datapath, &b, POD_B)?;
+    // The classifier is on its interface, but it has no identity (no ENDPOINTS
+    // entry): its entry says so.
+    datapath.set_interface(Interface {
+        ifindex: host_ifindex(&lab, &waiting)?,
+        identity: None,
+    })?;
+    datapath.set_interface(Interface {
+        ifindex: host_ifindex(&lab, &b)?,
+        identity: Some(POD_B),
+    })?;
+    for v6 in [false, true] {
+        // Neighbour discovery first (see the spoofing test).
+        assert_eq!(send(&waiting.ns, waiting.ip(v6), &b, v6, 1, PAYLOAD)?, 1);
+        let before = flow(&datapath, identity::WORLD, POD_B)?;
+        assert_eq!(
+            send(&waiting.ns, waiting.ip(v6), &b, v6, COUNT, PAYLOAD)?,
+            COUNT
+        );
+        let after = flow(&datapath, identity::WORLD, POD_B)?;
+        assert_eq!(
+            after.0 - before.0,
+            COUNT as u64,
+            "counted leaving it, not again entering B (v6: {v6})"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
@@ -342,7 +533,7 @@ fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
 
     let removed = uninstall(pins.path())?;
     assert_eq!(removed.links.len(), 2);
-    assert_eq!(removed.pins.len(), 3);
+    assert_eq!(removed.pins.len(), 4, "{removed:?}");
     assert!(!pins.path().exists());
     assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
 
@@ -421,7 +612,7 @@ fn programs_always_pass_packets_on() -> TestResult {
 
     for direction in Direction::BOTH {
         for frame in [&udp, &arp] {
-            let run = datapath.test_run(direction, frame, 10)?;
+            let run = datapath.test_run(direction, frame, TestContext::default(), 10)?;
             assert_eq!(run.return_value, TC_ACT_UNSPEC, "{direction}");
         }
     }
@@ -432,6 +623,39 @@ fn programs_always_pass_packets_on() -> TestResult {
         (10, 10 * frame_len(PAYLOAD, false))
     );
     assert_eq!(datapath.flows()?.len(), 1);
+
+    // On an interface with an entry (the loopback, where test runs are), the
+    // entry's identity is the local side whatever the address says; egress skips
+    // packets that arrived through an interface with an entry.
+    const LOOPBACK: u32 = 1;
+    const ELSEWHERE: u32 = 4242;
+    datapath.set_interface(Interface {
+        ifindex: LOOPBACK,
+        identity: Some(POD_B),
+    })?;
+    let from = |ingress_ifindex| TestContext {
+        ingress_ifindex,
+        ..TestContext::default()
+    };
+    datapath.test_run(Direction::Ingress, &udp, from(0), 10)?;
+    assert_eq!(
+        flow(&datapath, POD_B, POD_B)?.0,
+        10,
+        "leaving B's interface: B"
+    );
+    datapath.test_run(Direction::Egress, &udp, from(LOOPBACK), 10)?;
+    assert_eq!(
+        datapath.flows()?.len(),
+        2,
+        "arrived through B's interface: skipped"
+    );
+    datapath.upsert_endpoint(src, Endpoint::remote(POD_A))?;
+    datapath.test_run(Direction::Egress, &udp, from(ELSEWHERE), 10)?;
+    assert_eq!(
+        flow(&datapath, POD_A, POD_B)?.0,
+        20,
+        "from elsewhere, entering B's interface: B"
+    );
     Ok(())
 }
 
@@ -443,7 +667,7 @@ fn run_time_statistics_count_runs() -> TestResult {
     let frame = packet::arp_frame();
     let stats_enabled = enable_run_time_stats()?;
     let before = datapath.program_stats(Direction::Egress)?;
-    datapath.test_run(Direction::Egress, &frame, 25)?;
+    datapath.test_run(Direction::Egress, &frame, TestContext::default(), 25)?;
     let after = datapath.program_stats(Direction::Egress)?;
     drop(stats_enabled);
     assert_eq!(after.run_count - before.run_count, 25);

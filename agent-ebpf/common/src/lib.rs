@@ -15,13 +15,21 @@ use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// The agent records it in [`META_MAP`] when it creates the maps and refuses to
 /// use pinned maps that carry another one. 0 is never a layout: it marks a meta
 /// map that was created but not yet stamped.
-pub const LAYOUT_VERSION: u32 = 1;
+///
+/// 2: [`INTERFACES_MAP`] (the endpoint behind each interface census counts on).
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// `endpoint address -> identity + flags`: [`EndpointKey`] -> [`EndpointValue`].
 pub const ENDPOINTS_MAP: &str = "ENDPOINTS";
 /// `(source identity, destination identity) -> packets, bytes`, per CPU, least
 /// recently used pairs evicted first: [`FlowKey`] -> [`FlowValue`].
 pub const FLOWS_MAP: &str = "FLOWS";
+/// `interface -> the endpoint behind it`: an array of [`InterfaceValue`] slots, the
+/// slot of an interface being [`interface_slot`] of its ifindex. It makes the local
+/// side of every packet a fact of where the packet is (the interface), not a claim
+/// of its headers (the address), and saves the program one hash lookup per packet.
+/// Mmapable, so the agent and the CLI read every slot without a syscall each.
+pub const INTERFACES_MAP: &str = "INTERFACES";
 /// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
 /// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
 /// so any agent, older or newer, can read it before touching the other maps.
@@ -32,6 +40,12 @@ pub const ENDPOINTS_MAX_ENTRIES: u32 = 65_536;
 /// Maximum number of identity pairs counted at once; the least recently used
 /// pair is evicted when the map is full.
 pub const FLOWS_MAX_ENTRIES: u32 = 65_536;
+/// Slots of [`INTERFACES_MAP`] (a power of two). Two interfaces census counts on
+/// share a slot only when their ifindexes differ by a multiple of this; the one
+/// that does not get it is counted by address, as if it had no entry.
+pub const INTERFACES_MAX_ENTRIES: u32 = 65_536;
+/// [`INTERFACES_MAP`]'s map flags: `BPF_F_MMAPABLE`.
+pub const INTERFACES_MAP_FLAGS: u32 = 1 << 10;
 /// The meta map holds one entry, at index [`META_LAYOUT_INDEX`].
 pub const META_MAX_ENTRIES: u32 = 1;
 /// Index of the layout version in [`META_MAP`].
@@ -183,6 +197,43 @@ impl EndpointValue {
     }
 }
 
+/// The slot of [`INTERFACES_MAP`] that belongs to interface `ifindex`.
+#[inline(always)]
+pub const fn interface_slot(ifindex: u32) -> u32 {
+    ifindex % INTERFACES_MAX_ENTRIES
+}
+
+/// One slot of [`INTERFACES_MAP`]: an interface census's programs are attached to
+/// (both hooks), and the endpoint behind it.
+///
+/// `ifindex` 0 is an empty slot (no interface has index 0). A slot answers only for
+/// the interface it names, so a slot never speaks for another interface that
+/// shares it. `identity` is the identity every endpoint behind the interface holds,
+/// or [`identity::INVALID`] when there is no such single identity (an endpoint
+/// still waiting for one, or endpoints of different identities behind one
+/// interface): the program then looks the packet's address up in ENDPOINTS, but
+/// still knows the packet was counted when it left this interface.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct InterfaceValue {
+    pub ifindex: u32,
+    pub identity: u32,
+}
+
+impl InterfaceValue {
+    /// An empty slot.
+    pub const EMPTY: Self = Self {
+        ifindex: 0,
+        identity: identity::INVALID,
+    };
+
+    /// Whether this slot holds the entry of interface `ifindex`.
+    #[inline(always)]
+    pub const fn is_for(&self, ifindex: u32) -> bool {
+        ifindex != 0 && self.ifindex == ifindex
+    }
+}
+
 /// A pair of identities, the key of [`FLOWS_MAP`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -208,6 +259,8 @@ const _: () = {
     assert!(core::mem::offset_of!(EndpointKey, addr) == 4);
     assert!(size_of::<[u32; 4]>() == 16);
     assert!(size_of::<EndpointValue>() == 8);
+    assert!(size_of::<InterfaceValue>() == 8);
+    assert!(INTERFACES_MAX_ENTRIES.is_power_of_two());
     assert!(size_of::<FlowKey>() == 8);
     assert!(size_of::<FlowValue>() == 16);
     assert!(align_of::<FlowValue>() == 8);
@@ -215,7 +268,7 @@ const _: () = {
 
 #[cfg(feature = "user")]
 mod user {
-    use super::{EndpointKey, EndpointValue, FlowKey, FlowValue};
+    use super::{EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue};
 
     // SAFETY: `#[repr(C)]`, only integer fields, no implicit padding (the sizes are
     // asserted above), so every bit pattern is a valid value and every byte is
@@ -227,6 +280,8 @@ mod user {
     unsafe impl aya::Pod for FlowKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FlowValue {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for InterfaceValue {}
 }
 
 #[cfg(test)]
@@ -247,6 +302,27 @@ mod tests {
     fn v6_keys_round_trip() {
         let ip: IpAddr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 7).into();
         assert_eq!(EndpointKey::from(ip).ip(), Some(ip));
+    }
+
+    #[test]
+    fn a_slot_answers_only_for_its_interface() {
+        let slot = InterfaceValue {
+            ifindex: 7,
+            identity: 4711,
+        };
+        assert!(slot.is_for(7));
+        assert!(
+            !slot.is_for(7 + INTERFACES_MAX_ENTRIES),
+            "shares the slot, not the entry"
+        );
+        assert_eq!(
+            interface_slot(7),
+            interface_slot(7 + INTERFACES_MAX_ENTRIES)
+        );
+        assert!(
+            !InterfaceValue::EMPTY.is_for(0),
+            "no packet matches an empty slot"
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! The agent's admin HTTP port: `/metrics`, `/healthz`, `/readyz`, and the JSON
-//! API the `census` CLI reads (`/v1/endpoints`, `/v1/version`, `/v1/flows`; see
-//! [`api`]).
+//! The agent's admin HTTP port: `/metrics`, `/healthz`, `/readyz`, the JSON API
+//! the `census` CLI reads (`/v1/endpoints`, `/v1/version`, `/v1/flows`; see
+//! [`api`]), and `/debug/pprof/heap` (a heap profile with `--heap-profiling`).
 //!
 //! The agent is Ready once its datapath is loaded and its endpoint source has given
 //! a first full set. It stays Ready while the operator is away (fail-static) and
@@ -70,6 +70,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/version", get(version))
         .route("/v1/flows", get(flows))
         .with_state(state)
+        .merge(census_daemon::profiling::routes())
 }
 
 pub async fn serve(

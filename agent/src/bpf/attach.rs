@@ -80,6 +80,15 @@ pub enum AttachOutcome {
     ReplacedStale,
 }
 
+/// What [`Datapath::attach`] did on an interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attached {
+    /// The interface's index, which its INTERFACES entry is written under.
+    pub ifindex: u32,
+    pub ingress: AttachOutcome,
+    pub egress: AttachOutcome,
+}
+
 /// One pinned link, as found in the pin directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attachment {
@@ -145,12 +154,19 @@ impl Datapath {
     /// Idempotent: a hook whose pinned link is already on this interface is
     /// adopted (its program atomically replaced by this agent's), so exactly one
     /// census program runs per hook.
-    pub fn attach(&mut self, interface: &str) -> Result<[(Direction, AttachOutcome); 2], Error> {
+    ///
+    /// The interface's INTERFACES entry ([`Datapath::set_interface`]) is the
+    /// caller's to write, once this has returned.
+    pub fn attach(&mut self, interface: &str) -> Result<Attached, Error> {
         check_interface_name(interface)?;
         let ifindex = ifindex(interface)?;
         let ingress = self.attach_one(interface, ifindex, Direction::Ingress)?;
         let egress = self.attach_one(interface, ifindex, Direction::Egress)?;
-        Ok([(Direction::Ingress, ingress), (Direction::Egress, egress)])
+        Ok(Attached {
+            ifindex,
+            ingress,
+            egress,
+        })
     }
 
     fn attach_one(
@@ -246,12 +262,19 @@ impl Datapath {
 
     /// Detaches census from both hooks of `interface` and removes their pins;
     /// `false` if it was not attached. Works also when the interface is gone.
+    ///
+    /// The interface's INTERFACES entry goes first: while it is there, the egress
+    /// program takes packets from this interface as counted when they left it.
     pub fn detach(&mut self, interface: &str) -> Result<bool, Error> {
         check_interface_name(interface)?;
         let mut detached = false;
         for direction in Direction::BOTH {
             let path = self.pins.link(interface, direction);
             if path.exists() {
+                let ifindex = pinned_link_info(&path)?.tcx_ifindex;
+                if ifindex != 0 {
+                    self.delete_interface(ifindex)?;
+                }
                 detach_and_unpin(&path)?;
                 detached = true;
             }

@@ -46,8 +46,8 @@ pub enum Error {
 
     #[error(
         "the maps pinned in {pin_dir} have layout version {found}, this agent reads layout \
-         {expected}: refusing to use them; run `census uninstall` (or an agent of the same \
-         version) to remove them"
+         {expected}: refusing to use them; remove them with `census-agent uninstall` (their \
+         counters go with them), or run an agent of layout {found}"
     )]
     LayoutMismatch {
         pin_dir: PathBuf,
@@ -67,7 +67,7 @@ pub enum Error {
 
     #[error(
         "maps are pinned in {pin_dir} but their layout version map {meta} is missing: \
-         refusing to guess their layout; remove them with `census uninstall`"
+         refusing to guess their layout; remove them with `census-agent uninstall`"
     )]
     UnversionedPins {
         pin_dir: PathBuf,
@@ -165,6 +165,26 @@ pub enum Error {
 
     #[error("invalid endpoint {ip}: {reason}")]
     InvalidEndpoint { ip: IpAddr, reason: &'static str },
+
+    #[error("invalid INTERFACES entry for interface {ifindex}: {reason}")]
+    InvalidInterface { ifindex: u32, reason: &'static str },
+
+    #[error(
+        "interface {ifindex} cannot have an INTERFACES entry: its slot {slot} holds interface \
+         {holder}'s"
+    )]
+    InterfaceSlotTaken {
+        ifindex: u32,
+        slot: u32,
+        holder: u32,
+    },
+
+    #[error("mapping map {map} into memory failed")]
+    MapMemory {
+        map: &'static str,
+        #[source]
+        source: io::Error,
+    },
 
     #[error("enabling the kernel's BPF run-time statistics failed")]
     EnableStats {

@@ -13,6 +13,7 @@ use std::{
     collections::BTreeMap,
     fmt, fs, io,
     net::IpAddr,
+    os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
 
@@ -21,11 +22,13 @@ use aya::{
     sys::SyscallError,
 };
 use census_common::{
-    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, LAYOUT_VERSION,
-    META_LAYOUT_INDEX, META_MAP,
+    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
+    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP,
 };
 
-use super::{Error, Flow, MapShape, pins, privileges};
+use super::{
+    Error, Flow, Interface, MapShape, maps::used_slots, pins, privileges, sys::MappedArray,
+};
 
 /// Why the pinned maps cannot be read. Nothing was written in any case.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +123,8 @@ pub struct Inspector {
     layout: u32,
     infos: Vec<(&'static str, PathBuf, MapInfo)>,
     endpoints: EndpointsMap,
+    /// INTERFACES' slots, mapped read-only.
+    interfaces: MappedArray,
     flows: FlowsMap,
 }
 
@@ -162,7 +167,7 @@ impl Inspector {
         // The layout version first: a map of another layout is never interpreted.
         let meta_path = dir.join(META_MAP);
         if !exists(&meta_path)? {
-            for map in [ENDPOINTS_MAP, FLOWS_MAP] {
+            for map in pins::DATA_MAPS {
                 if exists(&dir.join(map))? {
                     return Err(InspectError::Unversioned { pin_dir: dir });
                 }
@@ -194,6 +199,9 @@ impl Inspector {
             path: flows_path.clone(),
             source,
         })?;
+        let interfaces_path = dir.join(INTERFACES_MAP);
+        let (interfaces, interfaces_info) = open_map(INTERFACES_MAP, &interfaces_path)?;
+        let interfaces = map_slots(&interfaces, &interfaces_info, &interfaces_path)?;
         Ok(Self {
             dir,
             layout,
@@ -201,8 +209,10 @@ impl Inspector {
                 (META_MAP, meta_path, meta_info),
                 (ENDPOINTS_MAP, endpoints_path, endpoints_info),
                 (FLOWS_MAP, flows_path, flows_info),
+                (INTERFACES_MAP, interfaces_path, interfaces_info),
             ],
             endpoints,
+            interfaces,
             flows,
         })
     }
@@ -218,14 +228,16 @@ impl Inspector {
         self.layout
     }
 
-    /// Every pinned map with its current number of entries.
+    /// Every pinned map with its current number of entries (for INTERFACES, the
+    /// slots in use).
     pub fn maps(&self) -> Result<Vec<PinnedMapInfo>, InspectError> {
         let mut maps = Vec::with_capacity(self.infos.len());
         for (name, pin, info) in &self.infos {
-            let shape = shape_of(info);
+            let shape = pins::shape_of(info);
             let entries = match *name {
                 ENDPOINTS_MAP => count(self.endpoints.keys(), pin)?,
                 FLOWS_MAP => count(self.flows.keys(), pin)?,
+                INTERFACES_MAP => used_slots(&self.interfaces).len() as u64,
                 _ => u64::from(shape.max_entries),
             };
             maps.push(PinnedMapInfo {
@@ -263,6 +275,12 @@ impl Inspector {
             Err(error) if is_not_found(&error) => Ok(None),
             Err(source) => Err(self.map_error(ENDPOINTS_MAP, source)),
         }
+    }
+
+    /// Every used slot of INTERFACES, by slot: the interfaces census counts on
+    /// and the endpoint behind each. Reading them takes no syscall.
+    pub fn interfaces(&self) -> BTreeMap<u32, Interface> {
+        used_slots(&self.interfaces)
     }
 
     /// Every identity pair's counters, summed over CPUs, ordered by pair. The walk
@@ -349,7 +367,7 @@ fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectEr
         source => map_error(source),
     })?;
     let info = data.info().map_err(map_error)?;
-    let found = shape_of(&info);
+    let found = pins::shape_of(&info);
     if let Some(expected) = pins::expected_shape(name) {
         // The meta map's entry count may grow one day; its kind and sizes never change.
         let matches = if name == META_MAP {
@@ -373,6 +391,20 @@ fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectEr
     Ok((map, info))
 }
 
+/// Maps an opened INTERFACES' slots read-only.
+fn map_slots(map: &Map, info: &MapInfo, path: &Path) -> Result<MappedArray, InspectError> {
+    let Map::Array(data) = map else {
+        return Err(InspectError::ShapeMismatch {
+            path: path.to_owned(),
+            layout: LAYOUT_VERSION,
+            expected: pins::expected_shape(INTERFACES_MAP).unwrap_or(pins::shape_of(info)),
+            found: pins::shape_of(info),
+        });
+    };
+    MappedArray::new(data.fd().as_fd(), info.max_entries(), info.value_size())
+        .map_err(|source| io_error("mapping", path, source, Some(INTERFACES_MAP)))
+}
+
 fn read_layout(meta: Map, path: &Path) -> Result<u32, InspectError> {
     let map_error = |source| InspectError::Map {
         path: path.to_owned(),
@@ -380,15 +412,6 @@ fn read_layout(meta: Map, path: &Path) -> Result<u32, InspectError> {
     };
     let meta: Array<MapData, u32> = Array::try_from(meta).map_err(map_error)?;
     meta.get(&META_LAYOUT_INDEX, 0).map_err(map_error)
-}
-
-fn shape_of(info: &MapInfo) -> MapShape {
-    MapShape {
-        map_type: info.map_type().ok(),
-        key_size: info.key_size(),
-        value_size: info.value_size(),
-        max_entries: info.max_entries(),
-    }
 }
 
 fn count<K>(

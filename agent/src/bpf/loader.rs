@@ -13,11 +13,11 @@ use aya::{
     maps::{Array, Map, MapData},
     programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
-use census_common::{ENDPOINTS_MAP, FLOWS_MAP, META_MAP};
+use census_common::{ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, META_MAP};
 
 use super::{
     Direction, Error,
-    maps::{EndpointsMap, FlowsMap},
+    maps::{EndpointsMap, FlowsMap, InterfacesMap},
     object,
     pins::{self, Layout, Pins},
     privileges,
@@ -32,6 +32,7 @@ pub struct Datapath {
     pub(super) pins: Pins,
     pub(super) ebpf: Ebpf,
     pub(super) endpoints: EndpointsMap,
+    pub(super) interfaces: InterfacesMap,
     pub(super) flows: FlowsMap,
 }
 
@@ -60,7 +61,7 @@ impl Datapath {
         pins.create()?;
         let layout = pins::check_layout(&pins)?;
 
-        let map_pins: Vec<(&'static str, PathBuf)> = [META_MAP, ENDPOINTS_MAP, FLOWS_MAP]
+        let map_pins: Vec<(&'static str, PathBuf)> = pins::MAPS
             .into_iter()
             .map(|name| (name, pins.map(name)))
             .collect();
@@ -76,6 +77,13 @@ impl Datapath {
         let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
         pins::stamp_layout(&mut meta)?;
         let endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
+        let interfaces = ebpf
+            .take_map(INTERFACES_MAP)
+            .ok_or(Error::MissingFromObject {
+                kind: "map",
+                name: INTERFACES_MAP,
+            })
+            .and_then(InterfacesMap::new)?;
         let flows: FlowsMap = take_map(&mut ebpf, FLOWS_MAP)?;
         tracing::info!(
             pin_dir = %pins.dir().display(),
@@ -86,6 +94,7 @@ impl Datapath {
             pins,
             ebpf,
             endpoints,
+            interfaces,
             flows,
         })
     }
@@ -116,13 +125,15 @@ impl Datapath {
         })
     }
 
-    /// Runs the program of `direction` on `packet` (an Ethernet frame)
-    /// `repeat` times in the kernel (`BPF_PROG_TEST_RUN`), against the live
-    /// maps: counted packets land in FLOWS. For benchmarks.
+    /// Runs the program of `direction` on `packet` (an Ethernet frame) as seen
+    /// on the interfaces of `context`, `repeat` times in the kernel
+    /// (`BPF_PROG_TEST_RUN`), against the live maps: counted packets land in
+    /// FLOWS. For benchmarks and tests.
     pub fn test_run(
         &mut self,
         direction: Direction,
         packet: &[u8],
+        context: TestContext,
         repeat: u32,
     ) -> Result<TestRunOutcome, Error> {
         let program = direction.program();
@@ -135,9 +146,11 @@ impl Datapath {
             })?
             .try_into()
             .map_err(|source| Error::Program { program, source })?;
+        let ctx = context.to_sk_buff();
         let result = classifier
             .test_run(TestRunOptions {
                 data_in: Some(packet),
+                ctx_in: Some(&ctx),
                 repeat,
                 ..TestRunOptions::default()
             })
@@ -175,6 +188,34 @@ pub fn enable_run_time_stats() -> Result<OwnedFd, Error> {
     aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|source| Error::EnableStats {
         source: source.io_error,
     })
+}
+
+/// Where [`Datapath::test_run`]'s packet is: the `__sk_buff` fields the kernel
+/// lets a test run set that the program reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TestContext {
+    /// The interface the program runs on (`skb->ifindex`): 0 or 1 is the
+    /// loopback; any other must exist in this thread's network namespace.
+    pub ifindex: u32,
+    /// The interface the packet arrived on (`skb->ingress_ifindex`): any value,
+    /// 0 for a packet the node sent itself.
+    pub ingress_ifindex: u32,
+}
+
+impl TestContext {
+    /// Offsets in `struct __sk_buff` (uapi `linux/bpf.h`, stable ABI).
+    const INGRESS_IFINDEX: usize = 36;
+    const IFINDEX: usize = 40;
+
+    /// The head of a `struct __sk_buff`, zero but for these fields; the kernel
+    /// takes a shorter context than the whole struct and zero-fills the rest.
+    fn to_sk_buff(self) -> [u8; Self::IFINDEX + 4] {
+        let mut ctx = [0; Self::IFINDEX + 4];
+        ctx[Self::INGRESS_IFINDEX..Self::INGRESS_IFINDEX + 4]
+            .copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
+        ctx[Self::IFINDEX..].copy_from_slice(&self.ifindex.to_ne_bytes());
+        ctx
+    }
 }
 
 /// The result of [`Datapath::test_run`].

@@ -1,16 +1,17 @@
-//! The ENDPOINTS and FLOWS maps, in domain terms.
+//! The ENDPOINTS, INTERFACES and FLOWS maps, in domain terms.
 
-use std::{collections::BTreeMap, fmt, io, net::IpAddr, ops::BitOr};
+use std::{collections::BTreeMap, fmt, io, net::IpAddr, ops::BitOr, os::fd::AsFd as _};
 
 use aya::{
-    maps::{HashMap, MapData, MapError, MapType, PerCpuHashMap},
+    maps::{Array, HashMap, Map, MapData, MapError, MapType, PerCpuHashMap},
     sys::SyscallError,
 };
 use census_common::{
-    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, flags, identity,
+    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
+    InterfaceValue, flags, identity, interface_slot,
 };
 
-use super::{Datapath, Error};
+use super::{Datapath, Error, sys::MappedArray};
 
 /// What ENDPOINTS says about one address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,6 +26,16 @@ impl Endpoint {
         Self {
             identity,
             flags: EndpointFlags::LOCAL,
+        }
+    }
+
+    /// An endpoint on this node whose host-side interface census could not find, so
+    /// no census program sees its packets leave: the hook of whatever it talks to
+    /// counts them (no LOCAL flag, so an egress hook does not skip them).
+    pub const fn unattached(identity: u32) -> Self {
+        Self {
+            identity,
+            flags: EndpointFlags(0),
         }
     }
 
@@ -61,8 +72,8 @@ impl Endpoint {
         .into_iter()
         .filter(|&flag| flags.contains(flag))
         .count();
-        if places != 1 {
-            return invalid("exactly one of LOCAL, REMOTE and HOST must be set");
+        if places > 1 {
+            return invalid("at most one of LOCAL, REMOTE and HOST may be set");
         }
         if flags.contains(EndpointFlags::HOST) != (self.identity == identity::HOST) {
             return invalid("the host identity (1) goes with the HOST flag, and only with it");
@@ -111,6 +122,50 @@ impl BitOr for EndpointFlags {
     }
 }
 
+/// What INTERFACES says about one interface census's programs are attached to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Interface {
+    /// Its index, in the network namespace the programs are attached in.
+    pub ifindex: u32,
+    /// The identity every endpoint behind it holds; `None` when there is no such
+    /// single identity (the program then looks the packet's address up, and
+    /// still knows the packet was counted when it left this interface).
+    pub identity: Option<u32>,
+}
+
+impl Interface {
+    fn check(self) -> Result<(), Error> {
+        let invalid = |reason| {
+            Err(Error::InvalidInterface {
+                ifindex: self.ifindex,
+                reason,
+            })
+        };
+        if self.ifindex == 0 {
+            return invalid("no interface has index 0");
+        }
+        if self.identity == Some(identity::INVALID) {
+            return invalid("identity 0 is not an identity (None means no single identity)");
+        }
+        Ok(())
+    }
+
+    fn to_value(self) -> InterfaceValue {
+        InterfaceValue {
+            ifindex: self.ifindex,
+            identity: self.identity.unwrap_or(identity::INVALID),
+        }
+    }
+
+    /// The interface a slot holds, `None` for an empty slot.
+    pub(super) fn from_value(value: InterfaceValue) -> Option<Self> {
+        (value.ifindex != 0).then_some(Self {
+            ifindex: value.ifindex,
+            identity: (value.identity != identity::INVALID).then_some(value.identity),
+        })
+    }
+}
+
 /// Traffic of one (source identity, destination identity) pair, summed over
 /// CPUs. `packets` counts GSO segments; `bytes` includes link-layer headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -121,7 +176,7 @@ pub struct Flow {
     pub bytes: u64,
 }
 
-/// The kind and sizes of a map, compared with what a layout expects.
+/// The kind, sizes and flags of a map, compared with what a layout expects.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MapShape {
     /// `None` for a map type aya does not know.
@@ -129,6 +184,8 @@ pub struct MapShape {
     pub key_size: u32,
     pub value_size: u32,
     pub max_entries: u32,
+    /// `BPF_F_*` creation flags (INTERFACES is `BPF_F_MMAPABLE`).
+    pub map_flags: u32,
 }
 
 impl fmt::Display for MapShape {
@@ -138,6 +195,7 @@ impl fmt::Display for MapShape {
             key_size,
             value_size,
             max_entries,
+            map_flags,
         } = self;
         match map_type {
             Some(map_type) => write!(f, "{map_type:?}")?,
@@ -146,12 +204,55 @@ impl fmt::Display for MapShape {
         write!(
             f,
             " map, key {key_size} B, value {value_size} B, {max_entries} entries"
-        )
+        )?;
+        if *map_flags != 0 {
+            write!(f, ", flags {map_flags:#x}")?;
+        }
+        Ok(())
     }
 }
 
 pub(super) type EndpointsMap = HashMap<MapData, EndpointKey, EndpointValue>;
 pub(super) type FlowsMap = PerCpuHashMap<MapData, FlowKey, FlowValue>;
+
+/// INTERFACES: written through `bpf(2)`, read through a mapping of its memory
+/// (every slot of a 65,536-slot array in microseconds, not one syscall each).
+pub(super) struct InterfacesMap {
+    array: Array<MapData, InterfaceValue>,
+    slots: MappedArray,
+}
+
+impl InterfacesMap {
+    pub(super) fn new(map: Map) -> Result<Self, Error> {
+        let Map::Array(data) = map else {
+            return Err(Error::MissingFromObject {
+                kind: "array map",
+                name: INTERFACES_MAP,
+            });
+        };
+        let info = data.info().map_err(interfaces_error)?;
+        let slots = MappedArray::new(data.fd().as_fd(), info.max_entries(), info.value_size())
+            .map_err(|source| Error::MapMemory {
+                map: INTERFACES_MAP,
+                source,
+            })?;
+        let array = Array::try_from(Map::Array(data)).map_err(interfaces_error)?;
+        Ok(Self { array, slots })
+    }
+}
+
+/// Every used slot of a mapped INTERFACES, by slot.
+pub(super) fn used_slots(slots: &MappedArray) -> BTreeMap<u32, Interface> {
+    (0..slots.entries())
+        .filter_map(|slot| Some((slot, slot_of(slots, slot)?)))
+        .collect()
+}
+
+/// The interface slot `slot` of a mapped INTERFACES holds, if any.
+pub(super) fn slot_of(slots: &MappedArray, slot: u32) -> Option<Interface> {
+    let [ifindex, identity] = slots.read(slot)?;
+    Interface::from_value(InterfaceValue { ifindex, identity })
+}
 
 fn is_not_found(error: &MapError) -> bool {
     match error {
@@ -166,6 +267,13 @@ fn is_not_found(error: &MapError) -> bool {
 fn endpoints_error(source: MapError) -> Error {
     Error::Map {
         map: ENDPOINTS_MAP,
+        source,
+    }
+}
+
+fn interfaces_error(source: MapError) -> Error {
+    Error::Map {
+        map: INTERFACES_MAP,
         source,
     }
 }
@@ -224,6 +332,75 @@ impl Datapath {
             }
         }
         Ok(entries)
+    }
+
+    /// Writes the entry of `interface` into its slot of INTERFACES. Fails with
+    /// [`Error::InterfaceSlotTaken`] when another interface holds the slot: clear
+    /// that one first ([`Datapath::delete_interface`]).
+    ///
+    /// Write it only while census's programs are attached to both hooks of the
+    /// interface: the egress program skips packets that arrived through an
+    /// interface with an entry, as counted when they left it.
+    ///
+    /// Refusing a slot held by another interface also means a slot never passes
+    /// from one interface to another in one write: a program that reads it while
+    /// it is written (a plain copy, not atomic) sees the old entry, the new one, an
+    /// empty slot or the interface without identity, never an interface with
+    /// another's identity.
+    pub fn set_interface(&mut self, interface: Interface) -> Result<(), Error> {
+        interface.check()?;
+        let slot = interface_slot(interface.ifindex);
+        if let Some(holder) = self.interface_slot(slot)
+            && holder.ifindex != interface.ifindex
+        {
+            return Err(Error::InterfaceSlotTaken {
+                ifindex: interface.ifindex,
+                slot,
+                holder: holder.ifindex,
+            });
+        }
+        self.interfaces
+            .array
+            .set(slot, interface.to_value(), 0)
+            .map_err(interfaces_error)
+    }
+
+    /// Removes the entry of interface `ifindex`; `false` if there was none (its
+    /// slot is empty or holds another interface, which is left alone).
+    pub fn delete_interface(&mut self, ifindex: u32) -> Result<bool, Error> {
+        let slot = interface_slot(ifindex);
+        match self.interface_slot(slot) {
+            Some(holder) if holder.ifindex == ifindex => {
+                self.clear_interface_slot(slot)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Empties slot `slot` of INTERFACES, whatever it holds (also an entry that is
+    /// not in its interface's slot, which no packet ever matches).
+    pub fn clear_interface_slot(&mut self, slot: u32) -> Result<(), Error> {
+        self.interfaces
+            .array
+            .set(slot, InterfaceValue::EMPTY, 0)
+            .map_err(interfaces_error)
+    }
+
+    /// The entry of interface `ifindex`, if its slot holds one for it.
+    pub fn interface(&self, ifindex: u32) -> Option<Interface> {
+        self.interface_slot(interface_slot(ifindex))
+            .filter(|held| held.ifindex == ifindex)
+    }
+
+    /// Every used slot of INTERFACES, by slot. A slot holds the interface whose
+    /// [`census_common::interface_slot`] it is, unless someone else wrote it.
+    pub fn interfaces(&self) -> BTreeMap<u32, Interface> {
+        used_slots(&self.interfaces.slots)
+    }
+
+    fn interface_slot(&self, slot: u32) -> Option<Interface> {
+        slot_of(&self.interfaces.slots, slot)
     }
 
     /// The counters of one identity pair, summed over CPUs.
@@ -307,17 +484,49 @@ mod tests {
             },
             Endpoint {
                 identity: 256,
-                flags: EndpointFlags::default(),
-            },
-            Endpoint {
-                identity: 256,
                 flags: EndpointFlags(1 << 7) | EndpointFlags::LOCAL,
             },
+            Endpoint::unattached(identity::HOST),
         ];
         for endpoint in bad {
             assert!(
                 matches!(endpoint.check(IP), Err(Error::InvalidEndpoint { .. })),
                 "{endpoint:?}"
+            );
+        }
+        // A local endpoint without a hooked interface carries no place flag.
+        assert!(Endpoint::unattached(256).check(IP).is_ok());
+    }
+
+    #[test]
+    fn interface_entries_round_trip_and_reject_nonsense() {
+        for interface in [
+            Interface {
+                ifindex: 7,
+                identity: Some(4711),
+            },
+            Interface {
+                ifindex: 70_000,
+                identity: None,
+            },
+        ] {
+            assert!(interface.check().is_ok(), "{interface:?}");
+            assert_eq!(Interface::from_value(interface.to_value()), Some(interface));
+        }
+        assert_eq!(Interface::from_value(InterfaceValue::EMPTY), None);
+        for bad in [
+            Interface {
+                ifindex: 0,
+                identity: Some(4711),
+            },
+            Interface {
+                ifindex: 7,
+                identity: Some(identity::INVALID),
+            },
+        ] {
+            assert!(
+                matches!(bad.check(), Err(Error::InvalidInterface { .. })),
+                "{bad:?}"
             );
         }
     }

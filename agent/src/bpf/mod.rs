@@ -1,17 +1,19 @@
 //! census's datapath from the agent's side: loading the eBPF object, the pinned
-//! maps (ENDPOINTS, FLOWS) and their layout version, TCX attachments with pinned
-//! links, and uninstall.
+//! maps (ENDPOINTS, INTERFACES, FLOWS) and their layout version, TCX attachments
+//! with pinned links, and uninstall.
 //!
 //! This is the only module of the agent with `unsafe` code (in [`sys`], the raw
-//! `bpf(2)` calls aya does not wrap).
+//! `bpf(2)` calls aya does not wrap and the mapping of INTERFACES' memory).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), census_agent::bpf::Error> {
-//! use census_agent::bpf::{DEFAULT_PIN_DIR, Datapath, Endpoint};
+//! use census_agent::bpf::{DEFAULT_PIN_DIR, Datapath, Endpoint, Interface};
 //!
 //! let mut datapath = Datapath::open(DEFAULT_PIN_DIR)?;
 //! datapath.upsert_endpoint("198.18.0.2".parse().unwrap(), Endpoint::local(4711))?;
-//! datapath.attach("lxc0123")?;
+//! let attached = datapath.attach("lxc0123")?;
+//! // Once both hooks are attached: the endpoint behind the interface.
+//! datapath.set_interface(Interface { ifindex: attached.ifindex, identity: Some(4711) })?;
 //! for flow in datapath.flows()? {
 //!     println!("{} -> {}: {} packets", flow.src_identity, flow.dst_identity, flow.packets);
 //! }
@@ -29,12 +31,12 @@ mod pins;
 mod privileges;
 mod sys;
 
-pub use attach::{AttachOutcome, Attachment, AttachmentState, Direction};
-pub use census_common::{EndpointKey, LAYOUT_VERSION, identity};
+pub use attach::{AttachOutcome, Attached, Attachment, AttachmentState, Direction};
+pub use census_common::{EndpointKey, LAYOUT_VERSION, identity, interface_slot};
 pub use error::{CapabilityList, Error};
 pub use inspect::{InspectError, Inspector, PinnedMapInfo, map_type_name};
-pub use loader::{Datapath, ProgramStats, TestRunOutcome, enable_run_time_stats};
-pub use maps::{Endpoint, EndpointFlags, Flow, MapShape};
+pub use loader::{Datapath, ProgramStats, TestContext, TestRunOutcome, enable_run_time_stats};
+pub use maps::{Endpoint, EndpointFlags, Flow, Interface, MapShape};
 pub use object::is_embedded as object_is_embedded;
 pub use pins::{DEFAULT_PIN_DIR, Uninstalled, uninstall};
 pub use privileges::check_capabilities;

@@ -4,6 +4,7 @@
 //! ```text
 //! <pin dir>/CENSUS_META            array[1] of u32: the layout version
 //! <pin dir>/ENDPOINTS              address -> identity + flags
+//! <pin dir>/INTERFACES             array[ifindex % 65536] of (ifindex, identity), mmapable
 //! <pin dir>/FLOWS                  (src identity, dst identity) -> packets, bytes
 //! <pin dir>/links/<if>-ingress     TCX link of census_ingress on interface <if>
 //! <pin dir>/links/<if>-egress      TCX link of census_egress on interface <if>
@@ -18,7 +19,8 @@ use std::{
 use aya::maps::{Array, MapData, MapError, MapInfo, MapType};
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES,
-    FlowKey, FlowValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES,
+    FlowKey, FlowValue, INTERFACES_MAP, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES,
+    InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES,
 };
 
 use super::{Direction, Error, maps::MapShape, privileges, sys};
@@ -27,6 +29,11 @@ use super::{Direction, Error, maps::MapShape, privileges, sys};
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 
 const LINKS_DIR: &str = "links";
+
+/// Every map census pins, the layout version map first.
+pub(super) const MAPS: [&str; 4] = [META_MAP, ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP];
+/// The maps of [`MAPS`] that a layout version guards.
+pub(super) const DATA_MAPS: [&str; 3] = [ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP];
 
 /// Paths under one pin directory.
 #[derive(Debug, Clone)]
@@ -86,6 +93,7 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
         key_size: key as u32,
         value_size: value as u32,
         max_entries,
+        map_flags: 0,
     };
     match map {
         META_MAP => Some(shape(MapType::Array, 4, 4, META_MAX_ENTRIES)),
@@ -101,16 +109,26 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             size_of::<FlowValue>(),
             FLOWS_MAX_ENTRIES,
         )),
+        INTERFACES_MAP => Some(MapShape {
+            map_flags: INTERFACES_MAP_FLAGS,
+            ..shape(
+                MapType::Array,
+                size_of::<u32>(),
+                size_of::<InterfaceValue>(),
+                INTERFACES_MAX_ENTRIES,
+            )
+        }),
         _ => None,
     }
 }
 
-fn shape_of(info: &MapInfo) -> MapShape {
+pub(super) fn shape_of(info: &MapInfo) -> MapShape {
     MapShape {
         map_type: info.map_type().ok(),
         key_size: info.key_size(),
         value_size: info.value_size(),
         max_entries: info.max_entries(),
+        map_flags: info.map_flags(),
     }
 }
 
@@ -135,9 +153,8 @@ pub(super) enum Layout {
 /// agent's maps are refused, never misread.
 pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
     let meta_path = pins.map(META_MAP);
-    let data_maps = [ENDPOINTS_MAP, FLOWS_MAP];
     if !meta_path.exists() {
-        if data_maps.iter().any(|map| pins.map(map).exists()) {
+        if DATA_MAPS.iter().any(|map| pins.map(map).exists()) {
             return Err(Error::UnversionedPins {
                 pin_dir: pins.dir().to_owned(),
                 meta: META_MAP,
@@ -154,7 +171,7 @@ pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
             expected: LAYOUT_VERSION,
         });
     }
-    for map in data_maps {
+    for map in DATA_MAPS {
         let path = pins.map(map);
         if !path.exists() {
             continue;
@@ -357,7 +374,7 @@ mod tests {
 
     #[test]
     fn every_pinned_map_has_a_shape() {
-        for map in [META_MAP, ENDPOINTS_MAP, FLOWS_MAP] {
+        for map in MAPS {
             assert!(expected_shape(map).is_some(), "{map}");
         }
         assert_eq!(expected_shape("OTHER"), None);

@@ -1,5 +1,6 @@
-//! The two `bpf(2)` commands aya 0.14 does not expose: the TCX part of a link's
-//! info (which interface it is attached to) and `BPF_LINK_DETACH`.
+//! What aya 0.14 does not expose: two `bpf(2)` commands (the TCX part of a link's
+//! info, which interface it is attached to, and `BPF_LINK_DETACH`), and a
+//! read-only mapping of an mmapable array map.
 #![allow(unsafe_code)]
 
 use std::{
@@ -10,6 +11,7 @@ use std::{
         unix::ffi::OsStrExt as _,
     },
     path::Path,
+    ptr::NonNull,
 };
 
 const BPF_OBJ_GET: libc::c_long = 7;
@@ -120,4 +122,97 @@ pub(super) fn link_detach(fd: BorrowedFd<'_>) -> io::Result<()> {
 
 fn fd_u32(fd: BorrowedFd<'_>) -> io::Result<u32> {
     u32::try_from(fd.as_raw_fd()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// A read-only, shared mapping of the values of an array map created with
+/// `BPF_F_MMAPABLE`: element `i` of `u32` words `[i * words, (i + 1) * words)`.
+/// It sees every update as it happens, without a syscall per element.
+#[derive(Debug)]
+pub(super) struct MappedArray {
+    base: NonNull<u32>,
+    /// Bytes mapped.
+    len: usize,
+    entries: usize,
+    /// `u32` words per element (the kernel rounds each value up to 8 bytes).
+    words: usize,
+}
+
+// SAFETY: the mapping is read-only and only read with volatile loads; it is not
+// tied to the thread that made it.
+unsafe impl Send for MappedArray {}
+// SAFETY: as above; shared reads race only with the kernel's writes, which
+// volatile word loads tolerate (a word is read whole).
+unsafe impl Sync for MappedArray {}
+
+impl MappedArray {
+    /// Maps the `entries` values of `value_size` bytes of the array map `fd`
+    /// refers to.
+    pub(super) fn new(fd: BorrowedFd<'_>, entries: u32, value_size: u32) -> io::Result<Self> {
+        let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
+        let element = usize::try_from(value_size.next_multiple_of(8)).map_err(|_| invalid())?;
+        let entries = usize::try_from(entries).map_err(|_| invalid())?;
+        let len = element.checked_mul(entries).ok_or_else(invalid)?;
+        if len == 0 {
+            return Err(invalid());
+        }
+        // SAFETY: a new mapping (no address hint) of `len` bytes of a BPF map fd,
+        // read-only and shared as the kernel requires for map mmaps; the result is
+        // checked before use.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(base.cast::<u32>()).ok_or_else(invalid)?;
+        Ok(Self {
+            base,
+            len,
+            entries,
+            words: element / size_of::<u32>(),
+        })
+    }
+
+    pub(super) fn entries(&self) -> u32 {
+        u32::try_from(self.entries).unwrap_or(u32::MAX)
+    }
+
+    /// The first `N` words of element `index`, or `None` past the end. A value
+    /// being rewritten meanwhile may be read half old, half new.
+    pub(super) fn read<const N: usize>(&self, index: u32) -> Option<[u32; N]> {
+        let index = usize::try_from(index).ok()?;
+        if index >= self.entries || N > self.words {
+            return None;
+        }
+        let mut words = [0; N];
+        for (i, word) in words.iter_mut().enumerate() {
+            // SAFETY: `index < entries` and `i < N <= words`, so the word lies
+            // inside the mapping, which lives as long as `self`; it is 4-byte
+            // aligned (the mapping is page-aligned, elements 8-byte multiples).
+            *word = unsafe {
+                self.base
+                    .as_ptr()
+                    .add(index * self.words + i)
+                    .read_volatile()
+            };
+        }
+        Some(words)
+    }
+}
+
+impl Drop for MappedArray {
+    fn drop(&mut self) {
+        // SAFETY: `base` and `len` are those of a mapping this value made and
+        // nothing else unmaps; no reference into it outlives `self`.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
 }

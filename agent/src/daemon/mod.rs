@@ -13,7 +13,10 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use census_proto::domain::{NodeName, SessionId};
+use census_proto::{
+    domain::{NodeName, SessionId},
+    labels::LabelFilter,
+};
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 use tokio::{
@@ -146,6 +149,7 @@ where
         sync_status.clone(),
         pinned.clone(),
     )));
+    registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
 
     let (shutdown, stop) = watch::channel(false);
     let (source_tx, source_rx) = mpsc::channel(64);
@@ -168,6 +172,7 @@ where
     })?;
 
     let description = source.describe();
+    let source_filter = source.label_filter();
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(source.run(source_tx, stop.clone())));
 
@@ -202,6 +207,7 @@ where
             metrics.clone(),
         ),
         reports: reports_tx,
+        source_filter,
         ready: ready_tx,
         metrics,
         gauges,
@@ -275,6 +281,8 @@ struct Core<M> {
     maps: M,
     allocator: Allocator,
     reports: mpsc::UnboundedSender<crate::sync::Report>,
+    /// The source's copy of the operator's label filter, if it filters labels itself.
+    source_filter: Option<watch::Sender<LabelFilter>>,
     ready: watch::Sender<bool>,
     metrics: Metrics,
     gauges: Arc<Mutex<Gauges>>,
@@ -322,6 +330,15 @@ impl<M: Maps> Core<M> {
                     refused,
                 }) => self.endpoints.allocation_failed(&labels, &error, refused),
                 Step::Sync(SyncEvent::Settings(settings)) => {
+                    if let Some(filter) = &self.source_filter {
+                        filter.send_if_modified(|f| {
+                            let changed = *f != settings.filter;
+                            if changed {
+                                f.clone_from(&settings.filter);
+                            }
+                            changed
+                        });
+                    }
                     self.endpoints.set_settings(settings, &mut fx);
                 }
                 Step::Sync(SyncEvent::Rebind { key, id }) => {
@@ -388,14 +405,16 @@ impl<M: Maps> Core<M> {
         }
         if !interfaces.is_empty() {
             let endpoints = &self.endpoints;
+            let identities = endpoints.interface_identities();
             let failures = self.reconciler.apply_interfaces(
                 &mut self.maps,
                 interfaces.iter().cloned(),
                 |i| endpoints.interface_wanted(i),
+                |i| identities.get(i).copied(),
                 prune,
             );
             for (interface, error) in &failures {
-                warn!(interface, %error, "attaching the classifier failed; the full pass retries");
+                warn!(interface, %error, "attaching the classifier or writing its INTERFACES entry failed; the full pass retries");
             }
             self.endpoints
                 .record_interface_results(&interfaces, &failures);
@@ -450,6 +469,7 @@ impl<M: Maps> Core<M> {
             identities: cache.len() as u64,
             pending_allocations: cache.pending() as u64,
             interfaces: self.endpoints.desired_interfaces() as u64,
+            interfaces_by_address: self.reconciler.crowded_interfaces() as u64,
         };
         *self.status.lock() = CoreStatus {
             synced: self.endpoints.synced(),

@@ -181,6 +181,19 @@ async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestRe
         4,
         "one attachment per interface"
     );
+    let batch_id = response.endpoints[0]
+        .identity
+        .ok_or("batch-1 holds an identity")?;
+    assert_eq!(
+        agent.maps.lock().interface_entries(),
+        BTreeMap::from([
+            ("veth1".to_owned(), Some(web)),
+            ("veth2".to_owned(), Some(web)),
+            ("veth3".to_owned(), Some(db)),
+            ("veth4".to_owned(), Some(batch_id)),
+        ]),
+        "each interface's INTERFACES entry names the endpoint behind it"
+    );
 
     let counted = eventually(WAIT, || async {
         let refs = identity(&ch, web).await?.references;
@@ -203,6 +216,14 @@ async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestRe
         dropped.is_some(),
         "the delete reached the map and the operator"
     );
+    {
+        let maps = agent.maps.lock();
+        assert!(
+            !maps.interface_entries().contains_key("veth2") && !maps.links.contains_key("veth2"),
+            "its INTERFACES entry and its links go with it"
+        );
+        assert_eq!(maps.unattached_entries, 0);
+    }
     assert_eq!(node(&ch, "n1").await.map(|n| n.endpoints), Some(3));
 
     let (status, version) = get(admin, "/v1/version").await?;

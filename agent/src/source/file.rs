@@ -36,7 +36,7 @@ use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
-use super::{BoxFuture, EndpointSource, SourceEndpoint, SourceEvent, SourceFailure};
+use super::{BoxFuture, EndpointSource, HostInterface, SourceEndpoint, SourceEvent, SourceFailure};
 
 /// Changes in the directory closer together than this are read once.
 const DEBOUNCE: Duration = Duration::from_millis(20);
@@ -226,7 +226,7 @@ fn check_entry(entry: &Entry) -> Result<SourceEndpoint, EntryProblem> {
         ips: canonical_ips(ips),
         labels: entry.labels.clone(),
         service_account,
-        interface: entry.interface.clone(),
+        interface: HostInterface::Named(entry.interface.clone()),
     })
 }
 
@@ -461,7 +461,7 @@ mod tests {
         assert_eq!(web.ips.len(), 2);
         assert_eq!(web.labels.get("app").map(String::as_str), Some("web"));
         assert_eq!(web.service_account, "web");
-        assert_eq!(web.interface, "vethweb0");
+        assert_eq!(web.interface.name(), Some("vethweb0"));
         assert_eq!(set[1].service_account, "default");
         assert!(set[1].labels.is_empty());
         Ok(())

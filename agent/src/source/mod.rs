@@ -12,25 +12,48 @@
 //! agent keeps the last good set in force.
 
 pub mod file;
+pub mod kubernetes;
 
 use std::{collections::BTreeMap, fmt, future::Future, net::IpAddr, pin::Pin};
 
-use census_proto::domain::EndpointKey;
+use census_proto::{domain::EndpointKey, labels::LabelFilter};
 use tokio::sync::{mpsc, watch};
 
 pub use file::FileSource;
+pub use kubernetes::PodSource;
 
-/// One endpoint as a source describes it: raw pod labels, before the label filter.
+/// One endpoint as a source describes it: pod labels, before the agent applies the
+/// label filter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceEndpoint {
     pub key: EndpointKey,
     /// Sorted, without duplicates.
     pub ips: Box<[IpAddr]>,
-    /// The pod's labels (`key -> value`), unfiltered.
+    /// The pod's labels (`key -> value`): all of them, or, from a source that takes
+    /// the operator's filter ([`EndpointSource::label_filter`]), those it keeps.
     pub labels: BTreeMap<String, String>,
     pub service_account: String,
-    /// The host side of the endpoint's interface, in the agent's network namespace.
-    pub interface: String,
+    pub interface: HostInterface,
+}
+
+/// The host side of an endpoint's interface, where the classifier goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostInterface {
+    /// Its name, in the agent's network namespace.
+    Named(String),
+    /// The source could not find it, and says why. The endpoint still gets its
+    /// identity and ENDPOINTS entries (its traffic with other endpoints is counted
+    /// at theirs), but no classifier of its own, and it is shown in error.
+    Unknown(String),
+}
+
+impl HostInterface {
+    pub fn name(&self) -> Option<&str> {
+        match self {
+            Self::Named(name) => Some(name),
+            Self::Unknown(_) => None,
+        }
+    }
 }
 
 /// What a source tells the agent.
@@ -75,4 +98,11 @@ pub trait EndpointSource: Send + 'static {
         events: mpsc::Sender<SourceEvent>,
         shutdown: watch::Receiver<bool>,
     ) -> BoxFuture;
+
+    /// Where the agent sends the operator's label filter whenever it changes, for
+    /// a source that keeps only the labels the filter keeps; `None` (the default)
+    /// for a source that hands over every label.
+    fn label_filter(&self) -> Option<watch::Sender<LabelFilter>> {
+        None
+    }
 }

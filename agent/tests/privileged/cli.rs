@@ -14,14 +14,14 @@ use std::{
     process::Command,
 };
 
-use census_agent::bpf::{Datapath, Endpoint, LAYOUT_VERSION};
+use census_agent::bpf::{Datapath, Endpoint, Interface, LAYOUT_VERSION};
 use census_netlab::Lab;
 use cli_support::{AgentStream, Operator};
 use serde_json::Value;
 
 use crate::support::{
-    Fallible, PinDir, TestResult, bpftool, bytes, create_map, open_attached, path_str, register,
-    send, u32_at,
+    Fallible, PinDir, TestResult, bpftool, bytes, create_map, host_ifindex,
+    interface_entry_by_bpftool, open_attached, path_str, register, send, u32_at,
 };
 
 const WEB: u32 = 3000;
@@ -137,10 +137,43 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     register(&mut datapath, &a, WEB)?;
     register(&mut datapath, &b, DB)?;
     datapath.upsert_endpoint(a.gateway_v4.into(), Endpoint::host())?;
+    let (ia, ib) = (host_ifindex(&lab, &a)?, host_ifindex(&lab, &b)?);
+    datapath.set_interface(Interface {
+        ifindex: ia,
+        identity: Some(WEB),
+    })?;
+    datapath.set_interface(Interface {
+        ifindex: ib,
+        identity: None,
+    })?;
     for v6 in [false, true] {
         assert_eq!(send(&a.ns, a.ip(v6), &b, v6, COUNT, PAYLOAD)?, COUNT);
     }
     assert_eq!(send(&b.ns, b.ipv4.into(), &a, false, 3, PAYLOAD)?, 3);
+
+    // INTERFACES, as census and bpftool read it (interface names are those of
+    // census's network namespace: the pods' host sides are in the node's).
+    let interfaces = census_json(&["bpf", "interfaces", "list", "-o", "json", "--bpffs", &bpffs])?;
+    let listed: Vec<(u32, Option<u32>)> = interfaces
+        .as_array()
+        .ok_or("not an array")?
+        .iter()
+        .map(|entry| {
+            Ok((
+                u32_of(&entry["ifindex"])?,
+                entry["identity"].as_u64().map(u32::try_from).transpose()?,
+            ))
+        })
+        .collect::<Fallible<_>>()?;
+    let mut expected = vec![(ia, Some(WEB)), (ib, None)];
+    expected.sort_unstable();
+    assert_eq!(listed, expected);
+    for (ifindex, identity) in expected {
+        assert_eq!(
+            interface_entry_by_bpftool(pins.path(), ifindex)?,
+            Some(identity.unwrap_or(0))
+        );
+    }
     // Counting stops (so census and bpftool see the same counters), then the agent
     // exits: the maps stay pinned, and census reads them without it.
     for pod in [&a, &b] {
@@ -236,6 +269,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("CENSUS_META", "array", 4, 4),
             ("ENDPOINTS", "hash", 20, 8),
             ("FLOWS", "lru_percpu_hash", 8, 16),
+            ("INTERFACES", "array", 4, 8),
         ]
     );
     for map in maps {
@@ -248,15 +282,20 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
         )?;
         assert_eq!(map["id"], shown["id"], "{map}");
         assert_eq!(map["max_entries"], shown["max_entries"], "{map}");
+        assert_eq!(map["flags"], shown["flags"], "{map}");
     }
     assert_eq!(maps[1]["entries"], 5);
     assert_eq!(maps[2]["entries"], u64::try_from(listed.len())?);
+    assert_eq!(
+        maps[3]["entries"], 0,
+        "detaching took the INTERFACES entries"
+    );
 
     // The table, for people, and one address.
     let (code, table, _) = census(&["bpf", "maps", "--bpffs", &bpffs])?;
     assert_eq!(code, Some(0));
     assert!(table.starts_with("NAME "), "{table}");
-    assert_eq!(table.lines().count(), 4, "{table}");
+    assert_eq!(table.lines().count(), 5, "{table}");
     let one = census_json(&[
         "bpf",
         "endpoints",
@@ -406,13 +445,24 @@ fn maps_census_cannot_read_get_their_own_exit_codes_and_are_left_alone() -> Test
             9,
             &[
                 "have layout version 99",
-                "this census reads layout 1",
+                &format!("this census reads layout {LAYOUT_VERSION}"),
                 &bpffs,
             ],
         )?;
     }
     let dump = bpftool(None, &["map", "dump", "pinned", path_str(&meta)?])?;
     assert_eq!(u32_at(&dump[0]["value"], 0)?, 99, "census wrote nothing");
+    // The previous layout, as an older agent left it (no INTERFACES).
+    set_layout("1")?;
+    std::fs::remove_file(pins.join("INTERFACES"))?;
+    expect_failure(
+        census(&["bpf", "interfaces", "list", "--bpffs", &bpffs])?,
+        9,
+        &[
+            "have layout version 1",
+            "use the census CLI of the agent's release",
+        ],
+    )?;
     // Created, not stamped yet (an agent is loading).
     set_layout("0")?;
     expect_failure(

@@ -9,8 +9,9 @@ use std::{
 };
 
 use aya::programs::{SchedClassifier, TcAttachType};
-use census_agent::bpf::{Datapath, Endpoint, uninstall};
+use census_agent::bpf::{Datapath, Endpoint, interface_slot, uninstall};
 use census_netlab::{Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp, unique_name};
+use nix::net::if_::if_nametoindex;
 use serde_json::Value;
 
 pub(crate) type Fallible<T> = Result<T, Box<dyn std::error::Error>>;
@@ -310,4 +311,57 @@ pub(crate) fn send(
 pub(crate) fn frame_len(payload: usize, v6: bool) -> u64 {
     let ip_header = if v6 { 40 } else { 20 };
     (14 + ip_header + 8 + payload) as u64
+}
+
+/// The index of `pod`'s host-side interface, in the node namespace.
+pub(crate) fn host_ifindex(lab: &Lab, pod: &Pod) -> Fallible<u32> {
+    Ok(lab
+        .node()
+        .run(|| if_nametoindex(pod.host_interface.as_str()))??)
+}
+
+/// The INTERFACES slot of interface `ifindex` as bpftool reads it (parsed from
+/// its bytes, independently of census's types): `Some((identity))` when the slot
+/// holds `ifindex`'s entry (identity 0: none), `None` when it holds nothing or
+/// another interface's.
+pub(crate) fn interface_entry_by_bpftool(pins: &Path, ifindex: u32) -> Fallible<Option<u32>> {
+    let path = pins.join("INTERFACES");
+    let key: Vec<String> = interface_slot(ifindex)
+        .to_le_bytes()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let mut args = vec!["map", "lookup", "pinned", path_str(&path)?, "key"];
+    args.extend(key.iter().map(String::as_str));
+    let entry = bpftool(None, &args)?;
+    let value = bytes(&entry["value"])?;
+    if value.len() != 8 {
+        return Err(format!("an INTERFACES value of {} bytes: {entry}", value.len()).into());
+    }
+    let held = u32_at(&entry["value"], 0)?;
+    (held == ifindex)
+        .then(|| u32_at(&entry["value"], 4))
+        .transpose()
+}
+
+/// Lets `pod` send with `other`'s addresses (IPv4 and IPv6) as sources, and the
+/// node forward such packets (no reverse-path filter): what a pod that spoofs
+/// another's address does.
+pub(crate) fn spoof_addresses_of(lab: &Lab, pod: &Pod, other: &Pod) -> TestResult {
+    pod.ns
+        .ip(&["addr", "add", &format!("{}/32", other.ipv4), "dev", "eth0"])?;
+    pod.ns.ip(&[
+        "addr",
+        "add",
+        &format!("{}/128", other.ipv6),
+        "dev",
+        "eth0",
+        "nodad",
+    ])?;
+    lab.node().sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+    lab.node().sysctl(
+        &format!("net.ipv4.conf.{}.rp_filter", pod.host_interface),
+        "0",
+    )?;
+    Ok(())
 }

@@ -19,7 +19,10 @@ pub(crate) struct MapView {
     pub(crate) key_size: u32,
     pub(crate) value_size: u32,
     pub(crate) max_entries: u32,
-    /// Entries present now (an array has all of them).
+    /// `BPF_F_*` creation flags (INTERFACES: `BPF_F_MMAPABLE`, 1024).
+    pub(crate) flags: u32,
+    /// Entries present now (an array has all of them; INTERFACES counts the
+    /// slots in use).
     pub(crate) entries: u64,
     pub(crate) layout_version: u32,
     pub(crate) pin: String,
@@ -34,6 +37,7 @@ impl MapView {
             key_size: info.shape.key_size,
             value_size: info.shape.value_size,
             max_entries: info.shape.max_entries,
+            flags: info.shape.map_flags,
             entries: info.entries,
             layout_version,
             pin: info.pin.display().to_string(),
@@ -84,14 +88,16 @@ mod tests {
             key_size: key,
             value_size: value,
             max_entries: max,
+            flags: if name == "INTERFACES" { 1024 } else { 0 },
             entries,
-            layout_version: 1,
+            layout_version: 2,
             pin: format!("/sys/fs/bpf/census/{name}"),
         };
         vec![
             map("CENSUS_META", 11, "array", 4, 4, 1, 1),
             map("ENDPOINTS", 12, "hash", 20, 8, 65536, 3),
             map("FLOWS", 13, "lru_percpu_hash", 8, 16, 65536, 2),
+            map("INTERFACES", 14, "array", 4, 8, 65536, 2),
         ]
     }
 
@@ -103,9 +109,10 @@ mod tests {
             out,
             "\
 NAME         ID  TYPE             KEY  VALUE  MAX    ENTRIES  LAYOUT  PIN
-CENSUS_META  11  array            4B   4B     1      1        1       /sys/fs/bpf/census/CENSUS_META
-ENDPOINTS    12  hash             20B  8B     65536  3        1       /sys/fs/bpf/census/ENDPOINTS
-FLOWS        13  lru_percpu_hash  8B   16B    65536  2        1       /sys/fs/bpf/census/FLOWS
+CENSUS_META  11  array            4B   4B     1      1        2       /sys/fs/bpf/census/CENSUS_META
+ENDPOINTS    12  hash             20B  8B     65536  3        2       /sys/fs/bpf/census/ENDPOINTS
+FLOWS        13  lru_percpu_hash  8B   16B    65536  2        2       /sys/fs/bpf/census/FLOWS
+INTERFACES   14  array            4B   8B     65536  2        2       /sys/fs/bpf/census/INTERFACES
 "
         );
         Ok(())
@@ -125,8 +132,9 @@ FLOWS        13  lru_percpu_hash  8B   16B    65536  2        1       /sys/fs/bp
     "key_size": 20,
     "value_size": 8,
     "max_entries": 65536,
+    "flags": 0,
     "entries": 3,
-    "layout_version": 1,
+    "layout_version": 2,
     "pin": "/sys/fs/bpf/census/ENDPOINTS"
   }
 ]
@@ -148,8 +156,9 @@ FLOWS        13  lru_percpu_hash  8B   16B    65536  2        1       /sys/fs/bp
   key_size: 4
   value_size: 4
   max_entries: 1
+  flags: 0
   entries: 1
-  layout_version: 1
+  layout_version: 2
   pin: /sys/fs/bpf/census/CENSUS_META
 "
         );

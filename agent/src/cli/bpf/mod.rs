@@ -3,6 +3,7 @@
 
 mod endpoints;
 mod flows;
+mod interfaces;
 mod maps;
 
 use clap::Subcommand;
@@ -17,6 +18,10 @@ pub(crate) enum BpfCommand {
     /// The ENDPOINTS map: address -> identity, flags.
     #[command(subcommand)]
     Endpoints(endpoints::EndpointsCommand),
+    /// The INTERFACES map: the interfaces census counts on -> the identity of the
+    /// endpoint behind each.
+    #[command(subcommand)]
+    Interfaces(interfaces::InterfacesCommand),
     /// The FLOWS map: packets and bytes per (source, destination) identity pair,
     /// summed over CPUs.
     #[command(subcommand)]
@@ -27,6 +32,7 @@ pub(crate) async fn run(command: BpfCommand, ctx: &mut Ctx) -> Result<String, Cl
     match command {
         BpfCommand::Maps => maps::run(ctx),
         BpfCommand::Endpoints(command) => endpoints::run(command, ctx).await,
+        BpfCommand::Interfaces(command) => interfaces::run(command, ctx).await,
         BpfCommand::Flows(command) => flows::run(command, ctx).await,
     }
 }
