@@ -11,7 +11,7 @@ use census_proto::{
 use super::{
     Accepted, AgentMsg, Allocator, Applied, CloseReason, ConnId, Core, Effect, Priority, SyncError,
     Timestamp,
-    identities::{Phase, Waiter, shrink_map},
+    identities::{Phase, Waiter, settle_map, shrink_map},
     nodes::{Node, Persisted, ViewEntry},
 };
 use crate::store::StoreOp;
@@ -178,6 +178,9 @@ impl Allocator {
                     && core.ids.is_bound(ep.identity, &ep.labels)
             });
         if unchanged {
+            // At rest: the view gives back what a burst of deltas grew it to, so it
+            // holds what a changed snapshot would have rebuilt it with.
+            settle_map(&mut node.view);
             for ep in &endpoints {
                 if node.holds.is_empty() {
                     break;

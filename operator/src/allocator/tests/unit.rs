@@ -721,6 +721,49 @@ fn churn_leaves_only_live_identities_and_shrinks_maps() {
     );
 }
 
+#[test]
+fn a_view_at_rest_has_the_capacity_of_its_length_whatever_changed_it_last() {
+    let mut h = Harness::new(small_config());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    let (_, c2) = connected(&mut h, N2, 10);
+    let web = ok(h.allocate_now(N1, s1, "app=web"));
+    let steady: Vec<_> = (0..60)
+        .map(|i| mk_endpoint(&format!("web-{i}"), web.get(), "app=web"))
+        .collect();
+    // N1 reaches its steady set through a burst of deltas: grown, then emptied.
+    let mut seq = 1;
+    for ep in steady.iter().cloned() {
+        ok(h.upsert(N1, c1, seq, ep));
+        seq += 1;
+    }
+    for i in 0..100 {
+        ok(h.upsert(
+            N1,
+            c1,
+            seq,
+            mk_endpoint(&format!("job-{i}"), web.get(), "app=web"),
+        ));
+        seq += 1;
+    }
+    for i in 0..100 {
+        ok(h.delete(N1, c1, seq, &format!("job-{i}")));
+        seq += 1;
+    }
+    // N2 reaches the same set through a snapshot, which builds its view to size.
+    ok(h.snapshot(N2, c2, 1, steady.clone()));
+    let capacity = |h: &Harness, n: &str| h.alloc.nodes.get(&node(n)).map(|n| n.view.capacity());
+    let (grown, built) = (capacity(&h, N1), capacity(&h, N2));
+    assert!(
+        grown > built,
+        "the burst grew N1's view: {grown:?} vs {built:?}"
+    );
+    // An unchanged snapshot finds N1 at rest.
+    ok(h.snapshot(N1, c1, seq, steady.clone()));
+    assert_eq!(capacity(&h, N1), built, "N1's view settled to its length");
+    ok(h.snapshot(N1, c1, seq + 1, steady));
+    assert_eq!(capacity(&h, N1), built, "and stays there");
+}
+
 // ---- the store's own watch ----
 
 #[test]
