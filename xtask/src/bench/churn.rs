@@ -142,7 +142,7 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Churn) -> anyhow:
         churn(&nodes, &p, "warmup", p.warmup_pods, 0.5, &mut job_counter).await;
         drain(&op, &nodes, drain_limit(&p)).await?;
     }
-    // Baseline: median of a few quiet samples.
+    // Baseline: the level over a few quiet seconds.
     let mut baseline = measure(&sampler, Duration::from_secs(5)).await;
     let first_baseline = baseline;
     let mut phases = Vec::new();
@@ -380,13 +380,19 @@ struct Level {
     rss: u64,
 }
 
-/// Medians of the samples taken over the next `window`.
+/// The level over the next `window`: the lowest live heap (what is retained; a
+/// sample can only be raised by work in flight as it is taken, such as a snapshot
+/// being decoded or the scrape itself) and the median RSS.
 async fn measure(sampler: &Sampler, window: Duration) -> Level {
     let from = sampler.elapsed();
     sleep(window).await;
     let samples = sampler.samples_since(from);
     Level {
-        heap: median(samples.iter().filter_map(|s| s.heap_live_bytes).collect()),
+        heap: samples
+            .iter()
+            .filter_map(|s| s.heap_live_bytes)
+            .min()
+            .unwrap_or(0),
         rss: median(samples.iter().map(|s| s.rss_bytes).collect()),
     }
 }

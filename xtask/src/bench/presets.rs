@@ -8,7 +8,7 @@ use serde::Serialize;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Preset {
-    /// CronJob churn with lost deletes, 450 Job pods per drop rate, short timers
+    /// CronJob churn with lost deletes, 1,000 Job pods per drop rate, short timers
     /// (the CI gate, under 2 minutes).
     ChurnShort,
     /// The same with 10,000 Job pods per drop rate.
@@ -111,14 +111,14 @@ pub(crate) fn churn(preset: Preset) -> Churn {
         nodes: 3,
         steady_pods: 170,
         steady_apps: 34,
-        pods: if long { 10_000 } else { 450 },
-        pods_per_second: if long { 200.0 } else { 90.0 },
+        pods: if long { 10_000 } else { 1_000 },
+        pods_per_second: if long { 200.0 } else { 150.0 },
         lifetime_min: Duration::from_millis(500),
         lifetime_max: Duration::from_millis(1500),
         drop_rates: vec![0.0, 0.5, 1.0],
         // As many as a phase keeps in flight at its peak (Job pods alive, released and
         // quarantined: about 15 s of churn), capped by the phase's own size.
-        warmup_pods: if long { 3000 } else { 450 },
+        warmup_pods: if long { 3000 } else { 1_000 },
         timers: Timers {
             snapshot_interval: Duration::from_secs(1),
             grace: Duration::from_secs(2),
