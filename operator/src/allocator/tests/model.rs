@@ -594,6 +594,21 @@ fn run_case(actions: Vec<Action>, coverage: &RefCell<Coverage>) -> Result<(), Te
     }
     sim.true_snapshots();
     sim.check_truth(false);
+    // With the store answering, every Allocate has its answer: none hangs.
+    for a in &sim.agents {
+        prop_assert!(a.pending.is_empty(), "{} waits for {:?}", a.name, a.pending);
+    }
+    for (id, entry) in sim.h.alloc.core.ids.entries() {
+        prop_assert!(
+            !entry
+                .waiters
+                .iter()
+                .any(|w| matches!(w, identities::Waiter::Request { .. })),
+            "identity {} ({:?}) keeps Allocate calls waiting",
+            id,
+            entry.phase
+        );
+    }
     sim.let_retries_finish();
     sim.check_truth(true);
     sim.run_out_the_clock();
