@@ -9,20 +9,13 @@
 //! keeps, per thread, the bytes allocated and not freed. The fake API server runs
 //! on other threads, so its own (growing) store is not counted.
 
-use std::{
-    alloc::{GlobalAlloc, Layout, System},
-    cell::Cell,
-    collections::BTreeMap,
-    net::IpAddr,
-    sync::Arc,
-    thread,
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::IpAddr, sync::Arc, thread, time::Duration};
 
 use census_agent::source::{
     EndpointSource as _, SourceEvent,
     kubernetes::{InterfaceLookup, PodSource, RouteError, Timing},
 };
+use census_daemon::{PerThreadCounting, thread_net_bytes};
 use census_fake_apiserver::{FakeApiServer, Gvr, Verb};
 use census_proto::domain::{EndpointKey, NodeName};
 use serde_json::{Value, json};
@@ -30,68 +23,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 type Fallible<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-/// Counts, per thread, bytes allocated minus bytes freed.
-struct PerThreadCount;
-
-thread_local! {
-    // Const-initialized, without a destructor: using it never allocates.
-    static NET: Cell<i64> = const { Cell::new(0) };
-}
-
-fn count(delta: i64) {
-    let _ = NET.try_with(|net| net.set(net.get() + delta));
-}
-
-fn size(n: usize) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-/// This thread's allocated-and-not-freed bytes.
-fn net_bytes() -> i64 {
-    NET.try_with(Cell::get).unwrap_or(0)
-}
-
-#[allow(unsafe_code)]
-// SAFETY: every method forwards to `System` with the caller's arguments, so
-// `System` upholds the `GlobalAlloc` contract; the counting beside it touches
-// only a const-initialized thread-local `Cell` that never allocates.
-unsafe impl GlobalAlloc for PerThreadCount {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is (see the impl).
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            count(size(layout.size()));
-        }
-        ptr
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is (see the impl).
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            count(size(layout.size()));
-        }
-        ptr
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded as is (see the impl).
-        unsafe { System.dealloc(ptr, layout) };
-        count(-size(layout.size()));
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded as is (see the impl).
-        let new = unsafe { System.realloc(ptr, layout, new_size) };
-        if !new.is_null() {
-            count(size(new_size) - size(layout.size()));
-        }
-        new
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: PerThreadCount = PerThreadCount;
+static ALLOCATOR: PerThreadCounting = PerThreadCounting;
 
 const NODE: &str = "n1";
 const NODE_PODS: usize = 40;
@@ -185,7 +118,7 @@ impl SourceThread {
                 .enable_all()
                 .build()?;
             runtime.block_on(async move {
-                let base = net_bytes();
+                let base = thread_net_bytes();
                 let client = kube::Client::try_from(config)?;
                 let timing = Timing {
                     resync: Duration::from_millis(200),
@@ -218,7 +151,7 @@ impl SourceThread {
                         ask = asks.recv() => match ask {
                             Some(Ask::Measure(reply)) => {
                                 let _ = reply.send(Measure {
-                                    net: net_bytes() - base,
+                                    net: thread_net_bytes() - base,
                                     cached: cached.get(),
                                     endpoints: set.len(),
                                     events: received,
