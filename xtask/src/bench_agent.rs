@@ -37,7 +37,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if !cmd::is_root() {
         bail!(
             "the benchmark loads BPF programs and creates a network namespace: run \
-             `sudo -E cargo xtask bench-agent` (or as root)"
+             `cargo xtask bench-agent` as root"
         );
     }
     if !no_build_ebpf {

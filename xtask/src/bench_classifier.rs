@@ -32,8 +32,8 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     } = options;
     if !cmd::is_root() {
         bail!(
-            "the benchmark loads BPF programs: run `sudo -E cargo xtask bench-classifier` \
-             (or as root)"
+            "the benchmark loads BPF programs: run `cargo xtask bench-classifier` as \
+             root"
         );
     }
     if !no_build_ebpf {

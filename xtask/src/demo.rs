@@ -75,7 +75,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             "not running as root: the datapath part of the demo (BPF programs and maps, network\n\
              namespaces) needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON, CAP_SYS_ADMIN).\n\
              Running the part that needs no privileges: the operator and identities over gRPC.\n\
-             For everything: sudo -E cargo xtask demo",
+             For everything, run `cargo xtask demo` as root.",
         );
         unprivileged(&interrupted)
     }
@@ -646,7 +646,9 @@ fn unprivileged(interrupted: &Interrupted) -> anyhow::Result<()> {
     runtime.block_on(identities_over_grpc(port))?;
     step("stopping the operator");
     operator.stop();
-    say("done. For the datapath (programs, maps, traffic counters): sudo -E cargo xtask demo");
+    say(
+        "done. For the datapath (programs, maps, traffic counters), run `cargo xtask demo` as root",
+    );
     Ok(())
 }
 

@@ -31,7 +31,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if !cmd::is_root() {
         bail!(
             "the privileged tests load BPF programs and create network namespaces: run \
-             `sudo -E cargo xtask test-privileged` (or as root)"
+             `cargo xtask test-privileged` as root"
         );
     }
     if !no_build_ebpf {

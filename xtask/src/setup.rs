@@ -43,7 +43,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         if !cmd::is_root() {
             bail!(
                 "missing Debian packages: {}; installing them needs root: run \
-                 `sudo -E cargo xtask setup`, or as root `apt-get install {}`",
+                 `cargo xtask setup` as root, or `apt-get install {}`",
                 missing.join(" "),
                 missing.join(" ")
             );

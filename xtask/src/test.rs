@@ -34,7 +34,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if !no_privileged && !cmd::is_root() {
         bail!(
             "the privileged suite loads BPF programs and creates network namespaces: run \
-             `sudo -E cargo xtask test`, or `cargo xtask test --no-privileged` to skip it"
+             `cargo xtask test` as root, or `cargo xtask test --no-privileged` to skip it"
         );
     }
     let root = cmd::workspace_root();
