@@ -60,7 +60,7 @@ pub struct AgentArgs {
     #[arg(long, env = "CENSUS_RECONNECT_MAX_BACKOFF", default_value = "30s", value_parser = humantime::parse_duration)]
     pub reconnect_max_backoff: Duration,
     #[command(flatten)]
-    pub log: LogArgs,
+    pub log: census_daemon::LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
 }
@@ -128,21 +128,6 @@ impl SourceArgs {
             }),
         }
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct LogArgs {
-    /// Log filter, in `tracing` EnvFilter syntax.
-    #[arg(long, env = "CENSUS_LOG", default_value = "info")]
-    pub log: String,
-    #[arg(long, env = "CENSUS_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
 }
 
 /// The operator's gRPC URI; `host:port` means `http://host:port`.

@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use census_agent::{
     bpf::{self, Datapath, Inspector},
-    config::{AgentArgs, Cli, Command, LogFormat, SourceChoice, UninstallArgs},
+    config::{AgentArgs, Cli, Command, SourceChoice, UninstallArgs},
     daemon::{self, Options},
     host::HostIps,
     source::{
@@ -23,21 +23,15 @@ use census_agent::{
 };
 use census_proto::domain::NodeName;
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
 /// jemalloc, counting live heap bytes (census-daemon's `alloc` module says why).
 #[global_allocator]
-static ALLOCATOR: census_daemon::DaemonAllocator = census_daemon::DaemonAllocator::new();
+static GLOBAL: census_daemon::CountingJemalloc = census_daemon::CountingJemalloc::new();
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_new(&cli.agent.log.log).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.agent.log.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+    if let Err(error) = cli.agent.log.init() {
+        tracing::warn!("{error}");
     }
     let result = match cli.command {
         Some(Command::Uninstall(args)) => uninstall(args),
@@ -148,7 +142,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             host_ips: HostIps::Discover,
         };
         let running = daemon::start(options, datapath, Some(pinned), source).await?;
-        wait_for_signal().await;
+        census_daemon::signal::shutdown().await;
         tracing::info!("shutting down; the datapath stays in place");
         running.shut_down().await;
         Ok(())
@@ -189,20 +183,4 @@ fn host_name() -> anyhow::Result<NodeName> {
         .with_context(|| format!("reading the host name from {}", path.display()))?;
     let name = name.trim().to_lowercase();
     NodeName::new(&name).with_context(|| "the host name is not a valid node name: pass --node-name")
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
-    }
 }

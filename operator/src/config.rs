@@ -34,7 +34,7 @@ pub struct Cli {
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
-    pub log: LogArgs,
+    pub log: census_daemon::LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
     #[command(flatten)]
@@ -202,21 +202,6 @@ pub struct LimitArgs {
     /// Addresses of one endpoint.
     #[arg(long, env = "CENSUS_MAX_IPS_PER_ENDPOINT", default_value_t = 16)]
     pub max_ips_per_endpoint: usize,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct LogArgs {
-    /// Log filter, in `tracing` EnvFilter syntax.
-    #[arg(long, env = "CENSUS_LOG", default_value = "info")]
-    pub log: String,
-    #[arg(long, env = "CENSUS_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
 }
 
 /// Bytes one endpoint may take in a snapshot at most, generously: key, addresses and

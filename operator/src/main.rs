@@ -3,26 +3,20 @@
 use std::process::ExitCode;
 
 use census_operator::{
-    config::{Cli, Command, LogFormat},
+    config::{Cli, Command},
     daemon,
     store::kubernetes::crd,
 };
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
 /// jemalloc, counting live heap bytes (census-daemon's `alloc` module says why).
 #[global_allocator]
-static ALLOCATOR: census_daemon::DaemonAllocator = census_daemon::DaemonAllocator::new();
+static GLOBAL: census_daemon::CountingJemalloc = census_daemon::CountingJemalloc::new();
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_new(&cli.log.log).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.log.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+    if let Err(error) = cli.log.init() {
+        tracing::warn!("{error}");
     }
     if let Some(Command::Crdgen { out }) = &cli.command {
         return crdgen(out.as_deref());
@@ -45,27 +39,11 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        wait_for_signal().await;
+        census_daemon::signal::shutdown().await;
         tracing::info!("shutting down");
         running.shut_down().await;
         ExitCode::SUCCESS
     })
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
-    }
 }
 
 /// `census-operator crdgen`: the Identity CRD as YAML.

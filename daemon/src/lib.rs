@@ -6,22 +6,23 @@
 //!   compiled in, inactive unless the daemon runs with `--heap-profiling`;
 //! - [`metrics`]: a Prometheus collector for the process's resident memory and live
 //!   heap;
-//! - [`thread_count`]: for tests, a global allocator that counts live bytes per
-//!   thread, to measure what one component holds.
+//! - [`log`]: the `--log`/`--log-format` flags and the `tracing` subscriber;
+//! - [`signal`]: waiting for SIGTERM or SIGINT.
 //!
-//! A daemon declares the allocator in its `main.rs`, merges [`profiling::routes`]
-//! into its admin router (never the gRPC port), registers
-//! [`metrics::ProcessCollector`] and flattens [`profiling::ProfilingArgs`] into its
-//! command line.
+//! A daemon declares the allocator in its `main.rs`, flattens [`LogArgs`] and
+//! [`ProfilingArgs`] into its command line, merges [`profiling::routes`] into its
+//! admin router (never the gRPC port), registers [`metrics::ProcessCollector`] and
+//! stops on [`signal::shutdown`].
 
 pub mod alloc;
+pub mod log;
 pub mod metrics;
 pub mod profiling;
-pub mod thread_count;
+pub mod signal;
 
 pub use self::{
-    alloc::{DaemonAllocator, live_heap_bytes},
+    alloc::{CountingJemalloc, live_heap_bytes},
+    log::{LogArgs, LogFormat},
     metrics::ProcessCollector,
     profiling::{ProfilingArgs, ProfilingError},
-    thread_count::{PerThreadCounting, thread_net_bytes},
 };

@@ -87,7 +87,7 @@ fn count(delta: isize) {
 }
 
 /// Live heap bytes (requested and not yet freed) of the process, or `None` when
-/// [`DaemonAllocator`] is not its global allocator (tests, benchmarks).
+/// [`CountingJemalloc`] is not its global allocator (tests, benchmarks).
 pub fn live_heap_bytes() -> Option<u64> {
     if THREADS.load(Ordering::Relaxed) == 0 {
         return None;
@@ -100,14 +100,14 @@ pub fn live_heap_bytes() -> Option<u64> {
 ///
 /// ```ignore
 /// #[global_allocator]
-/// static ALLOCATOR: census_daemon::DaemonAllocator = census_daemon::DaemonAllocator::new();
+/// static GLOBAL: census_daemon::CountingJemalloc = census_daemon::CountingJemalloc::new();
 /// ```
 #[derive(Debug, Default)]
-pub struct DaemonAllocator {
+pub struct CountingJemalloc {
     inner: Jemalloc,
 }
 
-impl DaemonAllocator {
+impl CountingJemalloc {
     pub const fn new() -> Self {
         Self { inner: Jemalloc }
     }
@@ -117,7 +117,7 @@ impl DaemonAllocator {
 // so jemalloc's implementation upholds the `GlobalAlloc` contract; the counter only
 // observes sizes and never allocates.
 #[allow(unsafe_code)]
-unsafe impl GlobalAlloc for DaemonAllocator {
+unsafe impl GlobalAlloc for CountingJemalloc {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: the caller upholds `alloc`'s contract, which is jemalloc's.
@@ -172,7 +172,7 @@ mod tests {
 
     #[test]
     fn counts_what_it_hands_out_and_takes_back() -> Result<(), std::alloc::LayoutError> {
-        let a = DaemonAllocator::new();
+        let a = CountingJemalloc::new();
         let layout = Layout::from_size_align(4096, 8)?;
         let sum = || {
             LIVE.iter()

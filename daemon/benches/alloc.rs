@@ -1,5 +1,5 @@
 //! What counting live heap bytes costs: alloc + free pairs through plain jemalloc and
-//! through [`DaemonAllocator`] (jemalloc plus one atomic add per call), on 1 and 2
+//! through [`CountingJemalloc`] (jemalloc plus one atomic add per call), on 1 and 2
 //! threads. Run with `cargo bench -p census-daemon --bench alloc`.
 
 #![allow(unsafe_code, clippy::print_stdout)]
@@ -10,7 +10,7 @@ use std::{
     time::Instant,
 };
 
-use census_daemon::DaemonAllocator;
+use census_daemon::CountingJemalloc;
 use tikv_jemallocator::Jemalloc;
 
 const PAIRS: usize = 20_000_000;
@@ -57,7 +57,7 @@ fn main() {
         let (mut plain, mut counting) = (f64::MAX, f64::MAX);
         for _ in 0..3 {
             plain = plain.min(measure(&Jemalloc, threads));
-            counting = counting.min(measure(&DaemonAllocator::new(), threads));
+            counting = counting.min(measure(&CountingJemalloc::new(), threads));
         }
         println!(
             "{threads} thread(s): jemalloc {plain:.2} ns, jemalloc + live-heap counter {counting:.2} ns ({:+.2} ns, {:+.1}%)",

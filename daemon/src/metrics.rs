@@ -3,7 +3,7 @@
 //! - `process_resident_memory_bytes`: resident set size, from `/proc/self/statm`
 //!   (the name the Prometheus client libraries' process collectors use);
 //! - `census_process_heap_live_bytes`: bytes allocated and not yet freed, counted by
-//!   [`crate::DaemonAllocator`] (absent when it is not the global allocator).
+//!   [`crate::CountingJemalloc`] (absent when it is not the global allocator).
 
 use std::fmt;
 
