@@ -43,7 +43,7 @@ use census_agent::{
 };
 use census_netlab::{Netns, unique_name};
 use census_proto::domain::{EndpointKey, IdentityId, NodeName, canonical_ips};
-use clap::Parser as _;
+use census_testkit::Operator;
 
 type Fallible<T> = Result<T, Box<dyn Error + Send + Sync>>;
 
@@ -340,22 +340,8 @@ fn write_file(path: &Path, text: &str) -> Fallible<()> {
     Ok(())
 }
 
-async fn start_operator(dir: &Path) -> Fallible<census_operator::daemon::Running> {
-    let store = dir.join("census.redb");
-    let cli = census_operator::config::Cli::try_parse_from([
-        "census-operator",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--store-path",
-        store.to_str().ok_or("temp dir is not UTF-8")?,
-        "--snapshot-interval",
-        "5s",
-        "--adoption-window",
-        "0s",
-    ])?;
-    Ok(census_operator::daemon::start(cli).await?)
+async fn start_operator(dir: &Path) -> Fallible<Operator> {
+    Operator::start_in(dir, &["--snapshot-interval", "5s"]).await
 }
 
 /// Waits until `ip` has an ENDPOINTS entry; how long that took from `since`.
@@ -423,7 +409,7 @@ async fn latency(samples: usize) -> Fallible<()> {
     let known = measure(&|i| format!("app-{}", i % 10))?;
     let new = measure(&|i| format!("new-{i}"))?;
     agent.shut_down().await;
-    operator.shut_down().await;
+    operator.shut_down().await?;
 
     let pct = |times: &[Duration], p: f64| {
         let index = ((times.len() as f64 - 1.0) * p).round() as usize;
@@ -500,7 +486,7 @@ fn rss(runtime: &tokio::runtime::Runtime, agent_bin: &Path, count: usize) -> Fal
     })();
     let _ = child.kill();
     let _ = child.wait();
-    runtime.block_on(operator.shut_down());
+    runtime.block_on(operator.shut_down())?;
     let (rss, peak) = result?;
     report(&format!(
         "\ncensus-agent process (release), {count} endpoints programmed, connected, settled:"

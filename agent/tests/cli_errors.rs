@@ -7,7 +7,9 @@
 #[path = "cli/support.rs"]
 mod support;
 
-use support::{AgentStream, FakeAgent, FakeOperator, Operator, TestResult, census, closed_port};
+use support::{
+    FakeAgent, FakeOperator, Operator, TestResult, census, cli_session, closed_port, hello,
+};
 use tonic::Status;
 
 const MALFORMED: i32 = 3;
@@ -178,10 +180,12 @@ async fn usage_errors_exit_2() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_ids_labels_and_nodes_exit_4() -> TestResult {
-    let operator = Operator::start().await?;
-    let _agent = AgentStream::hello(&operator, "node-a").await?;
-    let web = operator.allocate("node-a", &["k8s:app=web"]).await?;
-    let op = operator.addr.as_str();
+    let operator = Operator::start(&[]).await?;
+    let _agent = hello(&operator, "node-a").await?;
+    let web = operator
+        .allocate_ok("node-a", cli_session(), &["k8s:app=web"])
+        .await?;
+    let op = &operator.url();
     let unknown_id = (web.id + 1000).to_string();
     census(&["identity", "get", &unknown_id, "--operator", op], &[])
         .await?
@@ -222,21 +226,21 @@ async fn unknown_ids_labels_and_nodes_exit_4() -> TestResult {
     )
     .await?;
     assert_eq!(run.json()?["labels"], serde_json::json!(["k8s:app=web"]));
-    operator.shut_down().await;
+    operator.shut_down().await?;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn labels_the_operator_refuses_exit_3() -> TestResult {
     // Valid syntax, but nothing is left after the operator's label filter.
-    let operator = Operator::start().await?;
+    let operator = Operator::start(&[]).await?;
     census(
         &[
             "identity",
             "lookup",
             "k8s:pod-template-hash=abc",
             "--operator",
-            &operator.addr,
+            &operator.url(),
         ],
         &[],
     )
@@ -245,7 +249,7 @@ async fn labels_the_operator_refuses_exit_3() -> TestResult {
         MALFORMED,
         &["the operator at", "refused the request", "label filter"],
     )?;
-    operator.shut_down().await;
+    operator.shut_down().await?;
     Ok(())
 }
 

@@ -15,16 +15,16 @@ use census_agent::source::{
     EndpointSource as _, SourceEvent,
     kubernetes::{InterfaceLookup, PodSource, RouteError, Timing},
 };
-use census_daemon::{PerThreadCounting, thread_net_bytes};
 use census_fake_apiserver::{FakeApiServer, Gvr, Verb};
 use census_proto::domain::{EndpointKey, NodeName};
+use census_testkit::alloc::{PerThreadCounting, thread_net_bytes};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot, watch};
 
 type Fallible<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[global_allocator]
-static ALLOCATOR: PerThreadCounting = PerThreadCounting;
+static GLOBAL: PerThreadCounting = PerThreadCounting;
 
 const NODE: &str = "n1";
 const NODE_PODS: usize = 40;

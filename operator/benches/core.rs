@@ -12,13 +12,11 @@
 //! Heap figures come from a counting global allocator (bytes requested and not yet
 //! freed), so they are exact and independent of the malloc in use.
 
-#![allow(unsafe_code, clippy::print_stdout)]
+#![allow(clippy::print_stdout)]
 
 use std::{
-    alloc::{GlobalAlloc, Layout, System},
     hint::black_box,
     net::{IpAddr, Ipv4Addr},
-    sync::atomic::{AtomicIsize, Ordering},
     time::{Duration, Instant},
 };
 
@@ -30,47 +28,15 @@ use census_proto::{
     domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
     labels::{LabelLimits, LabelSet},
 };
+use census_testkit::alloc::{PerThreadCounting, thread_net_bytes};
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator with the same layout; the
-// counter only observes sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: same contract as ours.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: same contract as ours.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_add(
-                new_size as isize - layout.size() as isize,
-                Ordering::Relaxed,
-            );
-        }
-        p
-    }
-}
-
+// The core is synchronous and the bench runs it on the main thread, so the
+// per-thread count is the core's memory.
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static GLOBAL: PerThreadCounting = PerThreadCounting;
 
 fn heap() -> isize {
-    LIVE.load(Ordering::Relaxed)
+    isize::try_from(thread_net_bytes()).unwrap_or(isize::MAX)
 }
 
 type BenchResult = Result<(), Box<dyn std::error::Error>>;

@@ -7,7 +7,6 @@
 
 use std::time::{Duration, Instant};
 
-use census_operator::{config::Cli, daemon};
 use census_proto::{
     PROTOCOL_VERSION,
     pb::{
@@ -15,10 +14,9 @@ use census_proto::{
         identity_service_client::IdentityServiceClient,
     },
 };
-use clap::Parser;
+use census_testkit::Operator;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
 
 type BenchResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -41,25 +39,9 @@ fn labels(i: usize) -> Vec<String> {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> BenchResult {
-    let dir = tempfile::tempdir()?;
-    let store = dir.path().join("bench.redb");
-    let cli = Cli::try_parse_from([
-        "census-operator",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--adoption-window",
-        "0s",
-        "--log",
-        "warn",
-        "--store-path",
-        store.to_str().ok_or("temp path")?,
-    ])?;
-    let running = daemon::start(cli).await?;
-    let channel = Channel::from_shared(format!("http://{}", running.grpc_addr))?
-        .connect()
-        .await?;
+    // Ticks at the daemon's default pace, as in production.
+    let operator = Operator::start_without(&["--tick-interval"], &[]).await?;
+    let channel = operator.channel().await?;
     let session = pb::Session {
         start_time_ns: 1,
         nonce: 1,
@@ -159,6 +141,6 @@ async fn main() -> BenchResult {
         lat.len()
     );
     drop(tx);
-    running.shut_down().await;
+    operator.shut_down().await?;
     Ok(())
 }

@@ -5,8 +5,6 @@
 //! Every test starts its own operator on its own tempdir store. Time-driven behaviour
 //! (holds, GC, quarantine) runs on short timers and is waited for with deadlines.
 
-mod support;
-
 use std::{
     collections::BTreeSet,
     str::FromStr,
@@ -17,12 +15,12 @@ use census_proto::{
     PROTOCOL_VERSION,
     pb::{self, agent_message::Body, watch_event::Kind},
 };
+use census_testkit::{
+    Agent, Operator, TestResult, endpoint, eventually, expect_status, fail, hello, open_stream,
+    open_stream_and_close, session, strings,
+};
 use prost::Message as _;
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, ReflectMessage, Value};
-use support::{
-    Agent, TestResult, endpoint, eventually, expect_status, fail, hello, open_stream,
-    open_stream_and_close, session, start_operator, start_operator_without, strings,
-};
 use tonic::{
     Code, Status,
     codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
@@ -41,7 +39,7 @@ fn live() -> i32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_reply_carries_the_filter_the_interval_and_the_limits() -> TestResult {
-    let op = start_operator(&[
+    let op = Operator::start(&[
         "--snapshot-interval",
         "7s",
         "--label-exclude",
@@ -90,7 +88,7 @@ async fn hello_reply_carries_the_filter_the_interval_and_the_limits() -> TestRes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_canonicalizes_filters_persists_and_answers_get_and_lookup() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
 
@@ -163,7 +161,7 @@ async fn allocate_canonicalizes_filters_persists_and_answers_get_and_lookup() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_and_deltas_are_acked_and_node_service_shows_the_view() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let shop = op.allocate_ok("node-a", s, SHOP).await?.id;
@@ -237,7 +235,7 @@ async fn snapshots_and_deltas_are_acked_and_node_service_shows_the_view() -> Tes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_paginates_filters_by_selector_and_refuses_bad_tokens() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
     let mut want = Vec::new();
@@ -309,7 +307,7 @@ async fn list_paginates_filters_by_selector_and_refuses_bad_tokens() -> TestResu
 async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
     // The node goes silent after Hello: its view and holds are dropped after the
     // node TTL, and GC deletes the identities after the grace period.
-    let op = start_operator(&[
+    let op = Operator::start(&[
         "--snapshot-interval",
         "1s",
         "--node-ttl",
@@ -384,7 +382,7 @@ async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_labels_are_invalid_argument_naming_label_and_field() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
     op.allocate_ok("node-a", s, SHOP).await?;
@@ -441,7 +439,7 @@ async fn malformed_labels_are_invalid_argument_naming_label_and_field() -> TestR
 /// `k8s:app` after a good `k8s:app=web` is reported as `labels[0]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_label_index_is_exact_when_a_good_label_shares_its_prefix() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
     let answer = op
@@ -453,7 +451,7 @@ async fn malformed_label_index_is_exact_when_a_good_label_shares_its_prefix() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn label_set_over_the_size_limit_is_invalid_argument() -> TestResult {
-    let op = start_operator(&["--max-labels", "4"]).await?;
+    let op = Operator::start(&["--max-labels", "4"]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let four = ["k8s:a=1", "k8s:b=2", "k8s:c=3", "k8s:d=4"];
@@ -491,7 +489,7 @@ async fn label_set_over_the_size_limit_is_invalid_argument() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_over_the_endpoint_limit_ends_the_stream_and_keeps_the_view() -> TestResult {
-    let op = start_operator(&["--max-snapshot-endpoints", "3"]).await?;
+    let op = Operator::start(&["--max-snapshot-endpoints", "3"]).await?;
     let s = session(100);
     let (mut agent, reply) = Agent::connect(&op, "node-a", s).await?;
     assert_eq!(
@@ -530,7 +528,7 @@ async fn snapshot_over_the_endpoint_limit_ends_the_stream_and_keeps_the_view() -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_snapshot_entries_end_the_stream_naming_the_entry() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let id = op.allocate_ok("node-a", s, SHOP).await?.id;
@@ -636,7 +634,7 @@ async fn bad_snapshot_entries_end_the_stream_naming_the_entry() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_before_hello_is_failed_precondition() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let before = op.observe().await?;
     let upsert = pb::AgentMessage {
         seq: 1,
@@ -659,7 +657,7 @@ async fn a_message_before_hello_is_failed_precondition() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_hello_on_a_stream_is_failed_precondition() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     for seq in [0, 5] {
         let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
@@ -682,7 +680,7 @@ async fn a_second_hello_on_a_stream_is_failed_precondition() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_session_replaces_the_stream_and_an_older_one_is_refused() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let (s1, s2) = (session(100), session(200));
     let (mut a, _) = Agent::connect(&op, "node-a", s1).await?;
     let id = op.allocate_ok("node-a", s1, SHOP).await?.id;
@@ -729,7 +727,7 @@ async fn a_newer_session_replaces_the_stream_and_an_older_one_is_refused() -> Te
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_seq_is_acked_as_ignored_and_counted() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let id = op.allocate_ok("node-a", s, SHOP).await?.id;
@@ -784,7 +782,7 @@ async fn an_old_seq_is_acked_as_ignored_and_counted() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_protocol_version_mismatch_is_failed_precondition_naming_both() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
     let id = op.allocate_ok("node-a", s, SHOP).await?.id;
@@ -867,7 +865,7 @@ async fn a_protocol_version_mismatch_is_failed_precondition_naming_both() -> Tes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_needs_the_nodes_current_session() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let before = op.observe().await?;
     let answer = op.allocate("node-x", session(100), SHOP).await?;
     expect_status(
@@ -918,7 +916,7 @@ async fn allocate_needs_the_nodes_current_session() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_id_range_is_resource_exhausted_until_ids_are_freed() -> TestResult {
-    let op = start_operator(&[
+    let op = Operator::start(&[
         "--id-range",
         "256-258",
         "--snapshot-interval",
@@ -975,7 +973,7 @@ async fn an_exhausted_id_range_is_resource_exhausted_until_ids_are_freed() -> Te
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hold_quota_is_resource_exhausted() -> TestResult {
-    let op = start_operator(&["--max-holds-per-node", "2"]).await?;
+    let op = Operator::start(&["--max-holds-per-node", "2"]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let a = op.allocate_ok("node-a", s, &["k8s:app=a"]).await?.id;
@@ -1003,7 +1001,7 @@ async fn the_hold_quota_is_resource_exhausted() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_and_get_node_refuse_unknown_and_bad_input() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let (_agent, _) = Agent::connect(&op, "node-a", session(100)).await?;
     let before = op.observe().await?;
 
@@ -1034,7 +1032,7 @@ async fn get_and_get_node_refuse_unknown_and_bad_input() -> TestResult {
 async fn a_fresh_store_hands_out_no_new_id_in_the_adoption_window_but_serves_adopted() -> TestResult
 {
     // The default adoption window: one node TTL (90 s).
-    let op = start_operator_without(&["--adoption-window"], &[]).await?;
+    let op = Operator::start_without(&["--adoption-window"], &[]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let before = op.observe().await?;
@@ -1142,7 +1140,7 @@ async fn reflection_v1_lets_a_generic_client_discover_and_call_get() -> TestResu
         server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
     };
 
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let channel = op.channel().await?;
     let mut reflection = ServerReflectionClient::new(channel.clone());
     let requests = [
@@ -1237,7 +1235,7 @@ async fn reflection_v1alpha_lists_the_services_and_describes_them() -> TestResul
         server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
     };
 
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let mut reflection = ServerReflectionClient::new(op.channel().await?);
     let requests = [
         MessageRequest::ListServices(String::new()),
@@ -1284,7 +1282,7 @@ async fn grpc_health_reports_the_services_serving() -> TestResult {
         HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
     };
 
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let mut health = HealthClient::new(op.channel().await?);
     for service in [
         "census.v1.IdentityService",
@@ -1314,7 +1312,7 @@ async fn grpc_health_reports_the_services_serving() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_port_serves_health_readiness_and_openmetrics() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let (status, _, body) = op.admin_get("/healthz").await?;
     assert_eq!((status, body.as_str()), (200, "ok\n"));
     let (status, _, body) = op.admin_get("/readyz").await?;
@@ -1379,7 +1377,7 @@ async fn the_admin_port_serves_health_readiness_and_openmetrics() -> TestResult 
 async fn a_snapshot_at_the_endpoint_limit_fits_the_message_limit() -> TestResult {
     const ENDPOINTS: usize = 10_000;
     const APPS: usize = 100;
-    let op = start_operator(&["--max-snapshot-endpoints", "10000"]).await?;
+    let op = Operator::start(&["--max-snapshot-endpoints", "10000"]).await?;
     let s = session(100);
     let (mut agent, reply) = Agent::connect(&op, "node-a", s).await?;
     let max_bytes = reply.limits.map_or(0, |l| l.max_message_bytes);
@@ -1432,7 +1430,7 @@ async fn a_snapshot_at_the_endpoint_limit_fits_the_message_limit() -> TestResult
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shut_down_ends_agent_streams_and_watches_with_unavailable() -> TestResult {
-    let op = start_operator(&[]).await?;
+    let op = Operator::start(&[]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let id = op.allocate_ok("node-a", s, SHOP).await?.id;

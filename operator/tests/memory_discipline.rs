@@ -16,17 +16,18 @@ use std::{
     time::{Duration, Instant},
 };
 
-use census_daemon::{PerThreadCounting, thread_net_bytes};
 use census_fake_apiserver::{FakeApiServer, Verb};
-use census_operator::{config::Cli, daemon};
-use clap::Parser as _;
+use census_testkit::{
+    Operator,
+    alloc::{PerThreadCounting, thread_net_bytes},
+};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
 type Fallible<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[global_allocator]
-static ALLOCATOR: PerThreadCounting = PerThreadCounting;
+static GLOBAL: PerThreadCounting = PerThreadCounting;
 
 const NAMESPACE: &str = "census";
 const POD: &str = "op-a";
@@ -112,7 +113,6 @@ fn seed(server: &FakeApiServer) -> Fallible<()> {
 
 fn args(kubeconfig: &Path) -> Vec<String> {
     [
-        "census-operator",
         "--store",
         "kubernetes",
         "--namespace",
@@ -176,7 +176,10 @@ impl Replica {
                 .build()?;
             runtime.block_on(async move {
                 let base = thread_net_bytes();
-                let running = daemon::start(Cli::try_parse_from(args(&kubeconfig))?).await?;
+                let args = args(&kubeconfig);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let op = Operator::start(&args).await?;
+                let running = op.running();
                 while let Some(Ask::Measure(reply)) = asks.recv().await {
                     let cluster = running.cluster.as_ref().ok_or("no cluster side")?;
                     let _ = reply.send(Measure {
@@ -188,8 +191,7 @@ impl Replica {
                         identities: cluster.store.cached_objects(),
                     });
                 }
-                running.shut_down().await;
-                Ok(())
+                op.shut_down().await
             })
         });
         Self { ask, thread }

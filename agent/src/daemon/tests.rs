@@ -12,12 +12,13 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tonic::transport::Channel;
 
+use census_testkit::{Operator, TestResult, identity, lazy_channel, node, until_some};
+
 use super::*;
 use crate::{
     admin::api::{EndpointState, EndpointsResponse},
     reconcile::{MapKey, fake::FakeMaps},
     source::FileSource,
-    testing::{TestResult, channel, eventually, identity, node, operator},
 };
 
 type Fallible<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -132,13 +133,13 @@ async fn all_programmed(addr: SocketAddr, count: usize) -> Option<EndpointsRespo
 #[tokio::test]
 async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let op = operator(dir.path(), 0).await?;
-    let ch = channel(op.grpc_addr)?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
+    let ch = lazy_channel(op.grpc_addr)?;
     write(dir.path(), FOUR)?;
     let agent = agent(dir.path(), op.grpc_addr, fake_maps()).await?;
     let admin = agent.running.admin_addr;
 
-    let response = eventually(WAIT, || all_programmed(admin, 4))
+    let response = until_some(WAIT, || all_programmed(admin, 4))
         .await
         .ok_or("every endpoint is programmed")?;
     assert_eq!(response.node, "n1");
@@ -195,7 +196,7 @@ async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestRe
         "each interface's INTERFACES entry names the endpoint behind it"
     );
 
-    let counted = eventually(WAIT, || async {
+    let counted = until_some(WAIT, || async {
         let refs = identity(&ch, web).await?.references;
         (refs == 2).then_some(())
     })
@@ -207,7 +208,7 @@ async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestRe
         dir.path(),
         &FOUR.replace("- {namespace: default, name: web-1", "# "),
     )?;
-    let dropped = eventually(WAIT, || async {
+    let dropped = until_some(WAIT, || async {
         let refs = identity(&ch, web).await?.references;
         (refs == 1 && entry(&agent.maps, "198.18.2.2").is_none()).then_some(())
     })
@@ -243,18 +244,18 @@ async fn endpoints_get_their_identities_and_the_operator_counts_them() -> TestRe
     );
 
     agent.running.shut_down().await;
-    op.shut_down().await;
+    op.shut_down().await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_malformed_file_changes_nothing() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let op = operator(dir.path(), 0).await?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
     write(dir.path(), FOUR)?;
     let agent = agent(dir.path(), op.grpc_addr, fake_maps()).await?;
     let admin = agent.running.admin_addr;
-    eventually(WAIT, || all_programmed(admin, 4))
+    until_some(WAIT, || all_programmed(admin, 4))
         .await
         .ok_or("programmed")?;
     let before = agent.maps.lock().entries.clone();
@@ -263,7 +264,7 @@ async fn a_malformed_file_changes_nothing() -> TestResult {
         dir.path(),
         "- {namespace: default, name: web-0, ips: [not-an-ip]",
     )?;
-    let reported = eventually(WAIT, || async {
+    let reported = until_some(WAIT, || async {
         let response = endpoints_api(admin).await.ok()?;
         response.source?.error
     })
@@ -287,25 +288,25 @@ async fn a_malformed_file_changes_nothing() -> TestResult {
     assert_eq!(endpoints_api(admin).await?.endpoints.len(), 4);
 
     agent.running.shut_down().await;
-    op.shut_down().await;
+    op.shut_down().await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn fail_static_while_the_operator_is_away() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let op = operator(dir.path(), 0).await?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
     let addr = op.grpc_addr;
-    let ch = channel(addr)?;
+    let ch = lazy_channel(addr)?;
     write(dir.path(), FOUR)?;
     let agent = agent(dir.path(), addr, fake_maps()).await?;
     let admin = agent.running.admin_addr;
-    eventually(WAIT, || all_programmed(admin, 4))
+    until_some(WAIT, || all_programmed(admin, 4))
         .await
         .ok_or("programmed")?;
 
-    op.shut_down().await;
-    let response = eventually(WAIT, || async {
+    op.shut_down().await?;
+    let response = until_some(WAIT, || async {
         endpoints_api(admin)
             .await
             .ok()
@@ -325,7 +326,7 @@ async fn fail_static_while_the_operator_is_away() -> TestResult {
         + "- {namespace: default, name: api-0, ips: [198.18.6.2], labels: {app: api}, interface: veth6}\n";
     write(dir.path(), &changed)?;
     let web = entry(&agent.maps, "198.18.1.2").ok_or("web-0")?.identity;
-    let waiting = eventually(WAIT, || async {
+    let waiting = until_some(WAIT, || async {
         let response = endpoints_api(admin).await.ok()?;
         let state = |name: &str| {
             response
@@ -352,11 +353,11 @@ async fn fail_static_while_the_operator_is_away() -> TestResult {
     assert_eq!(entry(&agent.maps, "198.18.2.2"), None);
 
     // The operator comes back on its store: the agent's snapshot is the truth.
-    let op = operator(dir.path(), addr.port()).await?;
-    eventually(WAIT, || all_programmed(admin, 5))
+    let op = Operator::for_agents(dir.path(), addr.port()).await?;
+    until_some(WAIT, || all_programmed(admin, 5))
         .await
         .ok_or("api-0 got its identity")?;
-    let truth = eventually(WAIT, || async {
+    let truth = until_some(WAIT, || async {
         let n = node(&ch, "n1").await?;
         let web_refs = identity(&ch, web).await?.references;
         (n.connected && n.endpoints == 5 && web_refs == 2).then_some(())
@@ -370,18 +371,18 @@ async fn fail_static_while_the_operator_is_away() -> TestResult {
     );
 
     agent.running.shut_down().await;
-    op.shut_down().await;
+    op.shut_down().await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_restarted_agent_keeps_identities_and_repairs_the_maps() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let op = operator(dir.path(), 0).await?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
     write(dir.path(), FOUR)?;
     let maps = fake_maps();
     let first = agent(dir.path(), op.grpc_addr, maps.clone()).await?;
-    eventually(WAIT, || all_programmed(first.running.admin_addr, 4))
+    until_some(WAIT, || all_programmed(first.running.admin_addr, 4))
         .await
         .ok_or("programmed")?;
     first.running.shut_down().await;
@@ -401,12 +402,12 @@ async fn a_restarted_agent_keeps_identities_and_repairs_the_maps() -> TestResult
         );
     }
     let second = agent(dir.path(), op.grpc_addr, maps.clone()).await?;
-    let repaired = eventually(WAIT, || async {
+    let repaired = until_some(WAIT, || async {
         (maps.lock().entries == before).then_some(())
     })
     .await;
     assert!(repaired.is_some(), "the full pass repaired the maps");
-    eventually(WAIT, || all_programmed(second.running.admin_addr, 4))
+    until_some(WAIT, || all_programmed(second.running.admin_addr, 4))
         .await
         .ok_or("programmed")?;
     assert_eq!(maps.lock().entries, before, "no identity changed");
@@ -417,6 +418,6 @@ async fn a_restarted_agent_keeps_identities_and_repairs_the_maps() -> TestResult
     );
 
     second.running.shut_down().await;
-    op.shut_down().await;
+    op.shut_down().await?;
     Ok(())
 }

@@ -4,31 +4,17 @@
 //! call with one status.
 #![allow(dead_code, reason = "each test target uses part of the fixtures")]
 
-use std::{error::Error, process::Output, time::Duration};
+use std::{process::Output, time::Duration};
 
-use census_operator::{
-    config::Cli,
-    daemon::{self, Running},
-};
-use census_proto::{
-    PROTOCOL_VERSION,
-    pb::{
-        self, agent_message::Body, endpoint_sync_client::EndpointSyncClient,
-        identity_service_client::IdentityServiceClient, node_service_server, operator_message,
-    },
-};
-use clap::Parser as _;
-use tempfile::TempDir;
+use census_proto::pb::{self, node_service_server};
+pub(crate) use census_testkit::{Agent, Operator, TestResult, session};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpListener,
-    sync::mpsc,
     task::JoinHandle,
 };
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming, transport::Channel};
-
-pub(crate) type TestResult<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
 
 /// How long anything the tests wait for may take.
 pub(crate) const TIMEOUT: Duration = Duration::from_secs(20);
@@ -111,106 +97,17 @@ pub(crate) async fn closed_port() -> TestResult<String> {
     Ok(format!("http://{addr}"))
 }
 
-/// A real operator on 127.0.0.1 with a store in its own tempdir, no adoption window.
-#[derive(Debug)]
-pub(crate) struct Operator {
-    running: Option<Running>,
-    pub(crate) addr: String,
-    _dir: TempDir,
+/// The session of every CLI test's agent.
+pub(crate) fn cli_session() -> pb::Session {
+    session(1_700_000_000_000_000_000)
 }
 
-impl Operator {
-    pub(crate) async fn start() -> TestResult<Self> {
-        let dir = tempfile::tempdir()?;
-        let store = dir.path().join("census.redb");
-        let store = store.to_str().ok_or("the tempdir path is not UTF-8")?;
-        let cli = Cli::try_parse_from([
-            "census-operator",
-            "--store-path",
-            store,
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--adoption-window",
-            "0s",
-            "--tick-interval",
-            "50ms",
-        ])?;
-        let running = daemon::start(cli).await?;
-        Ok(Self {
-            addr: format!("http://{}", running.grpc_addr),
-            running: Some(running),
-            _dir: dir,
-        })
-    }
-
-    pub(crate) async fn channel(&self) -> TestResult<Channel> {
-        Ok(Channel::from_shared(self.addr.clone())?
-            .connect_timeout(TIMEOUT)
-            .connect()
-            .await?)
-    }
-
-    /// Allocates `labels` for `node` (which must have said Hello).
-    pub(crate) async fn allocate(&self, node: &str, labels: &[&str]) -> TestResult<pb::Identity> {
-        let mut client = IdentityServiceClient::new(self.channel().await?);
-        let answer = client
-            .allocate(pb::AllocateRequest {
-                protocol_version: PROTOCOL_VERSION,
-                node: node.into(),
-                session: Some(session()),
-                labels: strings(labels),
-            })
-            .await?
-            .into_inner();
-        Ok(answer
-            .identity
-            .ok_or("AllocateResponse without an identity")?)
-    }
-
-    /// Every identity the operator lists (without quarantined ones), all pages.
-    pub(crate) async fn list(&self, selector: &[&str]) -> TestResult<Vec<pb::Identity>> {
-        let mut client = IdentityServiceClient::new(self.channel().await?);
-        let mut all = Vec::new();
-        let mut page_token = String::new();
-        loop {
-            let page = client
-                .list(pb::ListRequest {
-                    protocol_version: PROTOCOL_VERSION,
-                    page_size: 2,
-                    page_token,
-                    selector: strings(selector),
-                    include_quarantined: false,
-                })
-                .await?
-                .into_inner();
-            all.extend(page.identities);
-            if page.next_page_token.is_empty() {
-                return Ok(all);
-            }
-            page_token = page.next_page_token;
-        }
-    }
-
-    pub(crate) async fn shut_down(mut self) {
-        if let Some(running) = self.running.take() {
-            let _ = tokio::time::timeout(TIMEOUT, running.shut_down()).await;
-        }
-    }
+/// An agent of `node` whose Hello `operator` answered.
+pub(crate) async fn hello(operator: &Operator, node: &str) -> TestResult<Agent> {
+    Ok(Agent::connect(operator, node, cli_session()).await?.0)
 }
 
-pub(crate) fn strings(items: &[&str]) -> Vec<String> {
-    items.iter().map(|s| (*s).to_owned()).collect()
-}
-
-pub(crate) fn session() -> pb::Session {
-    pb::Session {
-        start_time_ns: 1_700_000_000_000_000_000,
-        nonce: 7,
-    }
-}
-
+/// An endpoint of namespace `shop` with one address and `identity`'s labels.
 pub(crate) fn endpoint(name: &str, ip: &str, identity: &pb::Identity) -> pb::Endpoint {
     pb::Endpoint {
         namespace: "shop".into(),
@@ -218,67 +115,6 @@ pub(crate) fn endpoint(name: &str, ip: &str, identity: &pb::Identity) -> pb::End
         ips: vec![ip.into()],
         identity: identity.id,
         labels: identity.labels.clone(),
-    }
-}
-
-/// An agent's EndpointSync stream: Hello answered, then messages one by one.
-#[derive(Debug)]
-pub(crate) struct AgentStream {
-    tx: mpsc::Sender<pb::AgentMessage>,
-    rx: Streaming<pb::OperatorMessage>,
-    seq: u64,
-}
-
-impl AgentStream {
-    pub(crate) async fn hello(operator: &Operator, node: &str) -> TestResult<Self> {
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::AgentMessage {
-            seq: 0,
-            body: Some(Body::Hello(pb::Hello {
-                protocol_version: PROTOCOL_VERSION,
-                node: node.into(),
-                session: Some(session()),
-                agent_version: "test".into(),
-            })),
-        })
-        .await?;
-        let mut client = EndpointSyncClient::new(operator.channel().await?);
-        let rx = tokio::time::timeout(TIMEOUT, client.sync(ReceiverStream::new(rx)))
-            .await
-            .map_err(|_| "EndpointSync.Sync did not answer")??
-            .into_inner();
-        let mut stream = Self { tx, rx, seq: 0 };
-        match stream.recv().await? {
-            Some(operator_message::Body::HelloReply(_)) => Ok(stream),
-            other => Err(format!("expected a HelloReply, got {other:?}").into()),
-        }
-    }
-
-    async fn recv(&mut self) -> TestResult<Option<operator_message::Body>> {
-        let message = tokio::time::timeout(TIMEOUT, self.rx.message())
-            .await
-            .map_err(|_| "no message from the operator")??;
-        Ok(message.and_then(|m| m.body))
-    }
-
-    /// Sends a snapshot and waits for its Ack.
-    pub(crate) async fn snapshot(&mut self, endpoints: Vec<pb::Endpoint>) -> TestResult<pb::Ack> {
-        self.seq += 1;
-        self.tx
-            .send(pb::AgentMessage {
-                seq: self.seq,
-                body: Some(Body::Snapshot(pb::Snapshot { endpoints })),
-            })
-            .await?;
-        loop {
-            match self.recv().await? {
-                Some(operator_message::Body::Ack(ack)) if ack.seq == self.seq => return Ok(ack),
-                Some(
-                    operator_message::Body::Ack(_) | operator_message::Body::SnapshotRequest(_),
-                ) => {}
-                other => return Err(format!("expected an Ack, got {other:?}").into()),
-            }
-        }
     }
 }
 

@@ -16,7 +16,7 @@ use std::{
 
 use census_agent::bpf::{Datapath, Endpoint, Interface, LAYOUT_VERSION};
 use census_netlab::Lab;
-use cli_support::{AgentStream, Operator};
+use cli_support::{Operator, cli_session, hello};
 use serde_json::Value;
 
 use crate::support::{
@@ -335,9 +335,11 @@ fn bpf_tables_name_identities_when_the_operator_answers() -> TestResult {
     let mut datapath = Datapath::open(pins.path())?;
     let (operator, agent, web) = runtime
         .block_on(async {
-            let operator = Operator::start().await?;
-            let agent = AgentStream::hello(&operator, "node-a").await?;
-            let web = operator.allocate("node-a", &["k8s:app=web"]).await?;
+            let operator = Operator::start(&[]).await?;
+            let agent = hello(&operator, "node-a").await?;
+            let web = operator
+                .allocate_ok("node-a", cli_session(), &["k8s:app=web"])
+                .await?;
             cli_support::TestResult::Ok((operator, agent, web))
         })
         .map_err(|e| e.to_string())?;
@@ -350,7 +352,7 @@ fn bpf_tables_name_identities_when_the_operator_answers() -> TestResult {
         "--bpffs",
         &bpffs,
         "--operator",
-        &operator.addr,
+        &operator.url(),
     ])?;
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(
@@ -368,7 +370,7 @@ fn bpf_tables_name_identities_when_the_operator_answers() -> TestResult {
         "--bpffs",
         &bpffs,
         "--operator",
-        &operator.addr,
+        &operator.url(),
     ])?;
     assert_eq!(code, Some(0));
     assert_eq!(
@@ -379,7 +381,9 @@ fn bpf_tables_name_identities_when_the_operator_answers() -> TestResult {
         )
     );
     drop(agent);
-    runtime.block_on(operator.shut_down());
+    runtime
+        .block_on(operator.shut_down())
+        .map_err(|e| e.to_string())?;
 
     // Operator gone: numbers only, a note on stderr, still a success.
     let (code, table, stderr) = census(&[

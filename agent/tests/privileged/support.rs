@@ -4,8 +4,7 @@ use std::{
     net::IpAddr,
     path::{Path, PathBuf},
     process::Command,
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use aya::programs::{SchedClassifier, TcAttachType};
@@ -260,18 +259,9 @@ pub(crate) fn u32_at(value: &Value, offset: usize) -> Fallible<u32> {
 /// and links asynchronously after their last reference goes).
 pub(crate) fn eventually(
     timeout: Duration,
-    mut check: impl FnMut() -> Fallible<bool>,
+    check: impl FnMut() -> Fallible<bool>,
 ) -> Fallible<bool> {
-    let start = Instant::now();
-    loop {
-        if check()? {
-            return Ok(true);
-        }
-        if start.elapsed() > timeout {
-            return Ok(false);
-        }
-        thread::sleep(Duration::from_millis(50));
-    }
+    census_testkit::wait_for(timeout, check)
 }
 
 /// Opens the datapath in `pins` and attaches it to both hooks of each pod's

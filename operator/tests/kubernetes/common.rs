@@ -2,11 +2,9 @@
 //! and label builders.
 
 use std::{
-    error::Error,
-    future::Future,
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use census_fake_apiserver::{FakeApiServer, Gvr, ServerConfig};
@@ -17,23 +15,10 @@ use census_operator::{
 use census_proto::{domain::IdentityId, labels::LabelSet};
 use serde_json::{Value, json};
 
-pub(crate) type TestResult<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
+pub(crate) use census_testkit::{TestResult, eventually, fail, init_tracing};
 
 /// How long any single expectation may take.
 pub(crate) const WAIT: Duration = Duration::from_secs(15);
-
-pub(crate) fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_test_writer()
-        .try_init();
-}
-
-pub(crate) fn fail<T>(msg: impl Into<String>) -> TestResult<T> {
-    Err(msg.into().into())
-}
 
 pub(crate) fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -154,28 +139,6 @@ pub(crate) async fn synced(store: &KubeStore) -> TestResult {
         .await
         .map_err(|_| "the store's watch did not list the objects")?;
     Ok(())
-}
-
-/// Polls `check` every 20 ms until it returns `Some`, or fails after `timeout`.
-pub(crate) async fn eventually<T, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    mut check: F,
-) -> TestResult<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = TestResult<Option<T>>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(found) = check().await? {
-            return Ok(found);
-        }
-        if Instant::now() >= deadline {
-            return fail(format!("{what}: not within {timeout:?}"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The object `n` in the fake, if any.

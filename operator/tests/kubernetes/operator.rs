@@ -11,11 +11,7 @@ use std::{
 };
 
 use census_fake_apiserver::{DownMode, FakeApiServer, Gvr, RequestFilter, RequestRecord, Verb};
-use census_operator::{
-    config::Cli,
-    daemon::{self, Running},
-    replica::Role,
-};
+use census_operator::replica::Role;
 use census_proto::{
     PROTOCOL_VERSION,
     pb::{
@@ -24,7 +20,7 @@ use census_proto::{
         operator_message,
     },
 };
-use clap::Parser;
+use census_testkit::Operator;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -109,16 +105,15 @@ pub(crate) fn replica_args(
     args
 }
 
-async fn start_replica(kubeconfig: &Path, pod: &str) -> TestResult<Running> {
-    let mut argv = vec!["census-operator".to_owned()];
-    argv.extend(replica_args(kubeconfig, pod, &[]));
-    let cli = Cli::try_parse_from(&argv)?;
-    Ok(daemon::start(cli).await?)
+async fn start_replica(kubeconfig: &Path, pod: &str) -> TestResult<Operator> {
+    let args = replica_args(kubeconfig, pod, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Operator::start(&args).await
 }
 
-async fn until_leader(running: &Running) -> TestResult {
+async fn until_leader(op: &Operator) -> TestResult {
     eventually("the replica leads", WAIT, || async {
-        Ok(running.runtime.role().is_leader().then_some(()))
+        Ok(op.running().runtime.role().is_leader().then_some(()))
     })
     .await
 }
@@ -431,7 +426,7 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
     eventually(
         "the leader steps down without its API server",
         WAIT,
-        || async { Ok((!op.runtime.role().is_leader()).then_some(())) },
+        || async { Ok((!op.running().runtime.role().is_leader()).then_some(())) },
     )
     .await?;
     let read = ids
@@ -461,9 +456,7 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
     assert!(server.get(&gvr, None, &again.to_string()).is_some());
 
     // Shutdown hands the Lease over and takes the label off.
-    tokio::time::timeout(Duration::from_secs(30), op.shut_down())
-        .await
-        .map_err(|_| "shutdown hung")?;
+    op.shut_down().await?;
     let lease_obj = lease(&server).ok_or("no Lease")?;
     assert!(lease_obj["spec"]["holderIdentity"].is_null(), "{lease_obj}");
     assert!(!pod_labelled(&server, "op-a"));
@@ -482,11 +475,13 @@ async fn a_follower_serves_reads_and_points_writes_at_the_leader() -> TestResult
     let a = start_replica(&kubeconfig, "op-a").await?;
     let b = start_replica(&kubeconfig, "op-b").await?;
     let a_leads = eventually("one replica leads", WAIT, || async {
-        Ok(match (a.runtime.role(), b.runtime.role()) {
-            (Role::Leader, Role::Follower { leader: Some(_) }) => Some(true),
-            (Role::Follower { leader: Some(_) }, Role::Leader) => Some(false),
-            _ => None,
-        })
+        Ok(
+            match (a.running().runtime.role(), b.running().runtime.role()) {
+                (Role::Leader, Role::Follower { leader: Some(_) }) => Some(true),
+                (Role::Follower { leader: Some(_) }, Role::Leader) => Some(false),
+                _ => None,
+            },
+        )
     })
     .await?;
     let (leader, follower, leader_pod, follower_pod) = if a_leads {
@@ -573,7 +568,7 @@ async fn a_follower_serves_reads_and_points_writes_at_the_leader() -> TestResult
     // The leader stops: the follower takes over at its next try, and its Watch
     // subscribers get the full list again from its new core.
     let stopped = Instant::now();
-    leader.shut_down().await;
+    leader.shut_down().await?;
     let new = follower;
     until_leader(&new).await?;
     assert!(
@@ -598,7 +593,7 @@ async fn a_follower_serves_reads_and_points_writes_at_the_leader() -> TestResult
         allocate(new.grpc_addr, "node-1", session(1), "web").await??,
         web
     );
-    new.shut_down().await;
+    new.shut_down().await?;
     Ok(())
 }
 

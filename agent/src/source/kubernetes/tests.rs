@@ -547,15 +547,16 @@ async fn a_new_label_filter_lists_again() -> TestResult {
 /// the re-list's reset removes what was deleted meanwhile.
 #[tokio::test]
 async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResult {
+    use census_testkit::{Operator, until_some};
+
     use crate::{
         daemon::{self, Options},
         host::HostIps,
         reconcile::{MapKey, fake::FakeMaps},
-        testing::{eventually, operator},
     };
 
     let dir = tempfile::tempdir()?;
-    let op = operator(dir.path(), 0).await?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
     let server = FakeApiServer::start().await?;
     server.insert_many([
         pod("web-0", NODE, "198.18.1.2"),
@@ -591,7 +592,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
     let admin = running.admin_addr;
     let readyz = || async move { get(admin, "/readyz").await.ok() };
 
-    let ready = eventually(WAIT, || async {
+    let ready = until_some(WAIT, || async {
         let (status, body) = readyz().await?;
         (status == 200 && body.contains("endpoints: 3 programmed")).then_some(body)
     })
@@ -616,7 +617,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
 
     let before = maps.lock().entries.clone();
     server.faults().go_down(DownMode::Refuse);
-    let away = eventually(WAIT, || async {
+    let away = until_some(WAIT, || async {
         let (status, body) = readyz().await?;
         (status == 200 && body.contains("not synced")).then_some(body)
     })
@@ -635,7 +636,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
     );
 
     server.faults().come_up();
-    let back = eventually(WAIT, || async {
+    let back = until_some(WAIT, || async {
         let (status, body) = readyz().await?;
         (status == 200 && body.contains(": ok") && id("198.18.2.2").is_none()).then_some(body)
     })
@@ -645,7 +646,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
     assert_eq!(id("198.18.1.2"), Some(web));
 
     running.shut_down().await;
-    op.shut_down().await;
+    op.shut_down().await?;
     Ok(())
 }
 
