@@ -136,10 +136,6 @@ impl Endpoints {
         self.source_error.as_ref()
     }
 
-    pub fn settings(&self) -> &LabelSettings {
-        &self.settings
-    }
-
     pub fn len(&self) -> usize {
         self.table.len()
     }
@@ -587,6 +583,7 @@ impl Endpoints {
                         .unwrap_or_default(),
                     state,
                     error,
+                    extra: api::Extra::new(),
                 }
             })
             .collect()
@@ -600,6 +597,8 @@ impl Endpoints {
                 api::EndpointState::Programmed => counts.0 += 1,
                 api::EndpointState::WaitingForIdentity => counts.1 += 1,
                 api::EndpointState::Error => counts.2 += 1,
+                // What a reader makes of a newer agent's state; this core has none.
+                api::EndpointState::Unknown => {}
             }
         }
         counts

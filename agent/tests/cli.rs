@@ -5,7 +5,7 @@
 mod support;
 
 use serde_json::{Value, json};
-use support::{AgentStream, FakeAgent, Operator, TestResult, census, closed_port, endpoint};
+use support::{FakeAgent, Operator, TestResult, census, cli_session, closed_port, endpoint, hello};
 
 const WEB: &[&str] = &["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop"];
 const DB: &[&str] = &["k8s:app=db", "k8s:io.kubernetes.pod.namespace=shop"];
@@ -13,12 +13,14 @@ const CACHE: &[&str] = &["k8s:app=cache", "k8s:io.kubernetes.pod.namespace=other
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_list_agrees_with_the_operators_list() -> TestResult {
-    let operator = Operator::start().await?;
-    let _agent = AgentStream::hello(&operator, "node-a").await?;
+    let operator = Operator::start(&[]).await?;
+    let _agent = hello(&operator, "node-a").await?;
     for labels in [WEB, DB, CACHE] {
-        operator.allocate("node-a", labels).await?;
+        operator
+            .allocate_ok("node-a", cli_session(), labels)
+            .await?;
     }
-    let op = operator.addr.as_str();
+    let op = &operator.url();
 
     for selector in [&[][..], &["k8s:io.kubernetes.pod.namespace=shop"]] {
         let mut args = vec!["identity", "list", "-o", "json", "--operator", op];
@@ -27,7 +29,7 @@ async fn identity_list_agrees_with_the_operators_list() -> TestResult {
             args.extend(["--labels", &joined]);
         }
         let listed = census(&args, &[]).await?.json()?;
-        let expected = operator.list(selector).await?;
+        let expected = operator.list(selector, false).await?;
         let listed = listed.as_array().ok_or("not a JSON array")?;
         assert_eq!(listed.len(), expected.len(), "{selector:?}: {listed:?}");
         for (cli, grpc) in listed.iter().zip(&expected) {
@@ -50,7 +52,7 @@ async fn identity_list_agrees_with_the_operators_list() -> TestResult {
             .map(|l| l.split_whitespace().collect::<Vec<_>>()),
         Some(vec!["ID", "STATE", "REFS", "HOLDS", "LABELS"])
     );
-    for identity in operator.list(&[]).await? {
+    for identity in operator.list(&[], false).await? {
         let line = lines.next().ok_or("a row is missing")?;
         let cells: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(
@@ -67,7 +69,7 @@ async fn identity_list_agrees_with_the_operators_list() -> TestResult {
     }
 
     // Lookup finds an identity by its labels, in any order, YAML too.
-    let db = operator.list(&["k8s:app=db"]).await?;
+    let db = operator.list(&["k8s:app=db"], false).await?;
     let run = census(
         &[
             "identity",
@@ -85,23 +87,23 @@ async fn identity_list_agrees_with_the_operators_list() -> TestResult {
     let yaml = run.expect_success()?;
     let first = db.first().ok_or("db was not listed")?;
     assert!(yaml.starts_with(&format!("id: {}\n", first.id)), "{yaml}");
-    operator.shut_down().await;
+    operator.shut_down().await?;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_list_shows_a_node_that_said_hello_with_its_endpoints() -> TestResult {
-    let operator = Operator::start().await?;
-    let mut agent = AgentStream::hello(&operator, "node-a").await?;
-    let web = operator.allocate("node-a", WEB).await?;
-    let db = operator.allocate("node-a", DB).await?;
+    let operator = Operator::start(&[]).await?;
+    let mut agent = hello(&operator, "node-a").await?;
+    let web = operator.allocate_ok("node-a", cli_session(), WEB).await?;
+    let db = operator.allocate_ok("node-a", cli_session(), DB).await?;
     agent
         .snapshot(vec![
             endpoint("web-0", "198.18.0.2", &web),
             endpoint("db-0", "198.18.0.3", &db),
         ])
         .await?;
-    let op = operator.addr.as_str();
+    let op = &operator.url();
 
     let nodes = census(&["node", "list", "-o", "json", "--operator", op], &[])
         .await?
@@ -159,7 +161,7 @@ async fn node_list_shows_a_node_that_said_hello_with_its_endpoints() -> TestResu
             .all(|identity| identity["references"] == 1),
         "{identities}"
     );
-    operator.shut_down().await;
+    operator.shut_down().await?;
     Ok(())
 }
 
@@ -221,7 +223,7 @@ shop       web-0  198.18.0.2  lxc1       256       programmed            k8s:app
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoint_list_reads_what_the_agents_admin_port_serves() -> TestResult {
     use census_agent::admin::api::{
-        EndpointState, EndpointStatus, EndpointsResponse, OperatorStatus, VersionResponse,
+        EndpointState, EndpointStatus, EndpointsResponse, Extra, OperatorStatus, VersionResponse,
     };
     let endpoints = EndpointsResponse {
         node: "n1".into(),
@@ -231,6 +233,7 @@ async fn endpoint_list_reads_what_the_agents_admin_port_serves() -> TestResult {
             session: "1700000000000000000-00000000000000ff".into(),
             last_ack_seq: 12,
             error: Some("connection refused".into()),
+            extra: Extra::new(),
         },
         endpoints: vec![
             EndpointStatus {
@@ -242,6 +245,7 @@ async fn endpoint_list_reads_what_the_agents_admin_port_serves() -> TestResult {
                 labels: vec!["k8s:app=db".into()],
                 state: EndpointState::WaitingForIdentity,
                 error: Some("the operator is unreachable".into()),
+                extra: Extra::new(),
             },
             EndpointStatus {
                 namespace: "default".into(),
@@ -252,9 +256,11 @@ async fn endpoint_list_reads_what_the_agents_admin_port_serves() -> TestResult {
                 labels: vec!["k8s:app=web".into()],
                 state: EndpointState::Programmed,
                 error: None,
+                extra: Extra::new(),
             },
         ],
         source: None,
+        extra: Extra::new(),
     };
     let version = VersionResponse {
         agent_version: "9.9.9".into(),
@@ -307,7 +313,7 @@ async fn endpoint_list_reads_what_the_agents_admin_port_serves() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_shows_the_agent_and_the_operator_when_they_answer() -> TestResult {
-    let operator = Operator::start().await?;
+    let operator = Operator::start(&[]).await?;
     let agent = FakeAgent::start(vec![("/v1/version", 200, AGENT_VERSION.to_owned())]).await?;
     let version = census(
         &[
@@ -317,7 +323,7 @@ async fn version_shows_the_agent_and_the_operator_when_they_answer() -> TestResu
             "--agent",
             &agent.addr,
             "--operator",
-            &operator.addr,
+            &operator.url(),
         ],
         &[],
     )
@@ -335,7 +341,7 @@ async fn version_shows_the_agent_and_the_operator_when_they_answer() -> TestResu
     assert_eq!(version["operator"]["store"], "redb");
     assert_eq!(version["operator"]["id_range"], "256-65535");
     assert_eq!(version["operator"]["error"], Value::Null);
-    operator.shut_down().await;
+    operator.shut_down().await?;
 
     // Nobody answers: still a success, saying so.
     let nowhere = closed_port().await?;

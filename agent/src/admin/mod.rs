@@ -66,9 +66,9 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/v1/endpoints", get(endpoints))
-        .route("/v1/version", get(version))
-        .route("/v1/flows", get(flows))
+        .route(api::ENDPOINTS_PATH, get(endpoints))
+        .route(api::VERSION_PATH, get(version))
+        .route(api::FLOWS_PATH, get(flows))
         .with_state(state)
         .merge(census_daemon::profiling::routes())
 }
@@ -169,13 +169,16 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
             } else {
                 sync.last_error
             },
+            extra: api::Extra::new(),
         },
         endpoints,
         source: Some(api::SourceStatus {
             source: state.source.clone(),
             synced: core.synced,
             error: core.source_error,
+            extra: api::Extra::new(),
         }),
+        extra: api::Extra::new(),
     })
     .into_response()
 }

@@ -1,14 +1,16 @@
 //! The local agent's admin port: `GET /v1/endpoints` and `GET /v1/version`, over
 //! plain HTTP/1.1, bounded by `--timeout`.
 //!
-//! The shapes here are the agent's; `census endpoint list -o json` prints them as they
-//! are (docs/cli.md).
+//! The answers are read into the agent's own types ([`census_agent::admin::api`]),
+//! which keep what a newer agent adds, so `census endpoint list -o json` prints them
+//! as they are (docs/cli.md).
 
-use std::{collections::BTreeMap, future::poll_fn, pin::Pin, time::Duration};
+use std::{future::poll_fn, pin::Pin, time::Duration};
 
+use census_agent::admin::api::{ENDPOINTS_PATH, EndpointsResponse, VERSION_PATH, VersionResponse};
 use hyper::body::Body as _;
 use hyper_util::rt::TokioIo;
-use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use serde::de::DeserializeOwned;
 use tokio::net::TcpStream;
 
 use super::{
@@ -17,89 +19,10 @@ use super::{
     operator::root_cause,
 };
 
-pub(crate) const ENDPOINTS_PATH: &str = "/v1/endpoints";
-pub(crate) const VERSION_PATH: &str = "/v1/version";
-
 /// Answers larger than this are refused rather than read.
 const MAX_BODY: usize = 64 * 1024 * 1024;
 /// Bytes of an error answer's body quoted in the message.
 const MAX_QUOTED: usize = 200;
-
-/// Fields this CLI does not know (an agent of a later release), kept so that
-/// `-o json` prints the agent's answer as it is.
-type Extra = BTreeMap<String, serde_json::Value>;
-
-/// `GET /v1/endpoints`: the endpoints the agent manages and its link to the operator.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct AgentEndpoints {
-    pub(crate) node: String,
-    pub(crate) operator: OperatorLink,
-    pub(crate) endpoints: Vec<AgentEndpoint>,
-    /// Where the agent's endpoints come from.
-    #[serde(default)]
-    pub(crate) source: Option<SourceStatus>,
-    #[serde(flatten)]
-    pub(crate) extra: Extra,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct OperatorLink {
-    pub(crate) address: String,
-    pub(crate) connected: bool,
-    /// The agent's session, while it has one.
-    #[serde(default)]
-    pub(crate) session: Option<String>,
-    /// The last seq the operator acknowledged.
-    #[serde(default)]
-    pub(crate) last_ack_seq: Option<u64>,
-    /// Why the stream last ended or could not start.
-    #[serde(default)]
-    pub(crate) error: Option<String>,
-    #[serde(flatten)]
-    pub(crate) extra: Extra,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SourceStatus {
-    /// `file /path/to/endpoints.yaml`, `kubernetes`.
-    pub(crate) source: String,
-    /// Whether the first full set has been read.
-    pub(crate) synced: bool,
-    /// The last read's failure (the last good set stays in force).
-    #[serde(default)]
-    pub(crate) error: Option<String>,
-    #[serde(flatten)]
-    pub(crate) extra: Extra,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct AgentEndpoint {
-    pub(crate) namespace: String,
-    pub(crate) name: String,
-    pub(crate) ips: Vec<String>,
-    /// The host-side interface census counts on.
-    #[serde(default)]
-    pub(crate) interface: Option<String>,
-    /// `None` while the endpoint waits for its identity.
-    #[serde(default)]
-    pub(crate) identity: Option<u32>,
-    #[serde(default)]
-    pub(crate) labels: Vec<String>,
-    /// `programmed`, `waiting_for_identity` or `error`.
-    pub(crate) state: String,
-    #[serde(default)]
-    pub(crate) error: Option<String>,
-    #[serde(flatten)]
-    pub(crate) extra: Extra,
-}
-
-/// `GET /v1/version`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct AgentVersion {
-    pub(crate) agent_version: String,
-    pub(crate) protocol_version: u32,
-    pub(crate) layout_version: u32,
-}
 
 /// The local agent's admin port.
 #[derive(Debug, Clone)]
@@ -120,11 +43,11 @@ impl Agent {
         &self.addr
     }
 
-    pub(crate) async fn endpoints(&self) -> Result<AgentEndpoints, CliError> {
+    pub(crate) async fn endpoints(&self) -> Result<EndpointsResponse, CliError> {
         self.get_json(ENDPOINTS_PATH).await
     }
 
-    pub(crate) async fn version(&self) -> Result<AgentVersion, CliError> {
+    pub(crate) async fn version(&self) -> Result<VersionResponse, CliError> {
         self.get_json(VERSION_PATH).await
     }
 

@@ -25,7 +25,7 @@ mod tests {
     use clap::CommandFactory as _;
 
     use super::*;
-    use crate::cli::Cli;
+    use crate::Cli;
 
     #[test]
     fn every_shell_gets_a_script_naming_the_verbs() -> Result<(), CliError> {

@@ -3,6 +3,9 @@
 //! the local agent (its admin port) and the operator (gRPC).
 //!
 //! One file per verb; every failure is a [`error::CliError`] with its own exit code.
+//! The maps are read with [`census_agent::bpf::Inspector`] and the agent's answers are
+//! [`census_agent::admin::api`]'s types, the ones its admin port serializes: the CLI
+//! uses nothing else of the agent library.
 #![forbid(unsafe_code)]
 
 mod admin;
@@ -23,6 +26,7 @@ use std::{
     time::SystemTime,
 };
 
+use census_agent::bpf::Inspector;
 use clap::{CommandFactory as _, Parser, Subcommand};
 use serde::Serialize;
 
@@ -33,7 +37,6 @@ use self::{
     operator::{IdentityLabels, Operator},
     output::{Format, Table},
 };
-use crate::bpf::Inspector;
 
 /// bpftool-style inspection of census: this node's pinned maps, the local agent and the
 /// operator.
@@ -125,8 +128,7 @@ impl Ctx {
     }
 }
 
-/// Runs `census` with this process's arguments.
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => {

@@ -7,7 +7,7 @@ use census_common::{EndpointKey, EndpointValue, flags};
 use clap::Subcommand;
 use serde::Serialize;
 
-use crate::cli::{Ctx, args::parse_ip, error::CliError, operator::IdentityLabels, output::Table};
+use crate::{Ctx, args::parse_ip, error::CliError, operator::IdentityLabels, output::Table};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum EndpointsCommand {
@@ -136,7 +136,7 @@ fn table(endpoints: &[EndpointView], labels: &IdentityLabels) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::output::{Format, render};
+    use crate::output::{Format, render};
 
     fn fixture() -> Result<Vec<EndpointView>, std::net::AddrParseError> {
         let value = |identity, flags| EndpointValue { identity, flags };

@@ -1,11 +1,9 @@
 //! `census bpf maps`: the pinned census maps and their layout version.
 
+use census_agent::bpf::{PinnedMapInfo, map_type_name};
 use serde::Serialize;
 
-use crate::{
-    bpf::{PinnedMapInfo, map_type_name},
-    cli::{Ctx, error::CliError, output::Table},
-};
+use crate::{Ctx, error::CliError, output::Table};
 
 /// One map, as `-o json` prints it (docs/cli.md).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -78,7 +76,7 @@ fn table(maps: &[MapView]) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::output::{Format, render};
+    use crate::output::{Format, render};
 
     fn fixture() -> Vec<MapView> {
         let map = |name: &str, id, map_type: &str, key, value, max, entries| MapView {

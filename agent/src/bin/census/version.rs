@@ -160,7 +160,7 @@ fn dash(value: Option<u32>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::output::{Format, render};
+    use crate::output::{Format, render};
 
     fn fixture() -> VersionView {
         VersionView {

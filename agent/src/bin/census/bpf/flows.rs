@@ -1,13 +1,11 @@
 //! `census bpf flows list`: the FLOWS map, packets and bytes per (source identity,
 //! destination identity), summed over CPUs.
 
+use census_agent::bpf::Flow;
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 
-use crate::{
-    bpf::Flow,
-    cli::{Ctx, args::parse_identity, error::CliError, operator::IdentityLabels, output::Table},
-};
+use crate::{Ctx, args::parse_identity, error::CliError, operator::IdentityLabels, output::Table};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum FlowsCommand {
@@ -118,7 +116,7 @@ fn table(flows: &[FlowView], labels: &IdentityLabels) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::output::{Format, render};
+    use crate::output::{Format, render};
 
     fn fixture() -> Vec<FlowView> {
         let flow = |src_identity, dst_identity, packets, bytes| FlowView {

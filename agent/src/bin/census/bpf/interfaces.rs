@@ -3,14 +3,12 @@
 
 use std::collections::BTreeMap;
 
+use census_agent::bpf::Interface;
 use clap::Subcommand;
 use nix::net::if_::if_indextoname;
 use serde::Serialize;
 
-use crate::{
-    bpf::Interface,
-    cli::{Ctx, error::CliError, operator::IdentityLabels, output::Table},
-};
+use crate::{Ctx, error::CliError, operator::IdentityLabels, output::Table};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum InterfacesCommand {
@@ -95,7 +93,7 @@ fn table(interfaces: &[InterfaceView], labels: &IdentityLabels) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::output::{Format, render};
+    use crate::output::{Format, render};
 
     fn fixture() -> Vec<InterfaceView> {
         let entry = |ifindex, identity| Interface { ifindex, identity };

@@ -1,14 +1,10 @@
 //! `census endpoint list`: the endpoints the local agent manages, from its admin port
 //! (`GET /v1/endpoints`).
 
+use census_agent::admin::api::{EndpointState, EndpointsResponse, OperatorStatus, SourceStatus};
 use clap::Subcommand;
 
-use super::{
-    Ctx,
-    admin::{AgentEndpoints, OperatorLink, SourceStatus},
-    error::CliError,
-    output::Table,
-};
+use super::{Ctx, error::CliError, output::Table};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum EndpointCommand {
@@ -25,8 +21,8 @@ pub(crate) async fn run(command: EndpointCommand, ctx: &mut Ctx) -> Result<Strin
     ctx.render(&answer, || table(&answer))
 }
 
-fn link_line(node: &str, link: &OperatorLink) -> String {
-    let OperatorLink {
+fn link_line(node: &str, link: &OperatorStatus) -> String {
+    let OperatorStatus {
         address,
         connected,
         session,
@@ -35,19 +31,13 @@ fn link_line(node: &str, link: &OperatorLink) -> String {
         extra: _,
     } = link;
     let mut line = format!(
-        "node {node}, operator {address} {}",
+        "node {node}, operator {address} {}, session {session}, last ack seq {last_ack_seq}",
         if *connected {
             "connected"
         } else {
             "disconnected"
         }
     );
-    if let Some(session) = session {
-        line.push_str(&format!(", session {session}"));
-    }
-    if let Some(seq) = last_ack_seq {
-        line.push_str(&format!(", last ack seq {seq}"));
-    }
     if let Some(error) = error {
         line.push_str(&format!(" ({error})"));
     }
@@ -71,7 +61,17 @@ fn source_line(source: &SourceStatus) -> String {
     line
 }
 
-fn table(answer: &AgentEndpoints) -> Table {
+/// `unknown`: a state of a newer agent than this `census`.
+fn state_name(state: EndpointState) -> &'static str {
+    match state {
+        EndpointState::Programmed => "programmed",
+        EndpointState::WaitingForIdentity => "waiting for identity",
+        EndpointState::Error => "error",
+        EndpointState::Unknown => "unknown",
+    }
+}
+
+fn table(answer: &EndpointsResponse) -> Table {
     let mut table = Table::new([
         "NAMESPACE",
         "NAME",
@@ -86,7 +86,7 @@ fn table(answer: &AgentEndpoints) -> Table {
         table.preamble(source_line(source));
     }
     for endpoint in &answer.endpoints {
-        let mut state = endpoint.state.replace('_', " ");
+        let mut state = state_name(endpoint.state).to_owned();
         if let Some(error) = &endpoint.error {
             state.push_str(": ");
             state.push_str(error);
@@ -95,7 +95,11 @@ fn table(answer: &AgentEndpoints) -> Table {
             endpoint.namespace.clone(),
             endpoint.name.clone(),
             endpoint.ips.join(","),
-            endpoint.interface.clone().unwrap_or_else(|| "-".to_owned()),
+            if endpoint.interface.is_empty() {
+                "-".to_owned()
+            } else {
+                endpoint.interface.clone()
+            },
             endpoint
                 .identity
                 .map_or_else(|| "-".to_owned(), |id| id.to_string()),
@@ -108,8 +112,10 @@ fn table(answer: &AgentEndpoints) -> Table {
 
 #[cfg(test)]
 mod tests {
+    use census_agent::admin::api::Extra;
+
     use super::*;
-    use crate::cli::output::{Format, render};
+    use crate::output::{Format, render};
 
     /// What the agent's `GET /v1/endpoints` answers (docs/cli.md).
     const AGENT_JSON: &str = r#"{
@@ -121,13 +127,13 @@ mod tests {
      "labels": ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop"], "state": "programmed", "error": null},
     {"namespace": "shop", "name": "db-0", "ips": ["198.18.0.3"], "interface": "lxc2", "identity": null,
      "labels": ["k8s:app=db"], "state": "waiting_for_identity", "error": null},
-    {"namespace": "kube-system", "name": "dns", "ips": ["198.18.0.4"], "interface": null, "identity": 300,
+    {"namespace": "kube-system", "name": "dns", "ips": ["198.18.0.4"], "interface": "", "identity": 300,
      "labels": [], "state": "error", "error": "interface not found"}
   ]
 }"#;
 
-    fn fixture() -> Result<AgentEndpoints, serde_json::Error> {
-        let mut answer: AgentEndpoints = serde_json::from_str(AGENT_JSON)?;
+    fn fixture() -> Result<EndpointsResponse, serde_json::Error> {
+        let mut answer: EndpointsResponse = serde_json::from_str(AGENT_JSON)?;
         answer
             .endpoints
             .sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -178,6 +184,25 @@ session: 1700000000000000000-0000000000000007
 last_ack_seq: 12
 error: null
 "
+        );
+        Ok(())
+    }
+    #[test]
+    fn a_newer_agents_answer() -> Result<(), Box<dyn std::error::Error>> {
+        let mut newer: serde_json::Value = serde_json::from_str(AGENT_JSON)?;
+        newer["endpoints"][0]["state"] = "draining".into();
+        newer["endpoints"][0]["weight"] = 3.into();
+        let answer: EndpointsResponse = serde_json::from_value(newer)?;
+        let out = render(Format::Table, false, &answer, || table(&answer))?;
+        let row = "shop         web-0  198.18.0.2,2001:db8::2  lxc1       256       \
+                   unknown                     k8s:app=web,k8s:io.kubernetes.pod.namespace=shop";
+        assert!(out.lines().any(|line| line == row), "{out}");
+        let json: serde_json::Value =
+            serde_json::from_str(&render(Format::Json, false, &answer, || unreachable!())?)?;
+        assert_eq!(json["endpoints"][0]["weight"], 3, "what it adds is kept");
+        assert_eq!(
+            answer.endpoints[0].extra,
+            Extra::from([("weight".to_owned(), 3.into())])
         );
         Ok(())
     }

@@ -185,7 +185,7 @@ fn detail_table(node: &NodeView, now: SystemTime) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::output::{Format, from_millis, render};
+    use crate::output::{Format, from_millis, render};
 
     const NOW_MS: u64 = 1_700_000_000_000;
 

@@ -4,10 +4,10 @@
 
 use std::{fmt, io, net::IpAddr, path::PathBuf, process::ExitCode};
 
+use census_agent::bpf::InspectError;
 use census_proto::{domain::NameError, labels::LabelError};
 
 use super::args::ServerAddr;
-use crate::bpf::InspectError;
 
 /// The exit codes, as `census --help` shows them.
 pub(crate) const EXIT_CODES: &str = "\

@@ -4,6 +4,7 @@
 
 use std::{fmt, net::IpAddr, path::PathBuf, str::FromStr, time::Duration};
 
+use census_agent::bpf::DEFAULT_PIN_DIR;
 use census_proto::{
     domain::NodeName,
     labels::{Label, LabelLimits, LabelSet},
@@ -11,7 +12,6 @@ use census_proto::{
 use clap::Args;
 
 use super::{error::CliError, output::Format};
-use crate::bpf::DEFAULT_PIN_DIR;
 
 /// Flags every command takes (before or after the command).
 #[derive(Debug, Clone, Args)]
