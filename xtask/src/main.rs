@@ -50,6 +50,9 @@ enum Command {
     Codegen(codegen::Options),
     /// Benchmark a real census-operator with simulated agents (presets: churn-short,
     /// churn-long, scale-1k, scale-5k, alloc, gc, restart); results in results/.
+    ///
+    /// Builds census-bench (bench/) and the operator in release and runs it with these
+    /// arguments.
     Bench(bench::Options),
 }
 

@@ -1,16 +1,21 @@
-//! `cargo xtask bench <preset>`: starts a real `census-operator` (release build, on
-//! its embedded store in a temporary directory), drives it over real gRPC from
-//! simulated agents, samples it every second, and writes JSON and SVG plots to
-//! `results/<preset>-<timestamp>/`. Presets and what they gate on are in
-//! [`presets`] and docs/benchmarks.md.
+//! `census-bench <preset>`, run by `cargo xtask bench <preset>` (which builds it and
+//! `census-operator` in release first, so the client side is never a debug build
+//! sharing the cores with the operator): starts a real `census-operator` (on its
+//! embedded store in a temporary directory), drives it over real gRPC from simulated
+//! agents, samples it every second, and writes JSON and SVG plots to
+//! `results/<preset>-<timestamp>/`. Presets and what they gate on are in [`presets`]
+//! and docs/benchmarks.md.
 //!
 //! One module per concern: [`presets`] (what runs), [`agents`] (simulated nodes),
 //! [`operator`] (the process under test), [`sample`] (what is measured),
 //! [`report`] and [`plot`] (what is written), and one module per scenario.
 
+#![forbid(unsafe_code)]
+
 mod agents;
 mod alloc;
 mod churn;
+mod cmd;
 mod gc;
 mod operator;
 mod plot;
@@ -23,13 +28,17 @@ mod scale;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use clap::Args;
+use clap::Parser;
 
-pub(crate) use self::presets::Preset;
-use self::{operator::Binary, report::say};
+use self::{operator::Binary, presets::Preset, report::say};
 
-#[derive(Debug, Args)]
-pub(crate) struct Options {
+/// Benchmark a real census-operator with simulated agents; results in results/.
+///
+/// Usually run as `cargo xtask bench <preset> [options]`, which builds this and the
+/// operator in release and passes `--operator` for you.
+#[derive(Debug, Parser)]
+#[command(name = "census-bench")]
+struct Options {
     /// What to run.
     #[arg(value_enum)]
     preset: Preset,
@@ -67,28 +76,17 @@ fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
         .map_err(|e| format!("{s}: {e} (seconds, e.g. 3s)"))
 }
 
-/// Set in the environment of the release harness this command re-executes.
-const RELEASE_HARNESS: &str = "CENSUS_BENCH_RELEASE_HARNESS";
-
-pub(crate) fn run(options: Options) -> anyhow::Result<()> {
-    // The client side of the heavy presets (thousands of streams, hundreds of
-    // concurrent Allocate calls) must not be a debug build sharing the cores with the
-    // operator: build the harness in release and run that instead.
-    if cfg!(debug_assertions)
-        && options.preset.needs_release_harness()
-        && std::env::var_os(RELEASE_HARNESS).is_none()
-    {
-        return reexec_release();
-    }
+fn main() -> anyhow::Result<()> {
+    let options = Options::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(run_async(options))
+    runtime.block_on(run(options))
 }
 
-async fn run_async(options: Options) -> anyhow::Result<()> {
+async fn run(options: Options) -> anyhow::Result<()> {
     let Options {
         preset,
         out,
@@ -103,7 +101,7 @@ async fn run_async(options: Options) -> anyhow::Result<()> {
         Some(path) => Binary::at(path)?,
         None => Binary::build_release()?,
     };
-    let results = report::Results::create(&crate::cmd::workspace_root().join(out), preset.name())?;
+    let results = report::Results::create(&cmd::workspace_root().join(out), preset.name())?;
     say(format!(
         "census bench {}: results in {}",
         preset.name(),
@@ -141,29 +139,6 @@ async fn run_async(options: Options) -> anyhow::Result<()> {
     say(format!("results: {}", results.dir().display()));
     if !passed {
         anyhow::bail!("bench {}: the gate failed (see above)", preset.name());
-    }
-    Ok(())
-}
-
-fn reexec_release() -> anyhow::Result<()> {
-    let root = crate::cmd::workspace_root();
-    let mut build = crate::cmd::host_cargo();
-    build
-        .current_dir(&root)
-        .args(["build", "--release", "-p", "xtask", "-p", "census-operator"]);
-    crate::cmd::run(&mut build)?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|t| if t.is_absolute() { t } else { root.join(t) })
-        .unwrap_or_else(|| root.join("target"));
-    let mut release = std::process::Command::new(target.join("release").join("xtask"));
-    release
-        .args(std::env::args_os().skip(1))
-        .env(RELEASE_HARNESS, "1");
-    crate::cmd::announce(&release);
-    let status = release.status().context("running the release harness")?;
-    if !status.success() {
-        anyhow::bail!("the release harness failed: {status}");
     }
     Ok(())
 }

@@ -29,11 +29,6 @@ pub(crate) enum Preset {
 }
 
 impl Preset {
-    /// Presets whose client side is heavy enough to need an optimized harness.
-    pub(crate) fn needs_release_harness(self) -> bool {
-        matches!(self, Self::Scale1k | Self::Scale5k | Self::Alloc | Self::Gc)
-    }
-
     pub(crate) fn name(self) -> &'static str {
         match self {
             Self::ChurnShort => "churn-short",
