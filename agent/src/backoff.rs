@@ -6,14 +6,14 @@ use std::time::Duration;
 /// from its upper half, so agents that lost the operator together do not come
 /// back together.
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     initial: Duration,
     max: Duration,
     next: Duration,
 }
 
 impl Backoff {
-    pub fn new(initial: Duration, max: Duration) -> Self {
+    pub(crate) fn new(initial: Duration, max: Duration) -> Self {
         let initial = initial.min(max);
         Self {
             initial,
@@ -23,20 +23,20 @@ impl Backoff {
     }
 
     /// The next delay to wait.
-    pub fn next_delay(&mut self) -> Duration {
+    pub(crate) fn next_delay(&mut self) -> Duration {
         let ceiling = self.next;
         self.next = (self.next * 2).min(self.max);
         ceiling.mul_f64(rand::random_range(0.5..=1.0))
     }
 
     /// Back to the initial delay, after a success.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.next = self.initial;
     }
 }
 
 /// `base` plus or minus up to `fraction` of it, uniformly.
-pub fn jittered(base: Duration, fraction: f64) -> Duration {
+pub(crate) fn jittered(base: Duration, fraction: f64) -> Duration {
     let fraction = fraction.clamp(0.0, 1.0);
     base.mul_f64(rand::random_range((1.0 - fraction)..=(1.0 + fraction)))
 }

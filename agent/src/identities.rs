@@ -12,7 +12,7 @@
 //! - a `Rebind` from the operator rewrites the entry, so every endpoint of the set
 //!   follows.
 //!
-//! [`Allocator`] runs each request as a task that retries with capped, jittered
+//! [`IdentityClient`] runs each request as a task that retries with capped, jittered
 //! backoff while the operator is away or refuses, reporting progress as
 //! [`AllocationEvent`]s.
 
@@ -28,6 +28,7 @@ use census_proto::{
     domain::{EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelSet,
     pb::{self, identity_service_client::IdentityServiceClient},
+    status::code_label,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tonic::{Code, transport::Channel};
@@ -158,7 +159,7 @@ impl IdentityCache {
 
 /// Progress of an allocation, for the core.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AllocationEvent {
+pub(crate) enum AllocationEvent {
     Allocated {
         labels: LabelSet,
         id: IdentityId,
@@ -174,7 +175,7 @@ pub enum AllocationEvent {
 
 /// Runs allocation requests against the operator.
 #[derive(Debug, Clone)]
-pub struct Allocator {
+pub(crate) struct IdentityClient {
     client: IdentityServiceClient<Channel>,
     node: NodeName,
     session: SessionId,
@@ -192,8 +193,8 @@ const CONCURRENCY: usize = 32;
 /// One Allocate call may take this long.
 const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 
-impl Allocator {
-    pub fn new(
+impl IdentityClient {
+    pub(crate) fn new(
         channel: Channel,
         node: NodeName,
         session: SessionId,
@@ -216,7 +217,7 @@ impl Allocator {
     }
 
     /// Starts a task for `request`; it ends with an answer or its cancellation.
-    pub fn spawn(&self, request: AllocationRequest) {
+    pub(crate) fn spawn(&self, request: AllocationRequest) {
         let this = self.clone();
         let span = info_span!("allocate", labels = %request.labels);
         tokio::spawn(this.run(request).instrument(span));
@@ -311,29 +312,6 @@ impl Allocator {
                     false,
                 )),
         }
-    }
-}
-
-/// A bounded label for a gRPC code.
-pub fn code_label(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "ok",
-        Code::Cancelled => "cancelled",
-        Code::Unknown => "unknown",
-        Code::InvalidArgument => "invalid_argument",
-        Code::DeadlineExceeded => "deadline_exceeded",
-        Code::NotFound => "not_found",
-        Code::AlreadyExists => "already_exists",
-        Code::PermissionDenied => "permission_denied",
-        Code::ResourceExhausted => "resource_exhausted",
-        Code::FailedPrecondition => "failed_precondition",
-        Code::Aborted => "aborted",
-        Code::OutOfRange => "out_of_range",
-        Code::Unimplemented => "unimplemented",
-        Code::Internal => "internal",
-        Code::Unavailable => "unavailable",
-        Code::DataLoss => "data_loss",
-        Code::Unauthenticated => "unauthenticated",
     }
 }
 

@@ -39,15 +39,16 @@ const INTERFACES: &str = "INTERFACES";
 /// A raw ENDPOINTS key, as the map holds it.
 pub type MapKey = bpf::EndpointKey;
 
-/// One pinned link, as [`Maps::attachments`] lists it.
+/// One pinned link, as [`DatapathPort::attachments`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Link {
     pub interface: String,
     pub state: AttachmentState,
 }
 
-/// What reconcile needs from the datapath; [`Datapath`] in production, a fake in tests.
-pub trait Maps {
+/// The datapath as reconcile drives it: its maps and its programs' attachments;
+/// [`Datapath`] in production, a fake in tests.
+pub trait DatapathPort {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error>;
     fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error>;
     fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error>;
@@ -69,7 +70,7 @@ pub trait Maps {
     fn prune_defunct(&mut self) -> Result<usize, bpf::Error>;
 }
 
-impl Maps for Datapath {
+impl DatapathPort for Datapath {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
         self.endpoints()
     }
@@ -189,7 +190,7 @@ impl Reconciler {
 
     /// Brings the entries of `ips` to what `desired` says (`None`: no entry); the
     /// failures. Entries are removed only if `prune`.
-    pub fn apply_ips<M: Maps + ?Sized>(
+    pub fn apply_ips<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         ips: impl IntoIterator<Item = IpAddr>,
@@ -224,7 +225,7 @@ impl Reconciler {
     /// Attaches the classifier to each of `interfaces` that `wanted` says and
     /// brings its INTERFACES entry to `identity` (see [`Desired::interface_identities`]),
     /// detaches it from the others (only if `prune`); the failures.
-    pub fn apply_interfaces<M: Maps + ?Sized>(
+    pub fn apply_interfaces<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         interfaces: impl IntoIterator<Item = String>,
@@ -279,7 +280,7 @@ impl Reconciler {
 
     /// Brings interface `ifindex`'s INTERFACES entry to `identity`. A slot held by
     /// another interface is not a failure: this one is counted by address.
-    fn write_interface<M: Maps + ?Sized>(
+    fn write_interface<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         interface: &str,
@@ -319,7 +320,7 @@ impl Reconciler {
 
     /// Removes interface `ifindex`'s INTERFACES entry (if this agent could have
     /// written it).
-    fn delete_interface<M: Maps + ?Sized>(
+    fn delete_interface<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         ifindex: u32,
@@ -336,7 +337,7 @@ impl Reconciler {
 
     /// Compares the maps' actual content and the pinned links with `desired`, and
     /// repairs every difference.
-    pub fn full_pass<M: Maps + ?Sized>(
+    pub fn full_pass<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         desired: &Desired,
@@ -358,7 +359,7 @@ impl Reconciler {
         report
     }
 
-    fn repair_entries<M: Maps + ?Sized>(
+    fn repair_entries<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         desired: &Desired,
@@ -419,7 +420,7 @@ impl Reconciler {
             .retain(|ip, _| desired.entries.contains_key(ip));
     }
 
-    fn repair_links<M: Maps + ?Sized>(
+    fn repair_links<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         desired: &Desired,
@@ -486,7 +487,7 @@ impl Reconciler {
     /// Compares INTERFACES with the entries of the interfaces this agent attached
     /// and repairs every difference; removes the entries nothing wants (only if
     /// `prune`).
-    fn repair_interfaces<M: Maps + ?Sized>(
+    fn repair_interfaces<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         desired: &Desired,
@@ -617,7 +618,7 @@ pub(crate) mod fake {
         }
     }
 
-    impl Maps for FakeMaps {
+    impl DatapathPort for FakeMaps {
         fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
             Ok(self.entries.clone())
         }
@@ -725,7 +726,7 @@ pub(crate) mod fake {
     }
 
     /// A fake a test can look at while the daemon owns it.
-    impl Maps for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
+    impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
         fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
             self.lock().read_endpoints()
         }

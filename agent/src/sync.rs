@@ -33,6 +33,7 @@ use census_proto::{
     domain::{Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelLimits,
     pb::{self, agent_message::Body, endpoint_sync_client::EndpointSyncClient, operator_message},
+    status::code_label,
 };
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
@@ -43,7 +44,6 @@ use tracing::{Instrument as _, debug, info, info_span, warn};
 use crate::{
     backoff::{Backoff, jittered},
     endpoints::LabelSettings,
-    identities::code_label,
     metrics::Metrics,
     shutdown::stopped,
 };
@@ -57,7 +57,7 @@ pub enum Report {
 
 /// What the operator tells the core.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SyncEvent {
+pub(crate) enum SyncEvent {
     Settings(LabelSettings),
     Rebind { key: EndpointKey, id: IdentityId },
 }
@@ -85,7 +85,7 @@ const MAX_DECODING: usize = 16 * 1024 * 1024;
 
 /// The client; see the module documentation.
 #[derive(Debug)]
-pub struct SyncClient {
+pub(crate) struct SyncClient {
     pub channel: Channel,
     pub node: NodeName,
     pub session: SessionId,
@@ -154,7 +154,7 @@ impl State {
 impl SyncClient {
     /// Runs until `shutdown`. `reports` come from the core, `events` go to it;
     /// `ready` turns true once the core has the source's first full set.
-    pub async fn run(
+    pub(crate) async fn run(
         self,
         reports: mpsc::UnboundedReceiver<Report>,
         events: mpsc::Sender<SyncEvent>,
@@ -508,13 +508,11 @@ mod tests {
         labels::{LabelFilter, LabelSet},
         pb::identity_service_client::IdentityServiceClient,
     };
+    use census_testkit::{Operator, TestResult, identity, lazy_channel, node, until_some};
     use tokio::task::JoinHandle;
 
     use super::*;
-    use crate::{
-        daemon::new_session,
-        testing::{TestResult, channel, eventually, identity, node, operator},
-    };
+    use crate::daemon::new_session;
 
     const WAIT: Duration = Duration::from_secs(10);
 
@@ -615,8 +613,8 @@ mod tests {
     #[tokio::test]
     async fn hello_snapshot_deltas_and_rebind() -> TestResult {
         let dir = tempfile::tempdir()?;
-        let op = operator(dir.path(), 0).await?;
-        let ch = channel(op.grpc_addr)?;
+        let op = Operator::for_agents(dir.path(), 0).await?;
+        let ch = lazy_channel(op.grpc_addr)?;
         let mut client = start(ch.clone(), "n1")?;
 
         let Some(SyncEvent::Settings(settings)) = client.events.recv().await else {
@@ -640,7 +638,7 @@ mod tests {
         );
 
         client.ready.send(true)?;
-        let seen = eventually(WAIT, || async {
+        let seen = until_some(WAIT, || async {
             node(&ch, "n1")
                 .await
                 .filter(|n| n.endpoints == 1 && n.last_snapshot_ms > 0)
@@ -656,7 +654,7 @@ mod tests {
             web_id,
             &web,
         )?))?;
-        let two = eventually(WAIT, || async {
+        let two = until_some(WAIT, || async {
             (refs(&ch, web_id).await == 2).then_some(())
         })
         .await;
@@ -664,7 +662,7 @@ mod tests {
         client
             .reports
             .send(Report::Delete(EndpointKey::new("default", "web-0")?))?;
-        let one = eventually(WAIT, || async {
+        let one = until_some(WAIT, || async {
             (refs(&ch, web_id).await == 1).then_some(())
         })
         .await;
@@ -697,16 +695,16 @@ mod tests {
 
         client.stop.send(true)?;
         client.task.await?;
-        op.shut_down().await;
+        op.shut_down().await?;
         Ok(())
     }
 
     #[tokio::test]
     async fn reconnects_and_sends_a_snapshot_when_the_operator_is_back() -> TestResult {
         let dir = tempfile::tempdir()?;
-        let op = operator(dir.path(), 0).await?;
+        let op = Operator::for_agents(dir.path(), 0).await?;
         let addr = op.grpc_addr;
-        let ch = channel(addr)?;
+        let ch = lazy_channel(addr)?;
         let mut client = start(ch.clone(), "n1")?;
         client.ready.send(true)?;
         let Some(SyncEvent::Settings(_)) = client.events.recv().await else {
@@ -720,14 +718,14 @@ mod tests {
             web_id,
             &web,
         )?))?;
-        let seen = eventually(WAIT, || async {
+        let seen = until_some(WAIT, || async {
             (refs(&ch, web_id).await == 1).then_some(())
         })
         .await;
         assert!(seen.is_some());
 
-        op.shut_down().await;
-        let down = eventually(WAIT, || async {
+        op.shut_down().await?;
+        let down = until_some(WAIT, || async {
             (!client.status.lock().connected).then_some(())
         })
         .await;
@@ -741,8 +739,8 @@ mod tests {
             &web,
         )?))?;
 
-        let op = operator(dir.path(), addr.port()).await?;
-        let back = eventually(WAIT, || async {
+        let op = Operator::for_agents(dir.path(), addr.port()).await?;
+        let back = until_some(WAIT, || async {
             node(&ch, "n1")
                 .await
                 .filter(|n| n.connected && n.endpoints == 2)
@@ -758,7 +756,7 @@ mod tests {
 
         client.stop.send(true)?;
         client.task.await?;
-        op.shut_down().await;
+        op.shut_down().await?;
         Ok(())
     }
 }

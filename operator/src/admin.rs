@@ -46,7 +46,7 @@ struct AdminState {
     readiness: Readiness,
 }
 
-pub fn router(registry: Arc<Registry>, readiness: Readiness) -> Router {
+pub(crate) fn router(registry: Arc<Registry>, readiness: Readiness) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -58,7 +58,7 @@ pub fn router(registry: Arc<Registry>, readiness: Readiness) -> Router {
         .merge(census_daemon::profiling::routes())
 }
 
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     shutdown: watch::Receiver<bool>,

@@ -50,7 +50,7 @@ pub struct Running {
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub runtime: Arc<Runtime>,
-    pub readiness: Readiness,
+    readiness: Readiness,
     shutdown: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     writers: Vec<JoinHandle<()>>,

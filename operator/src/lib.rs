@@ -1,12 +1,19 @@
 //! census operator: the identity allocator core, its stores, the gRPC services and
 //! the daemon around them.
+//!
+//! The public API is what the daemon is made of and what its component tests and
+//! benchmarks compose: the core ([`allocator`]), the [`store`]s, leadership
+//! ([`replica`], [`k8s`]), the [`runtime`] that feeds the core and its store
+//! [`writer`]s, [`metrics`], the command line ([`config`]) and the [`daemon`] that
+//! starts it all. The gRPC services and the admin port are reached only over the
+//! network, and are private.
 #![forbid(unsafe_code)]
 
-pub mod admin;
+mod admin;
 pub mod allocator;
 pub mod config;
 pub mod daemon;
-pub mod grpc;
+mod grpc;
 pub mod k8s;
 pub mod metrics;
 pub mod replica;

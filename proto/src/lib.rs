@@ -6,6 +6,7 @@
 pub mod convert;
 pub mod domain;
 pub mod labels;
+pub mod status;
 
 /// Generated from `proto/census/v1/census.proto` by `cargo xtask codegen`.
 #[allow(

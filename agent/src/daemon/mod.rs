@@ -32,9 +32,9 @@ use crate::{
     bpf::{self, Inspector},
     endpoints::{Effects, Endpoints},
     host::HostIps,
-    identities::{AllocationEvent, Allocator},
+    identities::{AllocationEvent, IdentityClient},
     metrics::{AgentCollector, Gauges, KindLabels, Metrics},
-    reconcile::{Maps, Reconciler},
+    reconcile::{DatapathPort, Reconciler},
     shutdown::stopped,
     source::{EndpointSource, SourceEvent},
     sync::{SyncClient, SyncEvent, SyncStatus},
@@ -121,7 +121,7 @@ pub async fn start<M>(
     source: Box<dyn EndpointSource>,
 ) -> Result<Running, StartError>
 where
-    M: Maps + Send + 'static,
+    M: DatapathPort + Send + 'static,
 {
     let Options {
         node,
@@ -197,7 +197,7 @@ where
         endpoints: Endpoints::new(&found),
         reconciler: Reconciler::new(metrics.clone()),
         maps,
-        allocator: Allocator::new(
+        identities: IdentityClient::new(
             channel,
             node.clone(),
             session,
@@ -279,7 +279,7 @@ struct Core<M> {
     endpoints: Endpoints,
     reconciler: Reconciler,
     maps: M,
-    allocator: Allocator,
+    identities: IdentityClient,
     reports: mpsc::UnboundedSender<crate::sync::Report>,
     /// The source's copy of the operator's label filter, if it filters labels itself.
     source_filter: Option<watch::Sender<LabelFilter>>,
@@ -291,7 +291,7 @@ struct Core<M> {
     reconcile_interval: Duration,
 }
 
-impl<M: Maps> Core<M> {
+impl<M: DatapathPort> Core<M> {
     async fn run(
         mut self,
         mut source: mpsc::Receiver<SourceEvent>,
@@ -383,7 +383,7 @@ impl<M: Maps> Core<M> {
             interfaces,
         } = fx;
         for request in allocations {
-            self.allocator.spawn(request);
+            self.identities.spawn(request);
         }
         for report in reports {
             // The sync task lives as long as this one.

@@ -164,11 +164,6 @@ impl Allocator {
     pub fn drain_effects(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.core.fx)
     }
-
-    /// True if effects are waiting to be drained.
-    pub fn has_effects(&self) -> bool {
-        !self.core.fx.is_empty()
-    }
 }
 
 impl Core {

@@ -25,13 +25,13 @@ const MAX_PAGE: usize = 5000;
 const WATCH_QUEUE: usize = 256;
 
 #[derive(Debug, Clone)]
-pub struct Identities {
+pub(crate) struct Identities {
     runtime: Arc<Runtime>,
     shutdown: watch::Receiver<bool>,
 }
 
 impl Identities {
-    pub fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
+    pub(crate) fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
         Self { runtime, shutdown }
     }
 

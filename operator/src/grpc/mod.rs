@@ -21,14 +21,14 @@ use census_proto::pb::{
 use tokio::{net::TcpListener, sync::watch};
 use tower::{Layer, Service};
 
-pub use self::{identity::Identities, node::Nodes, sync::Sync};
+pub(crate) use self::{identity::Identities, node::Nodes, sync::EndpointStreams};
 use crate::{
     metrics::{GrpcLabels, MethodLabels, Metrics},
     runtime::Runtime,
 };
 
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
+pub(crate) enum ServeError {
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("gRPC server: {0}")]
@@ -36,7 +36,7 @@ pub enum ServeError {
 }
 
 /// Serves until `shutdown` turns true, then stops accepting and drains.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     runtime: Arc<Runtime>,
     shutdown: watch::Receiver<bool>,
@@ -45,7 +45,7 @@ pub async fn serve(
     let identities = IdentityServiceServer::new(Identities::new(runtime.clone(), shutdown.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    let sync = EndpointSyncServer::new(Sync::new(runtime.clone(), shutdown.clone()))
+    let sync = EndpointSyncServer::new(EndpointStreams::new(runtime.clone(), shutdown.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let nodes = NodeServiceServer::new(Nodes::new(runtime.clone()))
@@ -57,7 +57,7 @@ pub async fn serve(
         .set_serving::<IdentityServiceServer<Identities>>()
         .await;
     health_reporter
-        .set_serving::<EndpointSyncServer<Sync>>()
+        .set_serving::<EndpointSyncServer<EndpointStreams>>()
         .await;
     health_reporter
         .set_serving::<NodeServiceServer<Nodes>>()
@@ -147,7 +147,9 @@ where
                     .get("grpc-status")
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.parse::<i32>().ok())
-                    .map_or("OK", |c| code_name(tonic::Code::from_i32(c))),
+                    .map_or("OK", |c| {
+                        census_proto::status::code_label(tonic::Code::from_i32(c))
+                    }),
                 Err(_) => "Unknown",
             };
             metrics
@@ -179,28 +181,5 @@ fn method_name(path: &str) -> &'static str {
         "/grpc.health.v1.Health/Watch" => "Health/Watch",
         p if p.starts_with("/grpc.reflection.") => "reflection",
         _ => "other",
-    }
-}
-
-fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code::*;
-    match code {
-        Ok => "OK",
-        Cancelled => "Cancelled",
-        Unknown => "Unknown",
-        InvalidArgument => "InvalidArgument",
-        DeadlineExceeded => "DeadlineExceeded",
-        NotFound => "NotFound",
-        AlreadyExists => "AlreadyExists",
-        PermissionDenied => "PermissionDenied",
-        ResourceExhausted => "ResourceExhausted",
-        FailedPrecondition => "FailedPrecondition",
-        Aborted => "Aborted",
-        OutOfRange => "OutOfRange",
-        Unimplemented => "Unimplemented",
-        Internal => "Internal",
-        Unavailable => "Unavailable",
-        DataLoss => "DataLoss",
-        Unauthenticated => "Unauthenticated",
     }
 }

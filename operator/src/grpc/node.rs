@@ -26,14 +26,14 @@ const FORWARDED: &str = "census-forwarded";
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
-pub struct Nodes {
+pub(crate) struct Nodes {
     runtime: Arc<Runtime>,
     /// A channel to the leader, by its address, reused while the leader stays.
     leader: Arc<Mutex<Option<(String, Channel)>>>,
 }
 
 impl Nodes {
-    pub fn new(runtime: Arc<Runtime>) -> Self {
+    pub(crate) fn new(runtime: Arc<Runtime>) -> Self {
         Self {
             runtime,
             leader: Arc::new(Mutex::new(None)),

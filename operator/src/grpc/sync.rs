@@ -38,19 +38,19 @@ const OUTBOUND: usize = 1024;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
-pub struct Sync {
+pub(crate) struct EndpointStreams {
     runtime: Arc<Runtime>,
     shutdown: watch::Receiver<bool>,
 }
 
-impl Sync {
-    pub fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
+impl EndpointStreams {
+    pub(crate) fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
         Self { runtime, shutdown }
     }
 }
 
 #[tonic::async_trait]
-impl EndpointSync for Sync {
+impl EndpointSync for EndpointStreams {
     type SyncStream = ReceiverStream<Result<pb::OperatorMessage, Status>>;
 
     async fn sync(
@@ -121,7 +121,7 @@ impl EndpointSync for Sync {
     }
 }
 
-impl Sync {
+impl EndpointStreams {
     fn invalid(&self, kind: &'static str) {
         self.runtime
             .metrics
