@@ -19,6 +19,7 @@ use crate::cmd;
 pub(crate) const DEBIAN_CARGO: &str = "/usr/bin/cargo";
 pub(crate) const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 pub(crate) const DEBIAN_RUSTDOC: &str = "/usr/bin/rustdoc";
+pub(crate) const DEBIAN_CARGO_CLIPPY: &str = "/usr/bin/cargo-clippy";
 pub(crate) const BPF_LINKER: &str = "bpf-linker";
 /// The bpf-linker series that matches aya-ebpf 0.2 and LLVM 22.
 pub(crate) const BPF_LINKER_SERIES: &str = "0.13.";
@@ -78,13 +79,53 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
 pub(crate) fn build(profile: Profile) -> anyhow::Result<()> {
     let linker = check_toolchain()?;
     let dir = ebpf_dir();
-    let mut command = Command::new(DEBIAN_CARGO);
+    let mut command = debian_cargo(DEBIAN_CARGO, &linker);
     command
         .current_dir(&dir)
         .args(["build", "--package", PACKAGE, "--target", TARGET])
         .args(["-Z", "build-std=core", "--profile", &profile.to_string()])
         .arg("--target-dir")
         .arg(dir.join("target"));
+    cmd::run(&mut command).context("building the eBPF object")?;
+    let object = object_path(profile);
+    let size = std::fs::metadata(&object)
+        .with_context(|| format!("the build did not produce {}", object.display()))?
+        .len();
+    println!("eBPF object: {} ({size} bytes)", object.display());
+    Ok(())
+}
+
+/// Lints the kernel-side crates (the programs and the `#[repr(C)]` types they share
+/// with the agent) for their own target, with Debian's clippy of the same toolchain,
+/// warnings denied. Its own target directory: clippy's metadata would otherwise make
+/// the next build of the object start over.
+pub(crate) fn clippy() -> anyhow::Result<()> {
+    let linker = check_toolchain()?;
+    if !Path::new(DEBIAN_CARGO_CLIPPY).is_file() {
+        bail!(
+            "cannot lint the eBPF crates: {DEBIAN_CARGO_CLIPPY} is missing (Debian package \
+             rust-web-clippy); run `cargo xtask setup` (as root) to install it"
+        );
+    }
+    let dir = ebpf_dir();
+    let mut command = debian_cargo(DEBIAN_CARGO_CLIPPY, &linker);
+    command
+        .current_dir(&dir)
+        // cargo-clippy runs the cargo it is given, not the first one on PATH (rustup's).
+        .env("CARGO", DEBIAN_CARGO)
+        .args(["clippy", "--workspace", "--target", TARGET])
+        .args(["-Z", "build-std=core", "--profile", "release"])
+        .arg("--target-dir")
+        .arg(dir.join("target").join("clippy"))
+        .args(["--", "-D", "warnings"]);
+    cmd::run(&mut command).context("linting the eBPF crates")
+}
+
+/// `program` (Debian's cargo or cargo-clippy) set up for the eBPF target: Debian's
+/// rustc, `-Z build-std` allowed, bpf-linker named, and nothing from the calling
+/// environment (RUSTFLAGS, target dir, toolchain override) leaking in.
+fn debian_cargo(program: &str, linker: &Path) -> Command {
+    let mut command = Command::new(program);
     for variable in [
         "RUSTUP_TOOLCHAIN",
         "RUSTFLAGS",
@@ -103,18 +144,12 @@ pub(crate) fn build(profile: Profile) -> anyhow::Result<()> {
         .env("RUSTDOC", DEBIAN_RUSTDOC)
         // -Z build-std on a stable toolchain.
         .env("RUSTC_BOOTSTRAP", "1")
-        .env("CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER", &linker)
+        .env("CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER", linker)
         .env(
             "CARGO_TARGET_BPFEL_UNKNOWN_NONE_RUSTFLAGS",
             "-C debuginfo=2 -C link-arg=--btf",
         );
-    cmd::run(&mut command).context("building the eBPF object")?;
-    let object = object_path(profile);
-    let size = std::fs::metadata(&object)
-        .with_context(|| format!("the build did not produce {}", object.display()))?
-        .len();
-    println!("eBPF object: {} ({size} bytes)", object.display());
-    Ok(())
+    command
 }
 
 /// Checks Debian's toolchain and bpf-linker are there; returns the linker.

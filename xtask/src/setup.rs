@@ -10,12 +10,14 @@ use anyhow::{Context as _, bail};
 
 use crate::{cmd, ebpf};
 
-/// Debian 12 packages: the toolchain that builds the eBPF crate (1.96, LLVM 22),
-/// the LLVM bpf-linker links against, and the tools the privileged tests use.
-const PACKAGES: [&str; 6] = [
+/// Debian 12 packages: the toolchain that builds and lints the eBPF crate (1.96,
+/// LLVM 22), the LLVM bpf-linker links against, and the tools the privileged tests
+/// use.
+const PACKAGES: [&str; 7] = [
     "rustc-web",
     "cargo-web",
     "rust-web-src",
+    "rust-web-clippy",
     "llvm-22-dev",
     "bpftool",
     "iproute2",

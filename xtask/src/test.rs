@@ -1,19 +1,18 @@
 //! `cargo xtask test`: the whole test suite, as CI runs it (`.ci/run`).
 //!
 //! Set-up first (Debian packages and bpf-linker, idempotent), then the eBPF build,
-//! formatting and lint checks, every unit, property and component test of the
-//! workspace, as root the privileged end-to-end suite against the real kernel, and
-//! the churn benchmark's gate (no identity left beyond the live set, under 64 bytes of
-//! live heap retained per churned pod).
+//! formatting and lint checks (clippy for the host and, on the kernel-side crates, for
+//! the BPF target), every unit, property and component test of the workspace and of
+//! the types it shares with the kernel (census-common), as root the privileged
+//! end-to-end suite against the real kernel, and the churn benchmark's gate (no
+//! identity left beyond the live set, under 64 bytes of live heap retained per churned
+//! pod).
 
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::{cmd, ebpf, privileged, setup};
+use crate::{bench, cmd, ebpf, privileged, setup};
 
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub(crate) struct Options {
@@ -75,11 +74,20 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             "warnings",
         ]))
     })?;
+    // The kernel-side crates (census-common among them), for their own target.
+    step("eBPF clippy", &mut ebpf::clippy)?;
     step("tests", &mut || {
+        // census-common belongs to the eBPF workspace, so `--workspace` leaves it out;
+        // its tests run on the host, as the agent builds it.
         cmd::run(
             cmd::host_cargo()
                 .current_dir(&root)
                 .args(["test", "--workspace"]),
+        )?;
+        cmd::run(
+            cmd::host_cargo()
+                .current_dir(&root)
+                .args(["test", "--package", "census-common"]),
         )
     })?;
     if no_privileged {
@@ -96,12 +104,9 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         println!("\n==> churn benchmark gate: skipped (--no-bench-gate)");
     } else {
         step("churn benchmark gate", &mut || {
-            let xtask = std::env::current_exe().context("locating the xtask binary")?;
-            cmd::run(
-                Command::new(xtask)
-                    .current_dir(&root)
-                    .args(["bench", "churn-short"]),
-            )
+            bench::run(bench::Options {
+                args: vec!["churn-short".into()],
+            })
         })?;
     }
 
