@@ -54,6 +54,9 @@ impl Allocator {
         let core = &mut self.core;
         for node in self.nodes.values_mut() {
             if node.holds.is_empty() {
+                // Holds also end when their id shows up in the view, which leaves
+                // the map empty with the capacity of the burst that filled it.
+                shrink_map(&mut node.holds);
                 continue;
             }
             let before = node.holds.len();

@@ -764,6 +764,35 @@ fn a_view_at_rest_has_the_capacity_of_its_length_whatever_changed_it_last() {
     assert_eq!(capacity(&h, N1), built, "and stays there");
 }
 
+#[test]
+fn a_nodes_hold_map_shrinks_when_its_holds_end_in_the_view() {
+    // A burst of Allocates fills the hold map; the snapshot that shows every id in
+    // the view ends every hold, and the map at rest must not keep its capacity.
+    let mut h = Harness::new(small_config());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    let endpoints: Vec<_> = (0..60)
+        .map(|i| {
+            let app = format!("app=burst-{i}");
+            let id = ok(h.allocate_now(N1, s1, &app));
+            mk_endpoint(&format!("pod-{i}"), id.get(), &app)
+        })
+        .collect();
+    let holds = |h: &Harness| {
+        h.alloc
+            .nodes
+            .get(&node(N1))
+            .map(|n| (n.holds.len(), n.holds.capacity()))
+    };
+    assert!(
+        holds(&h).is_some_and(|(len, capacity)| len == 60 && capacity >= 60),
+        "{:?}",
+        holds(&h)
+    );
+    ok(h.snapshot(N1, c1, 1, endpoints));
+    h.advance(ms(10));
+    assert_eq!(holds(&h), Some((0, 0)), "no hold left, no capacity kept");
+}
+
 // ---- the store's own watch ----
 
 #[test]
