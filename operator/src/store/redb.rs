@@ -18,25 +18,40 @@
 //! # Refusal never writes
 //!
 //! A writable redb open changes the file (its header records the open; a file left by
-//! a crash is repaired). So an existing file is first checked without writing: through a
-//! read-only open, or, for a file that needs recovery (which redb will not open
-//! read-only), through a copy-on-write view ([`scratch`]). Only a file that passes is
-//! opened for writing.
+//! a crash is repaired). So an existing file is first checked without writing, through
+//! a copy-on-write view ([`scratch`]) where redb's writes (the record of the open, the
+//! repair of a file left by a crash) stay in memory: redb's integrity check (checksums
+//! of every page in use, its allocation records), then census's reading of everything.
+//! Only a file that passes is opened for writing.
+//!
+//! Only a path where nothing exists is created. Anything else that is there (an empty
+//! file, a truncated one, another program's) may be what is left of someone's
+//! identities, so it is refused like a damaged store. A new store is built under a
+//! temporary name and linked into place complete, so a crash never leaves a
+//! half-initialized file at the path.
+//!
+//! redb trusts a file that was closed cleanly and may panic, rather than return an
+//! error, on a page damaged behind its back. The calls into redb while opening and
+//! loading run under [`unwound`], which reports such a panic as corruption of the file.
 
 mod scratch;
 
 use std::{
-    fs::{self, File},
+    fs::{self, File, OpenOptions},
     io,
     panic::{self, AssertUnwindSafe},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, MutexGuard},
+    process,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use ::redb::{
     Builder, Database, DatabaseError, Durability, ReadTransaction, ReadableDatabase, ReadableTable,
     ReadableTableMetadata, StorageError, Table, TableDefinition, TableError, TableHandle,
-    WriteTransaction,
+    WriteTransaction, backends::FileBackend,
 };
 use census_proto::{
     domain::{IdentityId, NodeName},
@@ -86,6 +101,13 @@ impl Default for RedbOptions {
 #[derive(Debug, Clone)]
 pub struct RedbStore {
     inner: Arc<Inner>,
+    /// Batches take turns in the order `apply` was called, and a batch keeps its turn
+    /// until it has committed, even if its caller stopped waiting (the writer's
+    /// timeout): so no later batch commits before a timed-out one that is still
+    /// running (a late delete cannot undo the create that followed it), and a batch
+    /// whose caller gave up before its turn is never written at all. tokio's mutex
+    /// is fair (FIFO), unlike the one around the database.
+    turns: Arc<tokio::sync::Mutex<()>>,
 }
 
 #[derive(Debug)]
@@ -100,31 +122,19 @@ struct Inner {
 }
 
 impl RedbStore {
-    /// Opens the store at `path`, creating the file (and its directory) if it does not
-    /// exist. Refuses, without changing a byte of it, a file of another schema version
-    /// ([`StoreError::Schema`]), one that is not a census store or whose contents do not
-    /// decode ([`StoreError::Corrupt`]), and one it cannot open, e.g. because another
-    /// process has it open ([`StoreError::Open`]).
+    /// Opens the store at `path`. Only where nothing exists is a store created (and its
+    /// directory). An existing file is refused, without changing a byte of it, if it is
+    /// empty, truncated, damaged, not a census store, or its contents do not decode
+    /// ([`StoreError::Corrupt`]), if it has another schema version
+    /// ([`StoreError::Schema`]), and if it cannot be opened, e.g. because another process
+    /// has it open ([`StoreError::Open`]).
     ///
-    /// Blocking: reads the whole file once to check it.
+    /// Blocking: reads and verifies the whole file once.
     pub fn open(path: &Path, options: RedbOptions) -> Result<Self, StoreError> {
         let shown = path.display().to_string();
-        let db = match fs::metadata(path) {
-            Ok(meta) if meta.len() > 0 => {
-                check_existing(path, &shown, &options)?;
-                open_writable(path, &shown, &options, false)?
-            }
-            // An empty file holds nothing to lose (e.g. a crash right after creating it).
-            Ok(_) => open_writable(path, &shown, &options, true)?,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    fs::create_dir_all(parent).map_err(|err| StoreError::Open {
-                        path: shown.clone(),
-                        detail: format!("cannot create directory {}: {err}", parent.display()),
-                    })?;
-                }
-                open_writable(path, &shown, &options, true)?
-            }
+        let created = match fs::metadata(path) {
+            Ok(_) => None,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => create(path, &shown, &options)?,
             Err(err) => {
                 return Err(StoreError::Open {
                     path: shown,
@@ -132,7 +142,11 @@ impl RedbStore {
                 });
             }
         };
-        init_or_check(&db, &shown).map_err(|err| at_open(err, &shown))?;
+        let db = match created {
+            Some(db) => db,
+            // Also when another process created the file first.
+            None => open_existing(path, &shown, &options)?,
+        };
         tracing::debug!(path = %shown, cache_bytes = options.cache_bytes, "opened redb store");
         Ok(Self {
             inner: Arc::new(Inner {
@@ -141,6 +155,7 @@ impl RedbStore {
                 options,
                 db: Mutex::new(Some(db)),
             }),
+            turns: Arc::default(),
         })
     }
 
@@ -161,14 +176,21 @@ impl Store for RedbStore {
 
     fn apply(&self, ops: Vec<StoreOp>) -> BoxFuture<'_, Vec<Result<(), StoreError>>> {
         let inner = Arc::clone(&self.inner);
+        let turns = Arc::clone(&self.turns);
         Box::pin(async move {
             if ops.is_empty() {
                 return Vec::new();
             }
             let count = ops.len();
-            tokio::task::spawn_blocking(move || inner.apply_blocking(&ops))
-                .await
-                .unwrap_or_else(|err| vec![Err(task_failed(&err)); count])
+            // See `turns`: the turn moves into the blocking task and ends with it.
+            let turn = turns.lock_owned().await;
+            tokio::task::spawn_blocking(move || {
+                let results = inner.apply_blocking(&ops);
+                drop(turn);
+                results
+            })
+            .await
+            .unwrap_or_else(|err| vec![Err(task_failed(&err)); count])
         })
     }
 
@@ -202,22 +224,37 @@ impl Inner {
     fn database<'g>(&self, guard: &'g mut Option<Database>) -> Result<&'g Database, StoreError> {
         let db = match guard.take() {
             Some(db) => db,
-            None => {
-                let db = open_writable(&self.path, &self.shown, &self.options, false)
-                    .map_err(unavailable_now)?;
-                init_or_check(&db, &self.shown)?;
-                tracing::info!(path = %self.shown, "reopened redb store");
-                db
-            }
+            None => self.reopen()?,
         };
         Ok(guard.insert(db))
     }
 
+    /// Opens the file again after its handle was dropped (a failed write, a panic), with
+    /// the same check as the first open.
+    fn reopen(&self) -> Result<Database, StoreError> {
+        let db = open_existing(&self.path, &self.shown, &self.options).map_err(unavailable_now)?;
+        tracing::info!(path = %self.shown, "reopened redb store");
+        Ok(db)
+    }
+
     fn load_blocking(&self) -> Result<Loaded, StoreError> {
         let mut guard = self.lock_db();
-        let db = self.database(&mut guard)?;
-        let txn = db.begin_read().map_err(|err| io_error(&err))?;
-        Ok(read_all(&txn, &self.shown, &self.options.load_limits)?.unwrap_or_default())
+        let db = match guard.take() {
+            Some(db) => db,
+            None => self.reopen()?,
+        };
+        let (shown, limits) = (self.shown.as_str(), &self.options.load_limits);
+        // The handle moves into the closure, so a panic drops it while unwinding, when
+        // redb writes nothing; the next call reopens the file through the open's check.
+        let (db, loaded) = unwound(shown, move || {
+            let loaded = db
+                .begin_read()
+                .map_err(|err| io_error(&err))
+                .and_then(|txn| read_all(&txn, shown, limits));
+            Ok((db, loaded))
+        })?;
+        *guard = Some(db);
+        loaded
     }
 
     fn apply_blocking(&self, ops: &[StoreOp]) -> Vec<Result<(), StoreError>> {
@@ -251,97 +288,175 @@ fn builder(options: &RedbOptions) -> Builder {
     builder
 }
 
-fn open_writable(
-    path: &Path,
-    shown: &str,
-    options: &RedbOptions,
-    create: bool,
-) -> Result<Database, StoreError> {
-    let builder = builder(options);
-    let db = if create {
-        builder.create(path)
-    } else {
-        builder.open(path)
-    };
-    db.map_err(|err| open_failure(shown, err))
+/// Opens an existing file for writing, once [`check_existing`] passed it.
+fn open_existing(path: &Path, shown: &str, options: &RedbOptions) -> Result<Database, StoreError> {
+    check_existing(path, shown, options)?;
+    // It reads what the check read (and repairs a file left by a crash as the check's
+    // view was repaired): a panic here means the file changed in between.
+    unwound(shown, || {
+        builder(options)
+            .open(path)
+            .map_err(|err| open_failure(shown, err))
+    })
 }
 
 /// Checks an existing file without writing to it.
 fn check_existing(path: &Path, shown: &str, options: &RedbOptions) -> Result<(), StoreError> {
-    let check = || -> Result<(), StoreError> {
-        match builder(options).open_read_only(path) {
-            Ok(db) => check_contents(&db, shown, &options.load_limits),
+    let corrupt = |detail: String| StoreError::Corrupt {
+        path: shown.to_owned(),
+        detail,
+    };
+    let len = fs::metadata(path)
+        .map_err(|err| StoreError::Open {
+            path: shown.to_owned(),
+            detail: err.to_string(),
+        })?
+        .len();
+    if len == 0 {
+        return Err(corrupt(
+            "the file is empty (0 bytes); census creates a store only where no file exists"
+                .to_owned(),
+        ));
+    }
+    unwound(shown, || {
+        // A read-only open first, held until the end: it takes the file's lock, so a file
+        // another process has open is refused as such rather than read while it changes.
+        let _lock = match builder(options).open_read_only(path) {
+            Ok(db) => Some(db),
+            // Left by a crash; the view below is recovered like a writable open would.
             Err(DatabaseError::RepairAborted) => {
-                // Left by a crash. Recover a copy-on-write view of it and check that.
                 tracing::info!(
                     path = %shown,
                     "store was not closed cleanly; checking a recovered view before repairing it"
                 );
-                let scratch =
-                    File::open(path)
-                        .and_then(Scratch::new)
-                        .map_err(|err| StoreError::Open {
-                            path: shown.to_owned(),
-                            detail: err.to_string(),
-                        })?;
-                let db = builder(options)
-                    .create_with_backend(scratch)
-                    .map_err(|err| open_failure(shown, err))?;
-                check_contents(&db, shown, &options.load_limits)
+                None
             }
-            Err(err) => Err(open_failure(shown, err)),
+            Err(err) => return Err(open_failure(shown, err)),
+        };
+        let scratch = File::open(path)
+            .and_then(Scratch::new)
+            .map_err(|err| StoreError::Open {
+                path: shown.to_owned(),
+                detail: err.to_string(),
+            })?;
+        let mut db = builder(options)
+            .create_with_backend(scratch)
+            .map_err(|err| open_failure(shown, err))?;
+        // A plain read trusts the pages; the check verifies them, and the allocation
+        // records a writable open would trust (and allocate by) but reads never touch.
+        // Failed-but-repaired would mean falling back to what an older commit left.
+        if !db
+            .check_integrity()
+            .map_err(|err| open_failure(shown, err))?
+        {
+            return Err(corrupt(
+                "redb's integrity check failed: pages in use or its allocation records do \
+                 not match their checksums"
+                    .to_owned(),
+            ));
         }
-    };
-    // redb may panic on a file altered behind its back rather than return an error.
-    match panic::catch_unwind(AssertUnwindSafe(check)) {
-        Ok(result) => result.map_err(|err| at_open(err, shown)),
-        Err(panic) => Err(StoreError::Corrupt {
-            path: shown.to_owned(),
-            detail: format!("redb failed reading it: {}", panic_message(panic.as_ref())),
-        }),
-    }
-}
-
-fn check_contents(
-    db: &impl ReadableDatabase,
-    shown: &str,
-    limits: &LabelLimits,
-) -> Result<(), StoreError> {
-    let txn = db.begin_read().map_err(|err| io_error(&err))?;
-    read_all(&txn, shown, limits).map(|_| ())
-}
-
-/// Writes the schema version into a database without tables; checks it otherwise.
-fn init_or_check(db: &Database, shown: &str) -> Result<(), StoreError> {
-    let found = {
         let txn = db.begin_read().map_err(|err| io_error(&err))?;
-        schema_version(&txn, shown)?
+        read_all(&txn, shown, &options.load_limits).map(drop)
+    })
+    .map_err(|err| at_open(err, shown))
+}
+
+/// Tells apart the temporary files of creations running at once in this process.
+static CREATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// Creates a store where nothing exists; `None` if a file appeared there meanwhile.
+///
+/// The store is built under a temporary name in the same directory and linked into place
+/// once it holds census's tables, so the path never names a half-initialized file. A
+/// crash may leave the temporary name (`.<name>.creating-*`) behind: before the link it
+/// names a store without identities, after it a second name of the store, so removing
+/// it loses nothing. The link fails if the path exists, so a file another process
+/// created meanwhile is never replaced; the caller checks and opens it like any
+/// existing file.
+fn create(path: &Path, shown: &str, options: &RedbOptions) -> Result<Option<Database>, StoreError> {
+    let open_error = |detail: String| StoreError::Open {
+        path: shown.to_owned(),
+        detail,
     };
-    match found {
-        Some(SCHEMA_VERSION) => Ok(()),
-        Some(found) => Err(StoreError::Schema {
-            path: shown.to_owned(),
-            found,
-            supported: SCHEMA_VERSION,
-        }),
-        None => {
-            let txn = db.begin_write().map_err(|err| io_error(&err))?;
-            let created = (|| -> Result<(), StorageError> {
-                txn.open_table(META)
-                    .map_err(storage_of)?
-                    .insert(SCHEMA_VERSION_KEY, &SCHEMA_VERSION.to_le_bytes()[..])?;
-                txn.open_table(IDENTITIES).map_err(storage_of)?;
-                txn.open_table(LABELS).map_err(storage_of)?;
-                txn.open_table(NODES).map_err(storage_of)?;
-                txn.open_table(TOMBSTONES).map_err(storage_of)?;
-                Ok(())
-            })();
-            created.map_err(|err| storage_error(shown, err))?;
-            txn.commit().map_err(|err| io_error(&err))?;
-            tracing::info!(path = %shown, version = SCHEMA_VERSION, "initialized redb store");
-            Ok(())
-        }
+    let name = path
+        .file_name()
+        .ok_or_else(|| open_error("the path does not name a file".to_owned()))?;
+    let dir = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    fs::create_dir_all(dir)
+        .map_err(|err| open_error(format!("cannot create directory {}: {err}", dir.display())))?;
+    let temp = dir.join(format!(
+        ".{}.creating-{}-{}",
+        name.to_string_lossy(),
+        process::id(),
+        CREATIONS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let created = create_at(&temp, path, shown, options);
+    // After a link, `path` names the file too; without one, it holds nothing.
+    if let Err(err) = fs::remove_file(&temp)
+        && err.kind() != io::ErrorKind::NotFound
+    {
+        tracing::warn!(path = %temp.display(), error = %err, "cannot remove the temporary file of a new store");
     }
+    let created = created.map_err(|err| at_open(err, shown))?;
+    if created.is_some() {
+        // Commits to the file are durable only once its name is.
+        File::open(dir)
+            .and_then(|dir| dir.sync_all())
+            .map_err(|err| open_error(format!("cannot sync directory {}: {err}", dir.display())))?;
+        tracing::info!(path = %shown, version = SCHEMA_VERSION, "created redb store");
+    }
+    Ok(created)
+}
+
+fn create_at(
+    temp: &Path,
+    path: &Path,
+    shown: &str,
+    options: &RedbOptions,
+) -> Result<Option<Database>, StoreError> {
+    let open_error = |detail: String| StoreError::Open {
+        path: shown.to_owned(),
+        detail,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(temp)
+        .map_err(|err| open_error(format!("cannot create {}: {err}", temp.display())))?;
+    let backend = FileBackend::new(file).map_err(|err| open_failure(shown, err))?;
+    let db = builder(options)
+        .create_with_backend(backend)
+        .map_err(|err| open_failure(shown, err))?;
+    init(&db, shown)?;
+    match fs::hard_link(temp, path) {
+        Ok(()) => Ok(Some(db)),
+        Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(None),
+        Err(err) => Err(open_error(format!(
+            "cannot link the new store {} into place: {err}",
+            temp.display()
+        ))),
+    }
+}
+
+/// Writes the schema version and the tables into a new database.
+fn init(db: &Database, shown: &str) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(|err| io_error(&err))?;
+    let created = (|| -> Result<(), StorageError> {
+        txn.open_table(META)
+            .map_err(storage_of)?
+            .insert(SCHEMA_VERSION_KEY, &SCHEMA_VERSION.to_le_bytes()[..])?;
+        txn.open_table(IDENTITIES).map_err(storage_of)?;
+        txn.open_table(LABELS).map_err(storage_of)?;
+        txn.open_table(NODES).map_err(storage_of)?;
+        txn.open_table(TOMBSTONES).map_err(storage_of)?;
+        Ok(())
+    })();
+    created.map_err(|err| storage_error(shown, err))?;
+    txn.commit().map_err(|err| io_error(&err))
 }
 
 fn storage_of(err: TableError) -> StorageError {
@@ -396,12 +511,48 @@ fn at_open(err: StoreError, shown: &str) -> StoreError {
     }
 }
 
+/// Runs `redb_calls` (calls into redb while opening or loading), reporting a panic as
+/// [`StoreError::Corrupt`] of the file.
+///
+/// Catching the panic is sound here: what the calls change is redb state they create
+/// or are handed by value (handles, transactions, a scratch view), which is dropped while
+/// unwinding, and redb's close writes nothing while its thread panics. So no handle that
+/// saw the damage survives, nothing half-updated is left behind, and the file is not
+/// written. Only this call is covered; the process's panic hook stays as it is.
+fn unwound<T>(
+    shown: &str,
+    redb_calls: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    panic::catch_unwind(AssertUnwindSafe(redb_calls)).unwrap_or_else(|panic| {
+        Err(StoreError::Corrupt {
+            path: shown.to_owned(),
+            detail: format!(
+                "redb panicked reading it: {}",
+                bounded(panic_message(panic.as_ref()))
+            ),
+        })
+    })
+}
+
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a panic")
+}
+
+/// The longest panic message an error carries: enough for redb's, one log line.
+const PANIC_MESSAGE_MAX: usize = 200;
+
+fn bounded(message: &str) -> String {
+    if message.len() <= PANIC_MESSAGE_MAX {
+        return message.to_owned();
+    }
+    format!(
+        "{}...",
+        &message[..message.floor_char_boundary(PANIC_MESSAGE_MAX)]
+    )
 }
 
 // ---------------------------------------------------------------------------------------
@@ -459,9 +610,13 @@ fn table_error(shown: &str, name: &str, err: TableError) -> StoreError {
     }
 }
 
-/// The schema version, or `None` for a database without any table (new).
-fn schema_version(txn: &ReadTransaction, shown: &str) -> Result<Option<u32>, StoreError> {
+/// The schema version.
+fn schema_version(txn: &ReadTransaction, shown: &str) -> Result<u32, StoreError> {
     let storage = |err| storage_error(shown, err);
+    let corrupt = |detail: String| StoreError::Corrupt {
+        path: shown.to_owned(),
+        detail,
+    };
     let empty = txn.list_tables().map_err(storage)?.next().is_none()
         && txn
             .list_multimap_tables()
@@ -469,12 +624,11 @@ fn schema_version(txn: &ReadTransaction, shown: &str) -> Result<Option<u32>, Sto
             .next()
             .is_none();
     if empty {
-        return Ok(None);
+        // census writes its tables before a new file takes the store's name.
+        return Err(corrupt(
+            "it is a redb database without any table: not a census store".to_owned(),
+        ));
     }
-    let corrupt = |detail: String| StoreError::Corrupt {
-        path: shown.to_owned(),
-        detail,
-    };
     let meta = match txn.open_table(META) {
         Ok(meta) => meta,
         Err(TableError::TableDoesNotExist(_)) => {
@@ -494,19 +648,18 @@ fn schema_version(txn: &ReadTransaction, shown: &str) -> Result<Option<u32>, Sto
             raw.value().len()
         ))
     })?;
-    Ok(Some(u32::from_le_bytes(bytes)))
+    Ok(u32::from_le_bytes(bytes))
 }
 
-/// Reads and checks everything; `None` for a database without any table.
+/// Reads and checks everything.
 fn read_all(
     txn: &ReadTransaction,
     shown: &str,
     limits: &LabelLimits,
-) -> Result<Option<Loaded>, StoreError> {
+) -> Result<Loaded, StoreError> {
     match schema_version(txn, shown)? {
-        None => return Ok(None),
-        Some(SCHEMA_VERSION) => {}
-        Some(found) => {
+        SCHEMA_VERSION => {}
+        found => {
             return Err(StoreError::Schema {
                 path: shown.to_owned(),
                 found,
@@ -588,11 +741,11 @@ fn read_all(
         tombstones.push(tombstone);
     }
 
-    Ok(Some(Loaded {
+    Ok(Loaded {
         identities,
         nodes,
         tombstones,
-    }))
+    })
 }
 
 fn encode_tombstone(tombstone: &Tombstone) -> [u8; TOMBSTONE_LEN] {
@@ -737,7 +890,9 @@ fn apply_ops(
                 }
                 results.push(Ok(()));
             }
-            Err(err @ StoreError::Conflict { .. }) => results.push(Err(err)),
+            Err(err @ (StoreError::Conflict { .. } | StoreError::LabelsBound { .. })) => {
+                results.push(Err(err));
+            }
             Err(err) => return Err(err),
         }
     }
@@ -793,6 +948,145 @@ mod tests {
         }
     }
 
+    /// A database in memory whose writes wait while `closed` is set.
+    #[derive(Debug)]
+    struct Gated {
+        inner: InMemoryBackend,
+        closed: Arc<AtomicBool>,
+    }
+
+    impl Gated {
+        fn wait(&self) {
+            while self.closed.load(Ordering::SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+    }
+
+    impl StorageBackend for Gated {
+        fn len(&self) -> io::Result<u64> {
+            self.inner.len()
+        }
+
+        fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+            self.inner.read(offset, out)
+        }
+
+        fn set_len(&self, len: u64) -> io::Result<()> {
+            self.wait();
+            self.inner.set_len(len)
+        }
+
+        fn sync_data(&self) -> io::Result<()> {
+            self.wait();
+            self.inner.sync_data()
+        }
+
+        fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+            self.wait();
+            self.inner.write(offset, data)
+        }
+    }
+
+    fn gated_store() -> Result<(RedbStore, Arc<AtomicBool>), Box<dyn std::error::Error>> {
+        let closed = Arc::new(AtomicBool::new(false));
+        let backend = Gated {
+            inner: InMemoryBackend::new(),
+            closed: Arc::clone(&closed),
+        };
+        let db = Builder::new().create_with_backend(backend)?;
+        init(&db, "memory")?;
+        let store = RedbStore {
+            inner: Arc::new(Inner {
+                path: PathBuf::from("memory"),
+                shown: "memory".to_owned(),
+                options: RedbOptions::default(),
+                db: Mutex::new(Some(db)),
+            }),
+            turns: Arc::default(),
+        };
+        Ok((store, closed))
+    }
+
+    fn delete(op: &StoreOp) -> StoreOp {
+        let StoreOp::CreateIdentity { id, labels } = op.clone() else {
+            unreachable!("a create");
+        };
+        StoreOp::DeleteIdentity {
+            id,
+            tombstone: Tombstone {
+                id,
+                labels_hash: labels.stable_hash(),
+                until_ms: u64::MAX,
+            },
+            labels,
+        }
+    }
+
+    const GIVE_UP: std::time::Duration = std::time::Duration::from_millis(100);
+
+    /// A writer stops waiting for a delete whose commit is under way (its timeout);
+    /// the core then re-creates the identity. The late delete commits first, the
+    /// create after it: the binding the core serves is in the store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timed_out_batch_still_running_commits_before_the_next()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let (store, closed) = gated_store()?;
+        let x = op(300)?;
+        assert_eq!(store.apply(vec![x.clone()]).await, vec![Ok(())]);
+        closed.store(true, Ordering::SeqCst);
+        let late = tokio::time::timeout(GIVE_UP, store.apply(vec![delete(&x)])).await;
+        assert!(late.is_err(), "the delete is stuck in its commit");
+        let store = Arc::new(store);
+        let again = tokio::spawn({
+            let store = Arc::clone(&store);
+            let x = x.clone();
+            async move { store.apply(vec![x]).await }
+        });
+        tokio::time::sleep(GIVE_UP).await;
+        assert!(
+            !again.is_finished(),
+            "the create waits for the delete's commit"
+        );
+        closed.store(false, Ordering::SeqCst);
+        assert_eq!(again.await?, vec![Ok(())]);
+        let loaded = store.load().await?;
+        assert_eq!(
+            loaded.identities.len(),
+            1,
+            "the re-created binding: {loaded:?}"
+        );
+        Ok(())
+    }
+
+    /// A writer stops waiting for a delete that has not had its turn yet: it is never
+    /// written, so the binding the core goes on serving stays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timed_out_batch_that_never_had_its_turn_is_never_written()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let (store, closed) = gated_store()?;
+        let store = Arc::new(store);
+        let x = op(300)?;
+        assert_eq!(store.apply(vec![x.clone()]).await, vec![Ok(())]);
+        closed.store(true, Ordering::SeqCst);
+        let busy_op = op(301)?;
+        let busy = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move { store.apply(vec![busy_op]).await }
+        });
+        tokio::time::sleep(GIVE_UP).await;
+        let gave_up = tokio::time::timeout(GIVE_UP, store.apply(vec![delete(&x)])).await;
+        assert!(gave_up.is_err(), "the delete waits behind the busy batch");
+        closed.store(false, Ordering::SeqCst);
+        assert_eq!(busy.await?, vec![Ok(())]);
+        assert_eq!(store.apply(vec![op(302)?]).await, vec![Ok(())]);
+        let loaded = store.load().await?;
+        let ids: Vec<u32> = loaded.identities.iter().map(|s| s.id.get()).collect();
+        assert_eq!(ids, [300, 301, 302], "300 was never deleted");
+        assert!(loaded.tombstones.is_empty());
+        Ok(())
+    }
+
     fn op(n: u32) -> Result<StoreOp, Box<dyn std::error::Error>> {
         let id = IdentityId::new(n).ok_or("id 0")?;
         let labels = LabelSet::parse([format!("k8s:app=a{n}")], &LabelLimits::default())?;
@@ -807,7 +1101,7 @@ mod tests {
             failing: Arc::clone(&failing),
         };
         let db = Builder::new().create_with_backend(backend)?;
-        init_or_check(&db, "memory")?;
+        init(&db, "memory")?;
         let dir = tempfile::tempdir()?;
         let inner = Inner {
             // Nothing there: the reopen after the failure fails too, transiently.
