@@ -14,6 +14,12 @@
 //! the new one is known (fail-static), and after an agent restart, an endpoint
 //! whose addresses the maps already held under one identity keeps that identity
 //! (it is reported to the operator, who confirms it or sends a Rebind).
+//!
+//! The operator's Acks judge what it was sent ([`Verdict`]): an endpoint it rejected
+//! is marked (state `error`, with the operator's reason) until an Ack no longer
+//! rejects it, and one whose identity it decides after its adoption window shows as
+//! waiting for it. Each change of mark is logged once, however often the same
+//! snapshot is resent.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -74,6 +80,35 @@ impl Effects {
     }
 }
 
+/// What the operator's Acks say about the endpoints it was sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub scope: VerdictScope,
+    /// Entries the operator rejected, with its reason.
+    pub rejected: BTreeMap<EndpointKey, String>,
+    /// Entries whose identity the operator decides after its adoption window.
+    pub pending: BTreeSet<EndpointKey>,
+}
+
+/// Whom a [`Verdict`] speaks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VerdictScope {
+    /// Every endpoint: a snapshot's Ack. An endpoint it does not name is accepted.
+    All,
+    /// One endpoint: a delta's Ack.
+    One(EndpointKey),
+}
+
+/// The operator's last word on an endpoint, when it is not "accepted".
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Mark {
+    Rejected(String),
+    Pending,
+}
+
+/// What an endpoint the operator has not decided yet shows.
+const PENDING: &str = "the operator decides its identity after its adoption window";
+
 /// An identity in force for an endpoint, and the label set it stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Held {
@@ -91,6 +126,7 @@ struct Managed {
     allocation_error: Option<(String, bool)>,
     map_error: Option<String>,
     interface_error: Option<String>,
+    operator: Option<Mark>,
 }
 
 /// See the module documentation.
@@ -223,6 +259,7 @@ impl Endpoints {
                     allocation_error: None,
                     map_error: None,
                     interface_error: None,
+                    operator: None,
                 }
             }
         };
@@ -370,13 +407,17 @@ impl Endpoints {
     /// The operator says `key` must use `id`: every endpoint of the same label set
     /// follows. `false` if the endpoint is unknown or holds no identity.
     pub fn rebind(&mut self, key: &EndpointKey, id: IdentityId, fx: &mut Effects) -> bool {
-        let Some(managed) = self.table.get(key) else {
+        let Some(managed) = self.table.get_mut(key) else {
             return false;
         };
         let Some(held) = managed.held.clone() else {
             return false;
         };
         info!(endpoint = %key, from = %held.id, to = %id, "rebind");
+        if managed.operator == Some(Mark::Pending) {
+            // Decided: the Rebind is the operator's answer.
+            managed.operator = None;
+        }
         if managed.wanted.as_ref() == Ok(&held.labels) {
             for user in self.cache.rebind(&held.labels, id) {
                 self.hold(&user, id, &held.labels, fx);
@@ -404,6 +445,38 @@ impl Endpoints {
         fx.interfaces
             .extend(managed.source.interface.name().map(str::to_owned));
         report(key, managed, fx);
+    }
+
+    /// The operator's word on what it was sent (from an Ack).
+    pub fn on_verdict(&mut self, verdict: Verdict) {
+        let Verdict {
+            scope,
+            mut rejected,
+            pending,
+        } = verdict;
+        let mut judge = |key: &EndpointKey, managed: &mut Managed| {
+            let mark = match rejected.remove(key) {
+                Some(reason) => Some(Mark::Rejected(reason)),
+                None if pending.contains(key) => Some(Mark::Pending),
+                None => None,
+            };
+            remark(key, managed, mark);
+        };
+        match scope {
+            VerdictScope::All => {
+                for (key, managed) in &mut self.table {
+                    judge(key, managed);
+                }
+            }
+            VerdictScope::One(key) => {
+                if let Some(managed) = self.table.get_mut(&key) {
+                    judge(&key, managed);
+                }
+            }
+        }
+        for (key, reason) in rejected {
+            debug!(endpoint = %key, reason, "the operator rejected an endpoint this agent no longer has");
+        }
     }
 
     /// The operator's settings (from HelloReply): identity labels are recomputed.
@@ -609,10 +682,13 @@ impl Endpoints {
             let owner = self.owners.get(ip)?.first()?;
             (owner != key).then(|| format!("address {ip} is also endpoint {owner}'s"))
         });
-        let error = match (&m.wanted, &m.allocation_error) {
-            (Err(reason), _) => Some(format!("no identity labels: {reason}")),
-            (Ok(_), Some((error, true))) => {
+        let error = match (&m.wanted, &m.allocation_error, &m.operator) {
+            (Err(reason), _, _) => Some(format!("no identity labels: {reason}")),
+            (Ok(_), Some((error, true)), _) => {
                 Some(format!("the operator refused the labels: {error}"))
+            }
+            (Ok(_), _, Some(Mark::Rejected(reason))) => {
+                Some(format!("the operator rejected it: {reason}"))
             }
             _ => conflict
                 .or_else(|| m.map_error.clone())
@@ -626,10 +702,12 @@ impl Endpoints {
             return (api::EndpointState::Error, Some(error));
         }
         let current = matches!((&m.wanted, &m.held), (Ok(w), Some(h)) if *w == h.labels);
-        if current {
+        let pending = m.operator == Some(Mark::Pending);
+        if current && !pending {
             (api::EndpointState::Programmed, None)
         } else {
             let waiting = m.allocation_error.as_ref().map(|(e, _)| e.clone());
+            let waiting = waiting.or_else(|| pending.then(|| PENDING.to_owned()));
             (api::EndpointState::WaitingForIdentity, waiting)
         }
     }
@@ -651,6 +729,26 @@ fn to_report(key: &EndpointKey, managed: &Managed) -> Option<Endpoint> {
         identity: held.id,
         labels: held.labels.clone(),
     })
+}
+
+/// Gives `managed` the operator's new `mark`, saying so once when it changes.
+fn remark(key: &EndpointKey, managed: &mut Managed, mark: Option<Mark>) {
+    if managed.operator == mark {
+        return;
+    }
+    match (&managed.operator, &mark) {
+        (_, Some(Mark::Rejected(reason))) => {
+            warn!(endpoint = %key, reason, "the operator rejected the endpoint; it does not count it until this is fixed");
+        }
+        (_, Some(Mark::Pending)) => {
+            info!(endpoint = %key, "the operator decides the endpoint's identity after its adoption window");
+        }
+        (Some(Mark::Rejected(_)), None) => {
+            info!(endpoint = %key, "the operator accepts the endpoint now");
+        }
+        (_, None) => debug!(endpoint = %key, "the operator has decided the endpoint's identity"),
+    }
+    managed.operator = mark;
 }
 
 fn report(key: &EndpointKey, managed: &Managed, fx: &mut Effects) {
@@ -900,6 +998,87 @@ mod tests {
                 .as_deref()
                 .is_some_and(|e| e.contains("exceed the limit of 2"))
         );
+    }
+
+    fn key(name: &str) -> EndpointKey {
+        EndpointKey::new("default", name).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn verdict(scope: VerdictScope, rejected: &[(&str, &str)], pending: &[&str]) -> Verdict {
+        Verdict {
+            scope,
+            rejected: rejected
+                .iter()
+                .map(|(name, reason)| (key(name), (*reason).to_owned()))
+                .collect(),
+            pending: pending.iter().map(|name| key(name)).collect(),
+        }
+    }
+
+    fn state(e: &Endpoints, name: &str) -> (api::EndpointState, Option<String>) {
+        let view = e.view();
+        let status = view.iter().find(|s| s.name == name);
+        status.map_or((api::EndpointState::Unknown, None), |s| {
+            (s.state, s.error.clone())
+        })
+    }
+
+    #[test]
+    fn the_operators_verdicts_mark_endpoints_until_an_ack_says_otherwise() {
+        let mut e = Endpoints::new(&BTreeMap::new());
+        let mut fx = Effects::default();
+        e.on_source(
+            SourceEvent::Reset(vec![
+                ep("web-0", "198.18.1.2", "web"),
+                ep("db-0", "198.18.2.2", "db"),
+                ep("api-0", "198.18.3.2", "api"),
+            ]),
+            &mut fx,
+        );
+        for name in ["web-0", "db-0", "api-0"] {
+            e.allocated(&labels_of(&e, name), id(300), &mut fx);
+        }
+        assert_eq!(e.counts(), (3, 0, 0));
+
+        // A snapshot's Ack speaks for every endpoint.
+        e.on_verdict(verdict(
+            VerdictScope::All,
+            &[("web-0", "labels[0]: bad"), ("gone-0", "labels[0]: bad")],
+            &["db-0"],
+        ));
+        assert_eq!(
+            state(&e, "web-0"),
+            (
+                api::EndpointState::Error,
+                Some("the operator rejected it: labels[0]: bad".to_owned())
+            )
+        );
+        assert_eq!(
+            state(&e, "db-0"),
+            (
+                api::EndpointState::WaitingForIdentity,
+                Some(PENDING.to_owned())
+            )
+        );
+        assert_eq!(e.counts(), (1, 1, 1));
+
+        // A delta's Ack speaks for its own endpoint only.
+        e.on_verdict(verdict(VerdictScope::One(key("api-0")), &[], &[]));
+        assert_eq!(e.counts(), (1, 1, 1));
+        e.on_verdict(verdict(
+            VerdictScope::One(key("api-0")),
+            &[("api-0", "ips[0]: bad")],
+            &[],
+        ));
+        assert_eq!(e.counts(), (0, 1, 2));
+        e.on_verdict(verdict(VerdictScope::One(key("api-0")), &[], &[]));
+        assert_eq!(e.counts(), (1, 1, 1));
+
+        // A Rebind decides a pending endpoint; a snapshot that names nobody clears all.
+        assert!(e.rebind(&key("db-0"), id(301), &mut Effects::default()));
+        assert_eq!(state(&e, "db-0"), (api::EndpointState::Programmed, None));
+        e.on_verdict(verdict(VerdictScope::All, &[], &[]));
+        assert_eq!(e.counts(), (3, 0, 0));
     }
 
     #[test]

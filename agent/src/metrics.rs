@@ -58,6 +58,8 @@ pub struct Metrics {
     pub deltas_dropped: Counter,
     pub reconnects: Counter,
     pub rebinds: Counter,
+    /// Entries the operator's Acks rejected, counted in every Ack that names one.
+    pub rejected_entries: Counter,
     pub map_write_errors: Family<MapLabels, Counter>,
     pub attach_errors: Counter,
     /// Entries the periodic full pass found wrong or missing and rewrote.
@@ -77,6 +79,7 @@ impl Default for Metrics {
             deltas_dropped: Counter::default(),
             reconnects: Counter::default(),
             rebinds: Counter::default(),
+            rejected_entries: Counter::default(),
             map_write_errors: Family::default(),
             attach_errors: Counter::default(),
             map_repairs: Counter::default(),
@@ -122,6 +125,11 @@ impl Metrics {
             "rebinds",
             "Rebinds received from the operator",
             self.rebinds.clone(),
+        );
+        r.register(
+            "rejected_entries",
+            "Entries of snapshots and deltas the operator rejected, counted in every Ack that names one (the endpoints themselves: `census endpoint list`, state error)",
+            self.rejected_entries.clone(),
         );
         r.register(
             "map_write_errors",

@@ -12,7 +12,10 @@
 //!   delta that does not fit in the outgoing queue is dropped and covered by a
 //!   snapshot sent as soon as there is room: the stream never blocks the agent.
 //! - Acks record the last seq applied, Rebinds go to the core, a SnapshotRequest
-//!   sends one now.
+//!   sends one now. An Ack's rejected and pending entries go to the core as a
+//!   [`Verdict`] on what its message carried (a snapshot: every endpoint; a delta:
+//!   its own), so an endpoint the operator rejected is marked until it is fixed; the
+//!   entry is still sent (the operator rejects it alone, the stream stays up).
 //! - When the stream fails the agent reconnects after a capped, jittered,
 //!   exponential backoff. Meanwhile nothing else changes: the datapath keeps its
 //!   state (fail-static) and the agent stays Ready; the status says it is
@@ -22,14 +25,17 @@
 //!   still reading its source.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet, VecDeque},
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
 use census_proto::{
     PROTOCOL_VERSION,
-    convert::{endpoint_to_wire, filter_from_wire, identity_from_wire, session_to_wire},
+    convert::{
+        endpoint_key_from_wire, endpoint_to_wire, filter_from_wire, identity_from_wire,
+        session_to_wire,
+    },
     domain::{Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelLimits,
     pb::{self, agent_message::Body, endpoint_sync_client::EndpointSyncClient, operator_message},
@@ -43,7 +49,7 @@ use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
     backoff::{Backoff, jittered},
-    endpoints::LabelSettings,
+    endpoints::{LabelSettings, Verdict, VerdictScope},
     metrics::Metrics,
     shutdown::stopped,
 };
@@ -59,7 +65,12 @@ pub enum Report {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum SyncEvent {
     Settings(LabelSettings),
-    Rebind { key: EndpointKey, id: IdentityId },
+    Rebind {
+        key: EndpointKey,
+        id: IdentityId,
+    },
+    /// What an Ack said of the entries of its message.
+    Verdict(Verdict),
 }
 
 /// The stream's state, for `/readyz`, the endpoints API and metrics.
@@ -82,6 +93,16 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(30);
 /// Largest message accepted from the operator.
 const MAX_DECODING: usize = 16 * 1024 * 1024;
+/// Messages sent and not acked yet that are remembered, to know what an Ack speaks
+/// for; an operator that does not ack costs no more than this.
+const MAX_UNACKED: usize = 4 * OUTBOUND;
+
+/// What a message sent carried, for its Ack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Sent {
+    Snapshot,
+    Delta(EndpointKey),
+}
 
 /// The client; see the module documentation.
 #[derive(Debug)]
@@ -130,6 +151,11 @@ struct State {
     streams: u64,
     interval: Duration,
     limits: Limits,
+    /// This stream's messages not acked yet, by seq.
+    unacked: VecDeque<(u64, Sent)>,
+    /// Endpoints the operator's last Acks left rejected or pending: an Ack that
+    /// neither names one nor speaks for one of these changes nothing in the core.
+    flagged: BTreeSet<EndpointKey>,
 }
 
 impl State {
@@ -148,6 +174,28 @@ impl State {
     fn next_seq(&mut self) -> u64 {
         self.seq += 1;
         self.seq
+    }
+
+    fn sent(&mut self, seq: u64, sent: Sent) {
+        if self.unacked.len() >= MAX_UNACKED {
+            // Its verdict is lost; the next snapshot's Ack says it again.
+            self.unacked.pop_front();
+        }
+        self.unacked.push_back((seq, sent));
+    }
+
+    /// What the message acked by `seq` carried; older ones were never acked.
+    fn acked(&mut self, seq: u64) -> Option<Sent> {
+        while let Some((front, _)) = self.unacked.front() {
+            if *front > seq {
+                return None;
+            }
+            let (front, sent) = self.unacked.pop_front()?;
+            if front == seq {
+                return Some(sent);
+            }
+        }
+        None
     }
 }
 
@@ -186,6 +234,8 @@ impl SyncClient {
             limits: Limits {
                 max_snapshot_endpoints: usize::MAX,
             },
+            unacked: VecDeque::new(),
+            flagged: BTreeSet::new(),
         };
         let mut backoff = Backoff::new(self.initial_backoff, self.max_backoff);
         loop {
@@ -229,6 +279,8 @@ impl SyncClient {
 
     /// One stream, from Hello to its end.
     async fn stream(&self, state: &mut State, backoff: &mut Backoff) -> Ended {
+        // What the last stream sent and did not get acked is gone with it.
+        state.unacked.clear();
         let (tx, rx) = mpsc::channel::<pb::AgentMessage>(OUTBOUND);
         let hello = pb::AgentMessage {
             seq: 0,
@@ -393,18 +445,25 @@ impl SyncClient {
         report: Report,
         snapshot_due: &mut bool,
     ) {
-        let body = match report {
-            Report::Upsert(endpoint) => Body::Upsert(pb::EndpointUpsert {
-                endpoint: Some(endpoint_to_wire(&endpoint)),
-            }),
-            Report::Delete(key) => Body::Delete(pb::EndpointDelete {
-                namespace: key.namespace().to_owned(),
-                name: key.name().to_owned(),
-            }),
+        let (key, body) = match report {
+            Report::Upsert(endpoint) => (
+                endpoint.key.clone(),
+                Body::Upsert(pb::EndpointUpsert {
+                    endpoint: Some(endpoint_to_wire(&endpoint)),
+                }),
+            ),
+            Report::Delete(key) => {
+                let body = Body::Delete(pb::EndpointDelete {
+                    namespace: key.namespace().to_owned(),
+                    name: key.name().to_owned(),
+                });
+                (key, body)
+            }
         };
         match tx.try_reserve() {
             Ok(permit) => {
                 let seq = state.next_seq();
+                state.sent(seq, Sent::Delta(key));
                 permit.send(pb::AgentMessage {
                     seq,
                     body: Some(body),
@@ -431,6 +490,7 @@ impl SyncClient {
             return None;
         }
         let seq = state.next_seq();
+        state.sent(seq, Sent::Snapshot);
         debug!(seq, endpoints = count, "sending a snapshot");
         Some(pb::AgentMessage {
             seq,
@@ -449,8 +509,10 @@ impl SyncClient {
     ) -> Option<Ended> {
         match message.body {
             Some(operator_message::Body::Ack(ack)) => {
-                let mut status = self.status.lock();
-                status.last_ack_seq = status.last_ack_seq.max(ack.seq);
+                {
+                    let mut status = self.status.lock();
+                    status.last_ack_seq = status.last_ack_seq.max(ack.seq);
+                }
                 if ack.corrections > 0 {
                     debug!(
                         seq = ack.seq,
@@ -458,14 +520,19 @@ impl SyncClient {
                         "the operator corrected its view"
                     );
                 }
+                if let Some(verdict) = self.verdict(state, &ack)
+                    && state
+                        .events
+                        .send(SyncEvent::Verdict(verdict))
+                        .await
+                        .is_err()
+                {
+                    return Some(Ended::Shutdown);
+                }
             }
             Some(operator_message::Body::Rebind(rebind)) => {
                 self.metrics.rebinds.inc();
-                let key = census_proto::convert::endpoint_key_from_wire(
-                    &rebind.namespace,
-                    &rebind.name,
-                    "rebind",
-                );
+                let key = endpoint_key_from_wire(&rebind.namespace, &rebind.name, "rebind");
                 let id = identity_from_wire(rebind.identity, "rebind.identity");
                 match (key, id) {
                     (Ok(key), Ok(id)) => {
@@ -493,6 +560,66 @@ impl SyncClient {
         }
         None
     }
+
+    /// What `ack` says of the entries of its message, if that can change a mark.
+    fn verdict(&self, state: &mut State, ack: &pb::Ack) -> Option<Verdict> {
+        if !ack.ignored {
+            self.metrics
+                .rejected_entries
+                .inc_by(ack.rejected.len() as u64);
+        }
+        let sent = state.acked(ack.seq)?;
+        if ack.ignored {
+            return None;
+        }
+        let key = |namespace: &str, name: &str| {
+            endpoint_key_from_wire(namespace, name, "ack")
+                .inspect_err(
+                    |error| debug!(%error, "the Ack names an endpoint this agent never sent"),
+                )
+                .ok()
+        };
+        let mut rejected = BTreeMap::new();
+        for entry in &ack.rejected {
+            if let Some(key) = key(&entry.namespace, &entry.name) {
+                // Of two reasons for one key (a duplicate), the first.
+                rejected.entry(key).or_insert_with(|| entry.reason.clone());
+            }
+        }
+        let pending: BTreeSet<EndpointKey> = ack
+            .pending
+            .iter()
+            .filter_map(|p| key(&p.namespace, &p.name))
+            .collect();
+        let named = rejected.keys().chain(&pending);
+        let scope = match sent {
+            Sent::Snapshot => {
+                let flagged: BTreeSet<EndpointKey> = named.cloned().collect();
+                if flagged.is_empty() && state.flagged.is_empty() {
+                    return None;
+                }
+                state.flagged = flagged;
+                VerdictScope::All
+            }
+            Sent::Delta(key) => {
+                let now = rejected.contains_key(&key) || pending.contains(&key);
+                let before = if now {
+                    !state.flagged.insert(key.clone())
+                } else {
+                    state.flagged.remove(&key)
+                };
+                if !now && !before {
+                    return None;
+                }
+                VerdictScope::One(key)
+            }
+        };
+        Some(Verdict {
+            scope,
+            rejected,
+            pending,
+        })
+    }
 }
 
 fn describe(status: &tonic::Status) -> String {
@@ -508,11 +635,18 @@ mod tests {
         labels::{LabelFilter, LabelSet},
         pb::identity_service_client::IdentityServiceClient,
     };
-    use census_testkit::{Operator, TestResult, identity, lazy_channel, node, until_some};
+    use census_testkit::{
+        Operator, TestResult, identity, lazy_channel, node, node as node_info, until_some,
+    };
     use tokio::task::JoinHandle;
 
     use super::*;
-    use crate::daemon::new_session;
+    use crate::{
+        admin::api,
+        daemon::new_session,
+        endpoints::{Effects, Endpoints},
+        source::{HostInterface, SourceEndpoint, SourceEvent},
+    };
 
     const WAIT: Duration = Duration::from_secs(10);
 
@@ -677,7 +811,7 @@ mod tests {
             loop {
                 match client.events.recv().await {
                     Some(SyncEvent::Rebind { key, id }) => return Some((key, id)),
-                    Some(SyncEvent::Settings(_)) => {}
+                    Some(SyncEvent::Settings(_) | SyncEvent::Verdict(_)) => {}
                     None => return None,
                 }
             }
@@ -692,6 +826,171 @@ mod tests {
         assert!(status.connected);
         assert!(status.last_ack_seq >= 3, "{status:?}");
         assert!(client.metrics.deltas_sent.get() >= 3);
+
+        client.stop.send(true)?;
+        client.task.await?;
+        op.shut_down().await?;
+        Ok(())
+    }
+
+    fn pod(name: &str, ip: &str, labels: &[(&str, &str)]) -> TestResult<SourceEndpoint> {
+        Ok(SourceEndpoint {
+            key: EndpointKey::new("default", name)?,
+            ips: canonical_ips(vec![ip.parse()?]),
+            labels: labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            service_account: "default".to_owned(),
+            interface: HostInterface::Named(format!("veth{name}")),
+        })
+    }
+
+    /// The agent's core wired to the client as the daemon wires them, logging to a
+    /// file the test reads.
+    struct Node {
+        core: Endpoints,
+        logs: tracing::Dispatch,
+        log: tempfile::NamedTempFile,
+        verdicts: usize,
+    }
+
+    impl Node {
+        fn new() -> TestResult<Self> {
+            let log = tempfile::NamedTempFile::new()?;
+            let logs = tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_writer(Arc::new(log.reopen()?))
+                .finish();
+            Ok(Self {
+                core: Endpoints::new(&BTreeMap::new()),
+                logs: tracing::Dispatch::new(logs),
+                log,
+                verdicts: 0,
+            })
+        }
+
+        /// Runs `event` through the core; its allocations are answered `id`.
+        fn source(&mut self, client: &Client, event: SourceEvent, id: u32) -> TestResult {
+            let mut fx = Effects::default();
+            self.core.on_source(event, &mut fx);
+            for request in std::mem::take(&mut fx.allocations) {
+                let id = IdentityId::new(id).ok_or("id 0")?;
+                self.core.allocated(&request.labels, id, &mut fx);
+            }
+            for report in fx.reports {
+                client.reports.send(report)?;
+            }
+            Ok(())
+        }
+
+        /// Feeds the client's events to the core until `done`.
+        async fn until(
+            &mut self,
+            client: &mut Client,
+            done: impl Fn(&Self, &Client) -> bool,
+        ) -> TestResult {
+            let deadline = tokio::time::Instant::now() + WAIT;
+            while !done(self, client) {
+                let event = tokio::time::timeout_at(deadline, client.events.recv())
+                    .await
+                    .map_err(|_| "timed out")?
+                    .ok_or("the client stopped")?;
+                match event {
+                    SyncEvent::Verdict(verdict) => {
+                        self.verdicts += 1;
+                        tracing::dispatcher::with_default(&self.logs, || {
+                            self.core.on_verdict(verdict);
+                        });
+                    }
+                    // Not this core's: its label limit stays the default, above the
+                    // operator's, as in an agent built with other limits.
+                    SyncEvent::Settings(_) | SyncEvent::Rebind { .. } => {}
+                }
+            }
+            Ok(())
+        }
+
+        fn state(&self, name: &str) -> Option<(api::EndpointState, Option<String>)> {
+            let view = self.core.view();
+            let status = view.into_iter().find(|e| e.name == name)?;
+            Some((status.state, status.error))
+        }
+
+        fn logged(&self, needle: &str) -> TestResult<usize> {
+            Ok(std::fs::read_to_string(self.log.path())?
+                .lines()
+                .filter(|line| line.contains(needle))
+                .count())
+        }
+    }
+
+    /// Issue 10: an entry the operator rejects costs the agent neither its stream nor
+    /// its other endpoints; the endpoint is marked, and said once, until it is fixed.
+    #[tokio::test]
+    async fn an_endpoint_the_operator_rejects_is_marked_and_logged_once_until_fixed() -> TestResult
+    {
+        let dir = tempfile::tempdir()?;
+        let op = Operator::start_in(
+            dir.path(),
+            &["--max-labels", "3", "--snapshot-interval", "1s"],
+        )
+        .await?;
+        let ch = lazy_channel(op.grpc_addr)?;
+        let mut client = start(ch.clone(), "n1")?;
+        let mut node = Node::new()?;
+        // web-0 has four identity labels (app, tier, namespace, service account).
+        let web = [("app", "web"), ("tier", "front")];
+        let pods = vec![
+            pod("web-0", "198.18.1.2", &web)?,
+            pod("db-0", "198.18.3.2", &[("app", "db")])?,
+        ];
+        node.source(&client, SourceEvent::Reset(pods), 300)?;
+        client.ready.send(true)?;
+
+        let marked = |node: &Node, _: &Client| {
+            node.state("web-0")
+                .is_some_and(|(s, _)| s == api::EndpointState::Error)
+        };
+        node.until(&mut client, marked).await?;
+        let (_, error) = node.state("web-0").ok_or("web-0")?;
+        assert_eq!(
+            error.as_deref(),
+            Some("the operator rejected it: labels: 4 labels exceed the limit of 3")
+        );
+        assert_eq!(
+            node.state("db-0"),
+            Some((api::EndpointState::Programmed, None))
+        );
+        let seen = until_some(WAIT, || async {
+            node_info(&ch, "n1").await.filter(|n| n.endpoints == 1)
+        })
+        .await;
+        assert!(seen.is_some(), "db-0 is counted");
+
+        // The snapshots that follow still carry it: rejected again, said once.
+        let first = node.verdicts;
+        node.until(&mut client, |node, _| node.verdicts >= first + 2)
+            .await?;
+        assert!(marked(&node, &client));
+        assert_eq!(node.logged("the operator rejected the endpoint")?, 1);
+        assert_eq!(node.logged("endpoint=default/web-0")?, 1);
+        assert!(client.metrics.rejected_entries.get() >= 3);
+        assert_eq!(client.metrics.reconnects.get(), 0, "the stream stayed up");
+
+        // Its labels fixed, the operator takes it and the mark goes.
+        let fixed = pod("web-0", "198.18.1.2", &[("app", "web")])?;
+        node.source(&client, SourceEvent::Upsert(fixed), 301)?;
+        node.until(&mut client, |node, _| {
+            node.state("web-0") == Some((api::EndpointState::Programmed, None))
+        })
+        .await?;
+        assert_eq!(node.logged("the operator accepts the endpoint now")?, 1);
+        let seen = until_some(WAIT, || async {
+            node_info(&ch, "n1").await.filter(|n| n.endpoints == 2)
+        })
+        .await;
+        assert!(seen.is_some(), "web-0 is counted");
 
         client.stop.send(true)?;
         client.task.await?;

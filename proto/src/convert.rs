@@ -1,6 +1,14 @@
 //! Wire <-> domain conversions. Every conversion from the wire validates completely
-//! and, when it refuses, names the field (`snapshot.endpoints[3].labels[1]`) and the
-//! problem, so the caller can answer INVALID_ARGUMENT without touching state.
+//! and, when it refuses, names the field and the problem, so the caller can answer
+//! without touching state.
+//!
+//! A message malformed as a whole is refused with a [`FieldError`] naming the field
+//! (`snapshot.endpoints`, `upsert.endpoint`): the caller answers INVALID_ARGUMENT. An
+//! entry of a snapshot or delta that fails validation is [`Rejected`] alone, named by
+//! its key as sent and the field within it (`labels[1]`), and the rest of the
+//! message stands. No entry is ever too broken to be named: a proto3 string is
+//! UTF-8 (a message that is not fails to decode and ends the stream before it gets
+//! here), and an invalid key is echoed as sent, cut to a bounded length.
 
 use std::{collections::HashSet, fmt, net::IpAddr};
 
@@ -68,8 +76,9 @@ pub enum Problem {
     Zero,
     #[error("has {count} entries, over the limit of {max}")]
     TooMany { count: usize, max: usize },
-    #[error("endpoint {0} appears twice")]
-    Duplicate(String),
+    /// The label set is valid but the operator's label filter leaves it invalid.
+    #[error("after the label filter: {0}")]
+    Filtered(LabelError),
 }
 
 /// A refused field: where, and why.
@@ -135,22 +144,25 @@ pub fn identity_from_wire(id: u32, field: &str) -> Result<IdentityId, FieldError
     IdentityId::new(id).ok_or_else(|| FieldError::new(field, Problem::Zero))
 }
 
+/// An endpoint key; `field` names the message part holding it (`delete`), or is
+/// empty when the caller names it.
 pub fn endpoint_key_from_wire(
     namespace: &str,
     name: &str,
     field: &str,
 ) -> Result<EndpointKey, FieldError> {
+    let sub = |which: &str| {
+        if field.is_empty() {
+            which.to_owned()
+        } else {
+            format!("{field}.{which}")
+        }
+    };
     if namespace.is_empty() {
-        return Err(FieldError::new(
-            format_args!("{field}.namespace"),
-            Problem::Missing,
-        ));
+        return Err(FieldError::new(sub("namespace"), Problem::Missing));
     }
     if name.is_empty() {
-        return Err(FieldError::new(
-            format_args!("{field}.name"),
-            Problem::Missing,
-        ));
+        return Err(FieldError::new(sub("name"), Problem::Missing));
     }
     EndpointKey::new(namespace, name).map_err(|e| {
         let which = if matches!(e, NameError::Namespace(_)) {
@@ -158,19 +170,113 @@ pub fn endpoint_key_from_wire(
         } else {
             "name"
         };
-        FieldError::new(format_args!("{field}.{which}"), e)
+        FieldError::new(sub(which), e)
     })
 }
 
+/// The key of an entry as the agent sent it, cut to a bounded length: it names a
+/// rejected entry even when it is not a valid [`EndpointKey`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SentKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl SentKey {
+    /// The longest namespace or name echoed back: a valid name's limit.
+    const MAX: usize = 253;
+
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: namespace.chars().take(Self::MAX).collect(),
+            name: name.chars().take(Self::MAX).collect(),
+        }
+    }
+}
+
+impl From<&EndpointKey> for SentKey {
+    fn from(key: &EndpointKey) -> Self {
+        Self::new(key.namespace(), key.name())
+    }
+}
+
+impl fmt::Display for SentKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Why an entry of a snapshot or delta was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EntryError {
+    /// A field of the entry, named relative to it (`labels[0]`, `ips[1]`): the same
+    /// text for the same entry whether it came in a snapshot or an upsert, and
+    /// wherever it sits in the snapshot.
+    #[error(transparent)]
+    Field(Box<FieldError>),
+    #[error("duplicate endpoint key, first entry kept")]
+    Duplicate,
+}
+
+/// An entry of a snapshot or delta refused alone; the rest of its message stands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("endpoint {key}: {error}")]
+pub struct Rejected {
+    pub key: SentKey,
+    pub error: EntryError,
+}
+
+impl Rejected {
+    /// A bounded label for metrics: what kind of problem, never the text.
+    pub fn kind(&self) -> &'static str {
+        let problem = match &self.error {
+            EntryError::Duplicate => return "duplicate",
+            EntryError::Field(e) => &e.problem,
+        };
+        match problem {
+            Problem::Missing | Problem::Name(_) => "key",
+            Problem::Ip(_) => "ip",
+            Problem::TooMany { .. } => "too_many_ips",
+            Problem::Zero => "identity",
+            Problem::Label(LabelError::TooMany { .. }) => "too_many_labels",
+            Problem::Label(_) => "labels",
+            Problem::Filtered(_) => "labels_after_filter",
+            Problem::Pattern(_) => "other",
+        }
+    }
+
+    /// The entry as the Ack names it.
+    pub fn to_wire(&self) -> pb::RejectedEntry {
+        pb::RejectedEntry {
+            namespace: self.key.namespace.clone(),
+            name: self.key.name.clone(),
+            reason: self.error.to_string(),
+        }
+    }
+}
+
+/// One endpoint of a snapshot or upsert: validated completely against `limits`, its
+/// labels passed through `filter`. An error names the field relative to the entry.
 pub fn endpoint_from_wire(
     ep: &pb::Endpoint,
     limits: &WireLimits,
-    field: &str,
+    filter: &LabelFilter,
+) -> Result<Endpoint, Rejected> {
+    entry_from_wire(ep, limits, filter).map_err(|e| Rejected {
+        key: SentKey::new(&ep.namespace, &ep.name),
+        error: EntryError::Field(Box::new(e)),
+    })
+}
+
+fn entry_from_wire(
+    ep: &pb::Endpoint,
+    limits: &WireLimits,
+    filter: &LabelFilter,
 ) -> Result<Endpoint, FieldError> {
-    let key = endpoint_key_from_wire(&ep.namespace, &ep.name, field)?;
+    let key = endpoint_key_from_wire(&ep.namespace, &ep.name, "")?;
     if ep.ips.len() > limits.max_ips_per_endpoint {
         return Err(FieldError::new(
-            format_args!("{field}.ips"),
+            "ips",
             Problem::TooMany {
                 count: ep.ips.len(),
                 max: limits.max_ips_per_endpoint,
@@ -181,14 +287,16 @@ pub fn endpoint_from_wire(
     for (i, text) in ep.ips.iter().enumerate() {
         let ip: IpAddr = text.parse().map_err(|_| {
             FieldError::new(
-                format_args!("{field}.ips[{i}]"),
+                format_args!("ips[{i}]"),
                 Problem::Ip(text.chars().take(64).collect()),
             )
         })?;
         ips.push(ip);
     }
-    let identity = identity_from_wire(ep.identity, &format!("{field}.identity"))?;
-    let labels = labels_from_wire(&ep.labels, &limits.labels, &format!("{field}.labels"))?;
+    let identity = identity_from_wire(ep.identity, "identity")?;
+    let labels = labels_from_wire(&ep.labels, &limits.labels, "labels")?
+        .filtered(filter, &limits.labels)
+        .map_err(|e| FieldError::new("labels", Problem::Filtered(e)))?;
     Ok(Endpoint {
         key,
         ips: canonical_ips(ips),
@@ -207,12 +315,23 @@ pub fn endpoint_to_wire(ep: &Endpoint) -> pb::Endpoint {
     }
 }
 
-/// A snapshot's endpoints, checked against the endpoint limit before anything else
-/// and for duplicate keys.
+/// The entries of a snapshot or delta: those that passed, and those rejected alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Entries {
+    pub endpoints: Vec<Endpoint>,
+    pub rejected: Vec<Rejected>,
+}
+
+/// A snapshot's endpoints. Only the endpoint limit refuses the snapshot as a whole
+/// (checked before anything else: nothing of an oversized message is read). Every
+/// entry that fails validation is rejected alone; of entries with the same key the
+/// first is taken (valid or rejected) and every later one is rejected, so the valid
+/// endpoints never repeat a key.
 pub fn snapshot_from_wire(
     snapshot: &pb::Snapshot,
     limits: &WireLimits,
-) -> Result<Vec<Endpoint>, FieldError> {
+    filter: &LabelFilter,
+) -> Result<Entries, FieldError> {
     let count = snapshot.endpoints.len();
     if count > limits.max_snapshot_endpoints {
         return Err(FieldError::new(
@@ -223,20 +342,57 @@ pub fn snapshot_from_wire(
             },
         ));
     }
-    let mut seen = HashSet::with_capacity(count);
-    let mut endpoints = Vec::with_capacity(count);
-    for (i, ep) in snapshot.endpoints.iter().enumerate() {
-        let field = format!("snapshot.endpoints[{i}]");
-        let ep = endpoint_from_wire(ep, limits, &field)?;
-        if !seen.insert(ep.key.clone()) {
-            return Err(FieldError::new(
-                field,
-                Problem::Duplicate(ep.key.to_string()),
-            ));
+    let mut seen: HashSet<(&str, &str)> = HashSet::with_capacity(count);
+    let mut entries = Entries {
+        endpoints: Vec::with_capacity(count),
+        rejected: Vec::new(),
+    };
+    for ep in &snapshot.endpoints {
+        if !seen.insert((&ep.namespace, &ep.name)) {
+            entries.rejected.push(Rejected {
+                key: SentKey::new(&ep.namespace, &ep.name),
+                error: EntryError::Duplicate,
+            });
+            continue;
         }
-        endpoints.push(ep);
+        match endpoint_from_wire(ep, limits, filter) {
+            Ok(ep) => entries.endpoints.push(ep),
+            Err(rejected) => entries.rejected.push(rejected),
+        }
     }
-    Ok(endpoints)
+    Ok(entries)
+}
+
+/// An upsert's endpoint, or its rejection. An upsert without its endpoint is
+/// malformed as a whole.
+pub fn upsert_from_wire(
+    upsert: &pb::EndpointUpsert,
+    limits: &WireLimits,
+    filter: &LabelFilter,
+) -> Result<Result<Endpoint, Rejected>, FieldError> {
+    let ep = upsert
+        .endpoint
+        .as_ref()
+        .ok_or_else(|| FieldError::new("upsert.endpoint", Problem::Missing))?;
+    Ok(endpoint_from_wire(ep, limits, filter))
+}
+
+/// A delete's key, or its rejection: a delete is one entry, its key.
+pub fn delete_from_wire(delete: &pb::EndpointDelete) -> Result<EndpointKey, Rejected> {
+    endpoint_key_from_wire(&delete.namespace, &delete.name, "").map_err(|e| Rejected {
+        key: SentKey::new(&delete.namespace, &delete.name),
+        error: EntryError::Field(Box::new(e)),
+    })
+}
+
+/// The keys of endpoints whose identity the operator decides later, as the Ack names them.
+pub fn pending_to_wire(keys: &[EndpointKey]) -> Vec<pb::EndpointKey> {
+    keys.iter()
+        .map(|key| pb::EndpointKey {
+            namespace: key.namespace().to_owned(),
+            name: key.name().to_owned(),
+        })
+        .collect()
 }
 
 pub fn filter_to_wire(filter: &LabelFilter) -> pb::LabelFilter {
@@ -266,8 +422,21 @@ mod tests {
         }
     }
 
+    fn snapshot(endpoints: Vec<pb::Endpoint>) -> pb::Snapshot {
+        pb::Snapshot { endpoints }
+    }
+
+    /// (key, reason) of each rejection, in order.
+    fn rejections(entries: &Entries) -> Vec<(String, String)> {
+        entries
+            .rejected
+            .iter()
+            .map(|r| (r.key.to_string(), r.error.to_string()))
+            .collect()
+    }
+
     #[test]
-    fn endpoint_round_trips() -> Result<(), FieldError> {
+    fn endpoint_round_trips() -> Result<(), Rejected> {
         let wire = ep(
             "default",
             "web-0",
@@ -275,7 +444,7 @@ mod tests {
             300,
             &["k8s:b=2", "k8s:a=1"],
         );
-        let domain = endpoint_from_wire(&wire, &WireLimits::default(), "e")?;
+        let domain = endpoint_from_wire(&wire, &WireLimits::default(), &LabelFilter::default())?;
         assert_eq!(domain.key.as_str(), "default/web-0");
         assert_eq!(domain.ips.len(), 2, "duplicate addresses are merged");
         assert_eq!(domain.labels.as_str(), "k8s:a=1;k8s:b=2");
@@ -286,53 +455,218 @@ mod tests {
     }
 
     #[test]
-    fn errors_name_the_field() {
-        let limits = WireLimits::default();
+    fn errors_name_the_field_within_the_entry_and_a_bounded_kind() {
+        let limits = WireLimits {
+            max_ips_per_endpoint: 2,
+            labels: LabelLimits { max_labels: 2 },
+            ..WireLimits::default()
+        };
         let cases = [
             (
                 ep("", "a", &[], 300, &["k8s:a=1"]),
-                "e.namespace: is required",
+                "namespace: is required",
+                "key",
             ),
             (
                 ep("Default", "a", &[], 300, &["k8s:a=1"]),
-                "e.namespace: namespace \"Default\"",
+                "namespace: namespace \"Default\"",
+                "key",
+            ),
+            (
+                ep("d", "", &[], 300, &["k8s:a=1"]),
+                "name: is required",
+                "key",
+            ),
+            (
+                ep("d", "Web_0", &[], 300, &["k8s:a=1"]),
+                "name: endpoint name \"Web_0\"",
+                "key",
             ),
             (
                 ep("d", "a", &["nope"], 300, &["k8s:a=1"]),
-                "e.ips[0]: \"nope\"",
+                "ips[0]: \"nope\"",
+                "ip",
+            ),
+            (
+                ep(
+                    "d",
+                    "a",
+                    &["198.18.0.1", "198.18.0.2", "198.18.0.3"],
+                    300,
+                    &["k8s:a=1"],
+                ),
+                "ips: has 3 entries, over the limit of 2",
+                "too_many_ips",
             ),
             (
                 ep("d", "a", &[], 0, &["k8s:a=1"]),
-                "e.identity: must not be 0",
+                "identity: must not be 0",
+                "identity",
             ),
             (
                 ep("d", "a", &[], 300, &["k8s:a=1", "k8s:b"]),
-                "e.labels[1]: label \"k8s:b\"",
+                "labels[1]: label \"k8s:b\"",
+                "labels",
+            ),
+            (
+                ep("d", "a", &[], 300, &["k8s:-x=y"]),
+                "labels[0]: label \"k8s:-x=y\"",
+                "labels",
             ),
             (
                 ep("d", "a", &[], 300, &["k8s:a=1", "reserved:host="]),
-                "e.labels[1]: label \"reserved:host=\"",
+                "labels[1]: label \"reserved:host=\"",
+                "labels",
+            ),
+            (
+                ep("d", "a", &[], 300, &["k8s:a=1", "k8s:b=2", "k8s:c=3"]),
+                "labels: 3 labels exceed the limit of 2",
+                "too_many_labels",
+            ),
+            (
+                ep("d", "a", &[], 300, &["k8s:controller-revision-hash=7"]),
+                "labels: after the label filter: a label set must have at least one label",
+                "labels_after_filter",
             ),
         ];
-        for (wire, want) in cases {
-            let err = endpoint_from_wire(&wire, &limits, "e")
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        for (wire, want, kind) in cases {
+            let Err(rejected) = endpoint_from_wire(&wire, &limits, &LabelFilter::default()) else {
+                panic!("{wire:?} should be rejected with {want:?}");
+            };
+            let reason = rejected.error.to_string();
+            assert!(
+                reason.starts_with(want),
+                "{reason:?} should start with {want:?}"
+            );
+            assert_eq!(rejected.kind(), kind, "{reason}");
+            assert_eq!(
+                rejected.key,
+                SentKey::new(&wire.namespace, &wire.name),
+                "named by its key as sent"
+            );
+            assert_eq!(rejected.to_wire().reason, reason);
         }
     }
 
     #[test]
-    fn snapshot_limit_is_checked_first() {
+    fn a_snapshot_keeps_its_good_entries_and_rejects_each_bad_one() -> Result<(), FieldError> {
+        let good = |name: &str| ep("d", name, &["198.18.0.2"], 300, &["k8s:app=web"]);
+        let entries = snapshot_from_wire(
+            &snapshot(vec![
+                good("web-0"),
+                ep("d", "bad-0", &[], 300, &["k8s:-x=y"]),
+                good("web-1"),
+                ep("d", "bad-1", &["198.18.0.300"], 300, &["k8s:app=web"]),
+                ep("Nope", "x", &[], 300, &["k8s:app=web"]),
+                good("web-2"),
+            ]),
+            &WireLimits::default(),
+            &LabelFilter::default(),
+        )?;
+        let kept: Vec<&str> = entries.endpoints.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(kept, ["d/web-0", "d/web-1", "d/web-2"]);
+        let rejected = rejections(&entries);
+        assert_eq!(rejected.len(), 3, "{rejected:?}");
+        assert_eq!(rejected[0].0, "d/bad-0");
+        assert!(
+            rejected[0].1.starts_with("labels[0]: label \"k8s:-x=y\""),
+            "{rejected:?}"
+        );
+        assert_eq!(rejected[1].0, "d/bad-1");
+        assert!(
+            rejected[1].1.starts_with("ips[0]: \"198.18.0.300\""),
+            "{rejected:?}"
+        );
+        assert_eq!(rejected[2].0, "Nope/x", "an invalid key is named as sent");
+        assert!(
+            rejected[2].1.starts_with("namespace: namespace \"Nope\""),
+            "{rejected:?}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_rejection_reads_the_same_wherever_the_entry_sits() -> Result<(), FieldError> {
+        let bad = ep("d", "bad-0", &[], 300, &["k8s:a=1", "k8s:-x=y"]);
+        let alone = snapshot_from_wire(
+            &snapshot(vec![bad.clone()]),
+            &WireLimits::default(),
+            &LabelFilter::default(),
+        )?;
+        let behind = snapshot_from_wire(
+            &snapshot(vec![ep("d", "web-0", &[], 300, &["k8s:a=1"]), bad.clone()]),
+            &WireLimits::default(),
+            &LabelFilter::default(),
+        )?;
+        let upsert = pb::EndpointUpsert {
+            endpoint: Some(bad),
+        };
+        let Ok(Err(delta)) =
+            upsert_from_wire(&upsert, &WireLimits::default(), &LabelFilter::default())
+        else {
+            panic!("the upsert's entry is rejected alone");
+        };
+        assert_eq!(alone.rejected, behind.rejected);
+        assert_eq!(alone.rejected, [delta]);
+        Ok(())
+    }
+
+    #[test]
+    fn of_duplicate_keys_the_first_entry_is_kept() -> Result<(), FieldError> {
+        let first = ep("d", "a", &["198.18.0.2"], 300, &["k8s:a=1"]);
+        let second = ep("d", "a", &["198.18.0.3"], 301, &["k8s:a=2"]);
+        let entries = snapshot_from_wire(
+            &snapshot(vec![
+                first,
+                ep("d", "b", &[], 300, &["k8s:a=1"]),
+                second.clone(),
+                second,
+            ]),
+            &WireLimits::default(),
+            &LabelFilter::default(),
+        )?;
+        let kept: Vec<(&str, u32)> = entries
+            .endpoints
+            .iter()
+            .map(|e| (e.key.as_str(), e.identity.get()))
+            .collect();
+        assert_eq!(kept, [("d/a", 300), ("d/b", 300)]);
+        let dup = (
+            "d/a".to_owned(),
+            "duplicate endpoint key, first entry kept".to_owned(),
+        );
+        assert_eq!(rejections(&entries), [dup.clone(), dup]);
+        assert!(entries.rejected.iter().all(|r| r.kind() == "duplicate"));
+
+        // The first decides even when it is the bad one.
+        let entries = snapshot_from_wire(
+            &snapshot(vec![
+                ep("d", "a", &[], 300, &["k8s:-x=y"]),
+                ep("d", "a", &[], 300, &["k8s:a=1"]),
+            ]),
+            &WireLimits::default(),
+            &LabelFilter::default(),
+        )?;
+        assert!(entries.endpoints.is_empty());
+        let kinds: Vec<&str> = entries.rejected.iter().map(Rejected::kind).collect();
+        assert_eq!(kinds, ["labels", "duplicate"]);
+        Ok(())
+    }
+
+    #[test]
+    fn only_the_endpoint_limit_refuses_a_snapshot_as_a_whole() {
         let limits = WireLimits {
             max_snapshot_endpoints: 2,
             ..WireLimits::default()
         };
-        let snapshot = pb::Snapshot {
-            endpoints: vec![ep("", "", &[], 0, &[]); 3],
-        };
-        let err = snapshot_from_wire(&snapshot, &limits)
+        let at_limit = snapshot(vec![ep("", "", &[], 0, &[]); 2]);
+        let entries = snapshot_from_wire(&at_limit, &limits, &LabelFilter::default());
+        assert!(
+            entries.is_ok_and(|e| e.endpoints.is_empty() && e.rejected.len() == 2),
+            "entries that are all bad are rejected, not the snapshot"
+        );
+        let over = snapshot(vec![ep("", "", &[], 0, &[]); 3]);
+        let err = snapshot_from_wire(&over, &limits, &LabelFilter::default())
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
@@ -343,16 +677,46 @@ mod tests {
     }
 
     #[test]
-    fn snapshot_refuses_duplicate_keys() {
-        let one = ep("d", "a", &[], 300, &["k8s:a=1"]);
-        let snapshot = pb::Snapshot {
-            endpoints: vec![one.clone(), one],
+    fn an_upsert_without_its_endpoint_is_malformed_a_bad_delete_is_rejected() {
+        let err = upsert_from_wire(
+            &pb::EndpointUpsert { endpoint: None },
+            &WireLimits::default(),
+            &LabelFilter::default(),
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert_eq!(err, "upsert.endpoint: is required");
+
+        let delete = |ns: &str, name: &str| pb::EndpointDelete {
+            namespace: ns.into(),
+            name: name.into(),
         };
-        let err = snapshot_from_wire(&snapshot, &WireLimits::default())
+        assert_eq!(
+            delete_from_wire(&delete("d", "a")).map(|k| k.to_string()),
+            Ok("d/a".to_owned())
+        );
+        let rejected = delete_from_wire(&delete("d", "")).map_err(|r| (r.to_string(), r.kind()));
+        assert_eq!(
+            rejected,
+            Err(("endpoint d/: name: is required".to_owned(), "key"))
+        );
+    }
+
+    #[test]
+    fn a_sent_key_is_cut_to_a_bounded_length() {
+        let long = "a".repeat(10_000);
+        let key = SentKey::new(&long, &long);
+        assert_eq!((key.namespace.len(), key.name.len()), (253, 253));
+    }
+
+    #[test]
+    fn the_field_of_a_key_is_named_within_its_message() {
+        let err = endpoint_key_from_wire("d", "", "delete")
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
-        assert_eq!(err, "snapshot.endpoints[1]: endpoint d/a appears twice");
+        assert_eq!(err, "delete.name: is required");
     }
 
     #[test]

@@ -346,6 +346,7 @@ impl<M: DatapathPort> Core<M> {
                         debug!(endpoint = %key, "Rebind for an endpoint this agent does not hold");
                     }
                 }
+                Step::Sync(SyncEvent::Verdict(verdict)) => self.endpoints.on_verdict(verdict),
                 Step::Query(Query::Endpoints(reply)) => {
                     let _ = reply.send(self.endpoints.view());
                 }

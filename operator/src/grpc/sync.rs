@@ -2,10 +2,13 @@
 //!
 //! The first message must be Hello; the operator answers HelloReply (its label filter,
 //! the snapshot interval, the limits), then one Ack per message. Every message is
-//! decoded and validated off the core's lock; a refused one ends the stream with a
-//! precise status and changes nothing.
+//! decoded and validated off the core's lock. One bad entry never costs the node its
+//! stream: an entry that fails validation is rejected alone (named in the Ack,
+//! counted, logged once) and the rest of the message is applied. A message malformed
+//! as a whole ends the stream with a precise status and changes nothing.
 
 use std::{
+    collections::{HashMap, hash_map::Entry},
     net::SocketAddr,
     sync::Arc,
     time::{Duration, Instant},
@@ -14,10 +17,10 @@ use std::{
 use census_proto::{
     PROTOCOL_VERSION,
     convert::{
-        check_version, endpoint_from_wire, endpoint_key_from_wire, filter_to_wire, node_from_wire,
-        session_from_wire, snapshot_from_wire,
+        Rejected, SentKey, check_version, delete_from_wire, filter_to_wire, node_from_wire,
+        pending_to_wire, session_from_wire, snapshot_from_wire, upsert_from_wire,
     },
-    domain::{Endpoint, NodeName, SessionId},
+    domain::{NodeName, SessionId},
     pb::{self, agent_message::Body, endpoint_sync_server::EndpointSync},
 };
 use tokio::sync::{mpsc, watch};
@@ -28,7 +31,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use super::convert::{field, refused, sync, version};
 use crate::{
     allocator::{Applied, ConnId},
-    metrics::KindLabels,
+    metrics::{KindLabels, ReasonLabels},
     runtime::{Runtime, Term, not_leader_status},
 };
 
@@ -115,6 +118,7 @@ impl EndpointSync for EndpointStreams {
             term,
             tx,
             peer,
+            rejected: HashMap::new(),
         };
         tokio::spawn(stream.run(inbound, self.shutdown.clone()).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -140,11 +144,23 @@ struct Stream {
     term: Term,
     tx: mpsc::Sender<Result<pb::OperatorMessage, Status>>,
     peer: Option<SocketAddr>,
+    /// The node's rejected entries as last logged, with their reasons: replaced by
+    /// each snapshot's, edited by each delta's. A rejection is logged once however
+    /// often the agent resends it, and this holds no more keys than a snapshot may.
+    rejected: HashMap<SentKey, Vec<String>>,
+}
+
+/// What an Ack's rejections speak for.
+enum Covers {
+    /// Every entry of the node: a snapshot's.
+    All,
+    /// One entry: a delta's.
+    One(SentKey),
 }
 
 impl Stream {
     async fn run(
-        self,
+        mut self,
         mut inbound: Streaming<pb::AgentMessage>,
         mut shutdown: watch::Receiver<bool>,
     ) {
@@ -198,7 +214,7 @@ impl Stream {
     }
 
     /// Validates and applies one message, answering with its Ack.
-    fn handle(&self, msg: pb::AgentMessage) -> Result<pb::OperatorMessage, Status> {
+    fn handle(&mut self, msg: pb::AgentMessage) -> Result<pb::OperatorMessage, Status> {
         let seq = msg.seq;
         // Hello carries seq 0: a second Hello is refused as such below, not for its seq.
         if seq == 0 && !matches!(msg.body, Some(Body::Hello(_))) {
@@ -209,7 +225,7 @@ impl Stream {
         }
         let settings = &self.runtime.settings;
         let (node, conn) = (&self.node, self.conn);
-        let applied: Applied = match msg.body {
+        let (applied, rejected, covers): (Applied, Vec<Rejected>, Covers) = match msg.body {
             None => {
                 return Err(
                     self.invalid("empty", Status::invalid_argument("the message has no body"))
@@ -222,46 +238,46 @@ impl Stream {
                 ));
             }
             Some(Body::Upsert(upsert)) => {
-                let wire = upsert.endpoint.ok_or_else(|| {
-                    self.invalid(
-                        "upsert",
-                        Status::invalid_argument("upsert.endpoint: is required"),
-                    )
-                })?;
-                let endpoint = self
-                    .decode(&wire, "upsert.endpoint")
-                    .map_err(|s| self.invalid("upsert", s))?;
-                self.runtime
-                    .with_term(self.term, |a, now| a.upsert(node, conn, seq, endpoint, now))
-                    .map_err(|e| not_leader_status(&e))?
-                    .map_err(sync)?
-            }
-            Some(Body::Delete(delete)) => {
-                let key = endpoint_key_from_wire(&delete.namespace, &delete.name, "delete")
-                    .map_err(|e| self.invalid("delete", field(e)))?;
-                self.runtime
-                    .with_term(self.term, |a, now| a.delete(node, conn, seq, &key, now))
-                    .map_err(|e| not_leader_status(&e))?
-                    .map_err(sync)?
-            }
-            Some(Body::Snapshot(snapshot)) => {
-                let mut endpoints = snapshot_from_wire(&snapshot, &settings.wire)
-                    .map_err(|e| self.invalid("snapshot", field(e)))?;
-                for (i, ep) in endpoints.iter_mut().enumerate() {
-                    ep.labels = ep
-                        .labels
-                        .filtered(&settings.filter, &settings.wire.labels)
-                        .map_err(|e| {
-                            self.invalid(
-                                "snapshot",
-                                Status::invalid_argument(format!(
-                                    "snapshot.endpoints[{i}].labels: after the label filter: {e}"
-                                )),
-                            )
-                        })?;
+                match upsert_from_wire(&upsert, &settings.wire, &settings.filter)
+                    .map_err(|e| self.invalid("upsert", field(e)))?
+                {
+                    Ok(endpoint) => {
+                        let key = SentKey::from(&endpoint.key);
+                        let applied = self
+                            .runtime
+                            .with_term(self.term, |a, now| a.upsert(node, conn, seq, endpoint, now))
+                            .map_err(|e| not_leader_status(&e))?
+                            .map_err(sync)?;
+                        (applied, Vec::new(), Covers::One(key))
+                    }
+                    // Changes nothing: the core never sees it.
+                    Err(rejected) => {
+                        let key = rejected.key.clone();
+                        (Applied::default(), vec![rejected], Covers::One(key))
+                    }
                 }
+            }
+            Some(Body::Delete(delete)) => match delete_from_wire(&delete) {
+                Ok(key) => {
+                    let applied = self
+                        .runtime
+                        .with_term(self.term, |a, now| a.delete(node, conn, seq, &key, now))
+                        .map_err(|e| not_leader_status(&e))?
+                        .map_err(sync)?;
+                    (applied, Vec::new(), Covers::One(SentKey::from(&key)))
+                }
+                Err(rejected) => {
+                    let key = rejected.key.clone();
+                    (Applied::default(), vec![rejected], Covers::One(key))
+                }
+            },
+            Some(Body::Snapshot(snapshot)) => {
+                let entries = snapshot_from_wire(&snapshot, &settings.wire, &settings.filter)
+                    .map_err(|e| self.invalid("snapshot", field(e)))?;
+                let endpoints = entries.endpoints;
                 let metrics = &self.runtime.metrics;
-                self.runtime
+                let applied = self
+                    .runtime
                     .with_term(self.term, |a, now| {
                         let started = Instant::now();
                         let r = a.snapshot(node, conn, seq, endpoints, now);
@@ -271,7 +287,8 @@ impl Stream {
                         r
                     })
                     .map_err(|e| not_leader_status(&e))?
-                    .map_err(sync)?
+                    .map_err(sync)?;
+                (applied, entries.rejected, Covers::All)
             }
         };
         if applied.corrections > 0 {
@@ -281,24 +298,70 @@ impl Stream {
                 "snapshot corrected the view"
             );
         }
+        // An old message changed nothing: its entries are not judged either.
+        let rejected = if applied.ignored {
+            Vec::new()
+        } else {
+            self.note_rejections(covers, &rejected);
+            rejected.iter().map(Rejected::to_wire).collect()
+        };
         Ok(pb::OperatorMessage {
             body: Some(pb::operator_message::Body::Ack(pb::Ack {
                 seq,
                 ignored: applied.ignored,
                 corrections: applied.corrections,
+                rejected,
+                pending: pending_to_wire(&applied.pending),
             })),
         })
     }
 
-    fn decode(&self, wire: &pb::Endpoint, name: &str) -> Result<Endpoint, Status> {
-        let settings = &self.runtime.settings;
-        let mut ep = endpoint_from_wire(wire, &settings.wire, name).map_err(field)?;
-        ep.labels = ep
-            .labels
-            .filtered(&settings.filter, &settings.wire.labels)
-            .map_err(|e| {
-                Status::invalid_argument(format!("{name}.labels: after the label filter: {e}"))
-            })?;
-        Ok(ep)
+    /// Counts every rejection and logs those not logged before for this node.
+    fn note_rejections(&mut self, covers: Covers, rejected: &[Rejected]) {
+        let mut now: HashMap<SentKey, Vec<String>> = HashMap::with_capacity(rejected.len());
+        for r in rejected {
+            self.runtime
+                .metrics
+                .rejected_entries
+                .get_or_create(&ReasonLabels { reason: r.kind() })
+                .inc();
+            let reasons = now.entry(r.key.clone()).or_default();
+            let reason = r.error.to_string();
+            let known = self
+                .rejected
+                .get(&r.key)
+                .is_some_and(|logged| logged.contains(&reason));
+            if !known && !reasons.contains(&reason) {
+                warn!(endpoint = %r.key, %reason, "rejected an entry; the rest of the message is applied");
+            }
+            reasons.push(reason);
+        }
+        match covers {
+            Covers::All => {
+                for key in self.rejected.keys().filter(|k| !now.contains_key(*k)) {
+                    info!(endpoint = %key, "a rejected entry is accepted now");
+                }
+                self.rejected = now;
+            }
+            Covers::One(key) => match now.remove(&key) {
+                Some(reasons) => {
+                    let room =
+                        self.rejected.len() < self.runtime.settings.wire.max_snapshot_endpoints;
+                    match self.rejected.entry(key) {
+                        Entry::Occupied(mut logged) => *logged.get_mut() = reasons,
+                        // Past the bound it is logged again when resent, never kept.
+                        Entry::Vacant(slot) if room => {
+                            slot.insert(reasons);
+                        }
+                        Entry::Vacant(_) => {}
+                    }
+                }
+                None => {
+                    if self.rejected.remove(&key).is_some() {
+                        info!(endpoint = %key, "a rejected entry is accepted now");
+                    }
+                }
+            },
+        }
     }
 }

@@ -31,6 +31,11 @@ pub struct Identity {
     /// Set when state is QUARANTINED.
     #[prost(uint64, tag = "7")]
     pub quarantined_until_ms: u64,
+    /// Set when state is PROTECTED: the earliest end of the restart fence (start +
+    /// node TTL). It stands longer while a node known before the start has not
+    /// reported, at most until that node's view would have been dropped.
+    #[prost(uint64, tag = "8")]
+    pub protected_until_ms: u64,
 }
 /// The operator's label filter. A label of an endpoint is kept when its key matches
 /// an `include` pattern or matches no `exclude` pattern. A pattern is a label key,
@@ -107,7 +112,8 @@ pub struct WatchRequest {
 pub struct WatchEvent {
     #[prost(enumeration = "watch_event::Kind", tag = "1")]
     pub kind: i32,
-    /// Set for UPSERT and REMOVED (REMOVED carries only the id and its labels).
+    /// Set for UPSERT and REMOVED. REMOVED carries only `id` and `labels`: every
+    /// other field is unset.
     #[prost(message, optional, tag = "2")]
     pub identity: ::core::option::Option<Identity>,
 }
@@ -233,14 +239,14 @@ pub struct Snapshot {
     #[prost(message, repeated, tag = "1")]
     pub endpoints: ::prost::alloc::vec::Vec<Endpoint>,
 }
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct OperatorMessage {
     #[prost(oneof = "operator_message::Body", tags = "1, 2, 3, 4")]
     pub body: ::core::option::Option<operator_message::Body>,
 }
 /// Nested message and enum types in `OperatorMessage`.
 pub mod operator_message {
-    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Oneof)]
+    #[derive(Clone, PartialEq, ::prost::Oneof)]
     pub enum Body {
         #[prost(message, tag = "1")]
         HelloReply(super::HelloReply),
@@ -278,8 +284,15 @@ pub struct HelloReply {
     pub limits: ::core::option::Option<Limits>,
 }
 /// Acknowledges the message with this seq. `ignored` is set when the message was
-/// older than one already applied and changed nothing.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+/// older than one already applied and changed nothing (then `rejected` and `pending`
+/// are empty).
+///
+/// One bad entry never costs the node its stream: an entry that fails validation is
+/// rejected alone and the rest of the message is applied. Only a message malformed as
+/// a whole (no body, a Hello after the first message, seq 0, an upsert without its
+/// endpoint, a snapshot over `Limits.max_snapshot_endpoints`) ends the stream, with
+/// INVALID_ARGUMENT naming the field.
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Ack {
     #[prost(uint64, tag = "1")]
     pub seq: u64,
@@ -287,6 +300,42 @@ pub struct Ack {
     pub ignored: bool,
     #[prost(uint64, tag = "3")]
     pub corrections: u64,
+    /// The entries of this message that failed validation, in the order sent. A
+    /// snapshot's rejected entry is left out of the view as if it were not listed; a
+    /// rejected upsert or delete changed nothing. A snapshot's Ack names every rejected
+    /// entry of the snapshot, a delta's Ack its own entry if it was rejected: an entry
+    /// an Ack no longer names was accepted.
+    #[prost(message, repeated, tag = "4")]
+    pub rejected: ::prost::alloc::vec::Vec<RejectedEntry>,
+    /// Entries accepted whose identity the operator decides later: they need a new
+    /// identity while new ids wait for the end of the adoption window after an
+    /// operator started on an empty store. Each is left out of the view for now; the
+    /// operator sends a Rebind for it when it is resolved.
+    #[prost(message, repeated, tag = "5")]
+    pub pending: ::prost::alloc::vec::Vec<EndpointKey>,
+}
+/// An entry of a snapshot or delta that failed validation.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RejectedEntry {
+    /// The entry's key as sent, even when it is not a valid key (cut to 253
+    /// characters), so that the sender can tell which entry it was.
+    #[prost(string, tag = "1")]
+    pub namespace: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub name: ::prost::alloc::string::String,
+    /// Why, for people: the field within the entry and the problem
+    /// (`labels\[0\]: label "k8s:-x=y": ...`). The same for the same entry and
+    /// problem in every message, not meant to be parsed.
+    #[prost(string, tag = "3")]
+    pub reason: ::prost::alloc::string::String,
+}
+/// An endpoint's key, `namespace/name`.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndpointKey {
+    #[prost(string, tag = "1")]
+    pub namespace: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub name: ::prost::alloc::string::String,
 }
 /// The endpoint must use this identity instead of the one it reported.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -375,7 +424,8 @@ pub struct Node {
 #[repr(i32)]
 pub enum IdentityState {
     Unspecified = 0,
-    /// Referenced by an endpoint or held by a recent allocation.
+    /// Referenced by an endpoint or held by a recent allocation (or, until the
+    /// operator's next tick, neither: then it is RELEASED).
     Live = 1,
     /// Unreferenced since `released_at_ms`; deleted after the grace period.
     Released = 2,
@@ -389,6 +439,10 @@ pub enum IdentityState {
     Reserved = 6,
     /// Never bound again: the store holds a binding for it that census did not write.
     Blocked = 7,
+    /// Neither referenced nor held, but kept by the restart fence: after the operator
+    /// starts, every node has a node TTL to snapshot before anything is released.
+    /// LIVE again if referenced or held, else RELEASED when the fence ends.
+    Protected = 8,
 }
 impl IdentityState {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -405,6 +459,7 @@ impl IdentityState {
             Self::Creating => "IDENTITY_STATE_CREATING",
             Self::Reserved => "IDENTITY_STATE_RESERVED",
             Self::Blocked => "IDENTITY_STATE_BLOCKED",
+            Self::Protected => "IDENTITY_STATE_PROTECTED",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -418,6 +473,7 @@ impl IdentityState {
             "IDENTITY_STATE_CREATING" => Some(Self::Creating),
             "IDENTITY_STATE_RESERVED" => Some(Self::Reserved),
             "IDENTITY_STATE_BLOCKED" => Some(Self::Blocked),
+            "IDENTITY_STATE_PROTECTED" => Some(Self::Protected),
             _ => None,
         }
     }
@@ -516,6 +572,14 @@ pub mod identity_service_client {
         /// Returns the identity of a label set, allocating and persisting a new one if
         /// needed. The identity is held for the calling node until it appears in that
         /// node's view or the hold times out.
+        ///
+        /// The node must have said Hello on EndpointSync first, and `session` must be the
+        /// session of that Hello (the node's current one; its stream need not still be
+        /// open). Otherwise the call fails with FAILED_PRECONDITION: "node N has no
+        /// session: send Hello on EndpointSync first" (also after an operator restart, or
+        /// once a silent node's view was dropped), or a message naming the older or other
+        /// session than the current one. A follower replica answers UNAVAILABLE naming
+        /// the leader.
         pub async fn allocate(
             &mut self,
             request: impl tonic::IntoRequest<super::AllocateRequest>,
@@ -603,8 +667,16 @@ pub mod identity_service_client {
                 .insert(GrpcMethod::new("census.v1.IdentityService", "List"));
             self.inner.unary(req, path, codec).await
         }
-        /// The full list (between RESYNC_START and RESYNC_END), then changes. A client that
-        /// falls behind is sent the full list again.
+        /// The full list (between RESYNC_START and RESYNC_END): every persisted binding
+        /// as Get shows it. Then changes: an UPSERT, with the identity as it is then,
+        /// when a binding is persisted (a new one: LIVE with `holds` 1 for an Allocate)
+        /// and whenever its state, `references` or `holds` change; a REMOVED when the
+        /// binding is gone (deleted into quarantine, or its id blocked). Changes are
+        /// coalesced per identity: what one operation changes (a snapshot of 110
+        /// endpoints, a tick expiring holds) costs one UPSERT per identity it changed,
+        /// with the result. A client that falls behind, or whose replica becomes or stops
+        /// being the leader, is sent the full list again. On a follower, identities are
+        /// LIVE with no references or holds: only the leader knows those.
         pub async fn watch(
             &mut self,
             request: impl tonic::IntoRequest<super::WatchRequest>,
@@ -647,6 +719,14 @@ pub mod identity_service_server {
         /// Returns the identity of a label set, allocating and persisting a new one if
         /// needed. The identity is held for the calling node until it appears in that
         /// node's view or the hold times out.
+        ///
+        /// The node must have said Hello on EndpointSync first, and `session` must be the
+        /// session of that Hello (the node's current one; its stream need not still be
+        /// open). Otherwise the call fails with FAILED_PRECONDITION: "node N has no
+        /// session: send Hello on EndpointSync first" (also after an operator restart, or
+        /// once a silent node's view was dropped), or a message naming the older or other
+        /// session than the current one. A follower replica answers UNAVAILABLE naming
+        /// the leader.
         async fn allocate(
             &self,
             request: tonic::Request<super::AllocateRequest>,
@@ -672,8 +752,16 @@ pub mod identity_service_server {
             >
             + std::marker::Send
             + 'static;
-        /// The full list (between RESYNC_START and RESYNC_END), then changes. A client that
-        /// falls behind is sent the full list again.
+        /// The full list (between RESYNC_START and RESYNC_END): every persisted binding
+        /// as Get shows it. Then changes: an UPSERT, with the identity as it is then,
+        /// when a binding is persisted (a new one: LIVE with `holds` 1 for an Allocate)
+        /// and whenever its state, `references` or `holds` change; a REMOVED when the
+        /// binding is gone (deleted into quarantine, or its id blocked). Changes are
+        /// coalesced per identity: what one operation changes (a snapshot of 110
+        /// endpoints, a tick expiring holds) costs one UPSERT per identity it changed,
+        /// with the result. A client that falls behind, or whose replica becomes or stops
+        /// being the leader, is sent the full list again. On a follower, identities are
+        /// LIVE with no references or holds: only the leader knows those.
         async fn watch(
             &self,
             request: tonic::Request<super::WatchRequest>,
