@@ -122,9 +122,9 @@ impl Metrics {
         self.or_zero("census_identities", &format!("state=\"{state}\"")) as u64
     }
 
-    /// Identities that are not gone: live, creating, released, deleting.
+    /// Identities that are not gone: live, protected, creating, released, deleting.
     pub(crate) fn bound(&self) -> u64 {
-        ["live", "creating", "released", "deleting"]
+        ["live", "protected", "creating", "released", "deleting"]
             .iter()
             .map(|s| self.identities(s))
             .sum()

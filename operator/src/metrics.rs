@@ -40,6 +40,11 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
 fn latency_histogram() -> Histogram {
     // 10 µs .. ~40 s.
     Histogram::new(exponential_buckets(0.000_01, 2.5, 17))
@@ -59,6 +64,8 @@ pub struct Metrics {
     pub rebinds_sent: Counter,
     pub agent_messages_dropped: Counter,
     pub invalid_messages: Family<KindLabels, Counter>,
+    /// Entries of EndpointSync messages rejected alone, by the kind of problem.
+    pub rejected_entries: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -73,6 +80,7 @@ impl Default for Metrics {
             rebinds_sent: Counter::default(),
             agent_messages_dropped: Counter::default(),
             invalid_messages: Family::default(),
+            rejected_entries: Family::default(),
         }
     }
 }
@@ -124,6 +132,11 @@ impl Metrics {
             "invalid_messages",
             "Refused EndpointSync messages and calls, by kind",
             self.invalid_messages.clone(),
+        );
+        r.register(
+            "rejected_entries",
+            "Entries of EndpointSync snapshots and deltas rejected alone (the rest of the message was applied), by reason",
+            self.rejected_entries.clone(),
         );
     }
 }
@@ -206,11 +219,12 @@ impl Collector for CoreCollector {
         labelled(
             &mut e,
             "census_identities",
-            "Identities in memory by state",
+            "Identities in memory by state (protected: neither referenced nor held, kept by the restart fence)",
             "state",
             [
                 ("creating", stats.creating),
                 ("live", stats.live),
+                ("protected", stats.protected),
                 ("released", stats.released),
                 ("deleting", stats.deleting),
                 ("quarantined", stats.quarantined),

@@ -81,7 +81,7 @@ pub trait ReadModel: Send + Sync + fmt::Debug + 'static {
         include_quarantined: bool,
     ) -> (Vec<IdentityInfo>, bool);
     /// Every binding, by id.
-    fn bindings(&self) -> Vec<(IdentityId, LabelSet)>;
+    fn bindings(&self) -> Vec<IdentityInfo>;
     /// Changes to the bindings from now on.
     fn subscribe(&self) -> broadcast::Receiver<WatchChange>;
 }

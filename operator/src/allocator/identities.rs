@@ -8,7 +8,7 @@ use census_proto::{
     labels::LabelSet,
 };
 
-use super::{ConnId, RequestId, Timestamp};
+use super::{ConnId, IdentityState, RequestId, Timestamp, read::state_of};
 
 /// Where an identity is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +54,7 @@ pub(crate) struct Entry {
     pub(crate) holds: u32,
     pub(crate) phase: Phase,
     pub(crate) waiters: Vec<Waiter>,
-    /// A Watch Upsert was sent for this binding (so a Removed is owed when it goes).
+    /// Watch subscribers were told of this binding (so a Removed is owed when it goes).
     pub(crate) announced: bool,
 }
 
@@ -62,6 +62,26 @@ impl Entry {
     pub(crate) fn wanted(&self) -> bool {
         self.refs > 0 || self.holds > 0 || !self.waiters.is_empty()
     }
+
+    fn seen(&self) -> Seen {
+        Seen {
+            state: state_of(self.phase),
+            refs: self.refs,
+            holds: self.holds,
+            wanted: self.wanted(),
+        }
+    }
+}
+
+/// What Watch shows of an entry (its state also depends on `wanted`: an unwanted
+/// live identity is shown protected while the restart fence stands), taken when
+/// the entry is first touched after a drain, to tell at the next whether it changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seen {
+    state: IdentityState,
+    refs: u32,
+    holds: u32,
+    wanted: bool,
 }
 
 /// A quarantined id: bindable again before `until` only to the label set with this hash.
@@ -90,6 +110,11 @@ pub(crate) struct Identities {
     cursor: u32,
     /// Ids of the range that are bound, quarantined or blocked.
     used_in_range: u64,
+    /// Every id whose entry was borrowed mutably or created since the last drain,
+    /// with what Watch was shown of it before (`None`: it had no entry). The only
+    /// way to change an entry is through here, so no change escapes Watch; emptied
+    /// at every drain, so it is bounded by what one event touches.
+    touched: BTreeMap<IdentityId, Option<Seen>>,
 }
 
 impl Identities {
@@ -102,6 +127,7 @@ impl Identities {
             blocked: BTreeMap::new(),
             cursor: range.last().get(),
             used_in_range: 0,
+            touched: BTreeMap::new(),
         }
     }
 
@@ -117,8 +143,35 @@ impl Identities {
         self.entries.get(&id)
     }
 
+    /// The entry of `id`, to change: Watch is told at the next drain if it changed.
     pub(crate) fn get_mut(&mut self, id: IdentityId) -> Option<&mut Entry> {
-        self.entries.get_mut(&id)
+        let entry = self.entries.get_mut(&id)?;
+        self.touched.entry(id).or_insert_with(|| Some(entry.seen()));
+        Some(entry)
+    }
+
+    /// The ids touched since the last call, with what Watch was shown of each before.
+    pub(crate) fn take_touched(&mut self) -> BTreeMap<IdentityId, Option<Seen>> {
+        std::mem::take(&mut self.touched)
+    }
+
+    /// Whether a touched entry shows anything else than `before`.
+    pub(crate) fn changed_since(&self, id: IdentityId, before: Option<Seen>) -> bool {
+        self.entries
+            .get(&id)
+            .is_some_and(|e| before != Some(e.seen()))
+    }
+
+    /// Records that Watch subscribers were told of `id`'s binding.
+    pub(crate) fn mark_announced(&mut self, id: IdentityId) {
+        if let Some(entry) = self.entries.get_mut(&id) {
+            entry.announced = true;
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn touched_len(&self) -> usize {
+        self.touched.len()
     }
 
     pub(crate) fn id_of(&self, labels: &LabelSet) -> Option<IdentityId> {
@@ -165,6 +218,7 @@ impl Identities {
             self.occupy(id);
         }
         self.by_labels.insert(labels.clone(), id);
+        self.touched.entry(id).or_insert(None);
         self.entries.insert(
             id,
             Entry {
@@ -255,6 +309,8 @@ impl Identities {
     pub(crate) fn take_requests_of(&mut self, node: &NodeName) -> Vec<(RequestId, IdentityId)> {
         let mut taken = Vec::new();
         for (&id, entry) in self.entries.iter_mut() {
+            let before = entry.seen();
+            let had = taken.len();
             entry.waiters.retain(|w| match w {
                 Waiter::Request { req, node: n } if n == node => {
                     taken.push((*req, id));
@@ -262,6 +318,9 @@ impl Identities {
                 }
                 _ => true,
             });
+            if taken.len() > had {
+                self.touched.entry(id).or_insert(Some(before));
+            }
         }
         taken
     }

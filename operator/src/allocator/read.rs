@@ -7,7 +7,10 @@ use census_proto::{
     labels::LabelSet,
 };
 
-use super::{Allocator, Liveness, Timestamp, identities::Phase};
+use super::{
+    Allocator, Core, Liveness, Timestamp,
+    identities::{Entry, Phase},
+};
 
 /// Cumulative counters (monotonic), exported as Prometheus counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -34,6 +37,10 @@ pub struct Counters {
     pub blocked: u64,
     /// Bindings written again after someone else deleted them from the store.
     pub bindings_recreated: u64,
+    /// Bindings taken from the store that census had not written (a backup restored,
+    /// an object applied by hand): seen by its watch, or met by a create of the same
+    /// labels.
+    pub bindings_taken: u64,
     /// Store answers for ops that no longer matched the core's state.
     pub stale_results: u64,
     /// GC delete outcomes by cause (`deleted`, `recreated`, `conflict`, `io`, ...).
@@ -45,10 +52,16 @@ pub struct Counters {
 }
 
 /// The state of an identity as shown to users.
+///
+/// `Protected`: neither referenced nor held, but kept by the restart fence (after a
+/// start, every node has a node TTL to snapshot before anything is released).
+/// `until` is the fence's earliest end; it stands longer while a node known before
+/// the start has not reported (at most until that node's view would have been dropped).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdentityState {
     Creating,
     Live,
+    Protected { until: Timestamp },
     Released { since: Timestamp },
     Deleting,
     Quarantined { until: Timestamp },
@@ -60,6 +73,7 @@ impl IdentityState {
         match self {
             Self::Creating => "creating",
             Self::Live => "live",
+            Self::Protected { .. } => "protected",
             Self::Released { .. } => "released",
             Self::Deleting => "deleting",
             Self::Quarantined { .. } => "quarantined",
@@ -100,6 +114,8 @@ pub struct NodeInfo {
 pub struct Stats {
     pub creating: u64,
     pub live: u64,
+    /// Live only because of the restart fence: neither referenced nor held.
+    pub protected: u64,
     pub released: u64,
     pub deleting: u64,
     pub quarantined: u64,
@@ -129,13 +145,7 @@ impl Stats {
 impl Allocator {
     pub fn identity(&self, id: IdentityId) -> Option<IdentityInfo> {
         if let Some(entry) = self.core.ids.get(id) {
-            return Some(IdentityInfo {
-                id,
-                labels: Some(entry.labels.clone()),
-                state: state_of(entry.phase),
-                refs: entry.refs,
-                holds: entry.holds,
-            });
+            return Some(self.core.info(id, entry));
         }
         if let Some(tomb) = self.core.ids.quarantine().get(&id) {
             return Some(IdentityInfo {
@@ -159,13 +169,13 @@ impl Allocator {
     }
 
     /// Every binding announced to Watch subscribers (persisted at least once), by id.
-    pub fn bindings(&self) -> Vec<(IdentityId, LabelSet)> {
+    pub fn bindings(&self) -> Vec<IdentityInfo> {
         self.core
             .ids
             .entries()
             .iter()
             .filter(|(_, e)| e.announced)
-            .map(|(id, e)| (*id, e.labels.clone()))
+            .map(|(&id, e)| self.core.info(id, e))
             .collect()
     }
 
@@ -254,6 +264,7 @@ impl Allocator {
         for entry in self.core.ids.entries().values() {
             match entry.phase {
                 Phase::Creating { .. } => stats.creating += 1,
+                Phase::Live if self.core.protects(entry) => stats.protected += 1,
                 Phase::Live => stats.live += 1,
                 Phase::Released { .. } => stats.released += 1,
                 Phase::Deleting { .. } => stats.deleting += 1,
@@ -285,7 +296,30 @@ impl Allocator {
     }
 }
 
-fn state_of(phase: Phase) -> IdentityState {
+impl Core {
+    /// A bound identity as the services and Watch show it.
+    pub(super) fn info(&self, id: IdentityId, entry: &Entry) -> IdentityInfo {
+        let state = match self.protect_until {
+            Some(until) if self.protects(entry) => IdentityState::Protected { until },
+            _ => state_of(entry.phase),
+        };
+        IdentityInfo {
+            id,
+            labels: Some(entry.labels.clone()),
+            state,
+            refs: entry.refs,
+            holds: entry.holds,
+        }
+    }
+
+    /// Whether only the restart fence keeps this identity live.
+    fn protects(&self, entry: &Entry) -> bool {
+        self.protect_until.is_some() && entry.phase == Phase::Live && !entry.wanted()
+    }
+}
+
+/// The state an entry's phase shows, the restart fence aside.
+pub(super) fn state_of(phase: Phase) -> IdentityState {
     match phase {
         Phase::Creating { .. } => IdentityState::Creating,
         Phase::Live => IdentityState::Live,

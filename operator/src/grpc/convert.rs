@@ -13,15 +13,18 @@ use crate::{
 };
 
 pub(super) fn identity_to_wire(info: &IdentityInfo) -> pb::Identity {
-    let (state, released_at_ms, quarantined_until_ms) = match info.state {
-        IdentityState::Creating => (pb::IdentityState::Creating, 0, 0),
-        IdentityState::Live => (pb::IdentityState::Live, 0, 0),
-        IdentityState::Released { since } => (pb::IdentityState::Released, since.as_millis(), 0),
-        IdentityState::Deleting => (pb::IdentityState::Deleting, 0, 0),
-        IdentityState::Quarantined { until } => {
-            (pb::IdentityState::Quarantined, 0, until.as_millis())
+    let (state, released_at_ms, quarantined_until_ms, protected_until_ms) = match info.state {
+        IdentityState::Creating => (pb::IdentityState::Creating, 0, 0, 0),
+        IdentityState::Live => (pb::IdentityState::Live, 0, 0, 0),
+        IdentityState::Protected { until } => {
+            (pb::IdentityState::Protected, 0, 0, until.as_millis())
         }
-        IdentityState::Blocked => (pb::IdentityState::Blocked, 0, 0),
+        IdentityState::Released { since } => (pb::IdentityState::Released, since.as_millis(), 0, 0),
+        IdentityState::Deleting => (pb::IdentityState::Deleting, 0, 0, 0),
+        IdentityState::Quarantined { until } => {
+            (pb::IdentityState::Quarantined, 0, until.as_millis(), 0)
+        }
+        IdentityState::Blocked => (pb::IdentityState::Blocked, 0, 0, 0),
     };
     pb::Identity {
         id: info.id.get(),
@@ -35,6 +38,7 @@ pub(super) fn identity_to_wire(info: &IdentityInfo) -> pb::Identity {
         holds: info.holds,
         released_at_ms,
         quarantined_until_ms,
+        protected_until_ms,
     }
 }
 

@@ -14,11 +14,7 @@ use tonic::{Request, Response, Status};
 use tracing::debug;
 
 use super::convert::{alloc, field, identity_to_wire, refused, version};
-use crate::{
-    allocator::{IdentityInfo, IdentityState, WatchChange},
-    metrics::KindLabels,
-    runtime::Runtime,
-};
+use crate::{allocator::WatchChange, metrics::KindLabels, runtime::Runtime};
 
 const DEFAULT_PAGE: usize = 500;
 const MAX_PAGE: usize = 5000;
@@ -192,14 +188,13 @@ fn event(kind: Kind, identity: Option<pb::Identity>) -> Result<pb::WatchEvent, S
     })
 }
 
-fn bound(id: IdentityId, labels: LabelSet) -> pb::Identity {
-    identity_to_wire(&IdentityInfo {
-        id,
-        labels: Some(labels),
-        state: IdentityState::Live,
-        refs: 0,
-        holds: 0,
-    })
+/// A REMOVED event's identity: the id and its labels, nothing else.
+fn removed(id: IdentityId, labels: &LabelSet) -> pb::Identity {
+    pb::Identity {
+        id: id.get(),
+        labels: labels.to_strings(),
+        ..pb::Identity::default()
+    }
 }
 
 type WatchTx = mpsc::Sender<Result<pb::WatchEvent, Status>>;
@@ -215,8 +210,8 @@ async fn run_watch(runtime: Arc<Runtime>, tx: WatchTx, mut shutdown: watch::Rece
         let mut full = Vec::with_capacity(all.len() + 2);
         full.push(event(Kind::ResyncStart, None));
         full.extend(
-            all.into_iter()
-                .map(|(id, labels)| event(Kind::Upsert, Some(bound(id, labels)))),
+            all.iter()
+                .map(|info| event(Kind::Upsert, Some(identity_to_wire(info)))),
         );
         full.push(event(Kind::ResyncEnd, None));
         for item in full {
@@ -238,11 +233,9 @@ async fn run_watch(runtime: Arc<Runtime>, tx: WatchTx, mut shutdown: watch::Rece
                 }
             };
             let item = match change {
-                Ok(WatchChange::Upsert { id, labels }) => {
-                    event(Kind::Upsert, Some(bound(id, labels)))
-                }
+                Ok(WatchChange::Upsert(info)) => event(Kind::Upsert, Some(identity_to_wire(&info))),
                 Ok(WatchChange::Removed { id, labels }) => {
-                    event(Kind::Removed, Some(bound(id, labels)))
+                    event(Kind::Removed, Some(removed(id, &labels)))
                 }
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
                     debug!(

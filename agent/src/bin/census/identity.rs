@@ -10,7 +10,7 @@ use super::{
     Ctx,
     args::{parse_identity, parse_labels, parse_selector},
     error::CliError,
-    output::{Table, ago, nonzero, until},
+    output::{Table, ago, from_millis, nonzero, until},
 };
 
 #[derive(Debug, Subcommand)]
@@ -43,8 +43,8 @@ pub(crate) struct IdentityView {
     pub(crate) id: u32,
     /// Canonical labels, sorted; empty for a quarantined id.
     pub(crate) labels: Vec<String>,
-    /// `live`, `released`, `deleting`, `quarantined`, `creating`, `reserved`,
-    /// `blocked` (or `unknown`).
+    /// `live`, `protected`, `released`, `deleting`, `quarantined`, `creating`,
+    /// `reserved`, `blocked` (or `unknown`).
     pub(crate) state: &'static str,
     /// Endpoints (over all nodes) whose view maps to it.
     pub(crate) references: u64,
@@ -54,6 +54,9 @@ pub(crate) struct IdentityView {
     pub(crate) released_at_ms: Option<u64>,
     /// When its quarantine ends (ms since the Unix epoch), for `quarantined`.
     pub(crate) quarantined_until_ms: Option<u64>,
+    /// The earliest end of the operator's restart fence (ms since the Unix epoch),
+    /// for `protected`.
+    pub(crate) protected_until_ms: Option<u64>,
 }
 
 impl From<pb::Identity> for IdentityView {
@@ -66,10 +69,12 @@ impl From<pb::Identity> for IdentityView {
             holds,
             released_at_ms,
             quarantined_until_ms,
+            protected_until_ms,
         } = identity;
         use pb::IdentityState as S;
         let state = match S::try_from(state) {
             Ok(S::Live) => "live",
+            Ok(S::Protected) => "protected",
             Ok(S::Released) => "released",
             Ok(S::Deleting) => "deleting",
             Ok(S::Quarantined) => "quarantined",
@@ -86,6 +91,7 @@ impl From<pb::Identity> for IdentityView {
             holds,
             released_at_ms: nonzero(released_at_ms),
             quarantined_until_ms: nonzero(quarantined_until_ms),
+            protected_until_ms: nonzero(protected_until_ms),
         }
     }
 }
@@ -98,6 +104,11 @@ impl IdentityView {
                 format!("released {}", ago(now, since))
             }
             ("quarantined", _, Some(end)) => format!("quarantined for {}", until(now, end)),
+            // The fence may stand past its earliest end: then there is no time to show.
+            ("protected", _, _) => match self.protected_until_ms {
+                Some(end) if from_millis(end) > now => format!("protected for {}", until(now, end)),
+                _ => "protected".to_owned(),
+            },
             (state, _, _) => state.to_owned(),
         }
     }
@@ -167,7 +178,7 @@ fn table(identities: &[IdentityView], now: SystemTime) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::output::{Format, from_millis, render};
+    use crate::output::{Format, render};
 
     const NOW_MS: u64 = 1_700_000_000_000;
 
@@ -181,6 +192,7 @@ mod tests {
                 holds: 0,
                 released_at_ms: released,
                 quarantined_until_ms: until,
+                protected_until_ms: 0,
             })
         };
         vec![
@@ -210,6 +222,13 @@ mod tests {
                 0,
                 NOW_MS + 555_000,
             ),
+            IdentityView::from(pb::Identity {
+                id: 260,
+                labels: vec!["k8s:app=cart".into()],
+                state: pb::IdentityState::Protected.into(),
+                protected_until_ms: NOW_MS + 75_000,
+                ..pb::Identity::default()
+            }),
         ]
     }
 
@@ -228,6 +247,7 @@ ID   STATE                  REFS  HOLDS  LABELS
 257  released 45s ago       0     0      k8s:app=db
 258  deleting               0     0      k8s:app=old
 259  quarantined for 9m15s  0     0
+260  protected for 1m15s    0     0      k8s:app=cart
 "
         );
         Ok(())
@@ -250,7 +270,8 @@ ID   STATE                  REFS  HOLDS  LABELS
     "references": 3,
     "holds": 0,
     "released_at_ms": null,
-    "quarantined_until_ms": null
+    "quarantined_until_ms": null,
+    "protected_until_ms": null
   },
   {
     "id": 257,
@@ -261,7 +282,8 @@ ID   STATE                  REFS  HOLDS  LABELS
     "references": 0,
     "holds": 0,
     "released_at_ms": 1699999955000,
-    "quarantined_until_ms": null
+    "quarantined_until_ms": null,
+    "protected_until_ms": null
   }
 ]
 "#
@@ -283,6 +305,7 @@ references: 0
 holds: 0
 released_at_ms: null
 quarantined_until_ms: 1700000555000
+protected_until_ms: null
 "
         );
         Ok(())
