@@ -62,6 +62,14 @@ pub struct ListenArgs {
     /// Address of the admin HTTP server (/metrics, /healthz, /readyz).
     #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "0.0.0.0:9461")]
     pub admin_listen: SocketAddr,
+    /// How often the gRPC server pings each HTTP/2 connection. A connection whose
+    /// peer does not answer within --keepalive-timeout is closed, so a crashed
+    /// agent's stream ends and its restarted agent can take over, whatever its clock.
+    #[arg(long, env = "CENSUS_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub keepalive_interval: Duration,
+    /// How long an HTTP/2 ping may go unanswered before the connection is closed.
+    #[arg(long, env = "CENSUS_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub keepalive_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

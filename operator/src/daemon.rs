@@ -20,6 +20,7 @@ use crate::{
         Store, StoreError,
         redb::{RedbOptions, RedbStore},
     },
+    summary::Summary,
     writer,
 };
 
@@ -57,6 +58,9 @@ pub struct Running {
     /// `--store kubernetes`: the cluster side (its writers come and go with leadership).
     pub cluster: Option<Cluster>,
 }
+
+/// How often the operator logs what its core did (nothing for a quiet interval).
+const SUMMARY_EVERY: Duration = Duration::from_secs(60);
 
 /// Opens the store, loads it, and starts serving.
 pub async fn start(cli: Cli) -> Result<Running, StartError> {
@@ -189,9 +193,36 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
     }
     {
         let runtime = runtime.clone();
+        let mut stop = stop.clone();
+        servers.push(tokio::spawn(async move {
+            let (counters, nodes) = runtime.read(|a| (a.counters().clone(), a.nodes()));
+            let mut summary = Summary::new(&counters, &nodes);
+            let mut interval = tokio::time::interval(SUMMARY_EVERY);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            interval.tick().await;
+            loop {
+                tokio::select! {
+                    _ = interval.tick() => {
+                        let (counters, nodes) =
+                            runtime.read(|a| (a.counters().clone(), a.nodes()));
+                        if let Some(line) = summary.line(&counters, &nodes) {
+                            info!("in the last {}: {line}", humantime::format_duration(SUMMARY_EVERY));
+                        }
+                    }
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        }));
+    }
+    {
+        let runtime = runtime.clone();
         let stop = stop.clone();
         servers.push(tokio::spawn(async move {
-            if let Err(e) = grpc::serve(grpc_listener, runtime, stop).await {
+            let keepalive = grpc::Keepalive {
+                interval: listen.keepalive_interval,
+                timeout: listen.keepalive_timeout,
+            };
+            if let Err(e) = grpc::serve(grpc_listener, runtime, keepalive, stop).await {
                 tracing::error!(error = %e, "the gRPC server failed");
             }
         }));

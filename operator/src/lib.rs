@@ -19,4 +19,5 @@ pub mod metrics;
 pub mod replica;
 pub mod runtime;
 pub mod store;
+mod summary;
 pub mod writer;

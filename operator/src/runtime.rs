@@ -332,8 +332,8 @@ impl Runtime {
         }
     }
 
-    /// Every binding announced to Watch subscribers.
-    pub fn bindings(&self) -> Vec<(IdentityId, LabelSet)> {
+    /// Every binding announced to Watch subscribers, as it is now.
+    pub fn bindings(&self) -> Vec<IdentityInfo> {
         match self.follower_reads() {
             Some(r) => r.reads.bindings(),
             None => self.read(Allocator::bindings),
@@ -353,6 +353,7 @@ impl Runtime {
             StoreEvent::BindingInvalid { id, found } => {
                 inner.alloc.binding_invalid(id, found, now);
             }
+            StoreEvent::BindingFound { id, labels } => inner.alloc.binding_found(id, &labels),
         }
         self.dispatch(&mut inner, now);
         true
@@ -648,8 +649,8 @@ mod tests {
         ) -> (Vec<IdentityInfo>, bool) {
             (self.identity(self.0).into_iter().collect(), false)
         }
-        fn bindings(&self) -> Vec<(IdentityId, LabelSet)> {
-            vec![(self.0, self.1.clone())]
+        fn bindings(&self) -> Vec<IdentityInfo> {
+            self.identity(self.0).into_iter().collect()
         }
         fn subscribe(&self) -> broadcast::Receiver<WatchChange> {
             self.2.subscribe()

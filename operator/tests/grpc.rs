@@ -33,6 +33,10 @@ fn live() -> i32 {
     pb::IdentityState::Live.into()
 }
 
+fn protected() -> i32 {
+    pb::IdentityState::Protected.into()
+}
+
 // ---------------------------------------------------------------------------
 // The happy path
 // ---------------------------------------------------------------------------
@@ -155,7 +159,8 @@ async fn allocate_canonicalizes_filters_persists_and_answers_get_and_lookup() ->
     let op = op.restart(&[]).await?;
     let loaded = op.get(first.id).await??;
     assert_eq!(loaded.labels, first.labels);
-    assert_eq!(loaded.state, live());
+    // Nothing references or holds it yet: the restart fence keeps it.
+    assert_eq!(loaded.state, protected());
     op.shut_down().await
 }
 
@@ -173,7 +178,9 @@ async fn snapshots_and_deltas_are_acked_and_node_service_shows_the_view() -> Tes
         pb::Ack {
             seq: 1,
             ignored: false,
-            corrections: 0
+            corrections: 0,
+            rejected: vec![],
+            pending: vec![],
         }
     );
     assert!(answer.rebinds.is_empty());
@@ -357,7 +364,13 @@ async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
     let web = op
         .allocate_ok("node-a", s, &["k8s:app=web", "k8s:tier=front"])
         .await?;
-    let event = next().await?;
+    // Changes of shop and db (their holds end) may come first.
+    let event = loop {
+        let event = next().await?;
+        if event.identity.as_ref().is_some_and(|i| i.id == web.id) {
+            break event;
+        }
+    };
     assert_eq!(kind(&event), Kind::Upsert);
     let identity = event.identity.ok_or("UPSERT without an identity")?;
     assert_eq!((identity.id, &identity.labels), (web.id, &web.labels));
@@ -365,6 +378,10 @@ async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
     let mut removed = BTreeSet::new();
     while !removed.contains(&web.id) {
         let event = next().await?;
+        if kind(&event) == Kind::Upsert {
+            // A state change on the way (released, deleting).
+            continue;
+        }
         assert_eq!(kind(&event), Kind::Removed, "{event:?}");
         let identity = event.identity.ok_or("REMOVED without an identity")?;
         assert!(!identity.labels.is_empty(), "REMOVED names the labels");
@@ -373,6 +390,171 @@ async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
     let gone = op.get(web.id).await??;
     assert_eq!(gone.state, i32::from(pb::IdentityState::Quarantined));
     assert!(gone.labels.is_empty());
+    op.shut_down().await
+}
+
+/// What a Watch event says of one identity: kind, state, references, holds.
+fn life_step(event: &pb::WatchEvent) -> (Kind, i32, u64, u32) {
+    let kind = Kind::try_from(event.kind).unwrap_or(Kind::Unspecified);
+    let identity = event.identity.clone().unwrap_or_default();
+    (kind, identity.state, identity.references, identity.holds)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_follows_one_identity_from_allocation_to_removal() -> TestResult {
+    // What nothing uses is released at once (after the start's fence of one node
+    // TTL) and deleted 200 ms later.
+    let op = Operator::start(&[
+        "--snapshot-interval",
+        "1s",
+        "--node-ttl",
+        "2s",
+        "--grace-period",
+        "200ms",
+        "--quarantine",
+        "30s",
+    ])
+    .await?;
+    let mut client = op.identities().await?;
+    let mut watch = client
+        .watch(pb::WatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+        })
+        .await?
+        .into_inner();
+    let mut next = async || -> TestResult<pb::WatchEvent> {
+        tokio::time::timeout(Duration::from_secs(10), watch.message())
+            .await
+            .map_err(|_| "no watch event within 10 s")??
+            .ok_or_else(|| "the watch ended".into())
+    };
+    assert_eq!(life_step(&next().await?).0, Kind::ResyncStart);
+    assert_eq!(life_step(&next().await?).0, Kind::ResyncEnd);
+
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let shop = op.allocate_ok("node-a", s, SHOP).await?;
+    let created = next().await?;
+    let identity = created.identity.clone().unwrap_or_default();
+    assert_eq!((identity.id, &identity.labels), (shop.id, &shop.labels));
+    assert_eq!(
+        life_step(&created),
+        (Kind::Upsert, live(), 0, 1),
+        "{created:?}"
+    );
+
+    // Two endpoints and the end of the hold: one event.
+    agent
+        .snapshot(vec![
+            endpoint("shop", "web-0", &[], shop.id, SHOP),
+            endpoint("shop", "web-1", &[], shop.id, SHOP),
+        ])
+        .await?;
+    let referenced = next().await?;
+    assert_eq!(
+        life_step(&referenced),
+        (Kind::Upsert, live(), 2, 0),
+        "{referenced:?}"
+    );
+
+    agent.snapshot(vec![]).await?;
+    let unused = next().await?;
+    let (kind, state, references, holds) = life_step(&unused);
+    // Still inside the start's fence (PROTECTED), or just past it (LIVE until the
+    // next tick releases it).
+    assert!(
+        kind == Kind::Upsert && (state == protected() || state == live()),
+        "{unused:?}"
+    );
+    assert_eq!((references, holds), (0, 0), "{unused:?}");
+    let released = next().await?;
+    assert_eq!(
+        life_step(&released),
+        (Kind::Upsert, i32::from(pb::IdentityState::Released), 0, 0),
+        "{released:?}"
+    );
+    assert_ne!(released.identity.map_or(0, |i| i.released_at_ms), 0);
+    let deleting = next().await?;
+    assert_eq!(
+        life_step(&deleting),
+        (Kind::Upsert, i32::from(pb::IdentityState::Deleting), 0, 0),
+        "{deleting:?}"
+    );
+    let removed = next().await?;
+    assert_eq!(life_step(&removed).0, Kind::Removed, "{removed:?}");
+    assert_eq!(
+        removed.identity,
+        Some(pb::Identity {
+            id: shop.id,
+            labels: shop.labels,
+            ..pb::Identity::default()
+        }),
+        "REMOVED carries only the id and the labels"
+    );
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_unused_identities_are_shown_protected_until_the_fence_ends() -> TestResult
+{
+    let args = [
+        "--snapshot-interval",
+        "1s",
+        "--node-ttl",
+        "3s",
+        "--grace-period",
+        "30s",
+    ];
+    let op = Operator::start(&args).await?;
+    let s = session(100);
+    let (_agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let shop = op.allocate_ok("node-a", s, SHOP).await?;
+    let op = op.restart(&args).await?;
+
+    // Loaded, with no reference nor hold: kept by the fence, and shown so.
+    let got = op.get(shop.id).await??;
+    assert_eq!(
+        (got.state, got.references, got.holds),
+        (protected(), 0, 0),
+        "{got:?}"
+    );
+    assert_ne!(got.protected_until_ms, 0, "{got:?}");
+    assert_eq!(op.list_all().await?, vec![got.clone()]);
+    let (_, _, metrics) = op.admin_get("/metrics").await?;
+    for line in [
+        "census_identities{state=\"protected\"} 1",
+        "census_identities{state=\"live\"} 0",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no line {line:?} in\n{metrics}"
+        );
+    }
+    let mut client = op.identities().await?;
+    let mut watch = client
+        .watch(pb::WatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+        })
+        .await?
+        .into_inner();
+    let mut next = async || -> TestResult<pb::WatchEvent> {
+        tokio::time::timeout(Duration::from_secs(10), watch.message())
+            .await
+            .map_err(|_| "no watch event within 10 s")??
+            .ok_or_else(|| "the watch ended".into())
+    };
+    assert_eq!(life_step(&next().await?).0, Kind::ResyncStart);
+    let listed = next().await?;
+    assert_eq!(listed.identity.as_ref(), Some(&got));
+    assert_eq!(life_step(&next().await?).0, Kind::ResyncEnd);
+
+    // The fence ends a node TTL after the start: released, and told so.
+    let released = next().await?;
+    assert_eq!(
+        life_step(&released),
+        (Kind::Upsert, i32::from(pb::IdentityState::Released), 0, 0),
+        "{released:?}"
+    );
     op.shut_down().await
 }
 
@@ -450,7 +632,8 @@ async fn malformed_label_index_is_exact_when_a_good_label_shares_its_prefix() ->
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn label_set_over_the_size_limit_is_invalid_argument() -> TestResult {
+async fn a_label_set_over_the_size_limit_is_refused_by_allocate_and_rejected_in_a_snapshot()
+-> TestResult {
     let op = Operator::start(&["--max-labels", "4"]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
@@ -468,22 +651,16 @@ async fn label_set_over_the_size_limit_is_invalid_argument() -> TestResult {
         Code::InvalidArgument,
         &["labels", "5 labels", "limit of 4"],
     )?;
-    let seq = agent.next_seq();
-    agent
-        .send(
-            seq,
-            Body::Snapshot(pb::Snapshot {
-                endpoints: vec![endpoint("shop", "web-0", &[], id, &five)],
-            }),
-        )
-        .await?;
-    agent
-        .expect_end(
-            Code::InvalidArgument,
-            &["snapshot.endpoints[0].labels", "5 labels", "limit of 4"],
-        )
-        .await?;
     assert_eq!(op.observe().await?, before);
+    // In a snapshot, the entry is rejected alone: left out of the view.
+    let answer = agent
+        .snapshot(vec![endpoint("shop", "web-0", &[], id, &five)])
+        .await?;
+    let rejected = rejected(&answer.ack);
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert_eq!(rejected[0].0, "shop/web-0");
+    assert_eq!(rejected[0].1, "labels: 5 labels exceed the limit of 4");
+    assert_eq!(op.get_node_ok("node-a").await?.endpoints, 0);
     op.shut_down().await
 }
 
@@ -527,89 +704,105 @@ async fn snapshot_over_the_endpoint_limit_ends_the_stream_and_keeps_the_view() -
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_snapshot_entries_end_the_stream_naming_the_entry() -> TestResult {
+async fn bad_entries_are_rejected_alone_naming_the_entry_and_the_field() -> TestResult {
     let op = Operator::start(&[]).await?;
     let s = session(100);
     let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
     let id = op.allocate_ok("node-a", s, SHOP).await?.id;
     let ep = |name: &str, ips: &[&str], id: u32| endpoint("shop", name, ips, id, SHOP);
-    agent
-        .snapshot(vec![ep("web-0", &["198.18.0.2"], id)])
-        .await?;
-    let before = op.observe().await?;
 
-    let cases: Vec<(Vec<pb::Endpoint>, &[&str])> = vec![
+    // (the snapshot, the entry it rejects, what its reason says); web-0 is always
+    // good and taken.
+    let cases: Vec<(Vec<pb::Endpoint>, &str, &[&str])> = vec![
+        (
+            vec![ep("web-0", &[], id), ep("web-1", &["198.18.0.300"], id)],
+            "shop/web-1",
+            &["ips[0]", "198.18.0.300", "not an IPv4 or IPv6"],
+        ),
         (
             vec![
                 ep("web-0", &[], id),
-                ep("web-1", &[], id),
-                ep("web-0", &[], id),
+                ep("web-1", &["198.18.0.2", "2001:db8::zz"], id),
             ],
-            &["snapshot.endpoints[2]", "shop/web-0", "appears twice"],
-        ),
-        (
-            vec![ep("web-0", &[], id), ep("web-1", &["198.18.0.300"], id)],
-            &[
-                "snapshot.endpoints[1].ips[0]",
-                "198.18.0.300",
-                "not an IPv4 or IPv6",
-            ],
-        ),
-        (
-            vec![ep("web-0", &["198.18.0.2", "2001:db8::zz"], id)],
-            &["snapshot.endpoints[0].ips[1]", "2001:db8::zz"],
+            "shop/web-1",
+            &["ips[1]", "2001:db8::zz"],
         ),
         (
             vec![ep("web-0", &[], id), ep("web-1", &[], 0)],
-            &["snapshot.endpoints[1].identity", "must not be 0"],
+            "shop/web-1",
+            &["identity", "must not be 0"],
         ),
         (
-            vec![endpoint("Shop", "web-0", &[], id, SHOP)],
-            &["snapshot.endpoints[0].namespace", "\"Shop\""],
+            vec![
+                ep("web-0", &[], id),
+                endpoint("Shop", "web-1", &[], id, SHOP),
+            ],
+            "Shop/web-1",
+            &["namespace", "\"Shop\""],
         ),
         (
-            vec![endpoint("shop", "", &[], id, SHOP)],
-            &["snapshot.endpoints[0].name", "is required"],
+            vec![ep("web-0", &[], id), endpoint("shop", "", &[], id, SHOP)],
+            "shop/",
+            &["name", "is required"],
         ),
         (
-            vec![endpoint(
-                "shop",
-                "web-0",
-                &[],
-                id,
-                &["k8s:tier=db", "k8s:app"],
-            )],
-            &["snapshot.endpoints[0].labels[1]", "\"k8s:app\""],
+            vec![
+                ep("web-0", &[], id),
+                endpoint("shop", "web-1", &[], id, &["k8s:tier=db", "k8s:app"]),
+            ],
+            "shop/web-1",
+            &["labels[1]", "\"k8s:app\""],
         ),
     ];
-    for (endpoints, needles) in cases {
-        let seq = agent.next_seq();
-        agent
-            .send(seq, Body::Snapshot(pb::Snapshot { endpoints }))
-            .await?;
-        agent.expect_end(Code::InvalidArgument, needles).await?;
-        assert_eq!(op.observe().await?, before, "after {needles:?}");
-        // The same session reconnects; its seq goes on.
-        (agent, _) = agent.reconnect(&op).await?;
+    for (endpoints, key, needles) in cases {
+        let answer = agent.snapshot(endpoints).await?;
+        let rejected = rejected(&answer.ack);
+        let [(named, reason)] = rejected.as_slice() else {
+            return fail(format!("one rejection for {key} expected: {rejected:?}"));
+        };
+        assert_eq!(named, key);
+        for needle in needles {
+            assert!(reason.contains(needle), "{reason:?} should name {needle:?}");
+        }
+        assert_eq!(
+            op.get_node_ok("node-a").await?.endpoints,
+            1,
+            "{key}: web-0 is taken"
+        );
     }
 
-    // A bad upsert and a bad delete are refused the same way.
-    let seq = agent.next_seq();
-    agent
-        .send(
-            seq,
-            Body::Upsert(pb::EndpointUpsert {
-                endpoint: Some(ep("web-1", &["x"], id)),
-            }),
-        )
+    // Of two entries with one key, the first is taken.
+    let answer = agent
+        .snapshot(vec![
+            ep("web-0", &["198.18.0.2"], id),
+            ep("web-0", &[], 999),
+        ])
         .await?;
-    agent
-        .expect_end(Code::InvalidArgument, &["upsert.endpoint.ips[0]", "\"x\""])
-        .await?;
-    (agent, _) = agent.reconnect(&op).await?;
+    assert_eq!(
+        rejected(&answer.ack),
+        [(
+            "shop/web-0".to_owned(),
+            "duplicate endpoint key, first entry kept".to_owned()
+        )]
+    );
+    assert!(
+        answer.rebinds.is_empty(),
+        "the second one's id is never looked at"
+    );
+    let before = op.observe().await?;
+
+    // A bad upsert and a bad delete are rejected the same way, and change nothing.
+    let answer = agent.upsert(ep("web-1", &["x"], id)).await?;
+    assert_eq!(
+        rejected(&answer.ack),
+        [(
+            "shop/web-1".to_owned(),
+            "ips[0]: \"x\" is not an IPv4 or IPv6 address".to_owned()
+        )]
+    );
     let seq = agent.next_seq();
-    agent
-        .send(
+    let answer = agent
+        .exchange(
             seq,
             Body::Delete(pb::EndpointDelete {
                 namespace: "shop".into(),
@@ -617,18 +810,116 @@ async fn bad_snapshot_entries_end_the_stream_naming_the_entry() -> TestResult {
             }),
         )
         .await?;
-    agent
-        .expect_end(Code::InvalidArgument, &["delete.name", "is required"])
-        .await?;
+    assert_eq!(
+        rejected(&answer.ack),
+        [("shop/".to_owned(), "name: is required".to_owned())]
+    );
     assert_eq!(op.observe().await?, before);
 
     // And the stream still works for good input.
-    let (mut agent, _) = agent.reconnect(&op).await?;
     let answer = agent
         .snapshot(vec![ep("web-0", &["198.18.0.2"], id), ep("web-1", &[], id)])
         .await?;
     assert!(!answer.ack.ignored);
+    assert!(answer.ack.rejected.is_empty());
     assert_eq!(op.get_node_ok("node-a").await?.endpoints, 2);
+    op.shut_down().await
+}
+
+/// The entries an Ack rejects: (namespace/name, reason).
+fn rejected(ack: &pb::Ack) -> Vec<(String, String)> {
+    ack.rejected
+        .iter()
+        .map(|r| (format!("{}/{}", r.namespace, r.name), r.reason.clone()))
+        .collect()
+}
+
+/// The value of the sample `series` in an OpenMetrics text, if it is there.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let value = line.strip_prefix(series)?.strip_prefix(' ')?;
+        value.parse().ok()
+    })
+}
+
+/// Issue 10: one bad entry costs neither the node its stream nor the other entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_snapshot_entry_is_rejected_alone_and_the_stream_stays_open() -> TestResult {
+    let op = Operator::start(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let good = |name: &str, ip: &str| endpoint("shop", name, &[ip], id, SHOP);
+    let bad = endpoint(
+        "shop",
+        "bad-0",
+        &["198.18.0.9"],
+        id,
+        &["k8s:-x=y", "k8s:io.kubernetes.pod.namespace=shop"],
+    );
+    let snapshot = vec![
+        good("web-0", "198.18.0.2"),
+        bad.clone(),
+        good("web-1", "198.18.0.3"),
+        good("web-2", "198.18.0.4"),
+    ];
+
+    let answer = agent.snapshot(snapshot.clone()).await?;
+    assert!(!answer.ack.ignored);
+    let first = rejected(&answer.ack);
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].0, "shop/bad-0");
+    assert!(
+        first[0].1.starts_with("labels[0]: label \"k8s:-x=y\""),
+        "the reason names the field and the label: {first:?}"
+    );
+    let node = op.get_node_ok("node-a").await?;
+    assert_eq!(node.endpoints, 3, "the three good entries are applied");
+    assert_eq!(op.get(id).await??.references, 3);
+
+    // The agent resends it: rejected again, the same way, and the stream goes on.
+    let answer = agent.snapshot(snapshot).await?;
+    assert_eq!(rejected(&answer.ack), first);
+    assert_eq!(op.get_node_ok("node-a").await?.endpoints, 3);
+    let (_, _, metrics) = op.admin_get("/metrics").await?;
+    assert_eq!(
+        sample(&metrics, "census_rejected_entries_total{reason=\"labels\"}"),
+        Some(2.0),
+        "counted in every message that carries it"
+    );
+
+    // Its labels fixed, the entry is taken.
+    let answer = agent
+        .snapshot(vec![
+            good("web-0", "198.18.0.2"),
+            good("bad-0", "198.18.0.9"),
+            good("web-1", "198.18.0.3"),
+            good("web-2", "198.18.0.4"),
+        ])
+        .await?;
+    assert!(answer.ack.rejected.is_empty(), "{:?}", answer.ack);
+    assert_eq!(op.get_node_ok("node-a").await?.endpoints, 4);
+
+    // A bad upsert is acked with its rejection and changes nothing.
+    let before = op.observe().await?;
+    let answer = agent.upsert(good("web-3", "198.18.0.300")).await?;
+    let upserted = rejected(&answer.ack);
+    assert_eq!(upserted.len(), 1, "{upserted:?}");
+    assert_eq!(upserted[0].0, "shop/web-3");
+    assert!(
+        upserted[0].1.starts_with("ips[0]: \"198.18.0.300\""),
+        "{upserted:?}"
+    );
+    assert_eq!(op.observe().await?, before);
+
+    // A message malformed as a whole still ends the stream, naming the field.
+    let seq = agent.next_seq();
+    agent
+        .send(seq, Body::Upsert(pb::EndpointUpsert { endpoint: None }))
+        .await?;
+    agent
+        .expect_end(Code::InvalidArgument, &["upsert.endpoint", "is required"])
+        .await?;
     op.shut_down().await
 }
 
@@ -744,7 +1035,9 @@ async fn an_old_seq_is_acked_as_ignored_and_counted() -> TestResult {
         pb::Ack {
             seq: 1,
             ignored: true,
-            corrections: 0
+            corrections: 0,
+            rejected: vec![],
+            pending: vec![],
         }
     );
     let answer = agent
@@ -1465,5 +1758,53 @@ async fn shut_down_ends_agent_streams_and_watches_with_unavailable() -> TestResu
         .await
         .map_err(|_| "the watch did not end")?;
     expect_status(end, Code::Unavailable, &["shutting down"])?;
+    Ok(())
+}
+
+/// DESIGN.md, "Sessions and ordering": an older session is refused only while the
+/// current session's stream is open. An agent that crashed leaves a half-open stream
+/// (its host went silent); the server's keepalive closes it, and the restarted agent,
+/// whose clock stepped back, gets in.
+#[tokio::test]
+async fn a_restarted_agent_with_an_older_clock_gets_in_after_the_keepalive_timeout() -> TestResult {
+    let op = Operator::start(&[
+        "--keepalive-interval",
+        "200ms",
+        "--keepalive-timeout",
+        "500ms",
+    ])
+    .await?;
+    let proxy = census_testkit::proxy::SilentProxy::start(op.grpc_addr).await?;
+    let (_crashed, _) = Agent::connect(&proxy.addr, "node-1", session(2_000)).await?;
+    // While the first stream answers, an older session is a zombie: refused.
+    let zombie = open_stream(&op, vec![hello("node-1", session(1_000))]).await?;
+    expect_status(zombie.map(|_| ()), Code::FailedPrecondition, &["node-1"])?;
+    // The agent's host goes silent: no answer to pings, no FIN.
+    proxy.go_silent();
+    let started = Instant::now();
+    let back = eventually(
+        "the restarted agent's Hello",
+        Duration::from_secs(10),
+        || async { Ok(Agent::connect(&op, "node-1", session(1_000)).await.ok()) },
+    )
+    .await?;
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(5),
+        "within keepalive interval + timeout (and retries): {waited:?}"
+    );
+    let (mut agent, _) = back;
+    let answer = agent
+        .snapshot(vec![endpoint(
+            "shop",
+            "web-0",
+            &["198.18.0.2"],
+            300,
+            &["k8s:app=web"],
+        )])
+        .await?;
+    assert_eq!(answer.ack.seq, 1, "its own seq, from 1");
+    let node = op.get_node_ok("node-1").await?;
+    assert_eq!(node.session.map(|s| s.start_time_ns), Some(1_000));
     Ok(())
 }

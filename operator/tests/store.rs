@@ -102,8 +102,8 @@ async fn check_op_semantics(store: &dyn Store) -> TestResult {
     assert_eq!(store.apply(vec![create(a, &web)]).await, vec![Ok(())]);
     assert_eq!(store.apply(vec![create(a, &web)]).await, vec![Ok(())]);
 
-    // The id bound to other labels, or the labels bound to another id: conflicts that
-    // write nothing.
+    // The id bound to other labels (a conflict), or the labels bound to another id
+    // (a different answer: the core takes that id for them): both write nothing.
     let results = store.apply(vec![create(a, &db), create(b, &web)]).await;
     match &results[..] {
         [
@@ -112,13 +112,15 @@ async fn check_op_semantics(store: &dyn Store) -> TestResult {
                 expected,
                 found,
             }),
-            Err(StoreError::Conflict { id: second, .. }),
+            Err(StoreError::LabelsBound {
+                id: second, bound, ..
+            }),
         ] => {
-            assert_eq!((*first, *second), (a, b));
+            assert_eq!((*first, *second, *bound), (a, b, a));
             assert_eq!(expected, "k8s:app=db");
             assert_eq!(found, "k8s:app=web");
         }
-        other => return Err(format!("expected two conflicts, got {other:?}").into()),
+        other => return Err(format!("expected a conflict and labels bound, got {other:?}").into()),
     }
     let after_create = Loaded {
         identities: vec![StoredIdentity {
@@ -224,7 +226,7 @@ async fn op_semantics_redb() -> TestResult {
     check_op_semantics(&open(&dir.path().join("census.redb"))?).await
 }
 
-/// One op of a batch conflicts; the others are applied, in order.
+/// One op of a batch is refused; the others are applied, in order.
 async fn check_batch_with_conflict(store: &dyn Store) -> TestResult {
     let (a, b, x) = (id(300)?, id(301)?, id(400)?);
     let (web, db, one, two) = (
@@ -267,7 +269,9 @@ async fn check_batch_with_conflict(store: &dyn Store) -> TestResult {
         ])
         .await;
     assert_eq!(results.len(), 7);
-    assert!(matches!(results[1], Err(StoreError::Conflict { id, .. }) if id == b));
+    assert!(
+        matches!(results[1], Err(StoreError::LabelsBound { id, bound, .. }) if id == b && bound == a)
+    );
     for (i, result) in results.iter().enumerate().filter(|(i, _)| *i != 1) {
         assert_eq!(result, &Ok(()), "op {i}");
     }
@@ -636,6 +640,232 @@ async fn files_left_by_a_crash_are_checked_without_writing() -> TestResult {
     Ok(())
 }
 
+/// Expects [`StoreError::Corrupt`] whose detail names `named` and whose message says
+/// what to do.
+fn assert_corrupt(err: &StoreError, named: &str) -> TestResult {
+    let StoreError::Corrupt { detail, .. } = err else {
+        return Err(format!("expected Corrupt ({named}), got {err:?}").into());
+    };
+    assert!(detail.contains(named), "{detail} does not say {named:?}");
+    let message = err.to_string();
+    for remedy in [
+        "restore it from a backup",
+        "move the file away to start empty",
+    ] {
+        assert!(
+            message.contains(remedy),
+            "{message} does not say {remedy:?}"
+        );
+    }
+    Ok(())
+}
+
+/// A store file with `count` identities, a node and a tombstone, closed cleanly, and
+/// what it holds.
+async fn big_store_file(dir: &Path, count: u32) -> TestResult<(PathBuf, Loaded)> {
+    let path = dir.join("census.redb");
+    let store = open(&path)?;
+    let mut ops = Vec::new();
+    for n in 0..count {
+        ops.push(StoreOp::CreateIdentity {
+            id: id(1_000 + n)?,
+            labels: labels(&format!("k8s:app=big-{n};k8s:padding={}", "p".repeat(40)))?,
+        });
+    }
+    let gone = labels("k8s:app=gone")?;
+    ops.push(StoreOp::DeleteIdentity {
+        id: id(999)?,
+        labels: gone.clone(),
+        tombstone: tombstone(id(999)?, &gone, u64::MAX),
+    });
+    ops.push(StoreOp::PutNode {
+        node: node("worker-1")?,
+    });
+    assert!(store.apply(ops).await.iter().all(Result::is_ok));
+    let loaded = store.load().await?;
+    assert_eq!(loaded.identities.len(), count as usize);
+    Ok((path, loaded))
+}
+
+/// A new store appears at its path complete (it is built under a temporary name and
+/// linked into place), and nothing else is left in the directory.
+#[tokio::test]
+async fn a_new_store_leaves_only_its_file() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("census.redb");
+    let store = open(&path)?;
+    assert_eq!(store.load().await?, Loaded::default());
+    let names: Vec<_> = fs::read_dir(dir.path())?
+        .map(|entry| entry.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(names, vec![std::ffi::OsString::from("census.redb")]);
+    drop(store);
+    assert_eq!(open(&path)?.load().await?, Loaded::default());
+    Ok(())
+}
+
+/// Only a path where nothing exists is created: an empty file may be what is left of a
+/// store (a failed restore, a full disk), and census never writes a store into it.
+#[test]
+fn an_empty_file_is_refused() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("census.redb");
+    fs::write(&path, b"")?;
+    assert_corrupt(&refused(&path)?, "empty")?;
+    assert_eq!(fs::metadata(&path)?.len(), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn truncated_files_are_refused() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (path, _) = big_store_file(dir.path(), 2_000).await?;
+    let whole = fs::read(&path)?;
+    let len = whole.len();
+    for cut in [len / 2, len / 4, len - 4096, 8192, 4096, 1024, 100, 9] {
+        let cut_path = dir.path().join(format!("cut-{cut}.redb"));
+        fs::write(&cut_path, &whole[..cut])?;
+        let err = refused(&cut_path)?;
+        assert!(
+            matches!(err, StoreError::Corrupt { .. }),
+            "cut to {cut} of {len} bytes: {err:?}"
+        );
+        assert_corrupt(&err, "")?;
+    }
+    Ok(())
+}
+
+#[test]
+fn foreign_files_are_refused() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let json = serde_json_like();
+    let mut magic_then_noise = b"redb\x1A\x0A\xA9\x0D\x0A".to_vec();
+    magic_then_noise.extend(noise(8 * 1024, 23));
+    for (name, bytes) in [
+        ("census.json", json.into_bytes()),
+        ("noise-4k", noise(4 * 1024, 17)),
+        ("notes.txt", b"identities: see the cluster\n".to_vec()),
+        ("magic-then-noise", magic_then_noise),
+    ] {
+        let path = dir.path().join(name);
+        fs::write(&path, &bytes)?;
+        let err = refused(&path)?;
+        assert_corrupt(&err, "").map_err(|e| format!("{name}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A JSON document such as an export of identities, written by hand to stay free of a
+/// JSON dependency.
+fn serde_json_like() -> String {
+    let entries: Vec<String> = (0..100)
+        .map(|n| format!("{{\"id\": {}, \"labels\": [\"k8s:app=web-{n}\"]}}", 256 + n))
+        .collect();
+    format!("{{\"identities\": [{}]}}\n", entries.join(", "))
+}
+
+/// The first page (redb's header) intact, pages behind it damaged: redb trusts a file
+/// that was closed cleanly and may panic reading it. Either way the open refuses it,
+/// unchanged, and the test process lives on.
+#[tokio::test]
+async fn corrupted_pages_are_refused_without_panicking() -> TestResult {
+    const PAGE: usize = 4096;
+    let dir = tempfile::tempdir()?;
+    let (path, original) = big_store_file(dir.path(), 2_000).await?;
+    let whole = fs::read(&path)?;
+
+    // Everything behind the header is noise.
+    let mut damaged = whole.clone();
+    damaged[PAGE..].copy_from_slice(&noise(whole.len() - PAGE, 29));
+    let all = dir.path().join("all-pages.redb");
+    fs::write(&all, &damaged)?;
+    assert_corrupt(&refused(&all)?, "")?;
+
+    // One page at a time, each page that holds anything: refused as it was, or (a page
+    // redb does not read, such as a free one) opened with every identity intact.
+    let mut refusals = 0;
+    let used = (1..whole.len() / PAGE).filter(|p| {
+        whole[p * PAGE..(p + 1) * PAGE]
+            .iter()
+            .any(|byte| *byte != 0)
+    });
+    for page in used {
+        let mut damaged = whole.clone();
+        damaged[page * PAGE..(page + 1) * PAGE].copy_from_slice(&noise(PAGE, page as u64 + 1));
+        let one = dir.path().join(format!("page-{page}.redb"));
+        fs::write(&one, &damaged)?;
+        let before = fs::read(&one)?;
+        match open(&one) {
+            Err(err) => {
+                assert_eq!(
+                    fs::read(&one)?,
+                    before,
+                    "page {page}: a refused file was modified"
+                );
+                assert_corrupt(&err, "").map_err(|e| format!("page {page}: {e}"))?;
+                refusals += 1;
+            }
+            Ok(store) => {
+                let loaded = store.load().await;
+                assert_eq!(
+                    loaded.as_ref().ok(),
+                    Some(&original),
+                    "page {page}: opened, but does not hold what was stored"
+                );
+            }
+        }
+    }
+    assert!(refusals > 0, "no damaged page was refused");
+    Ok(())
+}
+
+/// The file is damaged behind the open store's back, before it is loaded: the load
+/// fails as corrupt, naming the file, rather than with a panic of its task.
+#[tokio::test]
+async fn a_file_damaged_after_the_open_fails_the_load() -> TestResult {
+    const PAGE: usize = 4096;
+    let dir = tempfile::tempdir()?;
+    let (path, _) = big_store_file(dir.path(), 2_000).await?;
+    let whole = fs::read(&path)?;
+    // No page cache: the load reads the pages from the file, as it would for a store
+    // larger than the cache.
+    let options = RedbOptions {
+        cache_bytes: 0,
+        ..RedbOptions::default()
+    };
+    let store = RedbStore::open(&path, options)?;
+    let mut damaged = whole.clone();
+    damaged[PAGE..].copy_from_slice(&noise(whole.len() - PAGE, 31));
+    fs::write(&path, &damaged)?;
+
+    for attempt in 0..2 {
+        match store.load().await {
+            Err(err) => {
+                let shown = path.display().to_string();
+                assert!(
+                    err.to_string().contains(&shown),
+                    "{err} does not name {shown}"
+                );
+                assert_corrupt(&err, "").map_err(|e| format!("attempt {attempt}: {e}"))?;
+            }
+            Ok(loaded) => {
+                let count = loaded.identities.len();
+                return Err(format!(
+                    "attempt {attempt}: loaded {count} identities from a damaged file"
+                )
+                .into());
+            }
+        }
+    }
+    drop(store);
+    assert_eq!(
+        fs::read(&path)?,
+        damaged,
+        "the damaged file was written after the failed load"
+    );
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
 // Random op sequences: both stores agree with a model
 // ---------------------------------------------------------------------------------------
@@ -652,10 +882,11 @@ impl Model {
     fn apply(&mut self, op: &StoreOp) -> Result<(), &'static str> {
         match op {
             StoreOp::CreateIdentity { id, labels } => {
-                let id_taken = self.identities.get(id).is_some_and(|l| l != labels);
-                let labels_taken = self.identities.iter().any(|(i, l)| l == labels && i != id);
-                if id_taken || labels_taken {
+                if self.identities.get(id).is_some_and(|l| l != labels) {
                     return Err("conflict");
+                }
+                if self.identities.iter().any(|(i, l)| l == labels && i != id) {
+                    return Err("labels_bound");
                 }
                 self.identities.insert(*id, labels.clone());
                 self.tombstones.remove(id);

@@ -161,6 +161,15 @@ impl Allocator {
         result: Result<(), StoreError>,
         now: Timestamp,
     ) {
+        // The labels have an identity in the store already: take it when the core can.
+        let take = match &result {
+            Err(StoreError::LabelsBound { bound, .. })
+                if self.core.ids.can_adopt(*bound, labels) =>
+            {
+                Some(*bound)
+            }
+            _ => None,
+        };
         let core = &mut self.core;
         let Some(entry) = core.ids.get_mut(id) else {
             core.counters.stale_results += 1;
@@ -181,15 +190,8 @@ impl Allocator {
         }
         match result {
             Ok(()) => {
+                // Watch is told at the drain, with the holds added below.
                 entry.phase = Phase::Live;
-                if !entry.announced {
-                    entry.announced = true;
-                    let change = WatchChange::Upsert {
-                        id,
-                        labels: entry.labels.clone(),
-                    };
-                    core.fx.push(Effect::Watch(change));
-                }
                 let waiters = std::mem::take(&mut entry.waiters);
                 for waiter in waiters {
                     match waiter {
@@ -219,7 +221,15 @@ impl Allocator {
                 bump(&mut core.counters.create_failures, "conflict");
                 self.rehome(id, Blocked::StoreConflict { found }, now);
             }
+            // Nothing was written, so `id` is free again, never blocked.
+            Err(StoreError::LabelsBound { .. }) if let Some(bound) = take => {
+                bump(&mut core.counters.create_failures, "labels_bound");
+                self.take_over(id, bound, now);
+            }
             Err(e) => {
+                // Also a binding of the labels that the core cannot take (its id is
+                // bound to other labels here, blocked or quarantined): retried later
+                // like an unavailable store, on the same id, so no id is spent on it.
                 bump(&mut core.counters.create_failures, e.cause());
                 let attempt = attempt + 1;
                 let retry_at = now.plus(core.cfg.backoff(attempt));
@@ -364,6 +374,102 @@ impl Allocator {
         }
     }
 
+    /// The store holds a valid binding of `id` to `labels` that the core never loaded
+    /// nor wrote (seen by the store's own watch). The core takes it in when it knows
+    /// neither the id nor the labels and could adopt the id; unused, it is released
+    /// and collected like any identity. Anything else is left to the answers of the
+    /// core's own writes and to [`Allocator::binding_invalid`].
+    pub fn binding_found(&mut self, id: IdentityId, labels: &LabelSet) {
+        let core = &mut self.core;
+        if core.ids.id_of(labels).is_some() || !core.ids.can_adopt(id, labels) {
+            return;
+        }
+        core.ids.insert(id, labels.clone(), Phase::Live);
+        core.counters.bindings_taken += 1;
+        core.announce(id);
+        core.gc.unused.push(id);
+    }
+
+    /// The store binds the labels that `from` was being created for to `to` already
+    /// (the caller checked the core can take `to`): `to` becomes their identity, as
+    /// persisted, and whatever used `from` moves to it, answered and rebound at once.
+    /// `from` was never written and is free again.
+    fn take_over(&mut self, from: IdentityId, to: IdentityId, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(old) = core.ids.remove(from) else {
+            return;
+        };
+        core.ids.insert(to, old.labels, Phase::Live);
+        core.counters.bindings_taken += 1;
+        core.announce(to);
+        let (refs, holds) = self.move_users(from, to, true);
+        let core = &mut self.core;
+        if let Some(entry) = core.ids.get_mut(to) {
+            entry.refs = refs;
+            entry.holds = holds;
+        }
+        for waiter in old.waiters {
+            // Rebinds are sent by `move_users` for every endpoint in a view.
+            if let Waiter::Request { req, node } = waiter {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.pending = n.pending.saturating_sub(1);
+                    core.add_hold(n, to, now);
+                }
+                core.fx.push(Effect::Reply {
+                    req,
+                    result: Ok(to),
+                });
+            }
+        }
+        if core.ids.get(to).is_some_and(|e| !e.wanted()) {
+            core.gc.unused.push(to);
+        }
+    }
+
+    /// Points every view entry and hold of `from` at `to`, with a Rebind for each
+    /// endpoint: sent now if `to` is persisted, else queued on `to` until it is.
+    /// Returns the references and holds moved.
+    fn move_users(&mut self, from: IdentityId, to: IdentityId, persisted: bool) -> (u32, u32) {
+        let core = &mut self.core;
+        let (mut refs, mut holds) = (0, 0);
+        let mut queued = Vec::new();
+        for (name, node) in self.nodes.iter_mut() {
+            for (key, v) in node.view.iter_mut().filter(|(_, v)| v.id == from) {
+                v.id = to;
+                refs += 1;
+                if let Some(conn) = node.conn {
+                    node.counters.rebinds += 1;
+                    core.counters.rebinds += 1;
+                    if persisted {
+                        let msg = AgentMsg::Rebind {
+                            key: key.clone(),
+                            identity: to,
+                        };
+                        core.fx.push(Effect::Agent {
+                            node: name.clone(),
+                            conn,
+                            msg,
+                        });
+                    } else {
+                        queued.push(Waiter::Rebind {
+                            node: name.clone(),
+                            conn,
+                            key: key.clone(),
+                        });
+                    }
+                }
+            }
+            if let Some(expires) = node.holds.remove(&from) {
+                node.holds.insert(to, expires);
+                holds += 1;
+            }
+        }
+        if let Some(entry) = core.ids.get_mut(to) {
+            entry.waiters.extend(queued);
+        }
+        (refs, holds)
+    }
+
     /// The store holds, for `id`, an object census did not write or that was edited
     /// (`found` describes it): the id is blocked for good, reported, and whatever used
     /// it moves to a new id.
@@ -399,19 +505,34 @@ impl Allocator {
             Waiter::Request { req, node } => Some((req, node)),
             Waiter::Rebind { .. } => None,
         });
-        let Some(fresh) = core.ids.free_id() else {
-            // Nowhere to go: the endpoints are left out of the views until ids free up.
-            for (_, node) in self.nodes.iter_mut() {
+        // No new id inside the adoption window: it could be one an agent that has
+        // not reported yet still holds.
+        let window = core.in_adoption_window(now);
+        let fresh = if window { None } else { core.ids.free_id() };
+        let Some(fresh) = fresh else {
+            // Nowhere to go: the endpoints are left out of the views until ids free up,
+            // or, in the window, until it ends and their nodes snapshot again.
+            for (name, node) in self.nodes.iter_mut() {
+                let before = node.view.len();
                 node.view.retain(|_, v| v.id != id);
+                if window && node.view.len() != before {
+                    core.deferred.insert(name.clone());
+                }
                 node.holds.remove(&id);
             }
             for (req, node) in requests {
                 if let Some(n) = self.nodes.get_mut(&node) {
                     n.pending = n.pending.saturating_sub(1);
                 }
-                let err = AllocError::RangeExhausted {
-                    range: core.ids.range(),
-                    used: core.ids.used_in_range(),
+                let err = if window {
+                    AllocError::AdoptionWindow {
+                        remaining_ms: core.new_ids_after.since(now).as_millis() as u64,
+                    }
+                } else {
+                    AllocError::RangeExhausted {
+                        range: core.ids.range(),
+                        used: core.ids.used_in_range(),
+                    }
                 };
                 core.fx.push(Effect::Reply {
                     req,
@@ -430,33 +551,16 @@ impl Allocator {
             },
         );
         core.create_op(fresh);
-        let mut waiters: Vec<Waiter> = requests
+        let requests: Vec<Waiter> = requests
             .map(|(req, node)| Waiter::Request { req, node })
             .collect();
-        let (mut refs, mut holds) = (0, 0);
-        for (name, node) in self.nodes.iter_mut() {
-            for (key, v) in node.view.iter_mut().filter(|(_, v)| v.id == id) {
-                v.id = fresh;
-                refs += 1;
-                if let Some(conn) = node.conn {
-                    waiters.push(Waiter::Rebind {
-                        node: name.clone(),
-                        conn,
-                        key: key.clone(),
-                    });
-                    node.counters.rebinds += 1;
-                    core.counters.rebinds += 1;
-                }
-            }
-            if let Some(expires) = node.holds.remove(&id) {
-                node.holds.insert(fresh, expires);
-                holds += 1;
-            }
-        }
         if let Some(entry) = core.ids.get_mut(fresh) {
+            entry.waiters = requests;
+        }
+        let (refs, holds) = self.move_users(id, fresh, false);
+        if let Some(entry) = self.core.ids.get_mut(fresh) {
             entry.refs = refs;
             entry.holds = holds;
-            entry.waiters = waiters;
         }
     }
 }

@@ -3,6 +3,7 @@ use census_proto::{
     labels::LabelSet,
 };
 
+use super::IdentityInfo;
 use crate::store::StoreOp;
 
 /// Identifies one Allocate call while its answer is pending.
@@ -42,7 +43,7 @@ pub enum Effect {
         conn: ConnId,
         msg: AgentMsg,
     },
-    /// A change for IdentityService.Watch.
+    /// A change for IdentityService.Watch: at most one per identity per drain.
     Watch(WatchChange),
 }
 
@@ -69,10 +70,13 @@ pub enum CloseReason {
     NodeGone,
 }
 
+/// What IdentityService.Watch is told. Changes between two drains of the effects
+/// are coalesced per identity: one Upsert with the state at the drain.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchChange {
-    /// A binding exists (new, or re-created).
-    Upsert { id: IdentityId, labels: LabelSet },
+    /// A persisted binding appeared, or its state, references or holds changed: the
+    /// identity as it is now.
+    Upsert(IdentityInfo),
     /// A binding is gone.
     Removed { id: IdentityId, labels: LabelSet },
 }
@@ -118,7 +122,7 @@ pub enum AllocError {
 }
 
 /// What applying a delta or snapshot did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Applied {
     /// The message was older than one already applied: nothing changed.
     pub ignored: bool,
@@ -130,6 +134,12 @@ pub struct Applied {
     pub rebinds: u64,
     /// Endpoints left out of the view because no identity could be found for them.
     pub unresolved: u64,
+    /// Endpoints whose identity is decided later: they need a new id while new ids
+    /// wait for the adoption window to end. They are left out of the view until then;
+    /// the agent is sent a Rebind when each is resolved.
+    pub pending: Vec<EndpointKey>,
+    /// Entries of a snapshot whose key an earlier entry had: only the first counts.
+    pub duplicates: u64,
 }
 
 /// The outcome of an accepted Hello.

@@ -20,6 +20,7 @@ const TOMB_SCAN_EVERY: Duration = Duration::from_secs(1);
 impl Allocator {
     /// Advances time to `now`.
     pub fn tick(&mut self, now: Timestamp) {
+        self.end_adoption_window(now);
         self.expire_holds(now);
         self.check_liveness(now);
         self.release_unused(now);
@@ -35,6 +36,23 @@ impl Allocator {
         self.refill_budget(now);
         self.retry_due(now);
         self.delete_released(now);
+    }
+
+    /// Once the adoption window has passed, every node with entries it left pending
+    /// is asked for a snapshot now, which gives them their ids.
+    fn end_adoption_window(&mut self, now: Timestamp) {
+        if self.core.deferred.is_empty() || self.core.in_adoption_window(now) {
+            return;
+        }
+        for name in std::mem::take(&mut self.core.deferred) {
+            if let Some(conn) = self.nodes.get(&name).and_then(|n| n.conn) {
+                self.core.fx.push(Effect::Agent {
+                    node: name,
+                    conn,
+                    msg: AgentMsg::SnapshotNow,
+                });
+            }
+        }
     }
 
     /// The Node object of `name` is gone: its view, holds and stream go with it.
@@ -124,7 +142,12 @@ impl Allocator {
                 });
             }
         }
-        core.store(StoreOp::DeleteNode { node: name.clone() }, Priority::Gc);
+        // On the queue of PutNode, so the writes of one node land in the order they
+        // were made: a node that comes straight back is not deleted after its put.
+        core.store(
+            StoreOp::DeleteNode { node: name.clone() },
+            Priority::Allocation,
+        );
         shrink_map(&mut self.nodes);
     }
 
@@ -133,7 +156,9 @@ impl Allocator {
     fn release_unused(&mut self, now: Timestamp) {
         let core = &mut self.core;
         if let Some(until) = core.protect_until {
-            if now < until {
+            // A known node that has not reported since the start keeps everything
+            // protected until it does or its view would be dropped (it is, then).
+            if now < until || self.nodes.values().any(|n| n.awaited) {
                 core.gc.unused.clear();
                 return;
             }
@@ -260,7 +285,12 @@ impl Allocator {
                 _ => false,
             };
             if still_meant {
-                core.store(op, Priority::Gc);
+                let priority = match op {
+                    // Beside PutNode (see `drop_node`).
+                    StoreOp::DeleteNode { .. } => Priority::Allocation,
+                    _ => Priority::Gc,
+                };
+                core.store(op, priority);
             }
         }
         for id in core.ids.expire_tombs(now) {

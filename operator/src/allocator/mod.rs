@@ -19,6 +19,7 @@ mod nodes;
 mod read;
 mod sync;
 mod time;
+mod watch;
 
 #[cfg(test)]
 mod tests;
@@ -60,8 +61,12 @@ struct Core {
     /// Nothing is released before this (after a restart, every node gets a node TTL
     /// to snapshot first). `None` once passed.
     protect_until: Option<Timestamp>,
-    /// Allocate hands out no new id before this (the store was empty at start).
+    /// No new id is handed out before this (the store was empty at start): not to
+    /// Allocate, nor to snapshot entries or rehomed endpoints.
     new_ids_after: Timestamp,
+    /// Nodes with entries left pending by the adoption window; each is asked for a
+    /// snapshot when it ends, which resolves them. Bounded by the nodes.
+    deferred: BTreeSet<NodeName>,
     next_conn: u64,
 }
 
@@ -88,8 +93,11 @@ impl Allocator {
     /// A core over the store's contents, as the operator starts.
     ///
     /// Every loaded identity is held until `now + node_ttl`, so every known node can
-    /// snapshot before GC may release anything; if the store holds no identity at
-    /// all, Allocate hands out no new id for the adoption window either.
+    /// snapshot before GC may release anything, and after that for as long as a
+    /// known node has neither snapshotted nor had its view dropped (a partitioned
+    /// agent keeps its view up to the stale-view limit in a cluster, so it keeps its
+    /// identities that long across a restart too); if the store holds no identity at
+    /// all, no new id is handed out for the adoption window either.
     pub fn new(cfg: Config, loaded: Loaded, now: Timestamp) -> Self {
         let mut ids = Identities::new(cfg.range);
         let mut fx = Vec::new();
@@ -100,10 +108,10 @@ impl Allocator {
                 continue;
             }
             ids.insert(stored.id, stored.labels, Phase::Live);
-            if let Some(entry) = ids.get_mut(stored.id) {
-                entry.announced = true;
-            }
+            ids.mark_announced(stored.id);
         }
+        // What was loaded is the full list Watch subscribers start from, not news.
+        ids.take_touched();
         for tomb in loaded.tombstones {
             let until = Timestamp::from_millis(tomb.until_ms);
             if until <= now || ids.get(tomb.id).is_some() {
@@ -124,7 +132,11 @@ impl Allocator {
         let nodes = loaded
             .nodes
             .into_iter()
-            .map(|name| (name, Node::new(now, Persisted::Yes)))
+            .map(|name| {
+                let mut node = Node::new(now, Persisted::Yes);
+                node.awaited = true;
+                (name, node)
+            })
             .collect();
         let new_ids_after = if store_was_empty {
             now.plus(cfg.adoption_window)
@@ -136,6 +148,7 @@ impl Allocator {
             core: Core {
                 protect_until: Some(now.plus(cfg.node_ttl)),
                 new_ids_after,
+                deferred: BTreeSet::new(),
                 gc: Gc {
                     tokens: cfg.gc_burst,
                     refilled_at: now,
@@ -162,6 +175,7 @@ impl Allocator {
 
     /// Takes the effects queued so far, in the order they were produced.
     pub fn drain_effects(&mut self) -> Vec<Effect> {
+        self.core.flush_watch();
         std::mem::take(&mut self.core.fx)
     }
 }
@@ -169,6 +183,17 @@ impl Allocator {
 impl Core {
     fn store(&mut self, op: StoreOp, priority: Priority) {
         self.fx.push(Effect::Store { op, priority });
+    }
+
+    /// Whether new ids wait for agents to re-report theirs (an empty store at start).
+    fn in_adoption_window(&self, now: Timestamp) -> bool {
+        now < self.new_ids_after
+    }
+
+    /// Tells Watch subscribers that `id`'s binding exists: at the drain, with the
+    /// identity as it is then (see [`Core::flush_watch`]).
+    fn announce(&mut self, id: IdentityId) {
+        self.ids.get_mut(id);
     }
 
     fn create_op(&mut self, id: IdentityId) {
@@ -248,7 +273,8 @@ impl Core {
         }
     }
 
-    /// Ends `node`'s hold on `id`, if it has one (the id is now in its view).
+    /// Ends `node`'s hold on `id`, if it has one (an endpoint of its view took the id
+    /// up).
     fn end_hold(&mut self, node: &mut Node, id: IdentityId) {
         if !node.holds.is_empty() && node.holds.remove(&id).is_some() {
             self.hold_gone(id);

@@ -12,6 +12,10 @@ use super::{ConnId, Timestamp};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ViewEntry {
     pub(crate) id: IdentityId,
+    /// The last snapshot (by [`Node::snapshots`]) that found this entry unchanged: a
+    /// second entry of the same key in one snapshot finds it marked already. In the
+    /// padding after `id`, so it costs no memory.
+    pub(crate) seen: u32,
     pub(crate) ips: Box<[IpAddr]>,
 }
 
@@ -53,6 +57,11 @@ pub(crate) struct Node {
     pub(crate) holds: HashMap<IdentityId, Timestamp>,
     /// Allocations of this node waiting for the store.
     pub(crate) pending: u32,
+    /// Snapshots checked against the view, never 0 (see [`ViewEntry::seen`]).
+    pub(crate) snapshots: u32,
+    /// Known from the store at start and no snapshot since: the restart protection
+    /// waits for it (its agent may be partitioned away, still using its identities).
+    pub(crate) awaited: bool,
     pub(crate) counters: NodeCounters,
 }
 
@@ -71,6 +80,8 @@ impl Node {
             view: HashMap::new(),
             holds: HashMap::new(),
             pending: 0,
+            snapshots: 0,
+            awaited: false,
             counters: NodeCounters::default(),
         }
     }

@@ -20,13 +20,19 @@ use crate::store::StoreOp;
 struct Resolved {
     id: Option<IdentityId>,
     rebind: bool,
+    /// The entry needs a new id while the adoption window holds new ids back.
+    pending: bool,
 }
 
 impl Allocator {
     /// A Hello on a new stream. A newer session replaces the current one (whose stream
     /// is told to close) and restarts `seq`; the same session reconnecting replaces
-    /// the stream and keeps `seq`; an older session is refused. The view stays as it
-    /// was until the session's first snapshot.
+    /// the stream and keeps `seq`; an older session is refused while the current
+    /// session's stream is open (a zombie cannot take over a live agent), and becomes
+    /// current once it has closed, whatever the clocks say (an agent restarted after
+    /// a clock step back is never locked out). The transport closes a stream whose
+    /// peer stops answering keepalive pings. The view stays as it was until the
+    /// session's first snapshot.
     pub fn hello(
         &mut self,
         name: &NodeName,
@@ -36,6 +42,7 @@ impl Allocator {
         if let Some(node) = self.nodes.get(name)
             && let Some(current) = node.session
             && session < current
+            && node.conn.is_some()
         {
             return Err(SyncError::StaleSession {
                 node: name.clone(),
@@ -109,18 +116,28 @@ impl Allocator {
         }
         match resolved.id {
             Some(id) => {
-                match node.view.insert(key, ViewEntry { id, ips }) {
+                // A hold ends when an endpoint takes the id up, not when one that had
+                // it already is seen again (a sibling pod must not end a fresh pod's
+                // hold before the fresh pod is in the view).
+                match node.view.insert(key, ViewEntry { id, seen: 0, ips }) {
                     Some(prev) if prev.id == id => {}
                     Some(prev) => {
                         self.core.inc(id);
                         self.core.dec(prev.id);
+                        self.core.end_hold(node, id);
                     }
-                    None => self.core.inc(id),
+                    None => {
+                        self.core.inc(id);
+                        self.core.end_hold(node, id);
+                    }
                 }
-                self.core.end_hold(node, id);
             }
             None => {
-                applied.unresolved += 1;
+                if resolved.pending {
+                    applied.pending.push(key.clone());
+                } else {
+                    applied.unresolved += 1;
+                }
                 if let Some(prev) = node.view.remove(&key) {
                     self.core.dec(prev.id);
                 }
@@ -167,26 +184,26 @@ impl Allocator {
         let core = &mut self.core;
         core.counters.snapshots += 1;
         node.last_snapshot = Some(now);
+        node.awaited = false;
         let first = std::mem::replace(&mut node.first_snapshot_pending, false);
 
         // The common case: nothing changed since the last snapshot and the deltas.
+        // Each entry marks its view entry, so two entries of one key (the view then
+        // lacks some other key) are never taken for an unchanged view.
+        node.snapshots = node.snapshots.wrapping_add(1).max(1);
+        let mark = node.snapshots;
         let unchanged = endpoints.len() == node.view.len()
             && endpoints.iter().all(|ep| {
-                node.view
-                    .get(&ep.key)
-                    .is_some_and(|v| v.id == ep.identity && v.ips == ep.ips)
-                    && core.ids.is_bound(ep.identity, &ep.labels)
+                node.view.get_mut(&ep.key).is_some_and(|v| {
+                    let first = std::mem::replace(&mut v.seen, mark) != mark;
+                    first && v.id == ep.identity && v.ips == ep.ips
+                }) && core.ids.is_bound(ep.identity, &ep.labels)
             });
         if unchanged {
             // At rest: the view gives back what a burst of deltas grew it to, so it
             // holds what a changed snapshot would have rebuilt it with.
+            // No endpoint took an id up, so no hold ends (see `upsert`).
             settle_map(&mut node.view);
-            for ep in &endpoints {
-                if node.holds.is_empty() {
-                    break;
-                }
-                core.end_hold(node, ep.identity);
-            }
             return Ok(Applied::default());
         }
 
@@ -201,6 +218,12 @@ impl Allocator {
             labels,
         } in endpoints
         {
+            // A key seen already in this snapshot: the first entry counts (the wire
+            // layer refuses such entries; the core defines them anyway).
+            if view.contains_key(&key) {
+                applied.duplicates += 1;
+                continue;
+            }
             let resolved = core.resolve(name, conn, &key, identity, &labels, now);
             if resolved.rebind {
                 applied.rebinds += 1;
@@ -208,7 +231,11 @@ impl Allocator {
             }
             let Some(id) = resolved.id else {
                 // Left out of the view; a previous reference is dropped below.
-                applied.unresolved += 1;
+                if resolved.pending {
+                    applied.pending.push(key);
+                } else {
+                    applied.unresolved += 1;
+                }
                 continue;
             };
             match old.remove(&key) {
@@ -216,15 +243,16 @@ impl Allocator {
                 Some(prev) => {
                     core.inc(id);
                     core.dec(prev.id);
+                    core.end_hold(node, id);
                     changes += 2;
                 }
                 None => {
                     core.inc(id);
+                    core.end_hold(node, id);
                     changes += 1;
                 }
             }
-            core.end_hold(node, id);
-            view.insert(key, ViewEntry { id, ips });
+            view.insert(key, ViewEntry { id, seen: 0, ips });
         }
         for (_, prev) in old {
             core.dec(prev.id);
@@ -291,12 +319,14 @@ impl Core {
                 return Resolved {
                     id: Some(bound),
                     rebind: false,
+                    pending: false,
                 };
             }
             self.rebind(node, conn, key, bound, ready);
             return Resolved {
                 id: Some(bound),
                 rebind: true,
+                pending: false,
             };
         }
         // X unknown, L unknown, X in range and not quarantined for another set: adopt.
@@ -315,9 +345,20 @@ impl Core {
             return Resolved {
                 id: Some(claimed),
                 rebind: false,
+                pending: false,
             };
         }
-        // X is bound to other labels, out of range or quarantined: a new id for L.
+        // X is bound to other labels, out of range or quarantined: a new id for L,
+        // once agents have had the chance to re-report theirs (the lowest free id is
+        // the one most likely still held by an agent that has not reported yet).
+        if self.in_adoption_window(now) {
+            self.deferred.insert(node.clone());
+            return Resolved {
+                id: None,
+                rebind: false,
+                pending: true,
+            };
+        }
         match self.ids.free_id() {
             Some(fresh) => {
                 self.ids.insert(
@@ -335,6 +376,7 @@ impl Core {
                 Resolved {
                     id: Some(fresh),
                     rebind: true,
+                    pending: false,
                 }
             }
             None => {
@@ -342,6 +384,7 @@ impl Core {
                 Resolved {
                     id: None,
                     rebind: false,
+                    pending: false,
                 }
             }
         }

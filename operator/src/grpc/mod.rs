@@ -11,7 +11,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use census_proto::pb::{
@@ -35,10 +35,22 @@ pub(crate) enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
+/// HTTP/2 keepalive of every connection: a ping each `interval`, closed when one
+/// goes unanswered for `timeout`. It is what makes an agent's stream "open" in the
+/// sense of the session rule (DESIGN.md, "Sessions and ordering"): a crashed agent's
+/// half-open stream ends within interval + timeout, and a restarted agent whose clock
+/// stepped back gets in after that.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Keepalive {
+    pub(crate) interval: Duration,
+    pub(crate) timeout: Duration,
+}
+
 /// Serves until `shutdown` turns true, then stops accepting and drains.
 pub(crate) async fn serve(
     listener: TcpListener,
     runtime: Arc<Runtime>,
+    keepalive: Keepalive,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let max = runtime.settings.max_message_bytes;
@@ -77,6 +89,8 @@ pub(crate) async fn serve(
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut stop = shutdown.clone();
     tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keepalive.interval))
+        .http2_keepalive_timeout(Some(keepalive.timeout))
         .layer(GrpcMetricsLayer {
             metrics: runtime.metrics.clone(),
         })

@@ -79,10 +79,10 @@ pub(super) fn plan<'a>(op: &'a StoreOp, view: &impl View) -> Result<Vec<Write<'a
             let mut writes = Vec::with_capacity(2);
             match bound {
                 Some(other) if other != id => {
-                    return Err(StoreError::Conflict {
+                    return Err(StoreError::LabelsBound {
                         id,
-                        expected: labels.to_string(),
-                        found: format!("those labels to identity {other}"),
+                        labels: labels.to_string(),
+                        bound: other,
                     });
                 }
                 // Exactly this binding exists already: only a stray tombstone to drop.
@@ -289,7 +289,8 @@ impl MemoryStore {
     }
 
     /// A store holding `loaded`, as if an operator had written it before. Fails with
-    /// [`StoreError::Conflict`] if two identities share an id or a label set.
+    /// [`StoreError::Conflict`] if two identities share an id,
+    /// [`StoreError::LabelsBound`] if they share a label set.
     pub fn with_contents(loaded: Loaded) -> Result<Self, StoreError> {
         let store = Self::new();
         *lock(&store.inner.state) = State::from_loaded(loaded)?;
@@ -553,7 +554,7 @@ mod tests {
         };
         assert!(matches!(
             MemoryStore::with_contents(loaded),
-            Err(StoreError::Conflict { .. })
+            Err(StoreError::LabelsBound { .. })
         ));
         Ok(())
     }

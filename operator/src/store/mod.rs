@@ -93,11 +93,25 @@ pub enum StoreError {
         expected: String,
         found: String,
     },
+    /// A create of `id` found its labels bound to another identity, `bound`: the
+    /// store already has an identity for them (restored from a backup, applied by
+    /// hand, or written by a deposed leader). Nothing was written; the core takes
+    /// `bound` for the labels instead of blocking `id`.
+    #[error("identity {id}: the store binds its labels {labels} to identity {bound} already")]
+    LabelsBound {
+        id: IdentityId,
+        labels: String,
+        bound: IdentityId,
+    },
     /// The write may succeed later (I/O error, timeout, API server unavailable).
     #[error("store unavailable ({cause}): {detail}")]
     Unavailable { cause: &'static str, detail: String },
-    /// The file or its contents cannot be read as census state. Fatal at open.
-    #[error("store {path} is corrupt: {detail}")]
+    /// The file or its contents cannot be read as census state: empty, truncated,
+    /// damaged, or not a census store. Fatal at open.
+    #[error(
+        "store {path} is corrupt: {detail}; \
+         it is never rewritten silently: restore it from a backup, or move the file away to start empty"
+    )]
     Corrupt { path: String, detail: String },
     /// The file was written by another schema version. Fatal at open.
     #[error(
@@ -119,6 +133,7 @@ impl StoreError {
     pub fn cause(&self) -> &'static str {
         match self {
             Self::Conflict { .. } => "conflict",
+            Self::LabelsBound { .. } => "labels_bound",
             Self::Unavailable { cause, .. } => cause,
             Self::Corrupt { .. } => "corrupt",
             Self::Schema { .. } => "schema",
@@ -141,6 +156,11 @@ pub enum StoreEvent {
     /// The store holds for `id` an object census did not write, or one that was
     /// edited (`found` says what): the core blocks the id for good.
     BindingInvalid { id: IdentityId, found: String },
+    /// The store holds a valid binding of `id` to `labels` that census did not write
+    /// (a backup restored, `kubectl apply`, a deposed leader's late write). The core
+    /// takes it in if it knows neither the id nor the labels; unused, it is collected
+    /// like any other identity.
+    BindingFound { id: IdentityId, labels: LabelSet },
 }
 
 /// Durable state behind the allocator.

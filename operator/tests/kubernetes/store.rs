@@ -11,6 +11,7 @@ use census_operator::{
         kubernetes::{EventsConfig, KubeStoreConfig},
     },
 };
+use census_proto::labels::LabelSet;
 use prometheus_client::registry::Registry;
 use serde_json::json;
 
@@ -215,10 +216,16 @@ async fn a_conflict_is_reread_and_retried_when_only_an_annotation_changed() -> T
 #[tokio::test]
 async fn create_is_idempotent_and_refuses_only_other_labels() -> TestResult {
     let server = fake().await?;
-    let (web, db) = (labels("web"), labels("db"));
+    let (web, db, api, cache, queue) = (
+        labels("web"),
+        labels("db"),
+        labels("api"),
+        labels("cache"),
+        labels("queue"),
+    );
     server.insert(binding(400, &web))?;
     server.insert(binding(401, &db))?;
-    server.insert(tombstone(402, &web, now_ms() + 600_000))?;
+    server.insert(tombstone(402, &cache, now_ms() + 600_000))?;
     server.insert(tombstone(403, &db, now_ms() - 1))?;
     // The store's first list comes late, so it writes knowing nothing: every answer
     // below comes from the API (409 AlreadyExists and a re-read).
@@ -231,27 +238,15 @@ async fn create_is_idempotent_and_refuses_only_other_labels() -> TestResult {
         Arc::new(Fence::always_open()),
         KubeStoreConfig::default(),
     )?;
+    let create = |n: u32, labels: &LabelSet| StoreOp::CreateIdentity {
+        id: id(n),
+        labels: labels.clone(),
+    };
     let ops = vec![
-        StoreOp::CreateIdentity {
-            id: id(400),
-            labels: web.clone(),
-        },
-        StoreOp::CreateIdentity {
-            id: id(401),
-            labels: web.clone(),
-        },
-        StoreOp::CreateIdentity {
-            id: id(402),
-            labels: web.clone(),
-        },
-        StoreOp::CreateIdentity {
-            id: id(403),
-            labels: web.clone(),
-        },
-        StoreOp::CreateIdentity {
-            id: id(404),
-            labels: db.clone(),
-        },
+        create(400, &web),
+        create(401, &api),
+        create(402, &cache),
+        create(403, &queue),
     ];
     let results = store.apply(ops).await;
     server.faults().remove(slow);
@@ -272,13 +267,60 @@ async fn create_is_idempotent_and_refuses_only_other_labels() -> TestResult {
         Ok(()),
         "an expired tombstone of other labels is replaced"
     );
-    assert_eq!(results[4], Ok(()));
+    // Labels the store binds to another id (the re-reads above showed web bound to
+    // 400 and db to 401): refused with that id, nothing written. (The ops of one
+    // batch may run concurrently, so these come in a batch of their own.)
+    let results = store.apply(vec![create(404, &db), create(405, &web)]).await;
+    for (k, bound) in [(0, 401), (1, 400)] {
+        match &results[k] {
+            Err(StoreError::LabelsBound { bound: b, .. }) if *b == id(bound) => {}
+            other => {
+                return fail(format!(
+                    "labels bound to {bound} already: {other:?} (op {k})"
+                ));
+            }
+        }
+    }
     let revived = object(&server, 402).ok_or("402 is gone")?;
     assert!(revived["status"].is_null(), "{revived}");
     let replaced = object(&server, 403).ok_or("403 is gone")?;
-    assert_eq!(replaced["spec"]["labels"], json!(web.to_strings()));
+    assert_eq!(replaced["spec"]["labels"], json!(queue.to_strings()));
     assert!(replaced["status"].is_null());
-    assert!(object(&server, 404).is_some());
+    assert!(object(&server, 404).is_none(), "no second object for db");
+    assert!(object(&server, 405).is_none(), "no second object for web");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_binding_census_did_not_write_is_reported_and_a_create_of_its_labels_refused()
+-> TestResult {
+    // The scenario at the store: the core never loaded 280 -> web (it appears
+    // after the first list: a backup restored, `kubectl apply`).
+    let server = fake().await?;
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    let mut events = store.events().ok_or("no events")?;
+    synced(&store).await?;
+    let web = labels("web");
+    server.insert(binding(280, &web))?;
+    match next_event(&mut events).await? {
+        StoreEvent::BindingFound { id: found, labels } if found == id(280) && labels == web => {}
+        other => return fail(format!("expected BindingFound for 280: {other:?}")),
+    }
+    let results = store
+        .apply(vec![StoreOp::CreateIdentity {
+            id: id(256),
+            labels: web.clone(),
+        }])
+        .await;
+    match &results[..] {
+        [Err(StoreError::LabelsBound { bound, .. })] if *bound == id(280) => {}
+        other => return fail(format!("expected LabelsBound(280): {other:?}")),
+    }
+    assert!(object(&server, 256).is_none(), "no object written");
     Ok(())
 }
 
@@ -476,6 +518,11 @@ async fn the_read_model_answers_reads() -> TestResult {
     let (page, more) = reads.list(None, 10, None, false);
     assert_eq!(page.len(), 1);
     assert!(!more);
-    assert_eq!(reads.bindings(), [(id(700), web)]);
+    let bindings: Vec<_> = reads
+        .bindings()
+        .into_iter()
+        .map(|i| (i.id, i.labels))
+        .collect();
+    assert_eq!(bindings, [(id(700), Some(web))]);
     Ok(())
 }

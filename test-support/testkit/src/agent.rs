@@ -1,15 +1,35 @@
 //! An agent's EndpointSync stream, driven message by message, and the messages it
 //! sends.
 
+use std::net::SocketAddr;
+
 use census_proto::{
     PROTOCOL_VERSION,
     pb::{self, agent_message::Body, endpoint_sync_client::EndpointSyncClient, operator_message},
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Status, Streaming};
+use tonic::{Code, Status, Streaming, transport::Channel};
 
 use crate::{ANSWER_TIMEOUT, Operator, TestResult, expect_status, fail, strings};
+
+/// Where an agent's stream goes: an operator, or any address (a proxy in front of
+/// one).
+pub trait Target {
+    fn grpc_addr(&self) -> SocketAddr;
+}
+
+impl Target for Operator {
+    fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+}
+
+impl Target for SocketAddr {
+    fn grpc_addr(&self) -> SocketAddr {
+        *self
+    }
+}
 
 /// A session that starts at `start_time_ns`.
 pub fn session(start_time_ns: u64) -> pb::Session {
@@ -75,7 +95,7 @@ pub type AgentStream = (
 /// Opens an EndpointSync stream whose first messages are `first`. The operator reads
 /// the first message before it answers, so a refused first message is the call's error.
 pub async fn open_stream(
-    op: &Operator,
+    op: &impl Target,
     first: Vec<pb::AgentMessage>,
 ) -> TestResult<Result<AgentStream, Status>> {
     let (tx, rx) = mpsc::channel(16);
@@ -87,7 +107,7 @@ pub async fn open_stream(
 
 /// Like [`open_stream`], but the agent ends its half of the stream after `first`.
 pub async fn open_stream_and_close(
-    op: &Operator,
+    op: &impl Target,
     first: Vec<pb::AgentMessage>,
 ) -> TestResult<Result<Streaming<pb::OperatorMessage>, Status>> {
     let (tx, rx) = mpsc::channel(16);
@@ -99,10 +119,14 @@ pub async fn open_stream_and_close(
 }
 
 async fn call_sync(
-    op: &Operator,
+    op: &impl Target,
     rx: mpsc::Receiver<pb::AgentMessage>,
 ) -> TestResult<Result<Streaming<pb::OperatorMessage>, Status>> {
-    let mut client = EndpointSyncClient::new(op.channel().await?)
+    let channel = Channel::from_shared(format!("http://{}", op.grpc_addr()))?
+        .connect_timeout(ANSWER_TIMEOUT)
+        .connect()
+        .await?;
+    let mut client = EndpointSyncClient::new(channel)
         .max_encoding_message_size(usize::MAX)
         .max_decoding_message_size(64 * 1024 * 1024);
     let answer = tokio::time::timeout(ANSWER_TIMEOUT, client.sync(ReceiverStream::new(rx)))
@@ -114,7 +138,7 @@ async fn call_sync(
 impl Agent {
     /// Says Hello as `node` in `session` and reads the HelloReply.
     pub async fn connect(
-        op: &Operator,
+        op: &impl Target,
         node: &str,
         session: pb::Session,
     ) -> TestResult<(Self, pb::HelloReply)> {
@@ -122,12 +146,12 @@ impl Agent {
     }
 
     /// Connects again in the same session (a reconnect): `seq` goes on from here.
-    pub async fn reconnect(self, op: &Operator) -> TestResult<(Self, pb::HelloReply)> {
+    pub async fn reconnect(self, op: &impl Target) -> TestResult<(Self, pb::HelloReply)> {
         Self::connect_at(op, &self.node, self.session, self.seq).await
     }
 
     async fn connect_at(
-        op: &Operator,
+        op: &impl Target,
         node: &str,
         session: pb::Session,
         seq: u64,

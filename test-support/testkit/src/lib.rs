@@ -4,13 +4,15 @@
 //!   store in a temporary directory and short timers, and typed calls to its services;
 //! - [`agent`]: an agent's EndpointSync stream, driven message by message;
 //! - [`eventually`], [`until_some`] and [`wait_for`]: polling with a deadline;
-//! - [`alloc`]: a global allocator that counts live bytes per thread.
+//! - [`alloc`]: a global allocator that counts live bytes per thread;
+//! - [`proxy`]: a TCP proxy that can go silent (a half-open connection).
 //!
 //! Only ever a dev-dependency: nothing here belongs in a production binary.
 
 pub mod agent;
 pub mod alloc;
 pub mod operator;
+pub mod proxy;
 
 use std::{
     error::Error,
@@ -28,7 +30,8 @@ use tonic::{Code, Status};
 
 pub use self::{
     agent::{
-        Agent, AgentStream, Answer, endpoint, hello, open_stream, open_stream_and_close, session,
+        Agent, AgentStream, Answer, Target, endpoint, hello, open_stream, open_stream_and_close,
+        session,
     },
     operator::{Observed, Operator, identity, lazy_channel, node},
 };

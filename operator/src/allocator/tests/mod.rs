@@ -6,7 +6,7 @@ mod model;
 mod unit;
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     net::{IpAddr, Ipv4Addr},
     time::Duration,
 };
@@ -87,6 +87,10 @@ pub(super) struct ModelStore {
     /// The store was lost once: ids may legitimately be rebound inside a quarantine
     /// nobody remembers.
     pub(super) lost: bool,
+    /// Bindings census did not write (a restored backup, an object applied by hand):
+    /// a create of their labels at another id is refused as a real store refuses it.
+    /// Any other second binding of one label set is a core bug.
+    pub(super) foreign: BTreeSet<IdentityId>,
 }
 
 impl ModelStore {
@@ -123,6 +127,13 @@ impl ModelStore {
                     };
                 }
                 if let Some((&other, _)) = self.identities.iter().find(|(_, l)| *l == labels) {
+                    if self.foreign.contains(&other) {
+                        return Err(StoreError::LabelsBound {
+                            id: *id,
+                            labels: labels.to_string(),
+                            bound: other,
+                        });
+                    }
                     panic!("label set {labels} would be bound to {id} while bound to {other}");
                 }
                 if let Some((old, until)) = self.deleted.get(id)
@@ -194,6 +205,8 @@ pub(super) struct Harness {
     pub(super) replies: Vec<(RequestId, Result<IdentityId, AllocError>)>,
     pub(super) agent_msgs: Vec<(NodeName, ConnId, AgentMsg)>,
     pub(super) watch: Vec<WatchChange>,
+    /// What a Watch subscriber holds: the full list at start, then every change.
+    watched: BTreeMap<IdentityId, IdentityInfo>,
     /// Every delete emitted, with the identity's refs and holds at the time.
     pub(super) deletes_issued: Vec<(IdentityId, u32, u32)>,
     next_req: RequestId,
@@ -233,6 +246,7 @@ impl Harness {
 
     pub(super) fn with_store(cfg: Config, store: ModelStore, now: Timestamp) -> Self {
         let alloc = Allocator::new(cfg, store.load(), now);
+        let watched = alloc.bindings().into_iter().map(|i| (i.id, i)).collect();
         let mut h = Self {
             alloc,
             store,
@@ -242,6 +256,7 @@ impl Harness {
             replies: Vec::new(),
             agent_msgs: Vec::new(),
             watch: Vec::new(),
+            watched,
             deletes_issued: Vec::new(),
             next_req: 1,
         };
@@ -268,10 +283,34 @@ impl Harness {
                 }
                 Effect::Reply { req, result } => self.replies.push((req, result)),
                 Effect::Agent { node, conn, msg } => self.agent_msgs.push((node, conn, msg)),
-                Effect::Watch(change) => self.watch.push(change),
+                Effect::Watch(change) => {
+                    match &change {
+                        WatchChange::Upsert(info) => {
+                            self.watched.insert(info.id, info.clone());
+                        }
+                        WatchChange::Removed { id, labels } => {
+                            let gone = self.watched.remove(id);
+                            assert_eq!(
+                                gone.and_then(|i| i.labels).as_ref(),
+                                Some(labels),
+                                "Removed {id} was not shown with these labels"
+                            );
+                        }
+                    }
+                    self.watch.push(change);
+                }
             }
         }
         invariants::check(&self.alloc);
+        // Watch tells the truth: after every event, a subscriber that got the full
+        // list once and every change since holds every binding exactly as it is.
+        let truth: BTreeMap<IdentityId, IdentityInfo> = self
+            .alloc
+            .bindings()
+            .into_iter()
+            .map(|i| (i.id, i))
+            .collect();
+        assert_eq!(self.watched, truth, "what Watch told differs from the core");
     }
 
     /// Applies every queued store op (and those they cause) successfully.

@@ -123,7 +123,7 @@ fn known_labels_are_answered_at_once_new_ones_after_persisting() {
         Some(1),
         "one hold per node, however many calls"
     );
-    assert!(matches!(h.watch.as_slice(), [WatchChange::Upsert { id, .. }] if *id == x));
+    assert!(matches!(h.watch.as_slice(), [WatchChange::Upsert(info)] if info.id == x));
 }
 
 #[test]
@@ -561,15 +561,15 @@ fn restart_holds_loaded_identities_until_nodes_can_report() {
     h.settle_store();
     // Restart: a fresh core over the same store.
     let store = h.store.clone();
-    let mut h = Harness::with_store(small_config(), store, h.now.plus(ms(100)));
-    assert_eq!(h.state(a.get()), Some(IdentityState::Live));
+    let start = h.now.plus(ms(100));
+    let mut h = Harness::with_store(small_config(), store, start);
+    let fenced = Some(IdentityState::Protected {
+        until: start.plus(small_config().node_ttl),
+    });
+    assert_eq!(h.state(a.get()), fenced);
     h.advance(ms(2_900));
     assert!(h.deletes_issued.is_empty());
-    assert_eq!(
-        h.state(a.get()),
-        Some(IdentityState::Live),
-        "held until start + node TTL"
-    );
+    assert_eq!(h.state(a.get()), fenced, "held until start + node TTL");
     // The agent reconnects and snapshots only b: a is released after the window.
     let (_, c) = connected(&mut h, N1, 10);
     let applied = ok(h.snapshot(N1, c, 1, vec![mk_endpoint("b", b.get(), "app=b")]));
@@ -609,6 +609,240 @@ fn empty_store_adopts_first_and_hands_out_nothing_new_in_the_window() {
     ok(h.snapshot(N1, c, 2, vec![mk_endpoint("a", 400, "app=a")]));
     h.advance(ms(1_000));
     ok(h.allocate_now(N1, s, "app=new"));
+}
+
+#[test]
+fn no_snapshot_entry_gets_a_new_id_inside_the_adoption_window() {
+    // Empty store: node-1 holds 400 for app=a, node-2 claims 400 for app=b, and a
+    // second later node-3 reports 256 for app=c. app=b must not take 256 (the first
+    // free id, still held by node-3): it waits for the window, then gets an id nobody
+    // claimed.
+    let cfg = small_config();
+    let mut h = Harness::with_store(
+        cfg.clone(),
+        ModelStore::new(cfg.quarantine),
+        Timestamp::from_millis(5_000),
+    );
+    let (_, c1) = connected(&mut h, N1, 10);
+    let (_, c2) = connected(&mut h, N2, 10);
+    let (_, c3) = connected(&mut h, "node-3", 10);
+    ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("a", 400, "app=a")]));
+    let b = ok(h.snapshot(N2, c2, 1, vec![mk_endpoint("b", 400, "app=b")]));
+    assert_eq!(b.pending, vec![key("b")], "app=b waits: {b:?}");
+    assert_eq!(b.unresolved, 0);
+    assert!(h.rebinds().is_empty(), "no Rebind before the window ends");
+    h.settle_store();
+    h.advance(ms(1_000));
+    ok(h.snapshot("node-3", c3, 1, vec![mk_endpoint("c", 256, "app=c")]));
+    h.settle_store();
+    assert_eq!(h.store.identities.get(&id(256)), Some(&labels("app=c")));
+    assert_eq!(h.store.identities.get(&id(400)), Some(&labels("app=a")));
+    assert_eq!(h.store.identities.len(), 2, "nothing new in the window");
+    // Still pending on a resend inside the window; no SnapshotNow yet.
+    let again = ok(h.snapshot(N2, c2, 2, vec![mk_endpoint("b", 400, "app=b")]));
+    assert_eq!(again.pending, vec![key("b")]);
+    let asked = |h: &Harness| {
+        h.agent_msgs
+            .iter()
+            .filter(|(n, c, m)| *n == node(N2) && *c == c2 && matches!(m, AgentMsg::SnapshotNow))
+            .count()
+    };
+    assert_eq!(asked(&h), 0);
+    // The window ends: node-2 is asked for a snapshot, which resolves app=b.
+    h.advance(ms(2_000));
+    assert_eq!(asked(&h), 1, "node-2 is asked to snapshot now");
+    let resolved = ok(h.snapshot(N2, c2, 3, vec![mk_endpoint("b", 400, "app=b")]));
+    assert!(resolved.pending.is_empty(), "{resolved:?}");
+    h.settle_store();
+    let (name, fresh) = h.rebinds().last().cloned().unwrap_or_default();
+    assert_eq!(name, "b");
+    assert!(
+        ![256, 400].contains(&fresh),
+        "a fresh id nobody claimed: {fresh}"
+    );
+    assert_eq!(h.store.identities.get(&id(fresh)), Some(&labels("app=b")));
+    assert_eq!(h.refs(fresh), 1);
+}
+
+#[test]
+fn a_node_that_comes_straight_back_stays_in_the_store() {
+    // Embedded: silence past the node TTL drops the node (DeleteNode); its Hello
+    // right after puts it back (PutNode). The two writes must land in that order.
+    let mut h = Harness::new(small_config());
+    connected(&mut h, N1, 10);
+    h.settle_store();
+    assert!(h.store.nodes.contains_key(&node(N1)));
+    h.advance(ms(3_500));
+    assert!(h.alloc.node(&node(N1)).is_none(), "dropped after the TTL");
+    connected(&mut h, N1, 20);
+    let node_ops: Vec<&StoreOp> = h
+        .pending()
+        .filter(|op| matches!(op, StoreOp::PutNode { .. } | StoreOp::DeleteNode { .. }))
+        .collect();
+    assert!(
+        matches!(
+            node_ops[..],
+            [StoreOp::DeleteNode { .. }, StoreOp::PutNode { .. }]
+        ),
+        "{node_ops:?}"
+    );
+    // Both on one writer's queue, which applies them in order.
+    assert!(
+        h.pending_gc
+            .iter()
+            .all(|op| !matches!(op, StoreOp::DeleteNode { .. }))
+    );
+    h.settle_store();
+    assert!(
+        h.store.nodes.contains_key(&node(N1)),
+        "the node's record survives"
+    );
+}
+
+#[test]
+fn a_duplicate_key_in_a_snapshot_counts_once() {
+    let mut h = Harness::new(small_config());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    let web = ok(h.allocate_now(N1, s1, "app=web"));
+    let db = ok(h.allocate_now(N1, s1, "app=db"));
+    let a = mk_endpoint("a", web.get(), "app=web");
+    // Changed view: the first entry of the key counts, the second is counted apart.
+    let applied = ok(h.snapshot(N1, c1, 1, vec![a.clone(), a.clone()]));
+    assert_eq!(applied.duplicates, 1);
+    assert_eq!(h.refs(web.get()), 1, "refcount 1, view 1");
+    // A view of {a, b} and a snapshot of [a, a]: same length, every key known, yet
+    // not unchanged: b goes.
+    let b = mk_endpoint("b", db.get(), "app=db");
+    ok(h.snapshot(N1, c1, 2, vec![a.clone(), b]));
+    assert_eq!((h.refs(web.get()), h.refs(db.get())), (1, 1));
+    let applied = ok(h.snapshot(N1, c1, 3, vec![a.clone(), a]));
+    assert_eq!(applied.duplicates, 1);
+    assert_eq!((h.refs(web.get()), h.refs(db.get())), (1, 0));
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.endpoints), Some(1));
+}
+
+#[test]
+fn an_older_session_is_refused_only_while_the_current_stream_is_open() {
+    // The agent restarts after its wall clock stepped back: its new session is older.
+    let mut h = Harness::new(small_config());
+    let (_, c1) = connected(&mut h, N1, 100);
+    ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("a", 300, "app=a")]));
+    assert!(
+        matches!(
+            h.hello(N1, session(50)),
+            Err(SyncError::StaleSession { .. })
+        ),
+        "a zombie cannot take over a live stream"
+    );
+    h.alloc.disconnect(&node(N1), c1);
+    h.route();
+    let c2 = ok(h.hello(N1, session(50)));
+    assert_eq!(
+        h.alloc.node(&node(N1)).and_then(|n| n.session),
+        Some(session(50))
+    );
+    // The view stays until the new session's first snapshot, which starts at seq 1
+    // and counts its differences as adoptions.
+    assert_eq!(h.refs(300), 1);
+    let applied = ok(h.snapshot(N1, c2, 1, vec![mk_endpoint("b", 300, "app=a")]));
+    assert!(!applied.ignored);
+    assert_eq!(applied.adoptions, 2, "{applied:?}");
+    assert_eq!(h.refs(300), 1);
+    // And now a Hello of the older clock's session would be a newer one: it replaces.
+    assert!(h.hello(N1, session(100)).is_ok());
+}
+
+#[test]
+fn after_a_restart_a_partitioned_nodes_identities_live_as_long_as_its_view_would() {
+    // In a cluster a silent node keeps its view up to the stale-view limit; across a
+    // restart (views are rebuilt from snapshots) its identities must last as long.
+    let cfg = Config {
+        liveness: Liveness::Cluster {
+            stale_view_limit: ms(20_000),
+        },
+        ..small_config()
+    };
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.identities.insert(id(300), labels("app=partitioned"));
+    store.identities.insert(id(301), labels("app=here"));
+    store.nodes.insert(node(N1), ());
+    store.nodes.insert(node(N2), ());
+    let mut h = Harness::with_store(cfg, store.clone(), Timestamp::from_millis(50_000));
+    let (_, c2) = connected(&mut h, N2, 10);
+    let mut seq = 0;
+    let mut second = |h: &mut Harness| {
+        seq += 1;
+        ok(h.snapshot(N2, c2, seq, vec![mk_endpoint("here", 301, "app=here")]));
+        h.advance(ms(1_000));
+        h.settle_store();
+    };
+    // Well past node TTL + grace: N1 has not reported, and nothing is released.
+    for _ in 0..10 {
+        second(&mut h);
+    }
+    assert!(
+        matches!(h.state(300), Some(IdentityState::Protected { .. })),
+        "N1 may still use 300"
+    );
+    assert!(h.store.identities.contains_key(&id(300)));
+    // Past the stale-view limit N1's view would be dropped: now 300 goes.
+    for _ in 0..16 {
+        second(&mut h);
+    }
+    assert!(
+        h.alloc.node(&node(N1)).is_none(),
+        "N1 dropped at the stale-view limit"
+    );
+    assert!(
+        !h.store.identities.contains_key(&id(300)),
+        "300 deleted after that"
+    );
+    assert!(
+        h.store.identities.contains_key(&id(301)),
+        "301 is referenced"
+    );
+
+    // Embedded, the view of a silent node goes after the node TTL: so does the
+    // protection.
+    let cfg = small_config();
+    let mut h = Harness::with_store(cfg, store, Timestamp::from_millis(50_000));
+    for _ in 0..8 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(!h.store.identities.contains_key(&id(300)));
+}
+
+#[test]
+fn a_siblings_reference_does_not_end_a_fresh_pods_hold() {
+    // web-0 references X; a fresh pod web-1 on the same node allocates X (a hold).
+    // web-0 seen again (unchanged or by upsert) must not end web-1's hold: if web-0
+    // then goes before web-1 is reported, X is still held, never released.
+    let mut h = Harness::new(small_config());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s1, "app=web"));
+    let web0 = mk_endpoint("web-0", x.get(), "app=web");
+    ok(h.snapshot(N1, c1, 1, vec![web0.clone()]));
+    assert_eq!(h.alloc.identity(x).map(|i| i.holds), Some(0));
+    assert_eq!(
+        ok(h.allocate(N1, s1, "app=web")),
+        Some(x),
+        "web-1's Allocate"
+    );
+    assert_eq!(h.alloc.identity(x).map(|i| i.holds), Some(1));
+    ok(h.snapshot(N1, c1, 2, vec![web0.clone()]));
+    ok(h.upsert(N1, c1, 3, web0));
+    assert_eq!(h.alloc.identity(x).map(|i| i.holds), Some(1), "still held");
+    ok(h.delete(N1, c1, 4, "web-0"));
+    h.advance(ms(2_500));
+    assert_eq!(
+        h.state(x.get()),
+        Some(IdentityState::Live),
+        "held, not released"
+    );
+    // web-1 shows up: the hold ends, the reference keeps X.
+    ok(h.upsert(N1, c1, 5, mk_endpoint("web-1", x.get(), "app=web")));
+    assert_eq!(h.alloc.identity(x).map(|i| (i.refs, i.holds)), Some((1, 0)));
 }
 
 #[test]
@@ -793,6 +1027,118 @@ fn a_nodes_hold_map_shrinks_when_its_holds_end_in_the_view() {
     assert_eq!(holds(&h), Some((0, 0)), "no hold left, no capacity kept");
 }
 
+// ---- bindings census did not write ----
+
+fn range_256_300() -> Config {
+    Config {
+        range: match IdRange::new(256, 300) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    }
+}
+
+/// A stray `280 -> app=web` in the store that the core never loaded.
+fn stray_web(h: &mut Harness) {
+    h.store.identities.insert(id(280), labels("app=web"));
+    h.store.foreign.insert(id(280));
+}
+
+#[test]
+fn a_foreign_binding_met_by_a_create_is_taken_and_burns_no_id() {
+    let mut h = Harness::new(range_256_300());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    stray_web(&mut h);
+    let web = ok(h.allocate_now(N1, s1, "app=web"));
+    assert_eq!(
+        web,
+        id(280),
+        "the store's binding is the identity of app=web"
+    );
+    assert!(h.alloc.core.ids.blocked().is_empty(), "no id blocked");
+    assert_eq!(h.alloc.counters().blocked, 0);
+    assert_eq!(
+        h.store.identities.keys().copied().collect::<Vec<_>>(),
+        [id(280)],
+        "no other object written"
+    );
+    assert_eq!(
+        h.alloc.identity(id(280)).map(|i| (i.refs, i.holds)),
+        Some((0, 1))
+    );
+    // The id tried first is free again: only 280 is used of the range.
+    assert_eq!(h.alloc.core.ids.used_in_range(), 1);
+    // And the taken identity is referenced like any other.
+    ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("web-0", 280, "app=web")]));
+    assert_eq!(h.refs(280), 1);
+}
+
+#[test]
+fn an_endpoint_moved_to_a_foreign_binding_is_rebound_to_it() {
+    // An agent's claim that needs a fresh id for app=web: the create of that fresh id
+    // meets the stray, and the endpoint is rebound to 280, once the store answered.
+    let mut h = Harness::new(range_256_300());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    let db = ok(h.allocate_now(N1, s1, "app=db"));
+    stray_web(&mut h);
+    // web-0 claims db's id for app=web: L unknown to the core, X bound to other labels.
+    ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("web-0", db.get(), "app=web")]));
+    h.settle_store();
+    assert_eq!(h.rebinds().last(), Some(&("web-0".to_owned(), 280)));
+    assert_eq!(h.refs(280), 1);
+    assert!(h.alloc.core.ids.blocked().is_empty());
+    assert_eq!(
+        h.store.identities.len(),
+        2,
+        "db and the stray: {:?}",
+        h.store.identities
+    );
+}
+
+#[test]
+fn a_foreign_binding_seen_by_the_stores_watch_is_taken_in_and_collected_if_unused() {
+    let mut h = Harness::new(range_256_300());
+    let (s1, _) = connected(&mut h, N1, 10);
+    stray_web(&mut h);
+    h.alloc.binding_found(id(280), &labels("app=web"));
+    h.route();
+    assert!(matches!(h.watch.last(), Some(WatchChange::Upsert(info)) if info.id == id(280)));
+    assert_eq!(
+        h.allocate(N1, s1, "app=web").ok().flatten(),
+        Some(id(280)),
+        "answered at once"
+    );
+    // A binding nobody uses goes the way of any unused identity.
+    let mut h = Harness::new(range_256_300());
+    stray_web(&mut h);
+    h.alloc.binding_found(id(280), &labels("app=web"));
+    h.route();
+    for _ in 0..20 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert_eq!(h.state(280), None, "deleted after the grace period");
+    assert!(!h.store.identities.contains_key(&id(280)));
+    assert!(
+        h.store.deleted.contains_key(&id(280)),
+        "deleted with its quarantine"
+    );
+    // A binding of labels the core has at another id, or of an id it binds to other
+    // labels, is not taken (the store's index reports those as invalid).
+    let mut h = Harness::new(range_256_300());
+    let (s1, _) = connected(&mut h, N1, 10);
+    let web = ok(h.allocate_now(N1, s1, "app=web"));
+    h.alloc.binding_found(id(290), &labels("app=web"));
+    h.alloc.binding_found(web, &labels("app=other"));
+    h.route();
+    assert_eq!(h.state(290), None);
+    assert_eq!(
+        h.alloc.identity(web).and_then(|i| i.labels),
+        Some(labels("app=web"))
+    );
+}
+
 // ---- the store's own watch ----
 
 #[test]
@@ -837,4 +1183,143 @@ fn an_edited_object_blocks_its_id_and_moves_its_users() {
     h.route();
     assert_eq!(h.state(900), Some(IdentityState::Blocked));
     assert_eq!(h.alloc.counters().blocked, 2);
+}
+
+// ---- Watch ----
+
+/// The Watch changes since the last call, for people: `upsert 256 live refs=0 holds=1`.
+fn told(h: &mut Harness) -> Vec<String> {
+    std::mem::take(&mut h.watch)
+        .into_iter()
+        .map(|change| match change {
+            WatchChange::Upsert(i) => format!(
+                "upsert {} {} refs={} holds={}",
+                i.id,
+                i.state.name(),
+                i.refs,
+                i.holds
+            ),
+            WatchChange::Removed { id, labels } => format!("removed {id} {labels}"),
+        })
+        .collect()
+}
+
+#[test]
+fn watch_follows_an_identity_through_its_life_one_event_per_change() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    assert_eq!(
+        told(&mut h),
+        [format!("upsert {x} live refs=0 holds=1")],
+        "shown once persisted, with the caller's hold"
+    );
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), Some(x));
+    assert_eq!(told(&mut h), Vec::<String>::new(), "the same hold again");
+
+    let pods: Vec<Endpoint> = (0..110)
+        .map(|i| mk_endpoint(&format!("pod-{i}"), x.get(), "app=a"))
+        .collect();
+    ok(h.snapshot(N1, c, 1, pods));
+    assert_eq!(
+        told(&mut h),
+        [format!("upsert {x} live refs=110 holds=0")],
+        "110 references and the hold's end: one event"
+    );
+    ok(h.snapshot(N1, c, 2, vec![]));
+    assert_eq!(told(&mut h), [format!("upsert {x} live refs=0 holds=0")]);
+    h.advance(ms(100));
+    assert_eq!(
+        told(&mut h),
+        [format!("upsert {x} released refs=0 holds=0")]
+    );
+    h.advance(small_config().grace);
+    assert_eq!(
+        told(&mut h),
+        [format!("upsert {x} deleting refs=0 holds=0")]
+    );
+    h.settle_store();
+    assert_eq!(
+        told(&mut h),
+        [format!("removed {x} k8s:app=a")],
+        "Removed: the id and its labels"
+    );
+}
+
+#[test]
+fn watch_coalesces_a_burst_per_identity_and_a_change_undone_costs_nothing() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    let b = ok(h.allocate_now(N1, s, "app=b"));
+    told(&mut h);
+    let pods = |first: &str, second: &str| -> Vec<Endpoint> {
+        let mut pods: Vec<Endpoint> = (0..60)
+            .map(|i| mk_endpoint(&format!("a-{i}"), a.get(), "app=a"))
+            .chain((0..50).map(|i| mk_endpoint(&format!("b-{i}"), b.get(), "app=b")))
+            .collect();
+        pods.push(mk_endpoint("swing-1", a.get(), first));
+        pods.push(mk_endpoint("swing-2", b.get(), second));
+        pods
+    };
+    ok(h.snapshot(N1, c, 1, pods("app=a", "app=b")));
+    assert_eq!(
+        told(&mut h),
+        [
+            format!("upsert {a} live refs=61 holds=0"),
+            format!("upsert {b} live refs=51 holds=0"),
+        ]
+    );
+    // One pod moves from a to b and another from b to a: nothing to tell.
+    let mut swapped = pods("app=a", "app=b");
+    let n = swapped.len();
+    swapped[n - 2] = mk_endpoint("swing-1", b.get(), "app=b");
+    swapped[n - 1] = mk_endpoint("swing-2", a.get(), "app=a");
+    ok(h.snapshot(N1, c, 2, swapped));
+    assert_eq!(h.refs(a.get()), 61);
+    assert_eq!(told(&mut h), Vec::<String>::new());
+}
+
+#[test]
+fn the_restart_fence_is_shown_as_protected_and_counted() {
+    let cfg = small_config();
+    let mut h = Harness::new(cfg.clone());
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    let b = ok(h.allocate_now(N1, s, "app=b"));
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("b", b.get(), "app=b")]));
+    h.settle_store();
+    let start = h.now.plus(ms(100));
+    let mut h = Harness::with_store(cfg.clone(), h.store.clone(), start);
+    let until = start.plus(cfg.node_ttl);
+    for x in [a, b] {
+        assert_eq!(
+            h.alloc.identity(x).map(|i| i.state),
+            Some(IdentityState::Protected { until }),
+            "{x}: loaded, neither referenced nor held"
+        );
+    }
+    let stats = h.alloc.stats(h.now);
+    assert_eq!((stats.live, stats.protected), (0, 2), "{stats:?}");
+    assert_eq!(
+        told(&mut h),
+        Vec::<String>::new(),
+        "the load is the full list"
+    );
+
+    let (_, c) = connected(&mut h, N1, 10);
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("b", b.get(), "app=b")]));
+    assert_eq!(told(&mut h), [format!("upsert {b} live refs=1 holds=0")]);
+    let stats = h.alloc.stats(h.now);
+    assert_eq!((stats.live, stats.protected), (1, 1), "{stats:?}");
+    h.advance(cfg.node_ttl - ms(100));
+    ok(h.snapshot(N1, c, 2, vec![mk_endpoint("b", b.get(), "app=b")]));
+    assert_eq!(told(&mut h), Vec::<String>::new());
+    // The fence ends: what it protected is released, and Watch is told.
+    h.advance(ms(100));
+    assert_eq!(
+        told(&mut h),
+        [format!("upsert {a} released refs=0 holds=0")]
+    );
+    assert_eq!(h.alloc.stats(h.now).protected, 0);
 }

@@ -45,6 +45,9 @@ pub(crate) struct Index {
     /// Objects whose name is not an id (they cannot be keyed or blocked, only reported).
     bad_names: BTreeSet<Box<str>>,
     changes: broadcast::Sender<WatchChange>,
+    /// The first full list is in: bindings that appear from now on are news to a core
+    /// built from that list ([`StoreEvent::BindingFound`]).
+    listed: bool,
 }
 
 impl Default for Index {
@@ -54,6 +57,7 @@ impl Default for Index {
             by_labels: HashMap::new(),
             bad_names: BTreeSet::new(),
             changes: broadcast::channel(CHANGES_BUFFER).0,
+            listed: false,
         }
     }
 }
@@ -198,6 +202,7 @@ impl Index {
             out.extend(self.apply(p, Source::Observed));
         }
         self.bad_names = bad_names.into_iter().map(Into::into).collect();
+        self.listed = true;
         out
     }
 
@@ -252,7 +257,12 @@ impl Index {
             State::Binding(labels) => {
                 if old_state.as_ref() != Some(&State::Binding(labels.clone())) {
                     self.by_labels.insert(labels.clone(), id);
-                    let _ = self.changes.send(WatchChange::Upsert { id, labels });
+                    if source == Source::Observed && self.listed {
+                        out.push(StoreEvent::BindingFound { id, labels });
+                    }
+                    if let Some(info) = self.identity(id) {
+                        let _ = self.changes.send(WatchChange::Upsert(info));
+                    }
                 }
             }
             State::Invalid(why) => {
@@ -265,6 +275,11 @@ impl Index {
             }
             State::Tombstone { .. } => {}
         }
+    }
+
+    /// The identity the index binds `labels` to.
+    pub(crate) fn bound_to(&self, labels: &LabelSet) -> Option<IdentityId> {
+        self.by_labels.get(labels).copied()
     }
 
     fn unlink(&mut self, id: IdentityId, labels: &LabelSet) {
@@ -327,13 +342,11 @@ impl Index {
         (page, more)
     }
 
-    pub(crate) fn bindings(&self) -> Vec<(IdentityId, LabelSet)> {
+    pub(crate) fn bindings(&self) -> Vec<IdentityInfo> {
         self.entries
             .iter()
-            .filter_map(|(&id, e)| match &e.state {
-                State::Binding(labels) => Some((id, labels.clone())),
-                _ => None,
-            })
+            .filter(|(_, e)| matches!(e.state, State::Binding(_)))
+            .map(|(&id, e)| Self::info(id, e))
             .collect()
     }
 
@@ -507,10 +520,13 @@ mod tests {
         index.delete(id(300), None, Source::Observed);
         assert_eq!(
             changes.try_recv()?,
-            WatchChange::Upsert {
+            WatchChange::Upsert(IdentityInfo {
                 id: id(300),
-                labels: web.clone()
-            }
+                labels: Some(web.clone()),
+                state: IdentityState::Live,
+                refs: 0,
+                holds: 0,
+            })
         );
         assert_eq!(
             changes.try_recv()?,

@@ -349,6 +349,11 @@ impl Shared {
                         reporter.invalid(self, *id, found).await;
                     }
                 }
+                StoreEvent::BindingFound { id, labels } => {
+                    // Also census's own create, seen by the watch before its answer
+                    // (the core knows that one and ignores it).
+                    debug!(object = %id, %labels, "the store holds a binding of identity {id}");
+                }
                 StoreEvent::BindingLost { id, labels } => {
                     // Also census's own delete, seen by the watch before its answer
                     // (the core ignores that one).
@@ -389,7 +394,7 @@ impl ReadModel for Reads {
             .list(after, limit, selector, include_quarantined)
     }
 
-    fn bindings(&self) -> Vec<(IdentityId, LabelSet)> {
+    fn bindings(&self) -> Vec<IdentityInfo> {
         self.0.index.read().bindings()
     }
 

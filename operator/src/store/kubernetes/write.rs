@@ -152,7 +152,25 @@ impl Shared {
         let doing = || format!("create identity {id}");
         let mut reread = false;
         for _ in 0..ATTEMPTS {
-            let next = match self.known(id) {
+            let known = self.known(id);
+            // Before writing anything for `id` (free, or a tombstone): labels the store
+            // binds to another id already (an object census did not write) are theirs,
+            // and a second object would be a younger duplicate, invalid for good.
+            let writes = match &known {
+                None | Some((_, State::Tombstone { .. })) => true,
+                Some((_, State::Binding(_) | State::Invalid(_))) => false,
+            };
+            if writes
+                && let Some(bound) = self.index.read().bound_to(labels)
+                && bound != id
+            {
+                return Err(StoreError::LabelsBound {
+                    id,
+                    labels: labels.to_string(),
+                    bound,
+                });
+            }
+            let next = match known {
                 None => match self.post(id, labels).await {
                     Ok(()) => return Ok(()),
                     Err(Failure::AlreadyExists) => Next::Reread,
