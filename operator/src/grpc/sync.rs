@@ -44,11 +44,61 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) struct EndpointStreams {
     runtime: Arc<Runtime>,
     shutdown: watch::Receiver<bool>,
+    refusals: Arc<Refusals>,
 }
 
 impl EndpointStreams {
     pub(crate) fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
-        Self { runtime, shutdown }
+        Self {
+            runtime,
+            shutdown,
+            refusals: Arc::default(),
+        }
+    }
+}
+
+/// Refused streams, logged once per caller and cause: an agent that retries with
+/// backoff is not a line per attempt, and the line comes again when the cause
+/// changes or after the caller got in. Keyed by node (or the peer's address before
+/// the node is known); bounded, and forgotten when full.
+#[derive(Debug, Default)]
+struct Refusals(parking_lot::Mutex<HashMap<String, (tonic::Code, String)>>);
+
+/// Callers whose last refusal is remembered.
+const REFUSALS_REMEMBERED: usize = 10_000;
+
+impl Refusals {
+    /// Logs `status` for `caller` unless it was the last thing logged for it.
+    fn note(&self, caller: &str, status: Status) -> Status {
+        if self.is_news(caller, &status) {
+            info!(
+                caller,
+                code = census_proto::status::code_label(status.code()),
+                "refused an EndpointSync stream: {}",
+                status.message()
+            );
+        }
+        status
+    }
+
+    fn is_news(&self, caller: &str, status: &Status) -> bool {
+        let seen = (status.code(), status.message().to_owned());
+        let mut last = self.0.lock();
+        if last.get(caller) == Some(&seen) {
+            return false;
+        }
+        if last.len() >= REFUSALS_REMEMBERED {
+            last.clear();
+        }
+        last.insert(caller.to_owned(), seen);
+        true
+    }
+
+    fn accepted(&self, caller: &str) {
+        let mut last = self.0.lock();
+        if !last.is_empty() && last.remove(caller).is_some() && last.is_empty() {
+            last.shrink_to_fit();
+        }
     }
 }
 
@@ -61,6 +111,10 @@ impl EndpointSync for EndpointStreams {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
         let peer = request.remote_addr();
+        let caller = peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.ip().to_string());
+        let bounded = |node: &str| node.chars().take(253).collect::<String>();
+        let refusals = Arc::clone(&self.refusals);
+        let refuse = |who: &str, status: Status| refusals.note(who, status);
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
             .await
@@ -69,17 +123,28 @@ impl EndpointSync for EndpointStreams {
                 Status::deadline_exceeded(format!(
                     "no Hello within {HELLO_TIMEOUT:?} of opening the stream"
                 ))
-            })??
-            .ok_or_else(|| Status::failed_precondition("the stream ended before Hello"))?;
+            })
+            .map_err(|status| refuse(&caller, status))?
+            .map_err(|status| refuse(&caller, status))?
+            .ok_or_else(|| {
+                refuse(
+                    &caller,
+                    Status::failed_precondition("the stream ended before Hello"),
+                )
+            })?;
         let Some(Body::Hello(hello)) = first.body else {
             self.invalid("no_hello");
-            return Err(Status::failed_precondition(
-                "the first message on EndpointSync must be Hello",
+            return Err(refuse(
+                &caller,
+                Status::failed_precondition("the first message on EndpointSync must be Hello"),
             ));
         };
-        check_version(hello.protocol_version).map_err(version)?;
-        let node = node_from_wire(&hello.node, "hello.node").map_err(field)?;
-        let session = session_from_wire(hello.session.as_ref(), "hello.session").map_err(field)?;
+        let who = bounded(&hello.node);
+        check_version(hello.protocol_version).map_err(|e| refuse(&who, version(e)))?;
+        let node =
+            node_from_wire(&hello.node, "hello.node").map_err(|e| refuse(&caller, field(e)))?;
+        let session = session_from_wire(hello.session.as_ref(), "hello.session")
+            .map_err(|e| refuse(&who, field(e)))?;
 
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let settings = &self.runtime.settings;
@@ -105,7 +170,8 @@ impl EndpointSync for EndpointStreams {
         let (accepted, term) = self
             .runtime
             .hello(&node, session, peer_ip, tx.clone())
-            .map_err(refused)?;
+            .map_err(|e| refuse(&who, refused(e)))?;
+        self.refusals.accepted(&who);
         let span = info_span!("sync", %node, %session, conn = accepted.conn.get());
         span.in_scope(
             || info!(agent_version = %hello.agent_version, peer = ?peer, "agent connected"),
@@ -363,5 +429,29 @@ impl Stream {
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_news_once_per_caller_and_cause_until_the_caller_gets_in() {
+        let refusals = Refusals::default();
+        let stale = || Status::failed_precondition("node-1: session 5 is older than 9");
+        assert!(refusals.is_news("node-1", &stale()));
+        assert!(!refusals.is_news("node-1", &stale()), "a retry is not news");
+        assert!(refusals.is_news("node-2", &stale()), "another caller is");
+        assert!(
+            refusals.is_news("node-1", &Status::unavailable("follower")),
+            "another cause is"
+        );
+        assert!(refusals.is_news("node-1", &stale()));
+        refusals.accepted("node-1");
+        assert!(
+            refusals.is_news("node-1", &stale()),
+            "again after it got in"
+        );
     }
 }
