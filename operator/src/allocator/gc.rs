@@ -11,6 +11,7 @@ use census_proto::domain::NodeName;
 use super::{
     AgentMsg, AllocError, Allocator, CloseReason, Effect, Liveness, Priority, SyncError, Timestamp,
     identities::{Phase, shrink_map},
+    nodes::{Node, Persisted},
 };
 use crate::store::StoreOp;
 
@@ -52,6 +53,24 @@ impl Allocator {
                     msg: AgentMsg::SnapshotNow,
                 });
             }
+        }
+    }
+
+    /// The cluster's Nodes when a new core starts (a new leader): each is waited for
+    /// by the restart protection like a node known from the store (its agent may be
+    /// partitioned away, still using its identities), until its first snapshot, its
+    /// Node's deletion or the stale-view limit. Not shown until its agent says Hello.
+    pub fn await_nodes(&mut self, names: impl IntoIterator<Item = NodeName>, now: Timestamp) {
+        if self.core.protect_until.is_none() {
+            return;
+        }
+        for name in names {
+            self.nodes.entry(name).or_insert_with(|| {
+                let mut node = Node::new(now, Persisted::Yes);
+                node.awaited = true;
+                node.shadow = true;
+                node
+            });
         }
     }
 
@@ -155,21 +174,30 @@ impl Allocator {
     /// the protection window after a start, which ends with a full pass).
     fn release_unused(&mut self, now: Timestamp) {
         let core = &mut self.core;
+        // A known node that has not reported since the start keeps what was loaded
+        // until it does or its view would be dropped (it is, then).
+        let mut waiting = false;
         if let Some(until) = core.protect_until {
-            // A known node that has not reported since the start keeps everything
-            // protected until it does or its view would be dropped (it is, then).
-            if now < until || self.nodes.values().any(|n| n.awaited) {
+            if now < until {
                 core.gc.unused.clear();
                 return;
             }
-            core.protect_until = None;
-            core.gc.unused = core.ids.ids().collect();
+            waiting = self.nodes.values().any(|n| n.awaited);
+            if !waiting {
+                core.protect_until = None;
+            }
+            if !waiting || !core.gc.past_node_ttl {
+                // A full pass when the node TTL ends, and again when the wait does.
+                core.gc.past_node_ttl = true;
+                core.gc.unused = core.ids.ids().collect();
+            }
         }
         let unused = std::mem::take(&mut core.gc.unused);
         for id in unused {
             if let Some(entry) = core.ids.get_mut(id)
                 && entry.phase == Phase::Live
                 && !entry.wanted()
+                && !(waiting && entry.loaded)
             {
                 entry.phase = Phase::Released { since: now };
                 core.gc.released.push_back((now, id));
@@ -302,7 +330,6 @@ impl Allocator {
 
     /// Nodes whose record failed to persist are written again.
     fn persist_nodes(&mut self) {
-        use super::nodes::Persisted;
         for (name, node) in self.nodes.iter_mut() {
             if node.persisted == Persisted::No && node.session.is_some() {
                 node.persisted = Persisted::InFlight;

@@ -56,6 +56,9 @@ pub(crate) struct Entry {
     pub(crate) waiters: Vec<Waiter>,
     /// Watch subscribers were told of this binding (so a Removed is owed when it goes).
     pub(crate) announced: bool,
+    /// Loaded at start: kept while a node known then has not reported (an agent may
+    /// be partitioned away, still using it).
+    pub(crate) loaded: bool,
 }
 
 impl Entry {
@@ -169,6 +172,13 @@ impl Identities {
         }
     }
 
+    /// Marks a binding that came from the store at start.
+    pub(crate) fn mark_loaded(&mut self, id: IdentityId) {
+        if let Some(entry) = self.entries.get_mut(&id) {
+            entry.loaded = true;
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn touched_len(&self) -> usize {
         self.touched.len()
@@ -228,6 +238,7 @@ impl Identities {
                 phase,
                 waiters: Vec::new(),
                 announced: false,
+                loaded: false,
             },
         );
     }

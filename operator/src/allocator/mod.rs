@@ -87,17 +87,20 @@ struct Gc {
     /// Failed tombstone and node deletes, retried with the next quarantine scan.
     cleanup_retries: Vec<StoreOp>,
     next_tomb_scan: Timestamp,
+    /// The restart protection's node TTL has passed (it may still wait for nodes).
+    past_node_ttl: bool,
 }
 
 impl Allocator {
     /// A core over the store's contents, as the operator starts.
     ///
     /// Every loaded identity is held until `now + node_ttl`, so every known node can
-    /// snapshot before GC may release anything, and after that for as long as a
-    /// known node has neither snapshotted nor had its view dropped (a partitioned
-    /// agent keeps its view up to the stale-view limit in a cluster, so it keeps its
-    /// identities that long across a restart too); if the store holds no identity at
-    /// all, no new id is handed out for the adoption window either.
+    /// snapshot before GC may release anything; after that, the loaded identities
+    /// are kept for as long as a known node has neither snapshotted nor had its view
+    /// dropped (a partitioned agent keeps its view up to the stale-view limit in a
+    /// cluster, so it keeps its identities that long across a restart too), while
+    /// identities made since are collected as usual; if the store holds no identity
+    /// at all, no new id is handed out for the adoption window either.
     pub fn new(cfg: Config, loaded: Loaded, now: Timestamp) -> Self {
         let mut ids = Identities::new(cfg.range);
         let mut fx = Vec::new();
@@ -109,6 +112,7 @@ impl Allocator {
             }
             ids.insert(stored.id, stored.labels, Phase::Live);
             ids.mark_announced(stored.id);
+            ids.mark_loaded(stored.id);
         }
         // What was loaded is the full list Watch subscribers start from, not news.
         ids.take_touched();
@@ -159,6 +163,7 @@ impl Allocator {
                     delete_retries: BTreeSet::new(),
                     cleanup_retries: Vec::new(),
                     next_tomb_scan: now,
+                    past_node_ttl: false,
                 },
                 cfg,
                 ids,

@@ -62,6 +62,9 @@ pub(crate) struct Node {
     /// Known from the store at start and no snapshot since: the restart protection
     /// waits for it (its agent may be partitioned away, still using its identities).
     pub(crate) awaited: bool,
+    /// Made only for the restart protection, from the cluster's Node objects (see
+    /// [`super::Allocator::await_nodes`]): not shown until its agent says Hello.
+    pub(crate) shadow: bool,
     pub(crate) counters: NodeCounters,
 }
 
@@ -82,8 +85,21 @@ impl Node {
             pending: 0,
             snapshots: 0,
             awaited: false,
+            shadow: false,
             counters: NodeCounters::default(),
         }
+    }
+
+    /// Known from the store (or, in a cluster, from its Node object) at start and not
+    /// heard since: waited for by the restart protection, but not reported stale, as
+    /// a node without an agent would be for the whole stale-view limit.
+    pub(crate) fn unheard_since_start(&self) -> bool {
+        self.awaited && self.session.is_none()
+    }
+
+    /// Not shown by NodeService: a shadow whose agent has not said Hello.
+    pub(crate) fn hidden(&self) -> bool {
+        self.shadow && self.session.is_none()
     }
 
     pub(crate) fn heard(&mut self, now: Timestamp) {

@@ -227,21 +227,24 @@ impl Allocator {
     }
 
     pub fn node(&self, name: &NodeName) -> Option<NodeInfo> {
-        self.nodes.get(name).map(|node| NodeInfo {
-            name: name.clone(),
-            session: node.session,
-            connected: node.conn.is_some(),
-            last_seq: node.last_seq,
-            last_heard: node.last_message,
-            last_snapshot: node.last_snapshot,
-            stale: node.stale_since.is_some(),
-            endpoints: node.view.len() as u64,
-            holds: node.holds.len() as u32,
-            corrections: node.counters.corrections,
-            adoptions: node.counters.adoptions,
-            old_seq_ignored: node.counters.old_seq_ignored,
-            rebinds: node.counters.rebinds,
-        })
+        self.nodes
+            .get(name)
+            .filter(|n| !n.hidden())
+            .map(|node| NodeInfo {
+                name: name.clone(),
+                session: node.session,
+                connected: node.conn.is_some(),
+                last_seq: node.last_seq,
+                last_heard: node.last_message,
+                last_snapshot: node.last_snapshot,
+                stale: node.stale_since.is_some() && !node.unheard_since_start(),
+                endpoints: node.view.len() as u64,
+                holds: node.holds.len() as u32,
+                corrections: node.counters.corrections,
+                adoptions: node.counters.adoptions,
+                old_seq_ignored: node.counters.old_seq_ignored,
+                rebinds: node.counters.rebinds,
+            })
     }
 
     /// Every node, by name.
@@ -275,11 +278,12 @@ impl Allocator {
         stats.range_size = self.core.ids.range().size();
         stats.range_used = self.core.ids.used_in_range();
         let ttl = self.core.cfg.node_ttl;
-        for node in self.nodes.values() {
+        for node in self.nodes.values().filter(|n| !n.hidden()) {
             stats.nodes += 1;
             let silent = now.since(node.last_heard) >= ttl;
-            if node.stale_since.is_some()
-                || (silent && matches!(self.core.cfg.liveness, Liveness::Cluster { .. }))
+            if !node.unheard_since_start()
+                && (node.stale_since.is_some()
+                    || (silent && matches!(self.core.cfg.liveness, Liveness::Cluster { .. })))
             {
                 stats.stale_nodes += 1;
             }
@@ -314,7 +318,11 @@ impl Core {
 
     /// Whether only the restart fence keeps this identity live.
     fn protects(&self, entry: &Entry) -> bool {
-        self.protect_until.is_some() && entry.phase == Phase::Live && !entry.wanted()
+        self.protect_until.is_some()
+            && entry.phase == Phase::Live
+            && !entry.wanted()
+            // Past the node TTL only what was loaded is kept (for nodes not heard yet).
+            && (entry.loaded || !self.gc.past_node_ttl)
     }
 }
 

@@ -13,6 +13,7 @@ use tracing::{info, warn};
 
 use super::{
     lease::{Elector, Outcome},
+    nodes::NodeIndex,
     pod::{OwnLabel, Pods},
 };
 use crate::{
@@ -31,6 +32,8 @@ const GOODBYE: Duration = Duration::from_secs(3);
 pub(super) struct Leadership {
     pub(super) runtime: Arc<Runtime>,
     pub(super) store: Arc<KubeStore>,
+    /// The cluster's Nodes: a new core waits for each before it releases anything.
+    pub(super) nodes: Arc<NodeIndex>,
     pub(super) fence: Arc<Fence>,
     pub(super) elector: Elector,
     pub(super) pods: Option<(Pods, OwnLabel)>,
@@ -174,7 +177,17 @@ impl Leadership {
             tombstones = loaded.tombstones.len(),
             "loaded the Identity objects: building the core"
         );
-        let alloc = Allocator::new(self.cfg.clone(), loaded, self.runtime.now());
+        let mut alloc = Allocator::new(self.cfg.clone(), loaded, self.runtime.now());
+        // Every Node is a node whose agent may be partitioned away, still using its
+        // identities: the restart protection waits for each.
+        if self.nodes.is_synced() {
+            alloc.await_nodes(self.nodes.names(), self.runtime.now());
+        } else {
+            warn!(
+                "the Nodes are not listed yet: the restart protection lasts the node TTL, \
+                 not the stale-view limit of agents that do not report"
+            );
+        }
         let queues = self.runtime.lead(alloc);
         let writers = writer::spawn(
             queues,

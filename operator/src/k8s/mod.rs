@@ -223,6 +223,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
     let leadership = Leadership {
         runtime: runtime.clone(),
         store: store.clone(),
+        nodes: nodes.clone(),
         fence,
         elector: Elector::new(leases, lease.clone()),
         pods,

@@ -167,6 +167,11 @@ impl NodeIndex {
         self.inner.read().synced
     }
 
+    /// Every Node's name.
+    pub fn names(&self) -> Vec<NodeName> {
+        self.inner.read().addresses.keys().cloned().collect()
+    }
+
     /// A Node's addresses, if it exists.
     pub fn addresses(&self, node: &NodeName) -> Option<Vec<IpAddr>> {
         self.inner.read().addresses.get(node).map(|a| a.to_vec())

@@ -846,6 +846,58 @@ fn a_siblings_reference_does_not_end_a_fresh_pods_hold() {
 }
 
 #[test]
+fn a_new_leader_waits_for_every_node_of_the_cluster_and_shows_only_those_that_spoke() {
+    // The Kubernetes store keeps no node records: a new leader learns the cluster's
+    // Nodes from their objects, and waits for each like a node from the store.
+    let cfg = Config {
+        liveness: Liveness::Cluster {
+            stale_view_limit: ms(20_000),
+        },
+        ..small_config()
+    };
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.identities.insert(id(300), labels("app=partitioned"));
+    let mut h = Harness::with_store(cfg, store, Timestamp::from_millis(50_000));
+    h.alloc.await_nodes([node(N1), node(N2)], h.now);
+    assert!(
+        h.alloc.nodes().is_empty(),
+        "Nodes whose agents never spoke are not listed"
+    );
+    let (s2, c2) = connected(&mut h, N2, 10);
+    assert_eq!(h.alloc.nodes().len(), 1, "N2 said Hello");
+    // An identity made since the start is collected as usual meanwhile.
+    h.advance(ms(3_500));
+    let new = ok(h.allocate_now(N2, s2, "app=new"));
+    for seq in 1..=10 {
+        ok(h.snapshot(N2, c2, seq, Vec::new()));
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(
+        h.store.identities.contains_key(&id(300)),
+        "N1 may still use 300"
+    );
+    assert!(
+        !h.store.identities.contains_key(&new),
+        "unused since it was made: collected"
+    );
+    assert_eq!(
+        h.alloc.stats(h.now).stale_nodes,
+        0,
+        "an agentless Node is not stale"
+    );
+    for seq in 11..=36 {
+        ok(h.snapshot(N2, c2, seq, Vec::new()));
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(
+        !h.store.identities.contains_key(&id(300)),
+        "after the stale-view limit"
+    );
+}
+
+#[test]
 fn loaded_tombstones_keep_quarantine_across_restart() {
     let cfg = small_config();
     let mut store = ModelStore::new(cfg.quarantine);
