@@ -332,19 +332,8 @@ async fn watch_sends_the_full_list_then_upserts_and_removals() -> TestResult {
     let shop = op.allocate_ok("node-a", s, SHOP).await?;
     let db = op.allocate_ok("node-a", s, DB).await?;
 
-    let mut client = op.identities().await?;
-    let mut watch = client
-        .watch(pb::WatchRequest {
-            protocol_version: PROTOCOL_VERSION,
-        })
-        .await?
-        .into_inner();
-    let mut next = async || -> TestResult<pb::WatchEvent> {
-        tokio::time::timeout(Duration::from_secs(10), watch.message())
-            .await
-            .map_err(|_| "no watch event within 10 s")??
-            .ok_or_else(|| "the watch ended".into())
-    };
+    let mut watch = op.watch().await?;
+    let mut next = async || watch.next().await;
     let kind = |e: &pb::WatchEvent| Kind::try_from(e.kind).unwrap_or(Kind::Unspecified);
 
     assert_eq!(kind(&next().await?), Kind::ResyncStart);
@@ -415,19 +404,8 @@ async fn watch_follows_one_identity_from_allocation_to_removal() -> TestResult {
         "30s",
     ])
     .await?;
-    let mut client = op.identities().await?;
-    let mut watch = client
-        .watch(pb::WatchRequest {
-            protocol_version: PROTOCOL_VERSION,
-        })
-        .await?
-        .into_inner();
-    let mut next = async || -> TestResult<pb::WatchEvent> {
-        tokio::time::timeout(Duration::from_secs(10), watch.message())
-            .await
-            .map_err(|_| "no watch event within 10 s")??
-            .ok_or_else(|| "the watch ended".into())
-    };
+    let mut watch = op.watch().await?;
+    let mut next = async || watch.next().await;
     assert_eq!(life_step(&next().await?).0, Kind::ResyncStart);
     assert_eq!(life_step(&next().await?).0, Kind::ResyncEnd);
 
@@ -530,19 +508,8 @@ async fn after_a_restart_unused_identities_are_shown_protected_until_the_fence_e
             "no line {line:?} in\n{metrics}"
         );
     }
-    let mut client = op.identities().await?;
-    let mut watch = client
-        .watch(pb::WatchRequest {
-            protocol_version: PROTOCOL_VERSION,
-        })
-        .await?
-        .into_inner();
-    let mut next = async || -> TestResult<pb::WatchEvent> {
-        tokio::time::timeout(Duration::from_secs(10), watch.message())
-            .await
-            .map_err(|_| "no watch event within 10 s")??
-            .ok_or_else(|| "the watch ended".into())
-    };
+    let mut watch = op.watch().await?;
+    let mut next = async || watch.next().await;
     assert_eq!(life_step(&next().await?).0, Kind::ResyncStart);
     let listed = next().await?;
     assert_eq!(listed.identity.as_ref(), Some(&got));

@@ -138,6 +138,19 @@ impl Operator {
         Ok(NodeServiceClient::new(self.channel().await?))
     }
 
+    /// A Watch of the identities, from its full list on.
+    pub async fn watch(&self) -> TestResult<IdentityWatch> {
+        let stream = self
+            .identities()
+            .await?
+            .watch(pb::WatchRequest {
+                protocol_version: PROTOCOL_VERSION,
+            })
+            .await?
+            .into_inner();
+        Ok(IdentityWatch(stream))
+    }
+
     /// Stops the operator the way the daemon does on SIGTERM; fails if that hangs.
     pub async fn shut_down(self) -> TestResult {
         let Self { running, _dir, .. } = self;
@@ -336,4 +349,18 @@ pub async fn node(channel: &Channel, name: &str) -> Option<pb::Node> {
         .await
         .ok()
         .map(tonic::Response::into_inner)
+}
+
+/// An IdentityService Watch stream.
+#[derive(Debug)]
+pub struct IdentityWatch(tonic::Streaming<pb::WatchEvent>);
+
+impl IdentityWatch {
+    /// The next event; fails if none comes within [`ANSWER_TIMEOUT`] or the watch ends.
+    pub async fn next(&mut self) -> TestResult<pb::WatchEvent> {
+        tokio::time::timeout(ANSWER_TIMEOUT, self.0.message())
+            .await
+            .map_err(|_| format!("no watch event within {ANSWER_TIMEOUT:?}"))??
+            .ok_or_else(|| "the watch ended".into())
+    }
 }
