@@ -3,7 +3,11 @@
 //! harness is always a release build: its client side (thousands of streams, hundreds
 //! of concurrent Allocate calls) shares the cores with the operator it measures.
 
-use std::ffi::{OsStr, OsString};
+use std::{
+    collections::BTreeMap,
+    ffi::{OsStr, OsString},
+    path::PathBuf,
+};
 
 use anyhow::Context as _;
 
@@ -27,11 +31,71 @@ pub(crate) struct Options {
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let Options { args } = options;
     let own_operator = args.iter().any(|arg| is_operator_flag(arg));
+    let built = cmd::build_binaries(&build_args(own_operator))?;
+    run_built(&built, own_operator, &args)
+}
+
+/// The release build of the harness (and of the operator unless the arguments name one),
+/// started in the background at the lowest CPU priority, so that it takes only the cores
+/// the work in the foreground leaves idle (`cargo xtask test` runs it while the tests
+/// run, most of which wait on timers and the network). Its cargo output goes to a log
+/// file, shown only when the build fails.
+pub(crate) struct Background {
+    build: std::thread::JoinHandle<anyhow::Result<BTreeMap<String, PathBuf>>>,
+    log: PathBuf,
+}
+
+impl Background {
+    pub(crate) fn start() -> anyhow::Result<Self> {
+        let log = cmd::workspace_root().join("target/xtask-bench-build.log");
+        if let Some(dir) = log.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let mut command = std::process::Command::new("nice");
+        command
+            .args(["-n", "19"])
+            .arg(cmd::host_cargo_program())
+            .stderr(file);
+        let build =
+            std::thread::spawn(move || cmd::build_binaries_with(command, &build_args(false)));
+        Ok(Self { build, log })
+    }
+
+    /// Waits for the build, then runs census-bench with `args` against its operator.
+    pub(crate) fn run(self, args: &[OsString]) -> anyhow::Result<()> {
+        let Self { build, log } = self;
+        let built = build
+            .join()
+            .map_err(|_| anyhow::anyhow!("the background build's thread panicked"))?
+            .with_context(|| {
+                let output = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: Vec<_> = output.lines().rev().take(40).collect();
+                let tail: Vec<_> = tail.into_iter().rev().collect();
+                format!(
+                    "the release build (log: {}):\n{}",
+                    log.display(),
+                    tail.join("\n")
+                )
+            })?;
+        run_built(&built, false, args)
+    }
+}
+
+fn build_args(own_operator: bool) -> Vec<&'static str> {
     let mut build = vec!["build", "--release", "-p", "census-bench"];
     if !own_operator {
         build.extend(["-p", "census-operator"]);
     }
-    let built = cmd::build_binaries(&build)?;
+    build
+}
+
+fn run_built(
+    built: &BTreeMap<String, PathBuf>,
+    own_operator: bool,
+    args: &[OsString],
+) -> anyhow::Result<()> {
     let path = |name: &str| {
         built
             .get(name)
@@ -42,7 +106,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if !own_operator {
         bench.arg("--operator").arg(path("census-operator")?);
     }
-    cmd::run(bench.args(&args))
+    cmd::run(bench.args(args))
 }
 
 /// `--operator PATH` or `--operator=PATH`.

@@ -2,7 +2,7 @@
 
 use std::{
     env,
-    ffi::OsStr,
+    ffi::{OsStr, OsString},
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -20,7 +20,12 @@ pub(crate) fn workspace_root() -> PathBuf {
 
 /// The cargo that runs this xtask (the workspace's toolchain).
 pub(crate) fn host_cargo() -> Command {
-    Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+    Command::new(host_cargo_program())
+}
+
+/// The program [`host_cargo`] runs.
+pub(crate) fn host_cargo_program() -> OsString {
+    env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
 }
 
 /// Prints a command before running it, as `+ program args…`.
@@ -120,7 +125,15 @@ pub(crate) fn build_test_executables(args: &[&str]) -> anyhow::Result<Vec<PathBu
 pub(crate) fn build_binaries(
     args: &[&str],
 ) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
-    let mut command = host_cargo();
+    build_binaries_with(host_cargo(), args)
+}
+
+/// [`build_binaries`] with the given cargo command (e.g. one run under `nice`, or with
+/// its stderr sent to a file).
+pub(crate) fn build_binaries_with(
+    mut command: Command,
+    args: &[&str],
+) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
     command
         .current_dir(workspace_root())
         .args(args)
