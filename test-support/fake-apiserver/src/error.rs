@@ -111,6 +111,35 @@ pub enum ApiError {
         /// What is wrong.
         cause: Invalidity,
     },
+    /// 422 for an object that fails its CRD's schema or validation rules:
+    /// one cause per field error, as `details.causes`.
+    #[error(
+        "{kind}.{group} \"{name}\" is invalid: {}",
+        crate::validation::causes_text(causes)
+    )]
+    FieldsInvalid {
+        /// The object's kind.
+        kind: String,
+        /// Its API group.
+        group: String,
+        /// Its name.
+        name: String,
+        /// The field errors.
+        causes: Vec<crate::validation::FieldCause>,
+    },
+    /// 403 from admission (a ValidatingAdmissionPolicy that denies).
+    #[error("{resource} \"{name}\" is forbidden: {message}")]
+    Forbidden {
+        /// The resource written to.
+        resource: GroupResource,
+        /// The object's name.
+        name: String,
+        /// Why, as the admission plugin words it.
+        message: String,
+    },
+    /// 401 for a bearer token the server did not issue.
+    #[error("Unauthorized")]
+    Unauthorized,
     /// 422 for a patch that cannot be applied.
     #[error("the patch could not be applied: {source}")]
     PatchFailed {
@@ -218,6 +247,19 @@ pub enum Invalidity {
         "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted"
     )]
     FinalizerWhileDeleting,
+    /// An Event about an object without a namespace (cluster-scoped) outside the
+    /// namespaces the API server allows for it, or about a namespaced object outside its
+    /// namespace (see `events.rs`).
+    #[error(
+        "involvedObject.namespace: Invalid value: {involved:?}: does not match event.namespace"
+    )]
+    EventNamespace {
+        /// The namespace of the Event's `regarding`/`involvedObject`.
+        involved: String,
+    },
+    /// An `events.k8s.io/v1` Event without `eventTime`.
+    #[error("eventTime: Required value")]
+    EventTimeRequired,
     /// Server-side apply without a field manager.
     #[error("fieldManager: Required value: is required for apply patch")]
     FieldManagerRequired,
@@ -267,7 +309,9 @@ impl ApiError {
             | Self::InvalidContinue { .. }
             | Self::VersionWithContinue
             | Self::DryRunUnsupported => 400,
-            Self::Invalid { .. } | Self::PatchFailed { .. } => 422,
+            Self::Invalid { .. } | Self::FieldsInvalid { .. } | Self::PatchFailed { .. } => 422,
+            Self::Forbidden { .. } => 403,
+            Self::Unauthorized => 401,
             Self::UnsupportedPatch { .. } => 415,
             Self::MethodNotAllowed => 405,
             Self::TooOldResourceVersion { .. } | Self::ContinueExpired => 410,
@@ -293,7 +337,11 @@ impl ApiError {
             | Self::InvalidContinue { .. }
             | Self::VersionWithContinue
             | Self::DryRunUnsupported => "BadRequest",
-            Self::Invalid { .. } | Self::PatchFailed { .. } => "Invalid",
+            Self::Invalid { .. } | Self::FieldsInvalid { .. } | Self::PatchFailed { .. } => {
+                "Invalid"
+            }
+            Self::Forbidden { .. } => "Forbidden",
+            Self::Unauthorized => "Unauthorized",
             Self::UnsupportedPatch { .. } => "UnsupportedMediaType",
             Self::MethodNotAllowed => "MethodNotAllowed",
             Self::TooOldResourceVersion { .. } | Self::ContinueExpired => "Expired",
@@ -308,7 +356,19 @@ impl ApiError {
         match self {
             Self::NotFound { resource, name }
             | Self::AlreadyExists { resource, name }
-            | Self::Conflict { resource, name, .. } => Some(for_object(resource, name)),
+            | Self::Conflict { resource, name, .. }
+            | Self::Forbidden { resource, name, .. } => Some(for_object(resource, name)),
+            Self::FieldsInvalid {
+                kind,
+                group,
+                name,
+                causes,
+            } => Some(json!({
+                "name": name, "group": group, "kind": kind,
+                "causes": causes.iter().map(|c| json!({
+                    "reason": c.reason, "message": c.message, "field": c.field,
+                })).collect::<Vec<_>>(),
+            })),
             Self::Invalid { kind, name, .. } => Some(json!({"name": name, "kind": kind})),
             Self::TooLargeResourceVersion { .. } => Some(json!({
                 "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],

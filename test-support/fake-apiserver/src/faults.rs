@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 use crate::{
     error::{ApiError, ConflictCause},
     log::{RequestRecord, Verb},
+    ratelimit::{Bucket, RateLimit},
     resource::{GroupResource, Gvr},
     rng::SplitMix64,
     server::{Availability, Shared},
@@ -195,6 +196,7 @@ enum Action {
     Fail(Failure),
     Latency(Duration),
     Annotate { key: String, value: Option<String> },
+    RateLimit(Bucket),
 }
 
 #[derive(Debug)]
@@ -226,6 +228,8 @@ pub(crate) struct Decision {
     pub(crate) latency: Duration,
     pub(crate) error: Option<ApiError>,
     pub(crate) annotations: Vec<(String, String)>,
+    /// Over a rate limit: answer 429 with this `Retry-After`.
+    pub(crate) throttled: Option<u32>,
 }
 
 impl FaultState {
@@ -284,11 +288,12 @@ impl FaultState {
                     targets_object && decision.error.is_none()
                 }
                 Action::Fail(_) => decision.error.is_none(),
+                Action::RateLimit(_) => decision.throttled.is_none(),
             };
             if !applies || (rule.probability < 1.0 && rng.next_f64() >= rule.probability) {
                 continue;
             }
-            match &rule.action {
+            match &mut rule.action {
                 Action::Latency(d) => decision.latency += *d,
                 Action::Annotate { key, value } => {
                     *touches += 1;
@@ -308,6 +313,7 @@ impl FaultState {
                 Action::Fail(failure) => {
                     decision.error = Some(ApiError::Injected { failure: *failure });
                 }
+                Action::RateLimit(bucket) => decision.throttled = bucket.take(),
             }
             if let Some(n) = &mut rule.remaining {
                 *n -= 1;
@@ -385,6 +391,14 @@ impl Faults {
             None,
             fraction.clamp(0.0, 1.0),
         )
+    }
+
+    /// Limit the rate of matching requests, as the API server's priority and
+    /// fairness filter does: over the limit, 429 with `Retry-After` and the
+    /// filter's plain-text body, before anything else (see [`RateLimit`]).
+    pub fn limit_rate(&self, filter: RequestFilter, limit: RateLimit) -> FaultId {
+        self.state()
+            .add(filter, Action::RateLimit(Bucket::new(limit)), None, 1.0)
     }
 
     /// Delay matching requests (for a watch: its start).

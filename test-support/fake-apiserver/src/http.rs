@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 use crate::{
     error::{ApiError, Invalidity},
-    log::{RequestRecord, Verb},
+    log::{ListSource, RequestRecord, Verb},
     object,
     patch::PatchKind,
     resource::{Discovery, ResourceSpec},
@@ -39,9 +39,18 @@ struct Ctx<'a> {
     metadata_only: bool,
     aggregated: bool,
     content_type: String,
+    /// Who sent the request (`admission`).
+    user: crate::admission::UserInfo,
 }
 
 impl Ctx<'_> {
+    /// The store, for a write by this request's user (admission sees the user).
+    fn write_store(&self) -> parking_lot::MutexGuard<'_, crate::store::Store> {
+        let mut store = self.shared.store.lock();
+        store.admission.caller = self.user.clone();
+        store
+    }
+
     fn param(&self, name: &str) -> Option<&str> {
         self.query
             .iter()
@@ -78,6 +87,14 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     );
     let content_type = header_str(&parts.headers, header::CONTENT_TYPE);
     let accept = header_str(&parts.headers, header::ACCEPT);
+    let authorization = header_str(&parts.headers, header::AUTHORIZATION);
+    let user = shared
+        .store
+        .lock()
+        .admission
+        .tokens
+        .authenticate(Some(authorization.as_str()).filter(|a| !a.is_empty()))
+        .map(|user| crate::admission::impersonate(user, &parts.headers));
     let resource_path = match &route {
         Route::Resource(p) => Some(p),
         _ => None,
@@ -106,6 +123,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         injected: false,
         at,
         took: std::time::Duration::ZERO,
+        list_source: None,
     };
     let group_resource = resource_path.and_then(|p| {
         let store = shared.store.lock();
@@ -118,15 +136,21 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         tokio::time::sleep(decision.latency).await;
     }
     let response = match decision.error {
+        _ if decision.throttled.is_some() => {
+            record.injected = true;
+            crate::ratelimit::response(decision.throttled.unwrap_or_default())
+        }
         Some(err) => {
             record.injected = true;
             error_response(&err)
         }
+        None if user.is_none() => error_response(&ApiError::Unauthorized),
         None => {
             if let Some(p) = resource_path {
                 touch(&shared, p, &decision.annotations);
             }
             let ctx = Ctx {
+                user: user.unwrap_or_else(crate::admission::UserInfo::anonymous),
                 shared: &shared,
                 query: &query,
                 metadata_only: accept.contains("as=PartialObjectMetadata"),
@@ -141,6 +165,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     };
     record.code = response.status().as_u16();
     record.took = at.elapsed();
+    record.list_source = response.extensions().get::<ListSource>().copied();
     shared.log.push(record);
     response
 }
@@ -270,6 +295,18 @@ async fn dispatch(
                 .map(|doc| json_response(200, &doc))
                 .ok_or(ApiError::NoSuchResource)
         }
+        Route::OpenApiRoot => {
+            let specs = discovery();
+            let specs: Vec<&ResourceSpec> = specs.iter().collect();
+            Ok(json_response(200, &crate::openapi::root(&specs)))
+        }
+        Route::OpenApiGroupVersion(path) => {
+            let specs = discovery();
+            let specs: Vec<&ResourceSpec> = specs.iter().collect();
+            crate::openapi::group_version(&specs, path)
+                .map(|doc| json_response(200, &doc))
+                .ok_or(ApiError::NoSuchResource)
+        }
         Route::Unknown => Err(ApiError::NoSuchResource),
         Route::Resource(p) => resource(ctx, p, verb, body).await,
     }
@@ -338,12 +375,12 @@ async fn resource(
         (Verb::Watch, _) => watch(ctx, res, spec, p.namespace.clone(), p.name.as_deref()),
         (Verb::Create, _) => {
             let body = read_json(body).await?;
-            let obj = store.lock().create(res, &namespace, body)?;
+            let obj = ctx.write_store().create(res, &namespace, body)?;
             Ok(object_response(201, &obj, false))
         }
         (Verb::Update, Some(key)) => {
             let body = read_json(body).await?;
-            let obj = store.lock().update(res, &key, body, sub)?;
+            let obj = ctx.write_store().update(res, &key, body, sub)?;
             Ok(object_response(200, &obj, false))
         }
         (Verb::Patch, Some(key)) => {
@@ -360,7 +397,7 @@ async fn resource(
                 });
             }
             let patch = read_json(body).await?;
-            let (obj, created) = store.lock().patch(res, &key, kind, &patch, sub)?;
+            let (obj, created) = ctx.write_store().patch(res, &key, kind, &patch, sub)?;
             Ok(object_response(
                 if created { 201 } else { 200 },
                 &obj,
@@ -379,13 +416,24 @@ async fn resource(
             if options["dryRun"].as_array().is_some_and(|a| !a.is_empty()) {
                 return Err(ApiError::DryRunUnsupported);
             }
+            let grace_period_seconds = match ctx.param("gracePeriodSeconds") {
+                Some(text) => Some(text.parse::<i64>().map_err(|_| ApiError::InvalidParam {
+                    name: "gracePeriodSeconds",
+                    value: text.to_owned(),
+                })?),
+                None => options["gracePeriodSeconds"].as_i64(),
+            };
             let pre = Preconditions {
                 uid: options["preconditions"]["uid"].as_str().map(str::to_owned),
                 resource_version: options["preconditions"]["resourceVersion"]
                     .as_str()
                     .map(str::to_owned),
+                grace_period_seconds,
             };
-            let outcome = store.lock().delete(res, &key, &pre)?;
+            let outcome = ctx.write_store().delete(res, &key, &pre)?;
+            if let DeleteOutcome::Pending(obj) = &outcome {
+                crate::kubelet::finish_at_grace_end(ctx.shared, res, &key, obj);
+            }
             Ok(match outcome {
                 DeleteOutcome::Pending(obj) => object_response(200, &obj, false),
                 DeleteOutcome::Gone(obj) if returns_deleted_object(&spec) => {
@@ -406,7 +454,7 @@ async fn resource(
         (Verb::DeleteCollection, _) => {
             let (label, field) = selectors(ctx, &spec, None)?;
             let (deleted, rv) = {
-                let mut store = store.lock();
+                let mut store = ctx.write_store();
                 let deleted = store.delete_collection(res, p.namespace.as_deref(), &label, &field);
                 (deleted, store.rv())
             };
@@ -531,6 +579,12 @@ fn list(
         (n, Some("Exact")) => ReadVersion::Exact(parse_rv(n)?),
         (n, _) => ReadVersion::NotOlderThan(parse_rv(n)?),
     };
+    let source = list_source(rv, version, limit, continue_token);
+    // The watch cache ignores the limit of a list at resourceVersion "0": one
+    // page with everything, no `continue` (cacher.go `computeListLimit`: "as of
+    // today, the limit is ignored for requests that set RV == 0"; before it,
+    // v1.30's `GetList` never set a continue token on a list from the cache).
+    let limit = if rv == "0" { None } else { limit };
     let page = ctx.shared.store.lock().list(
         res,
         namespace,
@@ -542,14 +596,53 @@ fn list(
             version,
         },
     )?;
-    Ok(list_response(
+    let mut response = list_response(
         spec,
         &page.items,
         page.rv,
         page.continue_token,
         page.remaining,
         ctx.metadata_only,
-    ))
+    );
+    response.extensions_mut().insert(source);
+    Ok(response)
+}
+
+/// Which layer of the real API server serves a list: k8s.io/apiserver
+/// `storage/cacher` `shouldDelegateList` (v1.30: `consistentReadFromStorage ||
+/// hasContinuation || hasLimit || unsupportedMatch`, with `hasLimit := Limit > 0
+/// && resourceVersion != "0"`; v1.33's `CacheDelegator` keeps the same answers
+/// for everything below but two, noted):
+///
+/// - `resourceVersion` unset: a consistent read, from etcd, honouring
+///   `limit`/`continue`. (From v1.31 a cluster whose etcd supports progress
+///   requests, with the `ConsistentListFromCache` gate on, serves the first
+///   page from the cache after reading etcd's current revision; census does not
+///   count on it.)
+/// - any `continue`: etcd (the cache keeps no snapshots; v1.33's
+///   `ListFromCacheSnapshot` is alpha).
+/// - `resourceVersion="0"`: the watch cache, any match, `limit` ignored.
+/// - `resourceVersionMatch=Exact`, or a version with `limit` and no match (the
+///   legacy exact read): etcd.
+/// - a version with `NotOlderThan` and a `limit`: etcd in v1.30 (`hasLimit`); the
+///   cache in v1.33, which honours the limit there. The fake answers as v1.30,
+///   the older of the versions census supports.
+/// - a version without a `limit`: the cache.
+fn list_source(
+    rv: &str,
+    version: ReadVersion,
+    limit: Option<usize>,
+    continue_token: Option<&str>,
+) -> ListSource {
+    let storage = continue_token.is_some()
+        || rv.is_empty()
+        || matches!(version, ReadVersion::Exact(_))
+        || (rv != "0" && limit.is_some());
+    if storage {
+        ListSource::Storage
+    } else {
+        ListSource::Cache
+    }
 }
 
 fn watch(

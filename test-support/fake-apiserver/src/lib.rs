@@ -15,7 +15,10 @@
 //!   `creationTimestamp`, `generation` (spec changes only) as the real server;
 //! - list with `limit`/`continue` (pages read one snapshot; a compacted one is
 //!   410 Expired), `resourceVersion`/`resourceVersionMatch`, label selectors
-//!   and the real per-resource field selectors (others are 400);
+//!   and the real per-resource field selectors (others are 400); which layer
+//!   would serve each list (the watch cache or etcd, as `shouldDelegateList`
+//!   decides; `resourceVersion=0` ignores `limit`) is in the request log
+//!   ([`ListSource`]);
 //! - watch with history replay from a resourceVersion, synthetic ADDED for
 //!   `resourceVersion` unset or `0`, selector transitions (an object that stops
 //!   matching is DELETED, one that starts is ADDED), periodic BOOKMARKs,
@@ -27,7 +30,20 @@
 //!   preconditions, 404, 422; finalizers and `deletionTimestamp`; `/status`;
 //!   merge, JSON, strategic (as merge, built-in kinds only) and apply (as
 //!   merge, creating when missing) patches; `generateName`;
-//! - fault injection ([`Faults`]), a request log ([`Requests`]) and direct
+//! - Event validation on create, as `ValidateEventCreate`: an Event about an
+//!   object without a namespace (cluster-scoped) only in `default` or
+//!   `kube-system` (422 Invalid elsewhere), `eventTime` required by
+//!   `events.k8s.io/v1`;
+//! - graceful deletion of pods: `deletionTimestamp` and
+//!   `deletionGracePeriodSeconds` from `gracePeriodSeconds` or
+//!   `spec.terminationGracePeriodSeconds` (30 by default), the pod kept (with its
+//!   IP) until a stand-in kubelet confirms at the end of the period or a test
+//!   does ([`FakeApiServer::confirm_pod_deletion`]); grace 0, unscheduled and
+//!   finished pods go at once; [`FakeApiServer::end_pod`] moves a pod to
+//!   Succeeded or Failed;
+//! - fault injection ([`Faults`], including a request-rate limit answered as
+//!   the priority and fairness filter does: 429, `Retry-After`, plain text),
+//!   a request log ([`Requests`]) and direct
 //!   seeding ([`FakeApiServer::insert_many`] and friends).
 //!
 //! ```no_run
@@ -56,37 +72,58 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Custom resources are validated against their CRD's schema and CEL rules
+//! (`validation`), ValidatingAdmissionPolicies are enforced for the user a
+//! bearer token or impersonation names (`admission`), and `/openapi/v3` has
+//! what kubectl needs (`openapi`).
+//!
 //! Not modelled (tests that need these belong on a real cluster, `#[ignore]`d):
-//! admission, defaulting and schema validation beyond names; strategic merge
+//! mutating admission, defaulting, pruning, built-in kinds' schema validation
+//! beyond names, the CEL cost budget; strategic merge
 //! list semantics (merge keys, `$patch`) and server-side apply field
 //! ownership (no managedFields, no apply conflicts, omitted fields are not
-//! removed); immutable fields (e.g. a pod's `spec.nodeName`); graceful
-//! deletion (pods go at once, no kubelet); `propagationPolicy`, owner
+//! removed); immutable fields (e.g. a pod's `spec.nodeName`); a real kubelet
+//! (phases, IPs and the end of a graceful deletion are set by tests or by the
+//! stand-in timer; a pod whose node is gone is not collected); priority and
+//! fairness beyond a plain rate limit (no flow schemas, no queueing, no
+//! `X-Kubernetes-PF-*` headers); consistent lists from the watch cache
+//! (`ConsistentListFromCache`: the fake answers as a v1.30 server does, a list
+//! without resourceVersion is an etcd read); `propagationPolicy`, owner
 //! references and the garbage collector; `dryRun` (refused with 400);
-//! authentication and RBAC; Table and protobuf encodings; CRD version
+//! RBAC (who may impersonate, anything else); Table and protobuf encodings; CRD version
 //! conversion (each served version is its own store); core and
 //! `events.k8s.io` Events are separate stores.
 
 #![forbid(unsafe_code)]
 
+mod admission;
 mod error;
+mod events;
 mod faults;
 mod http;
+mod kubelet;
 mod log;
 mod object;
+mod openapi;
 mod patch;
+mod pods;
+mod ratelimit;
 mod resource;
 mod rng;
 mod route;
 mod selector;
 mod server;
 mod store;
+mod validation;
 mod watch;
 
 pub use error::{ApiError, ConflictCause, Error, Invalidity};
 pub use faults::{DownMode, Failure, FaultId, Faults, RequestFilter, TOUCH_ANNOTATION};
-pub use log::{RequestRecord, Requests, Verb};
+pub use log::{ListSource, RequestRecord, Requests, Verb};
 pub use patch::PatchError;
+pub use pods::PodEnd;
+pub use ratelimit::RateLimit;
 pub use resource::{GroupResource, Gvr, ResourceSpec};
 pub use selector::SelectorError;
 pub use server::{FakeApiServer, ServerConfig};
+pub use validation::FieldCause;

@@ -59,6 +59,27 @@ impl Verb {
     }
 }
 
+/// Which layer of the API server answered a list, as the real one decides
+/// (k8s.io/apiserver `storage/cacher`, `shouldDelegateList`; see the list
+/// handler for the rules the fake follows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ListSource {
+    /// The watch cache, in the API server's memory: no etcd read.
+    Cache,
+    /// Storage (etcd): a range read over every object of the resource.
+    Storage,
+}
+
+impl ListSource {
+    /// `cache` or `storage`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cache => "cache",
+            Self::Storage => "storage",
+        }
+    }
+}
+
 /// One answered request.
 #[derive(Clone, Debug)]
 pub struct RequestRecord {
@@ -96,6 +117,8 @@ pub struct RequestRecord {
     pub at: Instant,
     /// How long the server took to answer (to start a watch stream).
     pub took: Duration,
+    /// For a list that was answered 200: which layer served it.
+    pub list_source: Option<ListSource>,
 }
 
 impl RequestRecord {
@@ -158,6 +181,15 @@ impl Requests {
     /// Lists of a (plural) resource.
     pub fn lists_of(&self, resource: &str) -> Vec<RequestRecord> {
         self.of(Verb::List, resource)
+    }
+
+    /// Lists of a (plural) resource that storage (etcd) served.
+    pub fn storage_lists_of(&self, resource: &str) -> Vec<RequestRecord> {
+        self.filter(|r| {
+            r.verb == Verb::List
+                && r.resource == resource
+                && r.list_source == Some(ListSource::Storage)
+        })
     }
 
     /// Writes (create, update, patch, delete, deletecollection) of a resource.

@@ -200,10 +200,56 @@ pub(crate) fn builtins() -> Vec<ResourceSpec> {
         ResourceSpec::namespaced("", "v1", "ServiceAccount", "serviceaccounts"),
         ResourceSpec::namespaced("events.k8s.io", "v1", "Event", "events"),
         ResourceSpec::namespaced("coordination.k8s.io", "v1", "Lease", "leases"),
+        // Served by every cluster since 1.21 (GA); no status subresource.
+        ResourceSpec::namespaced("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
         ResourceSpec::cluster(CRD_GROUP, "v1", "CustomResourceDefinition", CRD_PLURAL)
             .with_status(),
+        // Stored and served, not acted on (no controllers), so that `kubectl apply`
+        // of census's manifests works; ValidatingAdmissionPolicies are enforced
+        // (`admission`).
+        ResourceSpec::namespaced("", "v1", "ResourceQuota", "resourcequotas").with_status(),
+        ResourceSpec::namespaced("apps", "v1", "Deployment", "deployments").with_status(),
+        ResourceSpec::namespaced("apps", "v1", "DaemonSet", "daemonsets").with_status(),
+        ResourceSpec::namespaced(
+            "policy",
+            "v1",
+            "PodDisruptionBudget",
+            "poddisruptionbudgets",
+        )
+        .with_status(),
+        ResourceSpec::cluster(
+            "scheduling.k8s.io",
+            "v1",
+            "PriorityClass",
+            "priorityclasses",
+        ),
+        ResourceSpec::cluster(RBAC_GROUP, "v1", "ClusterRole", "clusterroles"),
+        ResourceSpec::cluster(
+            RBAC_GROUP,
+            "v1",
+            "ClusterRoleBinding",
+            "clusterrolebindings",
+        ),
+        ResourceSpec::namespaced(RBAC_GROUP, "v1", "Role", "roles"),
+        ResourceSpec::namespaced(RBAC_GROUP, "v1", "RoleBinding", "rolebindings"),
+        ResourceSpec::cluster(
+            VAP_GROUP,
+            "v1",
+            "ValidatingAdmissionPolicy",
+            "validatingadmissionpolicies",
+        )
+        .with_status(),
+        ResourceSpec::cluster(
+            VAP_GROUP,
+            "v1",
+            "ValidatingAdmissionPolicyBinding",
+            "validatingadmissionpolicybindings",
+        ),
     ]
 }
+
+const RBAC_GROUP: &str = "rbac.authorization.k8s.io";
+pub(crate) const VAP_GROUP: &str = "admissionregistration.k8s.io";
 
 /// The namespaces a real cluster starts with.
 pub(crate) const INITIAL_NAMESPACES: [&str; 4] =

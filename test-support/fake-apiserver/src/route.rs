@@ -29,6 +29,10 @@ pub(crate) enum Route {
     /// `/api/v1` or `/apis/{group}/{version}`.
     GroupVersion(String, String),
     Resource(ResourcePath),
+    /// `/openapi/v3`.
+    OpenApiRoot,
+    /// `/openapi/v3/{api/v1 | apis/group/version}`.
+    OpenApiGroupVersion(String),
     Unknown,
 }
 
@@ -71,6 +75,8 @@ pub(crate) fn parse(path: &str) -> Route {
         ["apis", group] => Route::Group((*group).to_owned()),
         ["apis", group, version] => Route::GroupVersion((*group).to_owned(), (*version).to_owned()),
         ["apis", group, version, rest @ ..] => resource_path(group, version, rest),
+        ["openapi", "v3"] => Route::OpenApiRoot,
+        ["openapi", "v3", rest @ ..] => Route::OpenApiGroupVersion(rest.join("/")),
         _ => Route::Unknown,
     }
 }

@@ -85,7 +85,7 @@ impl Shared {
 /// A fake Kubernetes API server on a random loopback port. Dropping it stops
 /// the server and closes every connection.
 pub struct FakeApiServer {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for FakeApiServer {
@@ -172,6 +172,72 @@ impl FakeApiServer {
              contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\n\
              current-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
             self.url()
+        );
+        std::fs::write(path, text).map_err(|source| Error::WriteKubeconfig {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Accept a bearer token for a user, as the real server's static token
+    /// file (`--token-auth-file`) does; the user is in `groups` and
+    /// `system:authenticated`. Requests without a token are
+    /// `system:anonymous`; an unknown token gets 401.
+    pub fn add_token(&self, token: &str, username: &str, groups: &[&str]) {
+        self.shared
+            .store
+            .lock()
+            .admission
+            .tokens
+            .add(token, username, groups);
+    }
+
+    /// A kube client that authenticates with a bearer token (see [`Self::add_token`]).
+    pub fn client_with_token(&self, token: &str) -> Result<kube::Client, Error> {
+        let mut config = self.kube_config()?;
+        config.auth_info.token = Some(token.to_owned().into());
+        kube::Client::try_from(config).map_err(|source| Error::Client {
+            source: Box::new(source),
+        })
+    }
+
+    /// Write a kubeconfig file whose user authenticates with a bearer token.
+    pub fn write_kubeconfig_with_token(
+        &self,
+        path: impl AsRef<Path>,
+        token: &str,
+    ) -> Result<(), Error> {
+        let path = path.as_ref();
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\n\
+             current-context: fake\nusers:\n- name: fake\n  user:\n    token: {token}\n",
+            self.url()
+        );
+        std::fs::write(path, text).map_err(|source| Error::WriteKubeconfig {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Write a kubeconfig file whose user impersonates `username` (kubeconfig
+    /// `as`/`as-groups`, sent as `Impersonate-User`/`Impersonate-Group`): the way
+    /// to name a user to a client such as kubectl, which sends no bearer token
+    /// over plain HTTP.
+    pub fn write_kubeconfig_as(
+        &self,
+        path: impl AsRef<Path>,
+        username: &str,
+        groups: &[&str],
+    ) -> Result<(), Error> {
+        let path = path.as_ref();
+        let groups: Vec<String> = groups.iter().map(|g| format!("\"{g}\"")).collect();
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\n\
+             current-context: fake\nusers:\n- name: fake\n  user:\n    as: \"{username}\"\n    as-groups: [{}]\n",
+            self.url(),
+            groups.join(", ")
         );
         std::fs::write(path, text).map_err(|source| Error::WriteKubeconfig {
             path: path.to_owned(),

@@ -6,7 +6,9 @@
 //! `write` holds the API's write rules, `read` lists and watch starts,
 //! `direct` the test-facing seeding and edits.
 
+mod admit;
 mod direct;
+mod graceful;
 mod read;
 mod write;
 
@@ -86,11 +88,13 @@ pub(crate) enum Sub {
     Status,
 }
 
-/// Delete preconditions from `DeleteOptions.preconditions`.
+/// Delete preconditions from `DeleteOptions.preconditions`, and its grace period.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Preconditions {
     pub(crate) uid: Option<String>,
     pub(crate) resource_version: Option<String>,
+    /// `gracePeriodSeconds` of the DELETE (query or body), for pods.
+    pub(crate) grace_period_seconds: Option<i64>,
 }
 
 pub(crate) enum DeleteOutcome {
@@ -151,6 +155,7 @@ pub(crate) struct Store {
     index: HashMap<Gvr, usize>,
     watchers: Vec<WatchSlot>,
     rng: SplitMix64,
+    pub(crate) admission: admit::AdmissionState,
 }
 
 fn matches(spec: &ResourceSpec, label: &LabelSelector, field: &FieldSelector, obj: &Value) -> bool {
@@ -169,6 +174,7 @@ impl Store {
             index: HashMap::new(),
             watchers: Vec::new(),
             rng: SplitMix64::new(seed ^ 0x6B75_6265),
+            admission: admit::AdmissionState::default(),
         };
         for spec in resource::builtins() {
             let res = store.register(spec);

@@ -151,6 +151,9 @@ impl Store {
         if !object::valid_name(&name) {
             return Err(self.invalid(res, &name, Invalidity::BadName(name.clone())));
         }
+        // Validation comes before storage: an invalid Event is 422 even if its name is taken.
+        crate::events::validate_create(&spec, namespace, &obj)
+            .map_err(|cause| self.invalid(res, &name, cause))?;
         let key = ObjKey::new(if spec.namespaced { namespace } else { "" }, &name);
         if self.resources[res].objects.contains_key(&key) {
             return Err(ApiError::AlreadyExists {
@@ -162,6 +165,7 @@ impl Store {
         remove_meta(&mut obj, "deletionGracePeriodSeconds");
         self.fill_new_meta(res, &mut obj, false);
         self.prepare_create(res, &mut obj);
+        self.admit(res, &key, Sub::Main, None, Some(&obj))?;
         let obj = self.commit_put(res, key, obj, None);
         self.after_put(res, &obj);
         Ok(obj)
@@ -264,11 +268,19 @@ impl Store {
                 return Err(self.invalid(res, &key.name, Invalidity::FinalizerWhileDeleting));
             }
         }
+        self.admit(res, key, sub, Some(old), Some(&next))?;
         if next == **old {
             // The real server skips writes that change nothing: no new version.
             return Ok(Arc::clone(old));
         }
-        if deleting && object::finalizers(&next).is_empty() {
+        // `ShouldDeleteDuringUpdate`: the last finalizer gone from an object whose
+        // deletion is not waiting for a grace period (a terminating pod stays
+        // until its kubelet confirms).
+        let grace_pending = object::meta(old)
+            .and_then(|m| m.get("deletionGracePeriodSeconds"))
+            .and_then(Value::as_i64)
+            .is_some_and(|g| g > 0);
+        if deleting && !grace_pending && object::finalizers(&next).is_empty() {
             if let Some(m) = object::meta_mut(&mut next) {
                 m.remove("finalizers");
             }
@@ -346,7 +358,7 @@ impl Store {
             .map(|o| (o, false))
     }
 
-    /// DELETE.
+    /// DELETE, with the request's `gracePeriodSeconds` (graceful for pods only).
     pub(crate) fn delete(
         &mut self,
         res: usize,
@@ -379,6 +391,13 @@ impl Store {
                     },
                 ));
             }
+        }
+        self.admit(res, key, Sub::Main, Some(&old), None)?;
+        if self.is_pods(res)
+            && let graceful::GracefulOutcome::Terminating(obj) =
+                self.delete_pod_gracefully(res, key, pre.grace_period_seconds)?
+        {
+            return Ok(DeleteOutcome::Pending(obj));
         }
         if object::finalizers(&old).is_empty() {
             let last = (*old).clone();

@@ -95,9 +95,14 @@ async fn typed_pod_crud_follows_conventions() -> TestResult {
         Some(500)
     );
 
-    // Deleting a pod answers with the pod (ReturnDeletedObject).
+    // Deleting a pod answers with the pod (ReturnDeletedObject). A scheduled pod
+    // is deleted gracefully: it stays until its kubelet confirms (`pods.rs`).
     let deleted = pods.delete("a", &DeleteParams::default()).await?;
     assert!(deleted.left().is_some_and(|p| p.name_any() == "a"));
+    assert_eq!(server.count(&Gvr::of::<Pod>()), 1);
+    server
+        .confirm_pod_deletion("default", "a")
+        .ok_or("a is terminating")?;
     assert_eq!(server.count(&Gvr::of::<Pod>()), 0);
     Ok(())
 }

@@ -3,8 +3,12 @@
 
 mod common;
 mod crud;
+mod events_and_deletion;
 mod faults;
 mod kubeconfig;
+mod kubectl;
 mod list;
+mod list_source;
+mod pods;
 mod seeding;
 mod watch;
