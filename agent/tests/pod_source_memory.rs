@@ -15,7 +15,7 @@ use census_agent::source::{
     EndpointSource as _, SourceEvent,
     kubernetes::{InterfaceLookup, PodSource, RouteError, Timing},
 };
-use census_fake_apiserver::{FakeApiServer, Gvr, Verb};
+use census_fake_apiserver::{FakeApiServer, Gvr, ListSource, Verb};
 use census_proto::domain::{EndpointKey, NodeName};
 use census_testkit::alloc::{PerThreadCounting, thread_net_bytes};
 use serde_json::{Value, json};
@@ -289,6 +289,16 @@ fn the_pod_source_holds_its_nodes_pods_and_nothing_else() -> Fallible<()> {
         );
     }
     assert_eq!(requests.lists_of("pods").len(), 2, "one list per source");
+    // Both from the API server's watch cache (resourceVersion 0, no limit): a
+    // list of one node's pods never reads every pod of the cluster from etcd.
+    for r in requests.lists_of("pods") {
+        assert_eq!(
+            (r.param("resourceVersion"), r.param("limit"), r.list_source),
+            (Some("0"), None, Some(ListSource::Cache)),
+            "{:?}",
+            r.query
+        );
+    }
     assert!(requests.watches_of("pods").len() >= 2);
     for resource in ["configmaps", "secrets", "nodes", "namespaces"] {
         assert!(

@@ -22,7 +22,7 @@ use census_agent::source::{
     EndpointSource as _, HostInterface, SourceEndpoint, SourceEvent,
     kubernetes::{InterfaceLookup, PodSource, RouteError, Timing},
 };
-use census_fake_apiserver::{FakeApiServer, Gvr};
+use census_fake_apiserver::{FakeApiServer, Gvr, ListSource, Verb};
 use census_proto::domain::{EndpointKey, NodeName};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::{
@@ -161,7 +161,28 @@ async fn pod_source_follows_its_nodes_pods_on_the_fake() -> TestResult {
     let kubelet = tokio::spawn(stand_in_kubelet(Arc::clone(&server)));
     let result = follows_its_nodes_pods(&server.client()?).await;
     kubelet.abort();
-    result
+    result?;
+    // The source's lists (resourceVersion 0, no limit) came from the watch cache.
+    let requests = server.requests();
+    let source_lists = requests.filter(|r| {
+        r.verb == Verb::List
+            && r.resource == "pods"
+            && r.field_selector.as_deref() == Some("spec.nodeName=n1")
+    });
+    assert_eq!(
+        source_lists.len(),
+        1,
+        "one list; the watch never started over"
+    );
+    for r in &source_lists {
+        assert_eq!(
+            (r.param("resourceVersion"), r.param("limit"), r.list_source),
+            (Some("0"), None, Some(ListSource::Cache)),
+            "{:?}",
+            r.query
+        );
+    }
+    Ok(())
 }
 
 /// What a kubelet does for the scenario: a bound pod gets an address (the node's

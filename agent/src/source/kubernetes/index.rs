@@ -1,13 +1,17 @@
 //! The pod source's state: the endpoints of this node, as a minimal projection
-//! keyed by namespace/name (never the watcher's objects, never UIDs), and the
+//! keyed by namespace/name (never the API's objects, never UIDs), and the
 //! events that keep the agent's core in step with it.
 //!
-//! A (re)list arrives as `Init`, `InitApply`..., `InitDone`; the index builds the
-//! new set aside and, at `InitDone`, replaces its whole projection with it and
-//! sends one [`SourceEvent::Reset`] (kubert's `index.rs` does the same), so a pod
-//! deleted while the watch was down is forgotten even though no delete event
-//! ever said so. `Apply` and `Delete` become `Upsert` and `Delete`, or nothing
-//! when nothing census reads changed.
+//! A (re)list replaces the whole projection and becomes one
+//! [`SourceEvent::Reset`] (kubert's `index.rs` does the same), so a pod deleted
+//! while the watch was down is forgotten even though no delete event ever said
+//! so. Watch events become `Upsert` and `Delete`, or nothing when nothing census
+//! reads changed.
+//!
+//! Each entry keeps all the pod's labels beside the endpoint (which carries only
+//! those the operator's filter keeps), so a new filter is applied to what the
+//! index holds, without asking the API server again: a handful of short strings
+//! per pod of this node.
 
 use std::{
     collections::HashMap,
@@ -18,8 +22,9 @@ use std::{
     },
 };
 
+use std::collections::BTreeMap;
+
 use census_proto::{domain::EndpointKey, labels::LabelFilter};
-use kube::runtime::watcher::Event;
 use tracing::{debug, warn};
 
 use super::{
@@ -43,13 +48,20 @@ impl CachedPods {
     }
 }
 
+/// One pod of the projection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    /// What the agent was told, with the labels the filter keeps.
+    endpoint: SourceEndpoint,
+    /// All the pod's labels, for the next filter.
+    labels: BTreeMap<String, String>,
+}
+
 pub(crate) struct PodIndex {
     node: String,
     filter: LabelFilter,
     lookup: Arc<dyn InterfaceLookup>,
-    pods: HashMap<EndpointKey, SourceEndpoint>,
-    /// The set a list in progress is building, from `Init` to `InitDone`.
-    relist: Option<HashMap<EndpointKey, SourceEndpoint>>,
+    pods: HashMap<EndpointKey, Entry>,
     cached: CachedPods,
 }
 
@@ -65,7 +77,6 @@ impl PodIndex {
             filter,
             lookup,
             pods: HashMap::new(),
-            relist: None,
             cached,
         }
     }
@@ -74,75 +85,77 @@ impl PodIndex {
         self.pods.len()
     }
 
-    /// A new filter applies from the next list on (the labels it would keep
-    /// beyond the old one's are not in the projection).
-    pub(crate) fn set_filter(&mut self, filter: LabelFilter) {
+    /// A new filter, applied to every pod held: one `Reset` of the whole set if
+    /// any endpoint's labels changed, else nothing.
+    pub(crate) fn set_filter(&mut self, filter: LabelFilter) -> Option<SourceEvent> {
         self.filter = filter;
-    }
-
-    /// One watcher event; what the agent must hear of it.
-    pub(crate) fn on_event(&mut self, event: Event<PodObject>) -> Option<SourceEvent> {
-        match event {
-            Event::Init => {
-                self.relist = Some(HashMap::new());
-                None
+        let mut changed = false;
+        for entry in self.pods.values_mut() {
+            let labels = filtered(&self.filter, &entry.labels);
+            if labels != entry.endpoint.labels {
+                entry.endpoint.labels = labels;
+                changed = true;
             }
-            Event::InitApply(pod) => {
-                self.init_apply(&pod);
-                None
-            }
-            Event::InitDone => Some(self.init_done()),
-            Event::Apply(pod) => self.apply(&pod),
-            Event::Delete(pod) => self.delete(&pod),
         }
+        changed.then(|| self.set())
     }
 
-    fn init_apply(&mut self, pod: &PodObject) {
-        let read = pod.read(&self.node, &self.filter);
-        let entry = match read {
-            Read::Endpoint(endpoint) => Some(self.resolve(endpoint)),
-            Read::Skipped(key, why) => {
-                debug!(pod = %key, why = why.as_str(), "not an endpoint");
-                None
-            }
-            Read::Unreadable { key, problem } => {
-                // An object census cannot read is no evidence that the pod is gone:
-                // what the projection had for it stays.
-                let kept = key.as_ref().and_then(|k| self.pods.get(k)).cloned();
-                warn!(
-                    pod = %pod.display_name(),
-                    problem,
-                    kept = kept.is_some(),
-                    "skipping a pod that cannot be read"
-                );
-                kept
-            }
-        };
-        if let (Some(entry), Some(relist)) = (entry, self.relist.as_mut()) {
-            relist.insert(entry.key.clone(), entry);
-        }
-    }
-
-    fn init_done(&mut self) -> SourceEvent {
-        self.pods = self.relist.take().unwrap_or_default();
-        self.pods.shrink_to_fit();
-        self.cached.set(self.pods.len());
-        debug!(pods = self.pods.len(), "listed");
-        let mut set: Vec<SourceEndpoint> = self.pods.values().cloned().collect();
+    /// The whole set, as one `Reset`.
+    pub(crate) fn set(&self) -> SourceEvent {
+        let mut set: Vec<SourceEndpoint> = self.pods.values().map(|e| e.endpoint.clone()).collect();
         set.sort_by(|a, b| a.key.cmp(&b.key));
         SourceEvent::Reset(set)
     }
 
-    fn apply(&mut self, pod: &PodObject) -> Option<SourceEvent> {
-        match pod.read(&self.node, &self.filter) {
+    /// A complete list: the projection becomes exactly what it says.
+    pub(crate) fn relisted(&mut self, pods: &[PodObject]) -> SourceEvent {
+        let mut next = HashMap::with_capacity(pods.len());
+        for pod in pods {
+            let read = pod.read(&self.node);
+            let entry = match read {
+                Read::Endpoint(endpoint) => Some(self.resolve(endpoint)),
+                Read::Skipped(key, why) => {
+                    debug!(pod = %key, why = why.as_str(), "not an endpoint");
+                    None
+                }
+                Read::Unreadable { key, problem } => {
+                    // An object census cannot read is no evidence that the pod is
+                    // gone: what the projection had for it stays.
+                    let kept = key.as_ref().and_then(|k| self.pods.get(k)).cloned();
+                    warn!(
+                        pod = %pod.display_name(),
+                        problem,
+                        kept = kept.is_some(),
+                        "skipping a pod that cannot be read"
+                    );
+                    kept
+                }
+            };
+            if let Some(entry) = entry {
+                next.insert(entry.endpoint.key.clone(), entry);
+            }
+        }
+        self.pods = next;
+        self.cached.set(self.pods.len());
+        debug!(pods = self.pods.len(), "listed");
+        self.set()
+    }
+
+    /// A pod added or changed.
+    pub(crate) fn apply(&mut self, pod: &PodObject) -> Option<SourceEvent> {
+        match pod.read(&self.node) {
             Read::Endpoint(endpoint) => {
                 let entry = self.resolve(endpoint);
-                if self.pods.get(&entry.key) == Some(&entry) {
-                    return None;
-                }
-                self.pods.insert(entry.key.clone(), entry.clone());
+                let key = entry.endpoint.key.clone();
+                let same = self
+                    .pods
+                    .get(&key)
+                    .is_some_and(|old| old.endpoint == entry.endpoint);
+                let endpoint = entry.endpoint.clone();
+                self.pods.insert(key, entry);
                 self.cached.set(self.pods.len());
-                Some(SourceEvent::Upsert(entry))
+                // A change to labels the filter drops says nothing to the agent.
+                (!same).then_some(SourceEvent::Upsert(endpoint))
             }
             Read::Skipped(key, why) => {
                 debug!(pod = %key, why = why.as_str(), "not an endpoint");
@@ -159,7 +172,8 @@ impl PodIndex {
         }
     }
 
-    fn delete(&mut self, pod: &PodObject) -> Option<SourceEvent> {
+    /// A pod deleted.
+    pub(crate) fn delete(&mut self, pod: &PodObject) -> Option<SourceEvent> {
         match pod.key() {
             Ok(key) => self.remove(&key),
             Err(problem) => {
@@ -180,11 +194,12 @@ impl PodIndex {
     pub(crate) fn refresh_interfaces(&mut self) -> Vec<SourceEvent> {
         let mut changed = Vec::new();
         for entry in self.pods.values_mut() {
-            let interface = lookup(self.lookup.as_ref(), &entry.ips);
-            if interface != entry.interface {
-                debug!(pod = %entry.key, ?interface, "the host-side interface changed");
-                entry.interface = interface;
-                changed.push(SourceEvent::Upsert(entry.clone()));
+            let endpoint = &mut entry.endpoint;
+            let interface = lookup(self.lookup.as_ref(), &endpoint.ips);
+            if interface != endpoint.interface {
+                debug!(pod = %endpoint.key, ?interface, "the host-side interface changed");
+                endpoint.interface = interface;
+                changed.push(SourceEvent::Upsert(endpoint.clone()));
             }
         }
         changed
@@ -192,7 +207,7 @@ impl PodIndex {
 
     /// The endpoint with its interface: the one known for the same addresses, or
     /// a lookup.
-    fn resolve(&self, endpoint: PodEndpoint) -> SourceEndpoint {
+    fn resolve(&self, endpoint: PodEndpoint) -> Entry {
         let PodEndpoint {
             key,
             ips,
@@ -202,17 +217,30 @@ impl PodIndex {
         let known = self
             .pods
             .get(&key)
+            .map(|known| &known.endpoint)
             .filter(|known| known.ips == ips && known.interface.name().is_some())
             .map(|known| known.interface.clone());
         let interface = known.unwrap_or_else(|| lookup(self.lookup.as_ref(), &ips));
-        SourceEndpoint {
-            key,
-            ips,
+        Entry {
+            endpoint: SourceEndpoint {
+                key,
+                ips,
+                labels: filtered(&self.filter, &labels),
+                service_account,
+                interface,
+            },
             labels,
-            service_account,
-            interface,
         }
     }
+}
+
+/// The labels `filter` keeps.
+fn filtered(filter: &LabelFilter, labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    labels
+        .iter()
+        .filter(|(k, _)| filter.keeps(k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
 }
 
 /// The first of `ips` that leads to an interface, or why the first one does not.

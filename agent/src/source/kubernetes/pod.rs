@@ -11,10 +11,7 @@
 
 use std::{borrow::Cow, collections::BTreeMap, net::IpAddr};
 
-use census_proto::{
-    domain::{EndpointKey, canonical_ips},
-    labels::LabelFilter,
-};
+use census_proto::domain::{EndpointKey, canonical_ips};
 use k8s_openapi::{NamespaceResourceScope, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
@@ -132,8 +129,16 @@ impl PodObject {
         .map_err(|e| e.to_string())
     }
 
-    /// What the source makes of this pod on `node`, keeping the labels `filter` keeps.
-    pub(crate) fn read(&self, node: &str, filter: &LabelFilter) -> Read {
+    /// What the source makes of this pod on `node`, with all its labels (the
+    /// index applies the operator's filter).
+    ///
+    /// A pod being deleted (`deletionTimestamp` set, Terminating) is still an
+    /// endpoint: during its grace period its containers run, it keeps its IP and
+    /// may send and receive traffic, so it keeps its identity and counters until
+    /// the pod is gone or has Succeeded or Failed. Cilium does the same (its
+    /// endpoint lives until the CNI DEL, and an EndpointSlice lists a terminating
+    /// pod with `terminating: true` until it is gone).
+    pub(crate) fn read(&self, node: &str) -> Read {
         let key = match self.key() {
             Ok(key) => key,
             Err(problem) => {
@@ -191,14 +196,7 @@ impl PodObject {
         if ips.is_empty() {
             return Read::Skipped(key, Skip::NoIp);
         }
-        let labels = self
-            .metadata
-            .labels
-            .iter()
-            .flatten()
-            .filter(|(k, _)| filter.keeps(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let labels = self.metadata.labels.clone().unwrap_or_default();
         let service_account = spec
             .and_then(|s| {
                 s.service_account_name
@@ -233,7 +231,7 @@ fn lenient_meta(value: &Value) -> Meta {
 pub(crate) struct PodEndpoint {
     pub key: EndpointKey,
     pub ips: Box<[IpAddr]>,
-    /// Only the labels the operator's filter keeps.
+    /// All the pod's labels.
     pub labels: BTreeMap<String, String>,
     pub service_account: String,
 }
@@ -332,8 +330,8 @@ mod tests {
     }
 
     #[test]
-    fn reads_an_endpoint_keeping_only_filtered_labels() {
-        let read = pod(web("n1", "Running")).read("n1", &LabelFilter::default());
+    fn reads_an_endpoint_with_all_its_labels() {
+        let read = pod(web("n1", "Running")).read("n1");
         let Read::Endpoint(endpoint) = read else {
             panic!("{read:?}");
         };
@@ -348,7 +346,10 @@ mod tests {
         );
         assert_eq!(
             endpoint.labels,
-            BTreeMap::from([("app".to_owned(), "web".to_owned())])
+            BTreeMap::from([
+                ("app".to_owned(), "web".to_owned()),
+                ("pod-template-hash".to_owned(), "abc".to_owned())
+            ])
         );
         assert_eq!(endpoint.service_account, "web");
     }
@@ -363,8 +364,7 @@ mod tests {
 
     #[test]
     fn skips_what_is_not_an_endpoint() {
-        let filter = LabelFilter::default();
-        let skipped = |value: Value| match pod(value).read("n1", &filter) {
+        let skipped = |value: Value| match pod(value).read("n1") {
             Read::Skipped(_, why) => Some(why),
             _ => None,
         };
@@ -380,27 +380,31 @@ mod tests {
         let mut defaulted = web("n1", "Running");
         defaulted["spec"]["serviceAccountName"] = json!(null);
         assert!(matches!(
-            pod(defaulted).read("n1", &filter),
+            pod(defaulted).read("n1"),
             Read::Endpoint(e) if e.service_account == "default"
         ));
+        // Terminating: still an endpoint, until it is gone or finished.
+        let mut terminating = web("n1", "Running");
+        terminating["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:30Z");
+        terminating["metadata"]["deletionGracePeriodSeconds"] = json!(30);
+        assert!(matches!(pod(terminating).read("n1"), Read::Endpoint(_)));
     }
 
     #[test]
     fn a_broken_object_still_deserializes_and_names_itself() {
-        let filter = LabelFilter::default();
         let mut broken = web("n1", "Running");
         broken["status"]["podIPs"] = json!("10.1.0.5");
         let object = pod(broken);
         assert_eq!(object.display_name(), "shop/web-0");
         assert!(matches!(
-            object.read("n1", &filter),
+            object.read("n1"),
             Read::Unreadable { key: Some(k), problem } if k == key("shop", "web-0") && problem.starts_with("status: invalid type")
         ));
 
         let mut bad_ip = web("n1", "Running");
         bad_ip["status"]["podIP"] = json!("10.1.0.500");
         assert!(matches!(
-            pod(bad_ip).read("n1", &filter),
+            pod(bad_ip).read("n1"),
             Read::Unreadable { problem, .. } if problem.contains("\"10.1.0.500\" is not an IP address")
         ));
 
@@ -409,13 +413,13 @@ mod tests {
         let object = pod(bad_labels);
         assert_eq!(object.metadata.resource_version.as_deref(), Some("7"));
         assert!(matches!(
-            object.read("n1", &filter),
+            object.read("n1"),
             Read::Unreadable { key: Some(_), problem } if problem.starts_with("metadata: ")
         ));
 
         let nameless = pod(json!({"metadata": 5}));
         assert!(matches!(
-            nameless.read("n1", &filter),
+            nameless.read("n1"),
             Read::Unreadable { key: None, .. }
         ));
         assert_eq!(nameless.display_name(), "?/?");

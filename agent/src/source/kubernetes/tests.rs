@@ -1,6 +1,8 @@
-//! The pod source against the fake API server: real HTTP, a real `kube::Client`
-//! and `kube::runtime::watcher`, in process. Interfaces come from a fixed table
-//! (the netlink lookup has its own privileged test).
+//! The pod source against the fake API server: real HTTP and a real
+//! `kube::Client`, in process. Interfaces come from a fixed table (the netlink
+//! lookup has its own privileged test). Every test also checks, from the request
+//! log, that the source asked for this node's pods only and listed them from the
+//! API server's watch cache.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -10,7 +12,9 @@ use std::{
     time::Duration,
 };
 
-use census_fake_apiserver::{DownMode, FakeApiServer, Gvr, RequestFilter, Verb};
+use census_fake_apiserver::{
+    DownMode, Failure, FakeApiServer, Gvr, ListSource, PodEnd, RateLimit, RequestFilter, Verb,
+};
 use census_proto::{
     domain::EndpointKey,
     labels::{LabelFilter, LabelLimits, LabelSet},
@@ -176,6 +180,26 @@ impl Harness {
         self.set.keys().map(EndpointKey::name).collect()
     }
 
+    /// Waits until the source has opened `n` watches that were answered 200.
+    async fn wait_for_watches(&self, n: usize) -> TestResult {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self
+            .server
+            .requests()
+            .watches_of("pods")
+            .iter()
+            .filter(|w| w.code == 200)
+            .count()
+            < n
+        {
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!("fewer than {n} watches").into());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
     /// Checks that no event arrives for `quiet`.
     async fn quiet(&mut self, quiet: Duration) -> TestResult {
         match tokio::time::timeout(quiet, self.events.recv()).await {
@@ -194,7 +218,9 @@ impl Harness {
 }
 
 /// Every request the source made was a list or watch of pods, cluster-wide
-/// (pods of any namespace), selecting this node's pods and nothing else.
+/// (pods of any namespace), selecting this node's pods and nothing else; every
+/// list asked for resourceVersion 0 without a limit, and the watch cache served
+/// it (none read etcd).
 fn assert_only_this_nodes_pods(server: &FakeApiServer) {
     let requests = server.requests();
     assert!(!requests.is_empty());
@@ -211,6 +237,22 @@ fn assert_only_this_nodes_pods(server: &FakeApiServer) {
             r.query
         );
     }
+    for r in requests.lists_of("pods") {
+        assert!(
+            r.param("resourceVersion") == Some("0")
+                && r.param("limit").is_none()
+                && r.list_source == (r.code == 200).then_some(ListSource::Cache),
+            "a list not served from the watch cache: ?{:?} {:?}",
+            r.query,
+            r.list_source
+        );
+    }
+    assert!(requests.storage_lists_of("pods").is_empty());
+}
+
+/// The lists of pods the source made.
+fn lists(server: &FakeApiServer) -> usize {
+    server.requests().lists_of("pods").len()
 }
 
 #[tokio::test]
@@ -497,7 +539,7 @@ async fn an_api_server_that_goes_down_keeps_the_last_set() -> TestResult {
     let failure = h.failure.clone().ok_or("no failure")?;
     assert!(matches!(failure.kind, "watch" | "list"), "{failure:?}");
     assert!(
-        failure.detail.starts_with("not synced, starting over: "),
+        failure.detail.starts_with("not synced: the watch failed: "),
         "{}",
         failure.detail
     );
@@ -513,11 +555,15 @@ async fn an_api_server_that_goes_down_keeps_the_last_set() -> TestResult {
     h.until("synced again", |h| h.resets == 2).await?;
     assert_eq!(h.set, before);
     assert!(h.failure.is_none());
+    assert_eq!(lists(&h.server), 1, "the watch resumed; nothing was listed");
+    assert_only_this_nodes_pods(&h.server);
     h.stop().await
 }
 
+/// The projection keeps every label of the node's pods: a new filter is applied
+/// to it at once, without asking the API server.
 #[tokio::test]
-async fn a_new_label_filter_lists_again() -> TestResult {
+async fn a_new_label_filter_applies_without_a_list() -> TestResult {
     let server = FakeApiServer::start().await?;
     server.insert(pod("web-0", NODE, "10.1.0.5"))?;
     let mut h = Harness::start(server, &[]).await?;
@@ -529,7 +575,7 @@ async fn a_new_label_filter_lists_again() -> TestResult {
     );
     let filter = h.filter.clone().ok_or("the pod source takes the filter")?;
     filter.send_replace(LabelFilter::new(Vec::new(), Vec::new(), false));
-    h.until("re-listed", |h| h.resets == 2).await?;
+    h.until("applied", |h| h.resets == 2).await?;
     assert_eq!(
         h.set[&key("web-0")]
             .labels
@@ -538,6 +584,186 @@ async fn a_new_label_filter_lists_again() -> TestResult {
         Some("7d4b9"),
         "kept now"
     );
+    // A filter that changes no endpoint says nothing.
+    filter.send_replace(LabelFilter::new(Vec::new(), Vec::new(), false));
+    h.quiet(Duration::from_millis(300)).await?;
+    assert_eq!(lists(&h.server), 1, "no list for a new filter");
+    assert_only_this_nodes_pods(&h.server);
+    h.stop().await
+}
+
+/// A watch that breaks off (an API server restart) resumes from the last
+/// resourceVersion: what happened meanwhile is replayed, nothing is listed, and
+/// the agent hears of no failure.
+#[tokio::test]
+async fn a_dropped_watch_resumes_without_a_list() -> TestResult {
+    let server = FakeApiServer::start().await?;
+    server.insert_many((0..3).map(|i| pod(&format!("web-{i}"), NODE, &format!("10.1.0.{i}"))))?;
+    let mut h = Harness::start(server, &[]).await?;
+    h.until("listed", |h| h.resets == 1 && h.set.len() == 3)
+        .await?;
+    let version = h.server.resource_version();
+    h.wait_for_watches(1).await?;
+    // The resume comes late: the changes are made while no watch is open.
+    let late = h.server.faults().delay(
+        RequestFilter::resource("pods").verb(Verb::Watch),
+        Duration::from_millis(200),
+    );
+    h.server.faults().drop_watches();
+    h.server.delete(&pods(), Some("shop"), "web-0");
+    h.server.insert(pod("web-9", NODE, "10.1.0.9"))?;
+    h.until("the changes made while the watch was down", |h| {
+        h.names() == ["web-1", "web-2", "web-9"]
+    })
+    .await?;
+    h.server.faults().remove(late);
+    h.wait_for_watches(2).await?;
+    assert_eq!(
+        lists(&h.server),
+        1,
+        "the watch resumed; nothing was listed again"
+    );
+    assert_eq!(h.resets, 1);
+    assert!(h.failures.is_empty(), "{:?}", h.failures);
+    let watches = h.server.requests().watches_of("pods");
+    for w in &watches[1..] {
+        let from: u64 = w
+            .param("resourceVersion")
+            .ok_or("a resume names its version")?
+            .parse()?;
+        assert!(from >= version, "resumed from {from}, listed at {version}");
+    }
+    assert_only_this_nodes_pods(&h.server);
+    h.stop().await
+}
+
+/// A resume answered 500 is reported and tried again from the same
+/// resourceVersion; the first event of the watch that works says the set is
+/// whole again (a `Reset` of what the source holds, not a list).
+#[tokio::test]
+async fn a_failed_resume_is_retried_without_a_list() -> TestResult {
+    let server = FakeApiServer::start().await?;
+    server.insert_many([
+        pod("web-0", NODE, "10.1.0.5"),
+        pod("web-1", NODE, "10.1.0.6"),
+    ])?;
+    let mut h = Harness::start(server, &[]).await?;
+    h.until("listed", |h| h.resets == 1).await?;
+    h.wait_for_watches(1).await?;
+    h.server.faults().fail_next(
+        RequestFilter::resource("pods").verb(Verb::Watch),
+        3,
+        Failure::InternalError,
+    );
+    h.server.faults().drop_watches();
+    h.server.delete(&pods(), Some("shop"), "web-1");
+    h.until("the failure is reported", |h| h.failure.is_some())
+        .await?;
+    let failure = h.failure.clone().ok_or("no failure")?;
+    h.until("synced again", |h| h.failure.is_none() && h.resets == 2)
+        .await?;
+    assert_eq!(
+        lists(&h.server),
+        1,
+        "the resume was retried; nothing was listed"
+    );
+    assert_eq!(failure.kind, "watch");
+    assert!(
+        failure.detail.starts_with("not synced: the watch failed: "),
+        "{}",
+        failure.detail
+    );
+    h.until("the delete made meanwhile", |h| h.names() == ["web-0"])
+        .await?;
+    assert_eq!(h.failures, ["watch"], "reported once");
+    assert_eq!(lists(&h.server), 1);
+    let codes: Vec<u16> = h
+        .server
+        .requests()
+        .watches_of("pods")
+        .iter()
+        .map(|w| w.code)
+        .collect();
+    assert_eq!(codes, [200, 500, 500, 500, 200]);
+    assert_only_this_nodes_pods(&h.server);
+    h.stop().await
+}
+
+/// Over the API server's rate limit, a resume is answered 429 with
+/// `Retry-After`; kube's client waits that long and tries again, and the watch
+/// resumes without a list.
+#[tokio::test]
+async fn a_throttled_resume_waits_and_resumes_without_a_list() -> TestResult {
+    let server = FakeApiServer::start().await?;
+    server.insert(pod("web-0", NODE, "10.1.0.5"))?;
+    let mut h = Harness::start(server, &[]).await?;
+    h.until("listed", |h| h.resets == 1).await?;
+    h.wait_for_watches(1).await?;
+    let limit = h.server.faults().limit_rate(
+        RequestFilter::resource("pods").verb(Verb::Watch),
+        RateLimit::after(0, 1),
+    );
+    h.server.faults().drop_watches();
+    let throttled = h
+        .server
+        .wait_for_request(|r| r.verb == Verb::Watch && r.code == 429, WAIT)
+        .await
+        .ok_or("the resume is throttled")?;
+    h.server.faults().remove(limit);
+    h.server.insert(pod("web-1", NODE, "10.1.0.6"))?;
+    h.until("the pod added after", |h| h.set.len() == 2).await?;
+    let watches = h.server.requests().watches_of("pods");
+    let after = watches
+        .iter()
+        .find(|w| w.at > throttled.at && w.code == 200)
+        .ok_or("a watch after the 429")?;
+    assert!(
+        after.at - throttled.at >= Duration::from_secs(1),
+        "Retry-After is honoured: {:?}",
+        after.at - throttled.at
+    );
+    assert_eq!(lists(&h.server), 1);
+    assert_only_this_nodes_pods(&h.server);
+    h.stop().await
+}
+
+/// A pod being deleted (Terminating) keeps its endpoint through its grace
+/// period, with its IP, until its kubelet confirms and it is gone; a pod that
+/// has Succeeded or Failed goes at once.
+#[tokio::test]
+async fn a_terminating_pod_keeps_its_endpoint_until_it_is_gone() -> TestResult {
+    use kube::api::DeleteParams;
+
+    let server = FakeApiServer::start().await?;
+    server.insert_many([
+        pod("web-0", NODE, "10.1.0.5"),
+        pod("job-0", NODE, "10.1.0.6"),
+        pod("job-1", NODE, "10.1.0.7"),
+    ])?;
+    let mut h = Harness::start(server, &[]).await?;
+    h.until("listed", |h| h.set.len() == 3).await?;
+    let api: Api<PodObject> = Api::namespaced(h.server.client()?, "shop");
+    api.delete("web-0", &DeleteParams::default()).await?;
+    let terminating = h
+        .server
+        .get(&pods(), Some("shop"), "web-0")
+        .ok_or("a running pod stays while it terminates")?;
+    assert!(terminating["metadata"]["deletionTimestamp"].is_string());
+    h.quiet(Duration::from_millis(300)).await?;
+    assert!(h.set.contains_key(&key("web-0")), "still an endpoint");
+
+    h.server.end_pod("shop", "job-0", PodEnd::Succeeded)?;
+    assert_eq!(h.next().await?, SourceEvent::Delete(key("job-0")));
+    h.server.end_pod("shop", "job-1", PodEnd::Failed)?;
+    assert_eq!(h.next().await?, SourceEvent::Delete(key("job-1")));
+
+    h.server
+        .confirm_pod_deletion("shop", "web-0")
+        .ok_or("web-0 is terminating")?;
+    assert_eq!(h.next().await?, SourceEvent::Delete(key("web-0")));
+    assert!(h.set.is_empty());
+    assert_eq!(lists(&h.server), 1);
+    assert!(h.server.requests().storage_lists_of("pods").is_empty());
     h.stop().await
 }
 
@@ -624,7 +850,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
     .await
     .ok_or("/readyz says the source is not synced, and stays ready")?;
     assert!(
-        away.contains("kubernetes pods with spec.nodeName=n1: the last read failed, the last good set stays in force: not synced, starting over: "),
+        away.contains("kubernetes pods with spec.nodeName=n1: the last read failed, the last good set stays in force: not synced: the watch failed: "),
         "{away}"
     );
     server.delete(&pods(), Some("shop"), "web-1");
