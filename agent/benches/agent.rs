@@ -33,12 +33,10 @@ use std::{
 };
 
 use census_agent::{
+    bench::Reconcile,
     bpf::{Datapath, Inspector, object_is_embedded, uninstall},
     daemon::{self, Options},
-    endpoints::{Effects, Endpoints},
     host::HostIps,
-    metrics::Metrics,
-    reconcile::Reconciler,
     source::{FileSource, HostInterface, SourceEndpoint, SourceEvent},
 };
 use census_netlab::{Netns, unique_name};
@@ -203,59 +201,33 @@ fn source_endpoint(i: usize, app: &str) -> Fallible<SourceEndpoint> {
 
 fn throughput(count: usize) -> Fallible<()> {
     let pins = PinDir::new();
-    let mut datapath = Datapath::open(&pins.0)?;
-    let mut endpoints = Endpoints::new(&BTreeMap::new());
-    let mut reconciler = Reconciler::new(Metrics::default());
+    let mut node = Reconcile::new(Datapath::open(&pins.0)?);
     let set: Vec<SourceEndpoint> = (0..count)
         .map(|i| source_endpoint(i, &format!("app-{}", i % 100)))
         .collect::<Fallible<_>>()?;
 
     // The agent's core: the set in, one identity per label set.
     let started = Instant::now();
-    let mut fx = Effects::default();
-    endpoints.on_source(SourceEvent::Reset(set), &mut fx);
-    let labels: Vec<_> = std::mem::take(&mut fx.allocations)
-        .into_iter()
-        .map(|r| r.labels)
-        .collect();
+    let labels = node.source(SourceEvent::Reset(set));
     for (n, labels) in labels.iter().enumerate() {
         let id = IdentityId::new(1000 + u32::try_from(n)?).ok_or("id")?;
-        endpoints.allocated(labels, id, &mut fx);
+        node.allocated(labels, id);
     }
     let core = started.elapsed();
 
     let started = Instant::now();
-    let failures = reconciler.apply_ips(
-        &mut datapath,
-        fx.ips.iter().copied(),
-        |ip| endpoints.desired(ip),
-        true,
-    );
+    node.write_entries()?;
     let writes = started.elapsed();
-    if !failures.is_empty() {
-        return Err(format!("{} map writes failed: {:?}", failures.len(), failures[0]).into());
-    }
     let started = Instant::now();
-    let identities = endpoints.interface_identities();
-    let failures = reconciler.apply_interfaces(
-        &mut datapath,
-        fx.interfaces.iter().cloned(),
-        |i| endpoints.interface_wanted(i),
-        |i| identities.get(i).copied(),
-        true,
-    );
+    node.attach_interfaces()?;
     let attaches = started.elapsed();
-    if !failures.is_empty() {
-        return Err(format!("{} attachments failed: {:?}", failures.len(), failures[0]).into());
-    }
     let entries = Inspector::open(&pins.0)?.endpoints()?.len();
     if entries != 2 * count {
         return Err(format!("{entries} entries in ENDPOINTS, expected {}", 2 * count).into());
     }
 
     let started = Instant::now();
-    let desired = endpoints.desired_all();
-    let pass = reconciler.full_pass(&mut datapath, &desired, true);
+    let pass = node.full_pass();
     let full_pass = started.elapsed();
     if pass.written + pass.repaired + pass.removed != 0 {
         return Err(format!("the full pass found work: {pass:?}").into());
@@ -264,26 +236,13 @@ fn throughput(count: usize) -> Fallible<()> {
     // Every label set rebound: each endpoint's two ENDPOINTS entries and its
     // INTERFACES entry rewritten.
     let started = Instant::now();
-    let mut fx = Effects::default();
     for (n, labels) in labels.iter().enumerate() {
         let id = IdentityId::new(5000 + u32::try_from(n)?).ok_or("id")?;
-        endpoints.allocated(labels, id, &mut fx);
+        node.allocated(labels, id);
     }
-    reconciler.apply_ips(
-        &mut datapath,
-        fx.ips.iter().copied(),
-        |ip| endpoints.desired(ip),
-        true,
-    );
+    node.write_entries()?;
     // And each interface's INTERFACES entry.
-    let identities = endpoints.interface_identities();
-    reconciler.apply_interfaces(
-        &mut datapath,
-        fx.interfaces.iter().cloned(),
-        |i| endpoints.interface_wanted(i),
-        |i| identities.get(i).copied(),
-        true,
-    );
+    node.attach_interfaces()?;
     let rebind = started.elapsed();
 
     let per_second = |d: Duration| count as f64 / d.as_secs_f64();

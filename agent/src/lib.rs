@@ -1,25 +1,30 @@
-//! census's node agent (`census-agent`, [`daemon`]): endpoints from a [`source`] go
-//! through the core ([`endpoints`]), get identities from the operator (`identities`),
-//! are written to the datapath ([`reconcile`] over [`bpf`]) and reported to the
-//! operator (`sync`); [`admin`] serves metrics, health and the JSON API.
+//! census's node agent (`census-agent`, [`daemon`]). At its heart a synchronous core
+//! (`core`: the endpoints, the identity cache, the datapath state they want and the
+//! agent's status) with shells around it that know the core and never each other:
+//! the endpoint [`source`]s, the allocate client (`allocate`), the EndpointSync
+//! client (`sync`), reconcile against the datapath (`reconcile` over [`bpf`]) and
+//! [`admin`] (metrics, health and the JSON API). The [`daemon`] wires them.
 //!
 //! The public API is what the two binaries and the benchmarks use: the datapath and
 //! its pinned maps ([`bpf`]), the admin API's types ([`admin::api`], which the `census`
 //! CLI reads), the command line ([`config`]), the endpoint [`source`]s, the host's
-//! addresses ([`host`]) and the [`daemon`]; the core, reconcile and metrics are public
-//! for the reconcile-throughput benchmark (`benches/agent.rs`). The operator clients
-//! and their plumbing are private. `unsafe` is denied everywhere (workspace lints)
-//! but in `bpf`'s raw `bpf(2)` calls.
+//! addresses ([`host`]), the [`daemon`], and the core with reconcile driven by hand
+//! for the reconcile-throughput benchmark ([`bench`]). The core, the operator
+//! clients and their plumbing are private. `unsafe` is denied everywhere (workspace
+//! lints) but in `bpf`'s raw `bpf(2)` calls.
 pub mod admin;
+mod allocate;
 mod backoff;
+pub mod bench;
 pub mod bpf;
 pub mod config;
+mod core;
 pub mod daemon;
-pub mod endpoints;
 pub mod host;
-mod identities;
-pub mod metrics;
-pub mod reconcile;
+#[cfg(test)]
+mod layering;
+mod metrics;
+mod reconcile;
 mod shutdown;
 pub mod source;
 mod sync;

@@ -2,8 +2,9 @@
 //!
 //! Counters are updated where things happen. Gauges of the agent's state (endpoints
 //! by state, map entries, identities, connection) are read at scrape time from the
-//! [`Gauges`] the core publishes after every change, and per-identity-pair traffic
-//! straight from the pinned FLOWS map, by [`AgentCollector`], so they cannot drift.
+//! core's [`Status`] (published after every change, the same the admin API reads),
+//! and per-identity-pair traffic straight from the pinned FLOWS map, by
+//! [`AgentCollector`], so they cannot drift.
 //!
 //! Traffic is exported for the [`TOP_FLOWS`] busiest pairs (by bytes) with their
 //! identities as labels, and everything else summed into one pair labelled `other`:
@@ -13,7 +14,6 @@
 
 use std::{fmt, sync::Arc};
 
-use parking_lot::Mutex;
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
@@ -26,49 +26,51 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use tokio::sync::watch;
+
 use crate::{
     bpf::{Flow, Inspector},
-    sync::SyncStatus,
+    core::Status,
 };
 
 /// Identity pairs exported with their own labels.
-pub const TOP_FLOWS: usize = 50;
+const TOP_FLOWS: usize = 50;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    pub kind: &'static str,
+pub(crate) struct KindLabels {
+    pub(crate) kind: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    pub outcome: &'static str,
+struct OutcomeLabels {
+    outcome: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct MapLabels {
-    pub map: &'static str,
+pub(crate) struct MapLabels {
+    pub(crate) map: &'static str,
 }
 
 /// Handles to the counters and histograms.
 #[derive(Debug, Clone)]
-pub struct Metrics {
-    pub snapshots_sent: Counter,
-    pub deltas_sent: Counter,
+pub(crate) struct Metrics {
+    pub(crate) snapshots_sent: Counter,
+    pub(crate) deltas_sent: Counter,
     /// Deltas not sent because the stream was full; the next snapshot covers them.
-    pub deltas_dropped: Counter,
-    pub reconnects: Counter,
-    pub rebinds: Counter,
+    pub(crate) deltas_dropped: Counter,
+    pub(crate) reconnects: Counter,
+    pub(crate) rebinds: Counter,
     /// Entries the operator's Acks rejected, counted in every Ack that names one.
-    pub rejected_entries: Counter,
-    pub map_write_errors: Family<MapLabels, Counter>,
-    pub attach_errors: Counter,
+    pub(crate) rejected_entries: Counter,
+    pub(crate) map_write_errors: Family<MapLabels, Counter>,
+    pub(crate) attach_errors: Counter,
     /// Entries the periodic full pass found wrong or missing and rewrote.
-    pub map_repairs: Counter,
+    pub(crate) map_repairs: Counter,
     /// Entries the full pass removed because nothing wants them.
-    pub map_removals: Counter,
-    pub source_errors: Family<KindLabels, Counter>,
-    pub allocations: Family<OutcomeLabels, Counter>,
-    pub full_pass_duration: Histogram,
+    pub(crate) map_removals: Counter,
+    pub(crate) source_errors: Family<KindLabels, Counter>,
+    allocations: Family<OutcomeLabels, Counter>,
+    pub(crate) full_pass_duration: Histogram,
 }
 
 impl Default for Metrics {
@@ -93,13 +95,13 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn allocation(&self, outcome: &'static str) {
+    pub(crate) fn allocation(&self, outcome: &'static str) {
         self.allocations
             .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
 
-    pub fn register(&self, registry: &mut Registry) {
+    pub(crate) fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("census_agent");
         r.register(
             "snapshots_sent",
@@ -169,44 +171,21 @@ impl Metrics {
     }
 }
 
-/// The state gauges, published by the core.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Gauges {
-    pub endpoints_programmed: u64,
-    pub endpoints_waiting: u64,
-    pub endpoints_error: u64,
-    pub map_entries: u64,
-    pub identities: u64,
-    pub pending_allocations: u64,
-    pub interfaces: u64,
-    /// Attached interfaces whose INTERFACES slot another interface holds.
-    pub interfaces_by_address: u64,
-}
-
-/// Reads [`Gauges`] and FLOWS at scrape time.
+/// Reads the core's [`Status`] and FLOWS at scrape time.
 #[derive(Debug)]
-pub struct AgentCollector {
-    gauges: Arc<Mutex<Gauges>>,
-    sync: Arc<Mutex<SyncStatus>>,
+pub(crate) struct AgentCollector {
+    status: watch::Receiver<Status>,
     flows: Option<Arc<Inspector>>,
 }
 
 impl AgentCollector {
-    pub fn new(
-        gauges: Arc<Mutex<Gauges>>,
-        sync: Arc<Mutex<SyncStatus>>,
-        flows: Option<Arc<Inspector>>,
-    ) -> Self {
-        Self {
-            gauges,
-            sync,
-            flows,
-        }
+    pub(crate) fn new(status: watch::Receiver<Status>, flows: Option<Arc<Inspector>>) -> Self {
+        Self { status, flows }
     }
 }
 
 /// The busiest `top` pairs by bytes, then the rest summed (`None` when there is no rest).
-pub fn top_flows(mut flows: Vec<Flow>, top: usize) -> (Vec<Flow>, Option<(u64, u64)>) {
+fn top_flows(mut flows: Vec<Flow>, top: usize) -> (Vec<Flow>, Option<(u64, u64)>) {
     flows.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.packets.cmp(&a.packets)));
     if flows.len() <= top {
         return (flows, None);
@@ -220,8 +199,8 @@ pub fn top_flows(mut flows: Vec<Flow>, top: usize) -> (Vec<Flow>, Option<(u64, u
 
 impl Collector for AgentCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
-        let g = self.gauges.lock().clone();
-        let connected = self.sync.lock().connected;
+        let g = self.status.borrow().clone();
+        let connected = g.operator.connected;
         gauge(
             &mut e,
             "census_agent_operator_connected",
@@ -236,9 +215,9 @@ impl Collector for AgentCollector {
             kind,
         )?;
         for (state, n) in [
-            ("programmed", g.endpoints_programmed),
-            ("waiting_for_identity", g.endpoints_waiting),
-            ("error", g.endpoints_error),
+            ("programmed", g.programmed),
+            ("waiting_for_identity", g.waiting),
+            ("error", g.errors),
         ] {
             let labels = [("state", state)];
             ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
@@ -368,17 +347,15 @@ mod tests {
 
     #[test]
     fn encodes_gauges_without_flows() -> Result<(), fmt::Error> {
-        let gauges = Arc::new(Mutex::new(Gauges {
-            endpoints_programmed: 3,
-            ..Gauges::default()
-        }));
-        let sync = Arc::new(Mutex::new(SyncStatus {
-            connected: true,
-            ..SyncStatus::default()
-        }));
+        let mut status = Status {
+            programmed: 3,
+            ..Status::default()
+        };
+        status.operator.connected = true;
+        let (_publish, status) = watch::channel(status);
         let mut registry = Registry::default();
         Metrics::default().register(&mut registry);
-        registry.register_collector(Box::new(AgentCollector::new(gauges, sync, None)));
+        registry.register_collector(Box::new(AgentCollector::new(status, None)));
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry)?;
         assert!(text.contains("census_agent_operator_connected 1"), "{text}");

@@ -18,50 +18,41 @@ use axum::{
     response::{IntoResponse, Response},
     routing::get,
 };
-use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 use tokio::{
     net::TcpListener,
     sync::{mpsc, oneshot, watch},
 };
 
-use crate::{bpf::Inspector, sync::SyncStatus};
-
-/// What the core publishes after every change, for `/readyz`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CoreStatus {
-    /// The source has given its first full set.
-    pub synced: bool,
-    pub source_error: Option<String>,
-    pub programmed: u64,
-    pub waiting: u64,
-    pub errors: u64,
-}
+use crate::{
+    bpf::Inspector,
+    core::{EndpointState, EndpointView, Status},
+};
 
 /// A question for the core, answered on its task.
 #[derive(Debug)]
-pub enum Query {
-    Endpoints(oneshot::Sender<Vec<api::EndpointStatus>>),
+pub(crate) enum Query {
+    Endpoints(oneshot::Sender<Vec<EndpointView>>),
 }
 
 /// Everything the handlers read.
 #[derive(Debug, Clone)]
-pub struct AdminState {
-    pub registry: Arc<Registry>,
-    pub node: String,
-    pub operator_address: String,
-    pub session: String,
-    pub source: String,
-    pub sync: Arc<Mutex<SyncStatus>>,
-    pub core: Arc<Mutex<CoreStatus>>,
-    pub queries: mpsc::Sender<Query>,
-    pub maps: Option<Arc<Inspector>>,
+pub(crate) struct AdminState {
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) node: String,
+    pub(crate) operator_address: String,
+    pub(crate) session: String,
+    pub(crate) source: String,
+    /// The core's status, as it published it last.
+    pub(crate) status: watch::Receiver<Status>,
+    pub(crate) queries: mpsc::Sender<Query>,
+    pub(crate) maps: Option<Arc<Inspector>>,
 }
 
 /// How long a handler waits for the core.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub fn router(state: AdminState) -> Router {
+pub(crate) fn router(state: AdminState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -73,7 +64,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(census_daemon::profiling::routes())
 }
 
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     mut shutdown: watch::Receiver<bool>,
@@ -106,8 +97,8 @@ async fn metrics(State(state): State<AdminState>) -> Response {
 }
 
 async fn readyz(State(state): State<AdminState>) -> Response {
-    let core = state.core.lock().clone();
-    let sync = state.sync.lock().clone();
+    let core = state.status.borrow().clone();
+    let sync = &core.operator;
     let source = match &core.source_error {
         None => format!("{}: ok", state.source),
         Some(error) => format!(
@@ -118,7 +109,10 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     let operator = if sync.connected {
         format!("operator {}: connected", state.operator_address)
     } else {
-        let why = sync.last_error.as_deref().unwrap_or("not connected yet");
+        let why = sync
+            .last_error
+            .as_ref()
+            .map_or_else(|| "not connected yet".to_owned(), ToString::to_string);
         format!(
             "operator {}: disconnected ({why}); the datapath keeps its state",
             state.operator_address
@@ -151,12 +145,12 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
         return unavailable("the agent is stopping");
     }
     let endpoints = match tokio::time::timeout(QUERY_TIMEOUT, rx).await {
-        Ok(Ok(endpoints)) => endpoints,
+        Ok(Ok(endpoints)) => endpoints.into_iter().map(endpoint_status).collect(),
         Ok(Err(_)) => return unavailable("the agent is stopping"),
         Err(_) => return unavailable("the agent's core did not answer in time"),
     };
-    let sync = state.sync.lock().clone();
-    let core = state.core.lock().clone();
+    let core = state.status.borrow().clone();
+    let sync = core.operator;
     Json(api::EndpointsResponse {
         node: state.node.clone(),
         operator: api::OperatorStatus {
@@ -167,7 +161,7 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
             error: if sync.connected {
                 None
             } else {
-                sync.last_error
+                sync.last_error.map(|e| e.to_string())
             },
             extra: api::Extra::new(),
         },
@@ -175,7 +169,7 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
         source: Some(api::SourceStatus {
             source: state.source.clone(),
             synced: core.synced,
-            error: core.source_error,
+            error: core.source_error.map(|f| f.detail),
             extra: api::Extra::new(),
         }),
         extra: api::Extra::new(),
@@ -216,6 +210,34 @@ async fn flows(State(state): State<AdminState>) -> Response {
         )
             .into_response(),
         Err(_) => unavailable("reading FLOWS was interrupted"),
+    }
+}
+
+/// One endpoint as the JSON API shows it.
+fn endpoint_status(view: EndpointView) -> api::EndpointStatus {
+    let EndpointView {
+        key,
+        ips,
+        interface,
+        identity,
+        labels,
+        state,
+        problem,
+    } = view;
+    api::EndpointStatus {
+        namespace: key.namespace().to_owned(),
+        name: key.name().to_owned(),
+        ips: ips.iter().map(ToString::to_string).collect(),
+        interface: interface.unwrap_or_default(),
+        identity: identity.map(|id| id.get()),
+        labels: labels.map(|l| l.to_strings()).unwrap_or_default(),
+        state: match state {
+            EndpointState::Programmed => api::EndpointState::Programmed,
+            EndpointState::WaitingForIdentity => api::EndpointState::WaitingForIdentity,
+            EndpointState::Error => api::EndpointState::Error,
+        },
+        error: problem.map(|p| p.to_string()),
+        extra: api::Extra::new(),
     }
 }
 

@@ -1,14 +1,14 @@
-//! Assembles the agent: the endpoint source, the core (endpoints, identities and
-//! reconcile against the datapath), the allocation client, the EndpointSync client
-//! and the admin server; and stops it.
+//! Assembles the agent: the endpoint source, the [core](crate::core) and the shells
+//! around it — the allocate client, the EndpointSync client, reconcile against the
+//! datapath and the admin server — and stops it. The shells know the core, never
+//! each other: this module carries events to the core and its effects to them.
 //!
 //! Stopping never touches the datapath: maps, links and counters stay as they are
 //! for the next agent to adopt (fail-static across restarts). `census-agent
 //! uninstall` is the only way they go.
 
 use std::{
-    collections::BTreeSet,
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     sync::Arc,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -17,7 +17,6 @@ use census_proto::{
     domain::{NodeName, SessionId},
     labels::LabelFilter,
 };
-use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 use tokio::{
     net::TcpListener,
@@ -28,16 +27,16 @@ use tonic::transport::{Channel, Endpoint};
 use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
-    admin::{self, AdminState, CoreStatus, Query},
+    admin::{self, AdminState, Query},
+    allocate::AllocateClient,
     bpf::{self, Inspector},
-    endpoints::{Effects, Endpoints},
+    core::{AllocationEvent, Core, Effects, OperatorEvent, OperatorLink, Status},
     host::HostIps,
-    identities::{AllocationEvent, IdentityClient},
-    metrics::{AgentCollector, Gauges, KindLabels, Metrics},
-    reconcile::{DatapathPort, Reconciler},
+    metrics::{AgentCollector, KindLabels, Metrics},
+    reconcile::{self, DatapathPort, Reconciler},
     shutdown::stopped,
     source::{EndpointSource, SourceEvent},
-    sync::{SyncClient, SyncEvent, SyncStatus},
+    sync::SyncClient,
 };
 
 /// How the agent runs (the command line, resolved).
@@ -87,21 +86,11 @@ pub fn new_session() -> SessionId {
 #[derive(Debug)]
 pub struct Running {
     pub admin_addr: SocketAddr,
-    pub sync_status: Arc<Mutex<SyncStatus>>,
-    pub core_status: Arc<Mutex<CoreStatus>>,
-    queries: mpsc::Sender<Query>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl Running {
-    /// The endpoints as the core sees them now.
-    pub async fn endpoints(&self) -> Option<Vec<admin::api::EndpointStatus>> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.queries.send(Query::Endpoints(tx)).await.ok()?;
-        rx.await.ok()
-    }
-
     /// Stops every task; the datapath stays as it is.
     pub async fn shut_down(self) {
         let _ = self.shutdown.send(true);
@@ -112,8 +101,13 @@ impl Running {
     }
 }
 
-/// Starts the agent on `maps` (the loaded [`bpf::Datapath`] in production), with
-/// `pinned` for reading FLOWS at scrape time, and endpoints from `source`.
+/// Starts the agent on `maps` (the loaded [`bpf::Datapath`] in production; the
+/// crate's tests pass an in-memory one), with `pinned` for reading FLOWS at scrape
+/// time, and endpoints from `source`.
+#[expect(
+    private_bounds,
+    reason = "the datapath port is the crate's own: outside it, only bpf::Datapath has it"
+)]
 pub async fn start<M>(
     options: Options,
     maps: M,
@@ -138,15 +132,12 @@ where
     info!(%node, %session, operator, entries = found.len(), "starting");
 
     let metrics = Metrics::default();
-    let gauges = Arc::new(Mutex::new(Gauges::default()));
-    let sync_status = Arc::new(Mutex::new(SyncStatus::default()));
-    let core_status = Arc::new(Mutex::new(CoreStatus::default()));
+    let (status_tx, status_rx) = watch::channel(Status::default());
     let pinned = pinned.map(Arc::new);
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     registry.register_collector(Box::new(AgentCollector::new(
-        gauges.clone(),
-        sync_status.clone(),
+        status_rx.clone(),
         pinned.clone(),
     )));
     registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
@@ -154,7 +145,8 @@ where
     let (shutdown, stop) = watch::channel(false);
     let (source_tx, source_rx) = mpsc::channel(64);
     let (alloc_tx, alloc_rx) = mpsc::channel(1024);
-    let (sync_tx, sync_rx) = mpsc::channel(1024);
+    let (operator_tx, operator_rx) = mpsc::channel(1024);
+    let (link_tx, link_rx) = watch::channel(OperatorLink::default());
     let (reports_tx, reports_rx) = mpsc::unbounded_channel();
     let (ready_tx, ready_rx) = watch::channel(false);
     let (query_tx, query_rx) = mpsc::channel(16);
@@ -183,21 +175,21 @@ where
         initial_backoff,
         max_backoff,
         metrics: metrics.clone(),
-        status: sync_status.clone(),
+        status: link_tx,
         connected: connected_tx,
     };
     tasks.push(tokio::spawn(sync.run(
         reports_rx,
-        sync_tx,
+        operator_tx,
         ready_rx,
         stop.clone(),
     )));
 
-    let core = Core {
-        endpoints: Endpoints::new(&found),
+    let wiring = Wiring {
+        core: Core::new(reconcile::adoptable(&found)),
         reconciler: Reconciler::new(metrics.clone()),
         maps,
-        identities: IdentityClient::new(
+        allocate: AllocateClient::new(
             channel,
             node.clone(),
             session,
@@ -210,16 +202,20 @@ where
         source_filter,
         ready: ready_tx,
         metrics,
-        gauges,
-        status: core_status.clone(),
+        status: status_tx,
         host_ips,
         reconcile_interval,
     };
     let span = info_span!("core", %node, %session);
-    tasks.push(tokio::spawn(
-        core.run(source_rx, alloc_rx, sync_rx, query_rx, stop.clone())
-            .instrument(span),
-    ));
+    let inputs = Inputs {
+        source: source_rx,
+        allocations: alloc_rx,
+        operator: operator_rx,
+        link: link_rx,
+        queries: query_rx,
+        stop: stop.clone(),
+    };
+    tasks.push(tokio::spawn(wiring.run(inputs).instrument(span)));
 
     let router = admin::router(AdminState {
         registry: Arc::new(registry),
@@ -227,9 +223,8 @@ where
         operator_address: operator,
         session: session.to_string(),
         source: description,
-        sync: sync_status.clone(),
-        core: core_status.clone(),
-        queries: query_tx.clone(),
+        status: status_rx,
+        queries: query_tx,
         maps: pinned,
     });
     let admin_stop = stop.clone();
@@ -241,9 +236,6 @@ where
     info!(%admin_addr, "admin server listening");
     Ok(Running {
         admin_addr,
-        sync_status,
-        core_status,
-        queries: query_tx,
         shutdown,
         tasks,
     })
@@ -270,176 +262,163 @@ fn operator_channel(address: &str) -> Result<Channel, StartError> {
 enum Step {
     Source(Option<SourceEvent>),
     Allocation(AllocationEvent),
-    Sync(SyncEvent),
+    Operator(OperatorEvent),
+    Link,
     Query(Query),
     Tick,
 }
 
-struct Core<M> {
-    endpoints: Endpoints,
+/// What the core's task listens to.
+struct Inputs {
+    source: mpsc::Receiver<SourceEvent>,
+    allocations: mpsc::Receiver<AllocationEvent>,
+    operator: mpsc::Receiver<OperatorEvent>,
+    link: watch::Receiver<OperatorLink>,
+    queries: mpsc::Receiver<Query>,
+    stop: watch::Receiver<bool>,
+}
+
+/// The core and the shells its effects go to, on the core's task.
+struct Wiring<M> {
+    core: Core,
     reconciler: Reconciler,
     maps: M,
-    identities: IdentityClient,
-    reports: mpsc::UnboundedSender<crate::sync::Report>,
+    allocate: AllocateClient,
+    reports: mpsc::UnboundedSender<crate::core::Report>,
     /// The source's copy of the operator's label filter, if it filters labels itself.
     source_filter: Option<watch::Sender<LabelFilter>>,
     ready: watch::Sender<bool>,
     metrics: Metrics,
-    gauges: Arc<Mutex<Gauges>>,
-    status: Arc<Mutex<CoreStatus>>,
+    /// The core's status, for the admin API and the metrics.
+    status: watch::Sender<Status>,
     host_ips: HostIps,
     reconcile_interval: Duration,
 }
 
-impl<M: DatapathPort> Core<M> {
-    async fn run(
-        mut self,
-        mut source: mpsc::Receiver<SourceEvent>,
-        mut allocations: mpsc::Receiver<AllocationEvent>,
-        mut sync: mpsc::Receiver<SyncEvent>,
-        mut queries: mpsc::Receiver<Query>,
-        mut stop: watch::Receiver<bool>,
-    ) {
+impl<M: DatapathPort> Wiring<M> {
+    async fn run(mut self, inputs: Inputs) {
+        let Inputs {
+            mut source,
+            mut allocations,
+            mut operator,
+            mut link,
+            mut queries,
+            mut stop,
+        } = inputs;
         let mut tick = tokio::time::interval(self.reconcile_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let mut fx = Effects::default();
-            let was_synced = self.endpoints.synced();
+            let was_synced = self.core.synced();
             let step = tokio::select! {
                 event = source.recv() => Step::Source(event),
                 Some(event) = allocations.recv() => Step::Allocation(event),
-                Some(event) = sync.recv() => Step::Sync(event),
+                Some(event) = operator.recv() => Step::Operator(event),
+                Ok(()) = link.changed() => Step::Link,
                 Some(query) = queries.recv() => Step::Query(query),
                 _ = tick.tick() => Step::Tick,
                 () = stopped(&mut stop) => return,
             };
+            let mut full_pass = false;
             match step {
-                Step::Source(Some(event)) => self.on_source(event, &mut fx),
+                Step::Source(Some(event)) => {
+                    if let SourceEvent::Failed(failure) = &event {
+                        self.metrics
+                            .source_errors
+                            .get_or_create(&KindLabels { kind: failure.kind })
+                            .inc();
+                    }
+                    self.core.on_source(event);
+                }
                 Step::Source(None) => {
                     warn!("the endpoint source stopped; the last set stays in force");
                     stopped(&mut stop).await;
                     return;
                 }
-                Step::Allocation(AllocationEvent::Allocated { labels, id }) => {
-                    debug!(%labels, %id, "identity allocated");
-                    self.endpoints.allocated(&labels, id, &mut fx);
+                Step::Allocation(event) => {
+                    self.allocate.answered(&event);
+                    self.core.on_allocation(event);
                 }
-                Step::Allocation(AllocationEvent::Retrying {
-                    labels,
-                    error,
-                    refused,
-                }) => self.endpoints.allocation_failed(&labels, &error, refused),
-                Step::Sync(SyncEvent::Settings(settings)) => {
-                    if let Some(filter) = &self.source_filter {
-                        filter.send_if_modified(|f| {
-                            let changed = *f != settings.filter;
-                            if changed {
-                                f.clone_from(&settings.filter);
-                            }
-                            changed
-                        });
-                    }
-                    self.endpoints.set_settings(settings, &mut fx);
-                }
-                Step::Sync(SyncEvent::Rebind { key, id }) => {
-                    if !self.endpoints.rebind(&key, id, &mut fx) {
-                        debug!(endpoint = %key, "Rebind for an endpoint this agent does not hold");
+                Step::Operator(event) => {
+                    let settings = matches!(event, OperatorEvent::Settings(_));
+                    self.core.on_operator(event);
+                    if settings {
+                        self.share_filter();
                     }
                 }
-                Step::Sync(SyncEvent::Verdict(verdict)) => self.endpoints.on_verdict(verdict),
+                Step::Link => {
+                    let link = link.borrow_and_update().clone();
+                    self.core.set_operator_link(link);
+                }
                 Step::Query(Query::Endpoints(reply)) => {
-                    let _ = reply.send(self.endpoints.view());
+                    let _ = reply.send(self.core.view());
                 }
-                Step::Tick => self.full_pass(),
+                Step::Tick => {
+                    match self.host_ips.read() {
+                        Ok(ips) => self.core.set_host_ips(ips),
+                        Err(error) => warn!(%error, "cannot read the node's addresses"),
+                    }
+                    full_pass = true;
+                }
             }
+            let fx = self.core.take_effects();
             self.apply(fx);
-            if !was_synced && self.endpoints.synced() {
+            if !was_synced && self.core.synced() {
                 // The first full set: what it does not list can go now.
-                self.full_pass();
+                full_pass = true;
                 let _ = self.ready.send(true);
                 info!(
-                    endpoints = self.endpoints.len(),
+                    endpoints = self.core.len(),
                     "the first full set of endpoints is in place"
                 );
             }
-            self.publish();
+            if full_pass {
+                self.full_pass();
+            }
+            self.status.send_replace(self.core.status());
         }
     }
 
-    fn on_source(&mut self, event: SourceEvent, fx: &mut Effects) {
-        if let SourceEvent::Failed(failure) = &event {
-            self.metrics
-                .source_errors
-                .get_or_create(&KindLabels { kind: failure.kind })
-                .inc();
-        }
-        self.endpoints.on_source(event, fx);
+    /// Hands the operator's label filter to a source that filters labels itself.
+    fn share_filter(&self) {
+        let Some(filter) = &self.source_filter else {
+            return;
+        };
+        let wanted = self.core.label_filter();
+        filter.send_if_modified(|f| {
+            let changed = f != wanted;
+            if changed {
+                f.clone_from(wanted);
+            }
+            changed
+        });
     }
 
+    /// Carries the core's effects to the shells, and what reconcile did back.
     fn apply(&mut self, fx: Effects) {
+        if fx.is_empty() {
+            return;
+        }
+        let reconciled = self.reconciler.apply(&mut self.maps, &fx);
         let Effects {
             allocations,
             reports,
-            ips,
-            interfaces,
+            ..
         } = fx;
-        for request in allocations {
-            self.identities.spawn(request);
+        for allocation in allocations {
+            self.allocate.apply(allocation);
         }
         for report in reports {
             // The sync task lives as long as this one.
             let _ = self.reports.send(report);
         }
-        let prune = self.endpoints.synced();
-        if !ips.is_empty() {
-            let endpoints = &self.endpoints;
-            let failures = self.reconciler.apply_ips(
-                &mut self.maps,
-                ips.iter().copied(),
-                |ip| endpoints.desired(ip),
-                prune,
-            );
-            for (ip, error) in &failures {
-                warn!(%ip, %error, "writing ENDPOINTS failed; the full pass retries");
-            }
-            self.endpoints.record_entry_results(&ips, &failures);
-        }
-        if !interfaces.is_empty() {
-            let endpoints = &self.endpoints;
-            let identities = endpoints.interface_identities();
-            let failures = self.reconciler.apply_interfaces(
-                &mut self.maps,
-                interfaces.iter().cloned(),
-                |i| endpoints.interface_wanted(i),
-                |i| identities.get(i).copied(),
-                prune,
-            );
-            for (interface, error) in &failures {
-                warn!(interface, %error, "attaching the classifier or writing its INTERFACES entry failed; the full pass retries");
-            }
-            self.endpoints
-                .record_interface_results(&interfaces, &failures);
-        }
+        self.core.on_reconciled(reconciled);
     }
 
     fn full_pass(&mut self) {
         let started = Instant::now();
-        match self.host_ips.read() {
-            Ok(ips) => {
-                // The pass below writes every entry these effects would name.
-                let mut fx = Effects::default();
-                self.endpoints.set_host_ips(ips, &mut fx);
-            }
-            Err(error) => warn!(%error, "cannot read the node's addresses"),
-        }
-        let desired = self.endpoints.desired_all();
-        let prune = self.endpoints.synced();
+        let desired = self.core.desired();
+        let prune = self.core.synced();
         let report = self.reconciler.full_pass(&mut self.maps, &desired, prune);
-        let all_ips: BTreeSet<IpAddr> = desired.entries.keys().copied().collect();
-        self.endpoints
-            .record_entry_results(&all_ips, &report.entry_errors);
-        self.endpoints
-            .record_interface_results(&desired.interfaces, &report.interface_errors);
         let took = started.elapsed();
         self.metrics.full_pass_duration.observe(took.as_secs_f64());
         if report.repaired + report.removed + report.pruned > 0 {
@@ -456,29 +435,9 @@ impl<M: DatapathPort> Core<M> {
             written = report.written,
             "full pass"
         );
+        let reconciled = self.reconciler.pass_outcome(&desired, report);
+        self.core.on_reconciled(reconciled);
         // A full pass re-reads the endpoints file too (the source's own timer).
-    }
-
-    fn publish(&self) {
-        let (programmed, waiting, errors) = self.endpoints.counts();
-        let cache = self.endpoints.cache();
-        *self.gauges.lock() = Gauges {
-            endpoints_programmed: programmed,
-            endpoints_waiting: waiting,
-            endpoints_error: errors,
-            map_entries: self.reconciler.entries() as u64,
-            identities: cache.len() as u64,
-            pending_allocations: cache.pending() as u64,
-            interfaces: self.endpoints.desired_interfaces() as u64,
-            interfaces_by_address: self.reconciler.crowded_interfaces() as u64,
-        };
-        *self.status.lock() = CoreStatus {
-            synced: self.endpoints.synced(),
-            source_error: self.endpoints.source_error().map(|f| f.detail.clone()),
-            programmed,
-            waiting,
-            errors,
-        };
     }
 }
 

@@ -1,0 +1,112 @@
+//! What the core asks of the shells: the datapath changes themselves, allocations
+//! to start or cancel, reports for the operator; and the whole desired state, for a
+//! full pass.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
+};
+
+use census_proto::domain::{Endpoint, EndpointKey, IdentityId};
+
+use super::{AllocationId, AllocationRequest};
+
+/// The ENDPOINTS entry an address should have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Entry {
+    /// An endpoint of this node behind an interface census is attached to.
+    Local(IdentityId),
+    /// An endpoint of this node whose host-side interface is unknown: no census
+    /// program sees its packets leave it, so they must not be skipped where they
+    /// enter another local endpoint.
+    Unattached(IdentityId),
+    /// One of the node's own addresses.
+    Host,
+}
+
+/// What an interface needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InterfaceChange {
+    /// The classifier on both hooks, and an INTERFACES entry carrying `identity`:
+    /// the one identity every endpoint behind it holds, `None` when there is no such
+    /// single identity (its packets are looked up by address).
+    Attach { identity: Option<IdentityId> },
+    /// No classifier, no entry.
+    Detach,
+}
+
+/// An allocation to start or to give up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Allocation {
+    Start(AllocationRequest),
+    /// No endpoint needs the label set any more.
+    Cancel(AllocationId),
+}
+
+/// A change of what the agent holds, for the operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Report {
+    Upsert(Endpoint),
+    Delete(EndpointKey),
+}
+
+/// What the shells must do after the events since the last [`super::Core::take_effects`].
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    pub(crate) allocations: Vec<Allocation>,
+    pub(crate) reports: Vec<Report>,
+    /// The ENDPOINTS entries that may have changed, as they should be now (`None`: no
+    /// entry).
+    pub(crate) entries: BTreeMap<IpAddr, Option<Entry>>,
+    /// The interfaces that may have changed, as they should be now.
+    pub(crate) interfaces: BTreeMap<String, InterfaceChange>,
+    /// Whether a `None` entry and a `Detach` remove what the datapath holds: not
+    /// before the source's first full set, when the agent does not know yet what is
+    /// unwanted (a previous run's entries stay in force).
+    pub(crate) prune: bool,
+}
+
+impl Effects {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.allocations.is_empty()
+            && self.reports.is_empty()
+            && self.entries.is_empty()
+            && self.interfaces.is_empty()
+    }
+
+    /// `later`'s effects after these: a change of the same address or interface is
+    /// the later one.
+    pub(crate) fn merge(&mut self, later: Effects) {
+        let Effects {
+            allocations,
+            reports,
+            entries,
+            interfaces,
+            prune,
+        } = later;
+        self.allocations.extend(allocations);
+        self.reports.extend(reports);
+        self.entries.extend(entries);
+        self.interfaces.extend(interfaces);
+        self.prune = prune;
+    }
+
+    /// The label sets whose allocation starts.
+    pub(crate) fn started(&self) -> impl Iterator<Item = &AllocationRequest> {
+        self.allocations.iter().filter_map(|a| match a {
+            Allocation::Start(request) => Some(request),
+            Allocation::Cancel(_) => None,
+        })
+    }
+}
+
+/// The state the datapath should be in, for a full pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Desired {
+    pub(crate) entries: HashMap<IpAddr, Entry>,
+    pub(crate) interfaces: BTreeSet<String>,
+    /// The interfaces of `interfaces` behind which every endpoint holds one same
+    /// identity, and that identity: their INTERFACES entries carry it. The others'
+    /// entries carry none (the program looks addresses up).
+    pub(crate) interface_identities: HashMap<String, IdentityId>,
+}

@@ -1,0 +1,74 @@
+//! What the core shows: the status the admin API (`/readyz`, `/v1/endpoints`) and
+//! the metrics' gauges read, and each endpoint as it stands.
+
+use std::net::IpAddr;
+
+use census_proto::{
+    domain::{EndpointKey, IdentityId},
+    labels::LabelSet,
+};
+
+use super::{Problem, StreamError};
+use crate::source::SourceFailure;
+
+/// The EndpointSync stream, as its client reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct OperatorLink {
+    /// True while a stream is up.
+    pub(crate) connected: bool,
+    /// The highest seq the operator acknowledged, 0 before the first.
+    pub(crate) last_ack_seq: u64,
+    /// Why the last stream ended or could not start.
+    pub(crate) last_error: Option<StreamError>,
+}
+
+/// The agent's state, read at once: the one source of `/readyz`, the endpoints
+/// API's operator and source parts, and the state gauges.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Status {
+    /// The source has given its first full set.
+    pub(crate) synced: bool,
+    /// The source's last read failed (the last good set stays in force).
+    pub(crate) source_error: Option<SourceFailure>,
+    pub(crate) programmed: u64,
+    pub(crate) waiting: u64,
+    pub(crate) errors: u64,
+    /// Label sets in the identity cache.
+    pub(crate) identities: u64,
+    /// Label sets waiting for the operator.
+    pub(crate) pending_allocations: u64,
+    /// Interfaces the classifier should be attached to.
+    pub(crate) interfaces: u64,
+    /// ENDPOINTS entries written by this agent.
+    pub(crate) map_entries: u64,
+    /// Attached interfaces whose INTERFACES slot another interface holds.
+    pub(crate) interfaces_by_address: u64,
+    pub(crate) operator: OperatorLink,
+}
+
+/// Where an endpoint stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EndpointState {
+    /// Its identity is known and its entries are written.
+    Programmed,
+    /// The operator has not given the identity of its labels yet.
+    WaitingForIdentity,
+    /// Something is wrong: see its problem.
+    Error,
+}
+
+/// One managed endpoint.
+#[derive(Debug, Clone)]
+pub(crate) struct EndpointView {
+    pub(crate) key: EndpointKey,
+    pub(crate) ips: Box<[IpAddr]>,
+    /// The host-side interface census counts on, if the source found one.
+    pub(crate) interface: Option<String>,
+    /// The identity written for its addresses.
+    pub(crate) identity: Option<IdentityId>,
+    /// Its identity labels; `None` when they are invalid.
+    pub(crate) labels: Option<LabelSet>,
+    pub(crate) state: EndpointState,
+    /// What is wrong in state `Error`; why it still waits in `WaitingForIdentity`.
+    pub(crate) problem: Option<Problem>,
+}

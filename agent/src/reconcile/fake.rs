@@ -1,0 +1,198 @@
+//! An in-memory datapath, for tests: ENDPOINTS, INTERFACES and pinned links, with
+//! interfaces that exist or not.
+
+use super::*;
+
+#[derive(Debug, Default)]
+pub(crate) struct FakeMaps {
+    pub(crate) entries: BTreeMap<MapKey, bpf::Endpoint>,
+    /// INTERFACES, by slot.
+    pub(crate) slots: BTreeMap<u32, bpf::Interface>,
+    /// Interface -> attached (two hooks each).
+    pub(crate) links: BTreeMap<String, AttachmentState>,
+    /// Interfaces that exist.
+    pub(crate) interfaces: BTreeSet<String>,
+    /// Their ifindexes: given by a test, else 100, 101, ... in order of first use.
+    pub(crate) ifindexes: BTreeMap<String, u32>,
+    /// ENDPOINTS writes and deletes.
+    pub(crate) writes: usize,
+    /// INTERFACES writes and deletes.
+    pub(crate) interface_writes: usize,
+    pub(crate) attaches: usize,
+    /// INTERFACES entries written for an interface the classifier is not
+    /// attached to: must stay 0.
+    pub(crate) unattached_entries: usize,
+}
+
+impl FakeMaps {
+    pub(crate) fn ifindex(&mut self, interface: &str) -> u32 {
+        let next = 100 + u32::try_from(self.ifindexes.len()).unwrap_or(0);
+        *self.ifindexes.entry(interface.to_owned()).or_insert(next)
+    }
+
+    fn attached(&self, ifindex: u32) -> bool {
+        self.links
+            .values()
+            .any(|state| *state == AttachmentState::Attached { ifindex })
+    }
+
+    /// The INTERFACES entries, by interface name.
+    pub(crate) fn interface_entries(&self) -> BTreeMap<String, Option<u32>> {
+        self.ifindexes
+            .iter()
+            .filter_map(|(name, ifindex)| {
+                let held = self.slots.get(&interface_slot(*ifindex))?;
+                (held.ifindex == *ifindex).then(|| (name.clone(), held.identity))
+            })
+            .collect()
+    }
+}
+
+impl DatapathPort for FakeMaps {
+    fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
+        Ok(self.entries.clone())
+    }
+
+    fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error> {
+        self.writes += 1;
+        self.entries.insert(MapKey::from(ip), endpoint);
+        Ok(())
+    }
+
+    fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error> {
+        self.writes += 1;
+        Ok(self.entries.remove(key).is_some())
+    }
+
+    fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
+        self.slots.clone()
+    }
+
+    fn write_interface(&mut self, interface: bpf::Interface) -> Result<(), bpf::Error> {
+        let slot = interface_slot(interface.ifindex);
+        if let Some(holder) = self.slots.get(&slot)
+            && holder.ifindex != interface.ifindex
+        {
+            return Err(bpf::Error::InterfaceSlotTaken {
+                ifindex: interface.ifindex,
+                slot,
+                holder: holder.ifindex,
+            });
+        }
+        if !self.attached(interface.ifindex) {
+            self.unattached_entries += 1;
+        }
+        self.interface_writes += 1;
+        self.slots.insert(slot, interface);
+        Ok(())
+    }
+
+    fn delete_interface(&mut self, ifindex: u32) -> Result<bool, bpf::Error> {
+        let slot = interface_slot(ifindex);
+        if self
+            .slots
+            .get(&slot)
+            .is_some_and(|held| held.ifindex == ifindex)
+        {
+            self.interface_writes += 1;
+            self.slots.remove(&slot);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn clear_interface_slot(&mut self, slot: u32) -> Result<(), bpf::Error> {
+        self.interface_writes += 1;
+        self.slots.remove(&slot);
+        Ok(())
+    }
+
+    fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error> {
+        if !self.interfaces.contains(interface) {
+            return Err(bpf::Error::InterfaceNotFound {
+                name: interface.to_owned(),
+                source: nix::Error::ENODEV,
+            });
+        }
+        self.attaches += 1;
+        let ifindex = self.ifindex(interface);
+        self.links
+            .insert(interface.to_owned(), AttachmentState::Attached { ifindex });
+        Ok(ifindex)
+    }
+
+    fn detach(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        // As the datapath does: the entry of the interface it is on goes first.
+        if let Some(AttachmentState::Attached { ifindex }) = self.links.get(interface).copied() {
+            self.delete_interface(ifindex)?;
+        }
+        Ok(self.links.remove(interface).is_some())
+    }
+
+    fn attachments(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(self
+            .links
+            .iter()
+            .flat_map(|(interface, state)| {
+                let link = Link {
+                    interface: interface.clone(),
+                    state: *state,
+                };
+                [link.clone(), link]
+            })
+            .collect())
+    }
+
+    fn prune_defunct(&mut self) -> Result<usize, bpf::Error> {
+        let before = self.links.len();
+        self.links.retain(|_, s| *s != AttachmentState::Defunct);
+        Ok((before - self.links.len()) * 2)
+    }
+}
+
+/// A fake a test can look at while the daemon owns it.
+impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
+    fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
+        self.lock().read_endpoints()
+    }
+
+    fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error> {
+        self.lock().write_endpoint(ip, endpoint)
+    }
+
+    fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error> {
+        self.lock().delete_endpoint(key)
+    }
+
+    fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
+        self.lock().read_interfaces()
+    }
+
+    fn write_interface(&mut self, interface: bpf::Interface) -> Result<(), bpf::Error> {
+        self.lock().write_interface(interface)
+    }
+
+    fn delete_interface(&mut self, ifindex: u32) -> Result<bool, bpf::Error> {
+        self.lock().delete_interface(ifindex)
+    }
+
+    fn clear_interface_slot(&mut self, slot: u32) -> Result<(), bpf::Error> {
+        self.lock().clear_interface_slot(slot)
+    }
+
+    fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error> {
+        self.lock().attach(interface)
+    }
+
+    fn detach(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        self.lock().detach(interface)
+    }
+
+    fn attachments(&self) -> Result<Vec<Link>, bpf::Error> {
+        self.lock().attachments()
+    }
+
+    fn prune_defunct(&mut self) -> Result<usize, bpf::Error> {
+        self.lock().prune_defunct()
+    }
+}

@@ -1,0 +1,664 @@
+//! Bringing the datapath to the desired state: ENDPOINTS entries (endpoints with
+//! their identities, the node's own addresses flagged HOST), the classifier's
+//! attachments (one per endpoint interface) and their INTERFACES entries (the
+//! identity of the endpoint behind each).
+//!
+//! An INTERFACES entry exists only while the classifier is attached to both hooks
+//! of its interface: it is written after attaching and removed before detaching,
+//! because the egress program takes packets that arrived through an interface with
+//! an entry as counted when they left it. Two interfaces whose ifindexes share a
+//! slot: the first to get it keeps it, the other is counted by address (as if it
+//! had no entry) until the slot is free.
+//!
+//! Changes are applied as they happen: the core's [`Effects`] say, for the addresses
+//! and interfaces they touch, what each should be now ([`Reconciler::apply`]), and
+//! what was done goes back to the core as one [`Reconciled`]. A periodic
+//! [`Reconciler::full_pass`] reads the maps' actual content and the pinned links and
+//! repairs whatever differs: entries changed or deleted behind the agent's back,
+//! entries nobody wants, links of deleted interfaces, interfaces that lost their
+//! program.
+//!
+//! Nothing is removed while `prune` is false: until the endpoint source has given
+//! its first full set the agent does not know what is unwanted, and what the maps
+//! hold (from a previous run of the agent) stays in force.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
+};
+
+use census_proto::domain::IdentityId;
+use tracing::{debug, info, warn};
+
+use crate::{
+    bpf::{self, AttachmentState, Datapath, interface_slot},
+    core::{DatapathError, Desired, Effects, Entry, InterfaceChange, Reconciled},
+    metrics::{MapLabels, Metrics},
+};
+
+const ENDPOINTS: &str = "ENDPOINTS";
+const INTERFACES: &str = "INTERFACES";
+
+/// A raw ENDPOINTS key, as the map holds it.
+pub(crate) type MapKey = bpf::EndpointKey;
+
+/// The ENDPOINTS entry of `entry`.
+fn to_map(entry: Entry) -> bpf::Endpoint {
+    match entry {
+        Entry::Local(id) => bpf::Endpoint::local(id.get()),
+        Entry::Unattached(id) => bpf::Endpoint::unattached(id.get()),
+        Entry::Host => bpf::Endpoint::host(),
+    }
+}
+
+/// The identities of the LOCAL entries of `found` (ENDPOINTS at start), which the
+/// core lets endpoints keep until the operator says otherwise.
+pub(crate) fn adoptable(found: &BTreeMap<MapKey, bpf::Endpoint>) -> HashMap<IpAddr, u32> {
+    found
+        .iter()
+        .filter(|(_, e)| e.flags.contains(bpf::EndpointFlags::LOCAL))
+        .filter_map(|(key, e)| Some((key.ip()?, e.identity)))
+        .collect()
+}
+
+/// One pinned link, as [`DatapathPort::attachments`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Link {
+    pub(crate) interface: String,
+    pub(crate) state: AttachmentState,
+}
+
+/// The datapath as reconcile drives it: its maps and its programs' attachments;
+/// [`Datapath`] in production, a fake in tests.
+pub(crate) trait DatapathPort {
+    fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error>;
+    fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error>;
+    fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error>;
+    /// INTERFACES' used slots, by slot.
+    fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface>;
+    /// Writes an INTERFACES entry; [`bpf::Error::InterfaceSlotTaken`] if another
+    /// interface holds its slot.
+    fn write_interface(&mut self, interface: bpf::Interface) -> Result<(), bpf::Error>;
+    /// Removes interface `ifindex`'s entry, if its slot holds it.
+    fn delete_interface(&mut self, ifindex: u32) -> Result<bool, bpf::Error>;
+    /// Empties an INTERFACES slot, whatever it holds.
+    fn clear_interface_slot(&mut self, slot: u32) -> Result<(), bpf::Error>;
+    /// Attaches (or adopts the pinned link on) both hooks of `interface`; its ifindex.
+    fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error>;
+    fn detach(&mut self, interface: &str) -> Result<bool, bpf::Error>;
+    /// The pinned links, one per hook.
+    fn attachments(&self) -> Result<Vec<Link>, bpf::Error>;
+    /// Removes the pins of links whose interface is gone; how many.
+    fn prune_defunct(&mut self) -> Result<usize, bpf::Error>;
+}
+
+impl DatapathPort for Datapath {
+    fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
+        self.endpoints()
+    }
+
+    fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error> {
+        self.upsert_endpoint(ip, endpoint)
+    }
+
+    fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error> {
+        self.delete_endpoint_key(key)
+    }
+
+    fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
+        self.interfaces()
+    }
+
+    fn write_interface(&mut self, interface: bpf::Interface) -> Result<(), bpf::Error> {
+        self.set_interface(interface)
+    }
+
+    fn delete_interface(&mut self, ifindex: u32) -> Result<bool, bpf::Error> {
+        Datapath::delete_interface(self, ifindex)
+    }
+
+    fn clear_interface_slot(&mut self, slot: u32) -> Result<(), bpf::Error> {
+        Datapath::clear_interface_slot(self, slot)
+    }
+
+    fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error> {
+        let bpf::Attached {
+            ifindex,
+            ingress,
+            egress,
+        } = Datapath::attach(self, interface)?;
+        debug!(interface, ifindex, ?ingress, ?egress, "classifier attached");
+        Ok(ifindex)
+    }
+
+    fn detach(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        Datapath::detach(self, interface)
+    }
+
+    fn attachments(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(Datapath::attachments(self)?
+            .into_iter()
+            .map(|a| Link {
+                interface: a.interface,
+                state: a.state,
+            })
+            .collect())
+    }
+
+    fn prune_defunct(&mut self) -> Result<usize, bpf::Error> {
+        Ok(Datapath::prune_defunct(self)?.len())
+    }
+}
+
+/// What one full pass did.
+#[derive(Debug, Default)]
+pub(crate) struct PassReport {
+    /// ENDPOINTS and INTERFACES entries that differed from what this agent had
+    /// written (changed or deleted behind its back) and were rewritten.
+    pub(crate) repaired: usize,
+    /// Entries written for the first time.
+    pub(crate) written: usize,
+    /// Entries removed because nothing wants them.
+    pub(crate) removed: usize,
+    /// Links whose interface was gone.
+    pub(crate) pruned: usize,
+    pub(crate) entry_errors: Vec<(IpAddr, bpf::Error)>,
+    pub(crate) interface_errors: Vec<(String, bpf::Error)>,
+}
+
+/// What this agent believes the datapath holds, and applies changes to it.
+#[derive(Debug, Default)]
+pub(crate) struct Reconciler {
+    written: HashMap<IpAddr, bpf::Endpoint>,
+    /// Interfaces attached (or adopted) by this process, and their ifindex.
+    attached: BTreeMap<String, u32>,
+    /// INTERFACES entries written by this agent: ifindex -> identity.
+    interface_entries: HashMap<u32, Option<u32>>,
+    /// Attached interfaces whose slot another one holds: counted by address.
+    crowded: BTreeSet<u32>,
+    metrics: Metrics,
+}
+
+impl Reconciler {
+    pub(crate) fn new(metrics: Metrics) -> Self {
+        Self {
+            metrics,
+            ..Self::default()
+        }
+    }
+
+    /// ENDPOINTS entries written by this agent.
+    #[cfg(test)]
+    fn entries(&self) -> usize {
+        self.written.len()
+    }
+
+    /// Interfaces the classifier is attached to without an INTERFACES entry
+    /// because another interface holds their slot: their packets are counted by
+    /// address.
+    #[cfg(test)]
+    fn crowded_interfaces(&self) -> usize {
+        self.crowded.len()
+    }
+
+    /// Carries out the datapath changes of `fx`; what was done, for the core.
+    pub(crate) fn apply<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        fx: &Effects,
+    ) -> Reconciled {
+        let entry_failures = self.apply_entries(maps, fx);
+        for (ip, error) in &entry_failures {
+            warn!(%ip, %error, "writing ENDPOINTS failed; the full pass retries");
+        }
+        let interface_failures = self.apply_interfaces_of(maps, fx);
+        for (interface, error) in &interface_failures {
+            warn!(interface, %error, "attaching the classifier or writing its INTERFACES entry failed; the full pass retries");
+        }
+        self.reconciled(
+            fx.entries.keys().copied().collect(),
+            entry_failures,
+            fx.interfaces.keys().cloned().collect(),
+            interface_failures,
+        )
+    }
+
+    /// The ENDPOINTS changes of `fx`; the failures.
+    pub(crate) fn apply_entries<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        fx: &Effects,
+    ) -> Vec<(IpAddr, bpf::Error)> {
+        let entries = fx.entries.iter().map(|(ip, e)| (*ip, e.map(to_map)));
+        self.write_entries(maps, entries, fx.prune)
+    }
+
+    /// The attachments and INTERFACES changes of `fx`; the failures.
+    pub(crate) fn apply_interfaces_of<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        fx: &Effects,
+    ) -> Vec<(String, bpf::Error)> {
+        let changes = fx.interfaces.iter().map(|(i, c)| (i.clone(), *c));
+        self.apply_interfaces(maps, changes, fx.prune)
+    }
+
+    /// What was done to `entries` and `interfaces`, with the failures among them.
+    fn reconciled(
+        &self,
+        entries: BTreeSet<IpAddr>,
+        entry_failures: Vec<(IpAddr, bpf::Error)>,
+        interfaces: BTreeSet<String>,
+        interface_failures: Vec<(String, bpf::Error)>,
+    ) -> Reconciled {
+        Reconciled {
+            entries,
+            entry_failures: entry_failures
+                .into_iter()
+                .map(|(ip, e)| (ip, DatapathError::new(e)))
+                .collect(),
+            interfaces,
+            interface_failures: interface_failures
+                .into_iter()
+                .map(|(i, e)| (i, DatapathError::new(e)))
+                .collect(),
+            map_entries: self.written.len(),
+            interfaces_by_address: self.crowded.len(),
+        }
+    }
+
+    /// What the full pass that gave `report` did to `desired`, for the core.
+    pub(crate) fn pass_outcome(&self, desired: &Desired, report: PassReport) -> Reconciled {
+        self.reconciled(
+            desired.entries.keys().copied().collect(),
+            report.entry_errors,
+            desired.interfaces.clone(),
+            report.interface_errors,
+        )
+    }
+
+    /// Brings each entry to what it should be (`None`: no entry); the failures.
+    /// Entries are removed only if `prune`.
+    fn write_entries<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        entries: impl IntoIterator<Item = (IpAddr, Option<bpf::Endpoint>)>,
+        prune: bool,
+    ) -> Vec<(IpAddr, bpf::Error)> {
+        let mut failures = Vec::new();
+        for (ip, want) in entries {
+            if self.written.get(&ip) == want.as_ref() {
+                continue;
+            }
+            match want {
+                Some(endpoint) => match maps.write_endpoint(ip, endpoint) {
+                    Ok(()) => {
+                        self.written.insert(ip, endpoint);
+                    }
+                    Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
+                },
+                None if prune => match maps.delete_endpoint(&MapKey::from(ip)) {
+                    Ok(_) => {
+                        self.written.remove(&ip);
+                    }
+                    Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
+                },
+                None => {}
+            }
+        }
+        failures
+    }
+
+    /// Attaches the classifier to each interface to attach and brings its
+    /// INTERFACES entry to its identity, detaches it from the others (only if
+    /// `prune`); the failures.
+    fn apply_interfaces<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        changes: impl IntoIterator<Item = (String, InterfaceChange)>,
+        prune: bool,
+    ) -> Vec<(String, bpf::Error)> {
+        let mut failures = Vec::new();
+        for (interface, change) in changes {
+            if let InterfaceChange::Attach { identity } = change {
+                let ifindex = match self.attached.get(&interface) {
+                    Some(&ifindex) => ifindex,
+                    None => match maps.attach(&interface) {
+                        Ok(ifindex) => {
+                            info!(interface, ifindex, "classifier attached");
+                            self.attached.insert(interface.clone(), ifindex);
+                            ifindex
+                        }
+                        Err(error) => {
+                            self.metrics.attach_errors.inc();
+                            failures.push((interface, error));
+                            continue;
+                        }
+                    },
+                };
+                let identity = identity.map(IdentityId::get);
+                if let Err(error) = self.write_interface(maps, &interface, ifindex, identity) {
+                    failures.push((interface, error));
+                }
+            } else if prune {
+                if let Some(&ifindex) = self.attached.get(&interface)
+                    && let Err(error) = self.delete_interface(maps, ifindex)
+                {
+                    // Detaching now would leave an entry without a classifier.
+                    failures.push((interface, error));
+                    continue;
+                }
+                match maps.detach(&interface) {
+                    Ok(detached) => {
+                        if detached {
+                            info!(interface, "classifier detached");
+                        }
+                        self.attached.remove(&interface);
+                    }
+                    Err(error) => failures.push((interface, error)),
+                }
+            }
+        }
+        failures
+    }
+
+    /// Brings interface `ifindex`'s INTERFACES entry to `identity`. A slot held by
+    /// another interface is not a failure: this one is counted by address.
+    fn write_interface<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        interface: &str,
+        ifindex: u32,
+        identity: Option<u32>,
+    ) -> Result<(), bpf::Error> {
+        if self.interface_entries.get(&ifindex) == Some(&identity) {
+            return Ok(());
+        }
+        match maps.write_interface(bpf::Interface { ifindex, identity }) {
+            Ok(()) => {
+                self.interface_entries.insert(ifindex, identity);
+                if self.crowded.remove(&ifindex) {
+                    info!(
+                        interface,
+                        ifindex, "the interface has its INTERFACES slot now"
+                    );
+                }
+                Ok(())
+            }
+            Err(bpf::Error::InterfaceSlotTaken { slot, holder, .. }) => {
+                self.interface_entries.remove(&ifindex);
+                if self.crowded.insert(ifindex) {
+                    warn!(
+                        interface,
+                        ifindex,
+                        slot,
+                        holder,
+                        "another interface holds this interface's INTERFACES slot; its packets are counted by address until it is free"
+                    );
+                }
+                Ok(())
+            }
+            Err(error) => Err(self.write_failed(INTERFACES, error)),
+        }
+    }
+
+    /// Removes interface `ifindex`'s INTERFACES entry (if this agent could have
+    /// written it).
+    fn delete_interface<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        ifindex: u32,
+    ) -> Result<(), bpf::Error> {
+        self.crowded.remove(&ifindex);
+        match maps.delete_interface(ifindex) {
+            Ok(_) => {
+                self.interface_entries.remove(&ifindex);
+                Ok(())
+            }
+            Err(error) => Err(self.write_failed(INTERFACES, error)),
+        }
+    }
+
+    /// Compares the maps' actual content and the pinned links with `desired`, and
+    /// repairs every difference.
+    pub(crate) fn full_pass<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        prune: bool,
+    ) -> PassReport {
+        let mut report = PassReport::default();
+        match maps.read_endpoints() {
+            Ok(actual) => self.repair_entries(maps, desired, prune, &actual, &mut report),
+            Err(error) => {
+                warn!(%error, "cannot read ENDPOINTS; the full pass skips the entries");
+                self.metrics
+                    .map_write_errors
+                    .get_or_create(&MapLabels { map: ENDPOINTS })
+                    .inc();
+            }
+        }
+        self.repair_links(maps, desired, prune, &mut report);
+        self.repair_interfaces(maps, desired, prune, &mut report);
+        report
+    }
+
+    fn repair_entries<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        prune: bool,
+        actual: &BTreeMap<MapKey, bpf::Endpoint>,
+        report: &mut PassReport,
+    ) {
+        for (ip, want) in &desired.entries {
+            let want = &to_map(*want);
+            let have = actual.get(&MapKey::from(*ip));
+            if have == Some(want) {
+                self.written.insert(*ip, *want);
+                continue;
+            }
+            let repair = self.written.get(ip) == Some(want);
+            match maps.write_endpoint(*ip, *want) {
+                Ok(()) => {
+                    if repair {
+                        warn!(%ip, found = ?have, wanted = ?want, "repaired an ENDPOINTS entry changed behind the agent's back");
+                        report.repaired += 1;
+                        self.metrics.map_repairs.inc();
+                    } else {
+                        report.written += 1;
+                    }
+                    self.written.insert(*ip, *want);
+                }
+                Err(error) => {
+                    let error = self.write_failed(ENDPOINTS, error);
+                    report.entry_errors.push((*ip, error));
+                }
+            }
+        }
+        if !prune {
+            return;
+        }
+        for key in actual.keys() {
+            let wanted = key.ip().is_some_and(|ip| desired.entries.contains_key(&ip));
+            if wanted {
+                continue;
+            }
+            match maps.delete_endpoint(key) {
+                Ok(_) => {
+                    debug!(ip = ?key.ip(), "removed an ENDPOINTS entry nothing wants");
+                    report.removed += 1;
+                    self.metrics.map_removals.inc();
+                    if let Some(ip) = key.ip() {
+                        self.written.remove(&ip);
+                    }
+                }
+                Err(error) => {
+                    let error = self.write_failed(ENDPOINTS, error);
+                    if let Some(ip) = key.ip() {
+                        report.entry_errors.push((ip, error));
+                    }
+                }
+            }
+        }
+        self.written
+            .retain(|ip, _| desired.entries.contains_key(ip));
+    }
+
+    fn repair_links<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        prune: bool,
+        report: &mut PassReport,
+    ) {
+        match maps.prune_defunct() {
+            Ok(pruned) => report.pruned = pruned,
+            Err(error) => warn!(%error, "cannot prune the links of deleted interfaces"),
+        }
+        let links = match maps.attachments() {
+            Ok(links) => links,
+            Err(error) => {
+                warn!(%error, "cannot list the pinned links; the full pass skips them");
+                return;
+            }
+        };
+        // An interface is in place when both hooks have a pinned link on it.
+        let mut in_place: BTreeMap<&str, (usize, u32)> = BTreeMap::new();
+        for link in &links {
+            if let AttachmentState::Attached { ifindex } = link.state {
+                let place = in_place.entry(link.interface.as_str()).or_default();
+                *place = (place.0 + 1, ifindex);
+            }
+        }
+        let attach = |i: &str| InterfaceChange::Attach {
+            identity: desired.interface_identities.get(i).copied(),
+        };
+        for interface in &desired.interfaces {
+            let place = in_place.get(interface.as_str()).copied();
+            let ours = self.attached.get(interface).copied();
+            let complete = place.is_some_and(|(hooks, _)| hooks >= 2);
+            if complete && place.map(|(_, ifindex)| ifindex) == ours {
+                continue;
+            }
+            if let Some(ifindex) = ours {
+                if !complete {
+                    warn!(
+                        interface,
+                        "the classifier's link is gone; attaching it again"
+                    );
+                }
+                // Its entry goes before the classifier is attached (again).
+                if let Err(error) = self.delete_interface(maps, ifindex) {
+                    report.interface_errors.push((interface.clone(), error));
+                    continue;
+                }
+                self.attached.remove(interface);
+            }
+            let failures =
+                self.apply_interfaces(maps, [(interface.clone(), attach(interface))], false);
+            report.interface_errors.extend(failures);
+        }
+        if prune {
+            let unwanted: BTreeSet<String> = links
+                .iter()
+                .filter(|l| !desired.interfaces.contains(&l.interface))
+                .map(|l| l.interface.clone())
+                .collect();
+            let detach = unwanted.into_iter().map(|i| (i, InterfaceChange::Detach));
+            let failures = self.apply_interfaces(maps, detach, true);
+            report.interface_errors.extend(failures);
+            self.attached.retain(|i, _| desired.interfaces.contains(i));
+        }
+    }
+
+    /// Compares INTERFACES with the entries of the interfaces this agent attached
+    /// and repairs every difference; removes the entries nothing wants (only if
+    /// `prune`).
+    fn repair_interfaces<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        prune: bool,
+        report: &mut PassReport,
+    ) {
+        // ifindex -> (interface, identity) of every entry that should be there.
+        let want: BTreeMap<u32, (String, Option<u32>)> = self
+            .attached
+            .iter()
+            .filter(|(interface, _)| desired.interfaces.contains(*interface))
+            .map(|(interface, &ifindex)| {
+                let identity = desired
+                    .interface_identities
+                    .get(interface)
+                    .map(|id| id.get());
+                (ifindex, (interface.clone(), identity))
+            })
+            .collect();
+        let mut actual = maps.read_interfaces();
+        if prune {
+            let unwanted: Vec<(u32, bpf::Interface)> = actual
+                .iter()
+                .filter(|(slot, held)| {
+                    interface_slot(held.ifindex) != **slot || !want.contains_key(&held.ifindex)
+                })
+                .map(|(slot, held)| (*slot, *held))
+                .collect();
+            for (slot, held) in unwanted {
+                match maps.clear_interface_slot(slot) {
+                    Ok(()) => {
+                        debug!(slot, ?held, "removed an INTERFACES entry nothing wants");
+                        report.removed += 1;
+                        self.metrics.map_removals.inc();
+                        self.interface_entries.remove(&held.ifindex);
+                        actual.remove(&slot);
+                    }
+                    Err(error) => {
+                        let error = self.write_failed(INTERFACES, error);
+                        warn!(slot, %error, "cannot remove an INTERFACES entry nothing wants");
+                    }
+                }
+            }
+        }
+        for (&ifindex, (interface, identity)) in &want {
+            let (interface, identity) = (interface.as_str(), *identity);
+            let have = actual
+                .get(&interface_slot(ifindex))
+                .filter(|held| held.ifindex == ifindex);
+            if have.map(|held| held.identity) == Some(identity) {
+                self.interface_entries.insert(ifindex, identity);
+                continue;
+            }
+            let repair = self.interface_entries.remove(&ifindex) == Some(identity);
+            match self.write_interface(maps, interface, ifindex, identity) {
+                Ok(()) if self.interface_entries.contains_key(&ifindex) => {
+                    if repair {
+                        warn!(interface, ifindex, found = ?have, "repaired an INTERFACES entry changed behind the agent's back");
+                        report.repaired += 1;
+                        self.metrics.map_repairs.inc();
+                    } else {
+                        report.written += 1;
+                    }
+                }
+                Ok(()) => {}
+                Err(error) => report.interface_errors.push((interface.to_owned(), error)),
+            }
+        }
+        self.interface_entries
+            .retain(|ifindex, _| want.contains_key(ifindex));
+        self.crowded.retain(|ifindex| want.contains_key(ifindex));
+    }
+
+    fn write_failed(&self, map: &'static str, error: bpf::Error) -> bpf::Error {
+        self.metrics
+            .map_write_errors
+            .get_or_create(&MapLabels { map })
+            .inc();
+        error
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fake;
+#[cfg(test)]
+mod tests;
