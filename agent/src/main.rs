@@ -97,9 +97,16 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         SourceChoice::Kubernetes { kubeconfig } => Planned::Kubernetes { kubeconfig },
     };
 
-    // Loading fails early and clearly: capabilities, bpffs, the verifier's log.
-    let datapath = Datapath::open(&pin_dir)
-        .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
+    // Loading fails early and clearly: capabilities, bpffs, the verifier's log. Another
+    // agent on these pins (the old pod of a DaemonSet being replaced) is waited for.
+    let datapath = Datapath::open_waiting(&pin_dir, |holder| {
+        tracing::warn!(
+            pin_dir = %pin_dir.display(),
+            %holder,
+            "another census agent holds these pins: waiting for it to exit"
+        );
+    })
+    .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
     let pinned = Inspector::open(&pin_dir)
         .with_context(|| format!("cannot open the maps pinned in {}", pin_dir.display()))?;
 

@@ -7,6 +7,8 @@
 
 #[path = "privileged/cli.rs"]
 mod cli;
+#[path = "privileged/pin_lock.rs"]
+mod pin_lock;
 #[path = "privileged/pod_route.rs"]
 mod pod_route;
 #[path = "privileged/support.rs"]

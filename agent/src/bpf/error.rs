@@ -36,6 +36,16 @@ pub enum Error {
         source: nix::Error,
     },
 
+    #[error(
+        "the pins in {pin_dir} are in use by another census agent ({holder}): two agents \
+         on one node's pins undo each other's work; stop the other one (when moving the \
+         agent to another namespace, delete the old DaemonSet)"
+    )]
+    PinDirLocked {
+        pin_dir: PathBuf,
+        holder: super::LockHolder,
+    },
+
     #[error("{operation} {path} failed")]
     Io {
         operation: &'static str,

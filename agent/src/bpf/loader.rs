@@ -17,6 +17,7 @@ use census_common::{ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, META_MAP};
 
 use super::{
     Direction, Error,
+    lock::{LockHolder, PinLock},
     maps::{EndpointsMap, FlowsMap, InterfacesMap},
     object,
     pins::{self, Layout, Pins},
@@ -28,8 +29,12 @@ use super::{
 /// Dropping it closes this process's descriptors only: maps and links stay
 /// pinned, and the programs keep running on the interfaces they are attached to.
 /// [`uninstall`](super::uninstall) removes everything.
+///
+/// It holds the pin directory's lock: no other `Datapath` opens the same pins while
+/// it lives, in this process or another.
 pub struct Datapath {
     pub(super) pins: Pins,
+    _lock: PinLock,
     pub(super) ebpf: Ebpf,
     pub(super) endpoints: EndpointsMap,
     pub(super) interfaces: InterfacesMap,
@@ -52,13 +57,35 @@ impl Datapath {
     /// without a BPF file system (one is mounted on an empty `/sys/fs/bpf`), or
     /// when the pinned maps are of another layout version; fails with the
     /// verifier's log when the kernel refuses a program. Already attached links
-    /// are adopted by [`Datapath::attach`].
+    /// are adopted by [`Datapath::attach`]. Fails with [`Error::PinDirLocked`]
+    /// when another `Datapath` holds the pins (in another agent, or this process).
     pub fn open(pin_dir: impl AsRef<Path>) -> Result<Self, Error> {
-        let pins = Pins::new(pin_dir.as_ref());
+        Self::open_with(pin_dir.as_ref(), PinLock::acquire)
+    }
+
+    /// Like [`Datapath::open`], but when another agent holds the pins, tells
+    /// `on_busy` who, then waits until it exits (a DaemonSet's pod replacing another
+    /// one on the node takes over the moment the old agent is gone).
+    pub fn open_waiting(
+        pin_dir: impl AsRef<Path>,
+        on_busy: impl FnOnce(&LockHolder),
+    ) -> Result<Self, Error> {
+        Self::open_with(pin_dir.as_ref(), |dir| {
+            PinLock::acquire_waiting(dir, on_busy)
+        })
+    }
+
+    fn open_with(
+        pin_dir: &Path,
+        lock: impl FnOnce(&Path) -> Result<PinLock, Error>,
+    ) -> Result<Self, Error> {
+        let pins = Pins::new(pin_dir);
         let bytes = object::bytes()?;
         privileges::check_capabilities()?;
         privileges::ensure_bpffs(pins.dir())?;
         pins.create()?;
+        // Before anything pinned is read: the holder may be migrating it.
+        let lock = lock(pins.dir())?;
         let layout = pins::check_layout(&pins)?;
 
         let map_pins: Vec<(&'static str, PathBuf)> = pins::MAPS
@@ -92,6 +119,7 @@ impl Datapath {
         );
         Ok(Self {
             pins,
+            _lock: lock,
             ebpf,
             endpoints,
             interfaces,
