@@ -87,8 +87,14 @@ impl LeaseConfig {
 pub enum Outcome {
     /// This replica holds the Lease; `previous` held it before, if another replica.
     Leading { previous: Option<String> },
-    /// Another replica holds a live Lease (or won the race for it).
+    /// Another replica holds a live Lease.
     Following(Option<Leader>),
+    /// The Lease changed between this round's read and its write (409): nothing is
+    /// known of who holds it now. Like client-go's `tryAcquireOrRenew` returning false
+    /// on an update error, the caller reads it again at its next round: a leader keeps
+    /// trying until its renew deadline (someone may only have edited an annotation),
+    /// and steps down only when a round finds another holder or the deadline passes.
+    Conflict,
 }
 
 #[derive(Debug, Clone)]
@@ -174,7 +180,8 @@ impl Elector {
                     self.observe(&created, now);
                     Ok(Outcome::Leading { previous: None })
                 }
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(Outcome::Following(None)),
+                // Created by another replica first.
+                Err(kube::Error::Api(s)) if s.code == 409 => Ok(Outcome::Conflict),
                 Err(e) => Err(self.error(e)),
             };
         };
@@ -259,7 +266,8 @@ impl Elector {
                 let previous = holder.filter(|h| *h != self.cfg.identity);
                 Ok(Outcome::Leading { previous })
             }
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(Outcome::Following(current)),
+            // What was read is no longer the Lease: who holds it now is unknown.
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(Outcome::Conflict),
             Err(e) => Err(self.error(e)),
         }
     }

@@ -8,16 +8,17 @@ use census_operator::{
     replica::Fence,
     store::{
         Store, StoreError, StoreEvent, StoreOp, Tombstone,
-        kubernetes::{EventsConfig, KubeStoreConfig},
+        kubernetes::{EventsConfig, KubeStoreConfig, crd::Identity},
     },
 };
 use census_proto::labels::LabelSet;
+use kube::api::{DeleteParams, Patch, PatchParams};
 use prometheus_client::registry::Registry;
 use serde_json::json;
 
 use crate::common::{
-    TestResult, WAIT, binding, eventually, fail, fake, id, identities, labels, now_ms, object,
-    store, synced, tombstone,
+    TestResult, WAIT, binding, client, eventually, fail, fake, id, identities, labels, now_ms,
+    object, store, synced, tombstone,
 };
 
 fn tomb_of(n: u32, app: &str) -> Tombstone {
@@ -393,7 +394,6 @@ async fn foreign_deletes_and_edits_become_events_and_a_kubernetes_event() -> Tes
     server.insert(binding(501, &db))?;
     let cfg = KubeStoreConfig {
         events: Some(EventsConfig {
-            namespace: "default".into(),
             instance: "op-test".into(),
         }),
         ..KubeStoreConfig::default()
@@ -429,6 +429,8 @@ async fn foreign_deletes_and_edits_become_events_and_a_kubernetes_event() -> Tes
     })
     .await?;
     assert_eq!(event["reason"], "InvalidIdentityObject");
+    // The objects are cluster-scoped: their Events are accepted only in `default`.
+    assert_eq!(event["metadata"]["namespace"], "default");
     assert_eq!(event["type"], "Warning");
     assert_eq!(event["regarding"]["kind"], "Identity");
     assert!(
@@ -524,5 +526,153 @@ async fn the_read_model_answers_reads() -> TestResult {
         .map(|i| (i.id, i.labels))
         .collect();
     assert_eq!(bindings, [(id(700), Some(web))]);
+    Ok(())
+}
+
+fn cause_of(r: &Result<(), StoreError>) -> &'static str {
+    match r {
+        Ok(()) => "ok",
+        Err(e @ StoreError::Unavailable { .. }) => e.cause(),
+        Err(_) => "other",
+    }
+}
+
+#[tokio::test]
+async fn an_object_being_deleted_is_waited_for_neither_reused_nor_looped_on() -> TestResult {
+    let server = fake().await?;
+    let (web, old) = (labels("web"), labels("old"));
+    // Someone else's finalizer on a binding and on an expired tombstone.
+    let mut held = binding(500, &web);
+    held["metadata"]["finalizers"] = json!(["example.com/hold"]);
+    server.insert(held)?;
+    let mut tomb = tombstone(501, &old, now_ms() - 1_000);
+    tomb["metadata"]["finalizers"] = json!(["example.com/hold"]);
+    server.insert(tomb)?;
+    let store = store(
+        &server,
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig::default(),
+    )?;
+    let mut events = store.events().ok_or("no events")?;
+    synced(&store).await?;
+    let api: kube::Api<Identity> = kube::Api::all(client(&server, true)?);
+
+    // `kubectl delete identity 500`: it stays, being deleted; the binding is lost.
+    let answer = api.delete("500", &DeleteParams::default()).await?;
+    assert!(
+        answer
+            .left()
+            .is_some_and(|o| o.metadata.deletion_timestamp.is_some()),
+        "a finalizer holds it: 200 with the object"
+    );
+    assert_eq!(
+        next_event(&mut events).await?,
+        StoreEvent::BindingLost {
+            id: id(500),
+            labels: web.clone()
+        }
+    );
+
+    // Writing the binding again (as the core does for a lost one), or tombstoning it,
+    // waits until it is gone: one fresh read each, no write, a retryable cause.
+    server.clear_requests();
+    let ops = vec![
+        StoreOp::CreateIdentity {
+            id: id(500),
+            labels: web.clone(),
+        },
+        StoreOp::DeleteIdentity {
+            id: id(500),
+            labels: web.clone(),
+            tombstone: tomb_of(500, "web"),
+        },
+    ];
+    let results = store.apply(ops.clone()).await;
+    assert_eq!(
+        results.iter().map(cause_of).collect::<Vec<_>>(),
+        ["terminating", "terminating"]
+    );
+    assert!(
+        server.requests().writes_of("identities").is_empty(),
+        "nothing is written over an object being deleted"
+    );
+    assert_eq!(server.requests().of(Verb::Get, "identities").len(), 2);
+
+    // A DELETE answered 200 with the object is not a deleted object: the expired
+    // tombstone stays (another finalizer), and so does its quarantine in the core.
+    server.clear_requests();
+    let forget = || vec![StoreOp::DeleteTombstone { id: id(501) }];
+    assert_eq!(cause_of(&store.apply(forget()).await[0]), "terminating");
+    assert!(object(&server, 501).is_some_and(|o| o["metadata"]["deletionTimestamp"].is_string()));
+    // Bound to other labels in the meantime: no AlreadyExists / re-read loop either.
+    let rebind = StoreOp::CreateIdentity {
+        id: id(501),
+        labels: labels("new"),
+    };
+    assert_eq!(
+        cause_of(&store.apply(vec![rebind.clone()]).await[0]),
+        "terminating"
+    );
+    let named: Vec<(Verb, u16)> = server
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "identities" && r.name.is_some())
+        .map(|r| (r.verb, r.code))
+        .collect();
+    assert_eq!(
+        named,
+        [(Verb::Delete, 200), (Verb::Get, 200)],
+        "the delete, then one fresh read before giving up"
+    );
+
+    // The finalizers are removed: the objects go, and the ops succeed.
+    let clear = json!({"metadata": {"finalizers": null}});
+    for name in ["500", "501"] {
+        api.patch(name, &PatchParams::default(), &Patch::Merge(&clear))
+            .await?;
+    }
+    eventually("the ops succeed once the objects are gone", WAIT, || {
+        let store = &store;
+        let ops = vec![ops[0].clone(), rebind.clone()];
+        async move {
+            let results = store.apply(ops).await;
+            Ok(results.iter().all(Result::is_ok).then_some(()))
+        }
+    })
+    .await?;
+    let obj = object(&server, 500).ok_or("500 is not there")?;
+    assert!(obj["metadata"]["deletionTimestamp"].is_null());
+    assert_eq!(obj["spec"]["labels"], json!(web.to_strings()));
+    let obj = object(&server, 501).ok_or("501 is not there")?;
+    assert_eq!(obj["spec"]["labels"], json!(labels("new").to_strings()));
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_deadline_covers_an_op_and_the_reread_after_a_conflict() -> TestResult {
+    let server = fake().await?;
+    let web = labels("web");
+    server.insert(binding(600, &web))?;
+    let cfg = KubeStoreConfig {
+        request_timeout: Duration::from_millis(500),
+        ..KubeStoreConfig::default()
+    };
+    let store = store(&server, Arc::new(Fence::always_open()), cfg)?;
+    synced(&store).await?;
+    // The tombstone write conflicts, and the re-read is slower than the op's timeout.
+    server.faults().conflict_next(
+        RequestFilter::object(&identities(), None, "600").verb(Verb::Patch),
+        1,
+    );
+    server.faults().delay(
+        RequestFilter::object(&identities(), None, "600").verb(Verb::Get),
+        Duration::from_secs(3),
+    );
+    let op = StoreOp::DeleteIdentity {
+        id: id(600),
+        labels: web,
+        tombstone: tomb_of(600, "web"),
+    };
+    assert_eq!(cause_of(&store.apply(vec![op]).await[0]), "timeout");
     Ok(())
 }

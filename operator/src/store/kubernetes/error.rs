@@ -29,6 +29,17 @@ impl Failure {
         }
     }
 
+    /// A bounded label for logs and metrics.
+    pub(crate) fn cause(&self) -> &'static str {
+        match self {
+            Self::NotFound => "not_found",
+            Self::AlreadyExists => "already_exists",
+            Self::Conflict => "conflict",
+            Self::Expired => "expired",
+            Self::Unavailable { cause, .. } => cause,
+        }
+    }
+
     /// For an op that cannot act on this outcome: retried later like any failure.
     pub(crate) fn into_store_error(self, doing: &str) -> StoreError {
         let (cause, detail) = match self {

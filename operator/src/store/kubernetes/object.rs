@@ -40,6 +40,11 @@ pub(crate) struct Meta {
     pub(crate) resource_version: Box<str>,
     /// `creationTimestamp` in ms; objects without one sort last.
     pub(crate) created_ms: i64,
+    /// `deletionTimestamp` is set: the object is being deleted and stays only until
+    /// its finalizers are removed (someone else's: census sets none). It is neither a
+    /// binding nor a tombstone census can rely on, and nothing can be created under
+    /// its name until it is gone.
+    pub(crate) deleting: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +83,7 @@ pub(crate) fn parse(obj: &DynamicObject, limits: &LabelLimits) -> Result<Parsed,
             .creation_timestamp
             .as_ref()
             .map_or(i64::MAX, |t| t.0.as_millisecond()),
+        deleting: obj.metadata.deletion_timestamp.is_some(),
     };
     let state = state_of(&obj.data, limits).unwrap_or_else(|why| State::Invalid(why.into()));
     Ok(Parsed { id, meta, state })
@@ -181,6 +187,7 @@ mod tests {
         )?;
         assert_eq!(p.state, State::Binding(labels.clone()));
         assert_eq!(&*p.meta.resource_version, "7");
+        assert!(!p.meta.deleting);
         let tomb = Tombstone {
             id: p.id,
             labels_hash: labels.stable_hash(),
@@ -197,6 +204,21 @@ mod tests {
                 until_ms: tomb.until_ms,
             }
         );
+        Ok(())
+    }
+
+    #[test]
+    fn a_deletion_timestamp_marks_an_object_being_deleted() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let labels: LabelSet = "k8s:app=web".parse()?;
+        let mut o = obj("300", json!({"spec": {"labels": labels.to_strings()}}));
+        o.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+        o.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::now(),
+        ));
+        let p = parse(&o, &limits())?;
+        assert!(p.meta.deleting);
+        assert_eq!(p.state, State::Binding(labels));
         Ok(())
     }
 

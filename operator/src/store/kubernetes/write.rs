@@ -3,7 +3,21 @@
 //! which the op is retried if the object still says what census wrote, and refused
 //! with [`StoreError::Conflict`] only when a fresh read shows labels census did not
 //! write. An op makes at most [`ATTEMPTS`] rounds, so conflicts that keep coming fail
-//! it with a retryable error and the core's backoff takes over.
+//! it with a retryable error and the core's backoff takes over. One deadline (the
+//! request timeout, and never past the fence) covers the whole op, its re-reads
+//! included.
+//!
+//! An object being deleted (`deletionTimestamp` set: someone's finalizer holds it) is
+//! neither a binding to reuse nor a tombstone to rely on, and nothing can be created
+//! under its name until it is gone (the API server answers AlreadyExists). Every op on
+//! such an id fails, on a fresh read, with the retryable `Unavailable { cause:
+//! "terminating" }`, and the core retries it with backoff until the object is gone.
+//! The id is not blocked: blocking would move its users to another id for what is
+//! usually a short wait, and while the object exists nothing else can be bound under
+//! the id, so the core keeps the id's one label set (it never binds the id to other
+//! labels meanwhile: the op stays its to retry), and the API server cannot hold a
+//! second one. A DELETE answered 200 with the object and its `deletionTimestamp` is
+//! such a wait, not a deleted object.
 
 use std::{
     future::Future,
@@ -12,6 +26,7 @@ use std::{
 
 use census_proto::{domain::IdentityId, labels::LabelSet};
 use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions};
+use tokio::time::Instant;
 
 use super::{
     Shared,
@@ -34,23 +49,26 @@ enum Next {
 
 impl Shared {
     pub(super) async fn apply_one(&self, op: StoreOp) -> Result<(), StoreError> {
+        // One deadline over the op's requests, re-reads included.
+        let until = Instant::now() + self.cfg.request_timeout;
         match op {
-            StoreOp::CreateIdentity { id, labels } => self.create(id, &labels).await,
+            StoreOp::CreateIdentity { id, labels } => self.create(id, &labels, until).await,
             StoreOp::DeleteIdentity {
                 id,
                 labels,
                 tombstone,
-            } => self.tombstone(id, &labels, &tombstone).await,
-            StoreOp::DeleteTombstone { id } => self.forget(id).await,
+            } => self.tombstone(id, &labels, &tombstone, until).await,
+            StoreOp::DeleteTombstone { id } => self.forget(id, until).await,
             // The cluster's Node objects are the record of known nodes.
             StoreOp::PutNode { .. } | StoreOp::DeleteNode { .. } => Ok(()),
         }
     }
 
-    /// Runs one request if the fence is open, within the time it leaves.
+    /// Runs one write if the fence is open, within the time it and `until` leave.
     pub(super) async fn request<T>(
         &self,
         call: impl Future<Output = Result<T, kube::Error>>,
+        until: Instant,
     ) -> Result<T, Failure> {
         let Some(left) = self.fence.remaining() else {
             return Err(Failure::unavailable(
@@ -58,15 +76,11 @@ impl Shared {
                 "this replica does not hold the lease",
             ));
         };
-        let limit = left.min(self.cfg.request_timeout);
-        match tokio::time::timeout(limit, call).await {
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(e)) => Err(classify(&e)),
-            Err(_) => Err(Failure::unavailable(
-                "timeout",
-                format!("no answer within {limit:?}"),
-            )),
-        }
+        within(
+            left.min(until.saturating_duration_since(Instant::now())),
+            call,
+        )
+        .await
     }
 
     fn known(&self, id: IdentityId) -> Option<(Meta, State)> {
@@ -86,18 +100,18 @@ impl Shared {
 
     /// Reads the object again into the index (a change found there may be someone
     /// else's, so it is reported like one the watch saw).
-    async fn reread(&self, id: IdentityId) -> Result<(), Failure> {
+    async fn reread(&self, id: IdentityId, until: Instant) -> Result<(), Failure> {
         let name = id.to_string();
         // Reads are not fenced: a follower may read, and this one only informs a write.
-        let events = match self.writes.get(&name).await {
+        // It is bounded by the op's deadline all the same.
+        let left = until.saturating_duration_since(Instant::now());
+        let events = match within(left, self.writes.get(&name)).await {
             Ok(obj) => match object::parse(&obj, &self.cfg.limits) {
                 Ok(p) => self.index.write().apply(p, Source::Observed),
                 Err(_) => Vec::new(),
             },
-            Err(e) => match classify(&e) {
-                Failure::NotFound => self.index.write().delete(id, None, Source::Observed),
-                other => return Err(other),
-            },
+            Err(Failure::NotFound) => self.index.write().delete(id, None, Source::Observed),
+            Err(other) => return Err(other),
         };
         self.emit(events).await;
         Ok(())
@@ -107,16 +121,26 @@ impl Shared {
         &self,
         id: IdentityId,
         patch: &serde_json::Value,
+        until: Instant,
     ) -> Result<DynamicObject, Failure> {
         let name = id.to_string();
         self.request(
             self.writes
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(patch)),
+            until,
         )
         .await
     }
 
-    async fn delete_exact(&self, id: IdentityId, meta: &Meta) -> Result<(), Failure> {
+    /// Deletes the object census saw as `meta`. `Ok` only once it is gone: a 200 whose
+    /// body is the object with `deletionTimestamp` set means a finalizer holds it
+    /// (indexed as being deleted, and a `terminating` failure).
+    async fn delete_exact(
+        &self,
+        id: IdentityId,
+        meta: &Meta,
+        until: Instant,
+    ) -> Result<(), Failure> {
         let name = id.to_string();
         let params = DeleteParams {
             preconditions: Some(Preconditions {
@@ -125,8 +149,26 @@ impl Shared {
             }),
             ..DeleteParams::default()
         };
-        match self.request(self.writes.delete(&name, &params)).await {
-            Ok(_) | Err(Failure::NotFound) => {
+        match self
+            .request(self.writes.delete(&name, &params), until)
+            .await
+        {
+            Ok(answer) => match answer.left() {
+                Some(obj) if obj.metadata.deletion_timestamp.is_some() => {
+                    self.observe(&obj).await;
+                    Err(terminating(id))
+                }
+                // Deleted: the last state of the object, or a Status of Success.
+                _ => {
+                    let events = self
+                        .index
+                        .write()
+                        .delete(id, Some(&meta.uid), Source::OwnWrite);
+                    self.emit(events).await;
+                    Ok(())
+                }
+            },
+            Err(Failure::NotFound) => {
                 let events = self
                     .index
                     .write()
@@ -138,21 +180,38 @@ impl Shared {
         }
     }
 
-    async fn post(&self, id: IdentityId, labels: &LabelSet) -> Result<(), Failure> {
+    async fn post(&self, id: IdentityId, labels: &LabelSet, until: Instant) -> Result<(), Failure> {
         let obj = object::binding(&self.resource, id, labels);
         let created = self
-            .request(self.writes.create(&PostParams::default(), &obj))
+            .request(self.writes.create(&PostParams::default(), &obj), until)
             .await?;
         self.observe(&created).await;
         Ok(())
     }
 
     /// CreateIdentity: bind `id` to `labels`, replacing a tombstone of the id.
-    async fn create(&self, id: IdentityId, labels: &LabelSet) -> Result<(), StoreError> {
+    async fn create(
+        &self,
+        id: IdentityId,
+        labels: &LabelSet,
+        until: Instant,
+    ) -> Result<(), StoreError> {
         let doing = || format!("create identity {id}");
         let mut reread = false;
         for _ in 0..ATTEMPTS {
             let known = self.known(id);
+            if let Some((meta, _)) = &known
+                && meta.deleting
+            {
+                if reread {
+                    return Err(terminating(id).into_store_error(&doing()));
+                }
+                self.reread(id, until)
+                    .await
+                    .map_err(|e| e.into_store_error(&doing()))?;
+                reread = true;
+                continue;
+            }
             // Before writing anything for `id` (free, or a tombstone): labels the store
             // binds to another id already (an object census did not write) are theirs,
             // and a second object would be a younger duplicate, invalid for good.
@@ -171,7 +230,7 @@ impl Shared {
                 });
             }
             let next = match known {
-                None => match self.post(id, labels).await {
+                None => match self.post(id, labels, until).await {
                     Ok(()) => return Ok(()),
                     Err(Failure::AlreadyExists) => Next::Reread,
                     Err(e) => return Err(e.into_store_error(&doing())),
@@ -185,7 +244,7 @@ impl Shared {
                 )) if was == *labels => {
                     // Bound again to the same labels (within or after its quarantine).
                     let patch = object::revive_patch(&meta.resource_version);
-                    match self.patch_status(id, &patch).await {
+                    match self.patch_status(id, &patch, until).await {
                         Ok(obj) => {
                             self.observe(&obj).await;
                             return Ok(());
@@ -216,7 +275,7 @@ impl Shared {
                         Next::Reread
                     } else {
                         // A tombstone census is done with: replace it.
-                        match self.delete_exact(id, &meta).await {
+                        match self.delete_exact(id, &meta, until).await {
                             Ok(()) => Next::Again,
                             Err(Failure::Conflict) => Next::Reread,
                             Err(e) => return Err(e.into_store_error(&doing())),
@@ -231,7 +290,7 @@ impl Shared {
                 }
             };
             if let Next::Reread = next {
-                self.reread(id)
+                self.reread(id, until)
                     .await
                     .map_err(|e| e.into_store_error(&doing()))?;
                 reread = true;
@@ -246,16 +305,31 @@ impl Shared {
         id: IdentityId,
         labels: &LabelSet,
         tombstone: &Tombstone,
+        until: Instant,
     ) -> Result<(), StoreError> {
         let doing = || format!("delete identity {id}");
         let mut reread = false;
         for _ in 0..ATTEMPTS {
-            let next = match self.known(id) {
+            let known = self.known(id);
+            if let Some((meta, _)) = &known
+                && meta.deleting
+            {
+                // A tombstone written to it would go with it.
+                if reread {
+                    return Err(terminating(id).into_store_error(&doing()));
+                }
+                self.reread(id, until)
+                    .await
+                    .map_err(|e| e.into_store_error(&doing()))?;
+                reread = true;
+                continue;
+            }
+            let next = match known {
                 None if !reread => Next::Reread,
                 None => {
                     // Gone already (404 counts as success): the quarantine is recorded
                     // all the same, so it survives a restart.
-                    match self.post(id, labels).await {
+                    match self.post(id, labels, until).await {
                         Ok(()) => Next::Again,
                         Err(Failure::AlreadyExists) => Next::Reread,
                         Err(e) => return Err(e.into_store_error(&doing())),
@@ -263,7 +337,7 @@ impl Shared {
                 }
                 Some((meta, State::Binding(bound))) if bound == *labels => {
                     let patch = object::tombstone_patch(&meta.resource_version, tombstone);
-                    match self.patch_status(id, &patch).await {
+                    match self.patch_status(id, &patch, until).await {
                         Ok(obj) => {
                             self.observe(&obj).await;
                             return Ok(());
@@ -286,7 +360,7 @@ impl Shared {
                 }
             };
             if let Next::Reread = next {
-                self.reread(id)
+                self.reread(id, until)
                     .await
                     .map_err(|e| e.into_store_error(&doing()))?;
                 reread = true;
@@ -296,22 +370,32 @@ impl Shared {
     }
 
     /// DeleteTombstone: remove the tombstone of `id`, never a binding.
-    async fn forget(&self, id: IdentityId) -> Result<(), StoreError> {
+    async fn forget(&self, id: IdentityId, until: Instant) -> Result<(), StoreError> {
         let doing = || format!("delete the tombstone of {id}");
         let mut reread = false;
         for _ in 0..ATTEMPTS {
             let next = match self.known(id) {
-                Some((meta, State::Tombstone { .. })) => match self.delete_exact(id, &meta).await {
-                    Ok(()) => return Ok(()),
-                    Err(Failure::Conflict) => Next::Reread,
-                    Err(e) => return Err(e.into_store_error(&doing())),
-                },
+                // Deleted already, but still there: done only once it is gone, so the
+                // core never frees the id while the object still names it.
+                Some((meta, _)) if meta.deleting => {
+                    if reread {
+                        return Err(terminating(id).into_store_error(&doing()));
+                    }
+                    Next::Reread
+                }
+                Some((meta, State::Tombstone { .. })) => {
+                    match self.delete_exact(id, &meta, until).await {
+                        Ok(()) => return Ok(()),
+                        Err(Failure::Conflict) => Next::Reread,
+                        Err(e) => return Err(e.into_store_error(&doing())),
+                    }
+                }
                 // Gone, or bound again: nothing of the tombstone is left.
                 _ if reread => return Ok(()),
                 _ => Next::Reread,
             };
             if let Next::Reread = next {
-                self.reread(id)
+                self.reread(id, until)
                     .await
                     .map_err(|e| e.into_store_error(&doing()))?;
                 reread = true;
@@ -319,6 +403,38 @@ impl Shared {
         }
         Err(Failure::Conflict.into_store_error(&doing()))
     }
+}
+
+/// Runs one request within `limit`.
+async fn within<T>(
+    limit: std::time::Duration,
+    call: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, Failure> {
+    if limit.is_zero() {
+        return Err(Failure::unavailable(
+            "timeout",
+            "the op's time ran out before this request",
+        ));
+    }
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(e)) => Err(classify(&e)),
+        Err(_) => Err(Failure::unavailable(
+            "timeout",
+            format!("no answer within {limit:?}"),
+        )),
+    }
+}
+
+/// The object of `id` is being deleted: the op waits (is retried) until it is gone.
+fn terminating(id: IdentityId) -> Failure {
+    Failure::unavailable(
+        "terminating",
+        format!(
+            "Identity object {id} is being deleted (deletionTimestamp set; a finalizer holds it): \
+             nothing can be written under its name until it is gone"
+        ),
+    )
 }
 
 fn conflict(id: IdentityId, labels: &LabelSet, found: String) -> StoreError {
