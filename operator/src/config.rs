@@ -169,13 +169,98 @@ pub struct KubernetesArgs {
     #[arg(long, env = "CENSUS_LEASE_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
     pub lease_retry_period: Duration,
     /// This replica's pod (downward API `metadata.name`): its identity in the Lease, and
-    /// the pod labelled `census.dev/leader=true` while it leads [default: $HOSTNAME].
+    /// the target of its endpoint in the leader Service's EndpointSlice while it leads
+    /// [default: $HOSTNAME].
     #[arg(long, env = "CENSUS_POD_NAME")]
     pub pod_name: Option<String>,
     /// This replica's pod IP (downward API `status.podIP`): the leader publishes
-    /// `IP:gRPC port` in the Lease, and followers name it when they refuse a write.
+    /// `IP:gRPC port` in the Lease (followers name it when they refuse a write) and in
+    /// the EndpointSlice of the `census-operator-leader` Service (agents reach it there).
     #[arg(long, env = "CENSUS_POD_IP")]
     pub pod_ip: Option<IpAddr>,
+    /// The agents' ServiceAccount, `NAMESPACE/NAME` (e.g. `census-agent/census-agent`):
+    /// the only account whose tokens will bind agents' streams to their nodes.
+    #[arg(
+        long,
+        env = "CENSUS_AGENT_SERVICE_ACCOUNT",
+        value_name = "NAMESPACE/NAME"
+    )]
+    pub agent_service_account: Option<ServiceAccountRef>,
+}
+
+/// A ServiceAccount, `NAMESPACE/NAME`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceAccountRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServiceAccountError {
+    #[error("{0:?} is not NAMESPACE/NAME (e.g. census-agent/census-agent)")]
+    Shape(String),
+    #[error(
+        "namespace {0:?}: a namespace is a DNS label (at most 63 lowercase letters, digits and '-', starting and ending with a letter or digit)"
+    )]
+    Namespace(String),
+    #[error(
+        "ServiceAccount name {0:?}: a ServiceAccount name is a DNS subdomain (at most 253 lowercase letters, digits, '-' and '.', each part starting and ending with a letter or digit)"
+    )]
+    Name(String),
+}
+
+/// An RFC 1123 label: what Kubernetes accepts as a namespace.
+fn is_dns_label(s: &str) -> bool {
+    let bytes = s.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+}
+
+/// An RFC 1123 subdomain: what Kubernetes accepts as a ServiceAccount name.
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+impl std::str::FromStr for ServiceAccountRef {
+    type Err = ServiceAccountError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let Some((namespace, name)) = s.split_once('/') else {
+            return Err(ServiceAccountError::Shape(s.to_owned()));
+        };
+        if namespace.is_empty() || name.is_empty() || name.contains('/') {
+            return Err(ServiceAccountError::Shape(s.to_owned()));
+        }
+        if !is_dns_label(namespace) {
+            return Err(ServiceAccountError::Namespace(namespace.to_owned()));
+        }
+        if !is_dns_subdomain(name) {
+            return Err(ServiceAccountError::Name(name.to_owned()));
+        }
+        Ok(Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for ServiceAccountRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+impl ServiceAccountRef {
+    /// The user name the API server gives the account's tokens
+    /// (`system:serviceaccount:NAMESPACE:NAME`).
+    pub fn username(&self) -> String {
+        format!("system:serviceaccount:{}:{}", self.namespace, self.name)
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -346,6 +431,62 @@ mod tests {
             crdgen.command,
             Some(Command::Crdgen { out: Some(_) })
         ));
+        Ok(())
+    }
+
+    #[test]
+    fn the_agent_service_account_is_namespace_slash_name() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from([
+            "census-operator",
+            "--agent-service-account",
+            "census-agent/census-agent",
+        ])?;
+        let account = cli.kubernetes.agent_service_account.ok_or_else(|| {
+            clap::Error::raw(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "no account",
+            )
+        })?;
+        assert_eq!(account.namespace, "census-agent");
+        assert_eq!(account.name, "census-agent");
+        assert_eq!(account.to_string(), "census-agent/census-agent");
+        assert_eq!(
+            account.username(),
+            "system:serviceaccount:census-agent:census-agent"
+        );
+        assert_eq!(
+            Cli::try_parse_from(["census-operator"])?
+                .kubernetes
+                .agent_service_account,
+            None
+        );
+        for (bad, needle) in [
+            ("census-agent", "is not NAMESPACE/NAME"),
+            ("/census-agent", "is not NAMESPACE/NAME"),
+            ("census-agent/", "is not NAMESPACE/NAME"),
+            ("a/b/c", "is not NAMESPACE/NAME"),
+            (
+                "Census/agent",
+                "namespace \"Census\": a namespace is a DNS label",
+            ),
+            ("census.agent/agent", "namespace \"census.agent\""),
+            ("census/agent_1", "ServiceAccount name \"agent_1\""),
+            ("census/-agent", "ServiceAccount name \"-agent\""),
+        ] {
+            let err = Cli::try_parse_from(["census-operator", "--agent-service-account", bad])
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                err.as_ref()
+                    .is_some_and(|e| e.contains(needle) && e.contains("--agent-service-account")),
+                "{bad}: {err:?}"
+            );
+        }
+        let long = format!("census/{}", "a".repeat(254));
+        assert!(long.parse::<ServiceAccountRef>().is_err());
+        let long_ns = format!("{}/agent", "a".repeat(64));
+        assert!(long_ns.parse::<ServiceAccountRef>().is_err());
+        assert!("census/agent.v2".parse::<ServiceAccountRef>().is_ok());
         Ok(())
     }
 

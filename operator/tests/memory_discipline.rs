@@ -1,6 +1,6 @@
 //! Memory discipline of the operator in a cluster (`--store kubernetes`): among
 //! 5,000 ConfigMaps and Secrets and 2,000 pods, it asks the API server only for
-//! Nodes, its Lease and its Identity objects (and patches its own pod's label),
+//! Nodes, its Lease and its Identity objects (and writes the leader EndpointSlice),
 //! its Node cache is a projection (name -> addresses), and what it holds does not
 //! grow with the objects it has no business with.
 //!
@@ -297,7 +297,7 @@ fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> 
     );
 
     // The request log of the second replica: list/watch only Nodes and Identities,
-    // Leases one by name, its own pod patched, nothing else.
+    // Leases and the leader EndpointSlice one by name, no pod, nothing else.
     let requests = server.requests();
     let mut watched = BTreeSet::new();
     let seen: BTreeSet<(String, &str)> = requests
@@ -323,11 +323,11 @@ fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> 
                 assert!(r.name.is_some() || r.verb == Verb::Create, "{what}");
             }
             ("identities", _) => {}
-            ("pods", Verb::Get | Verb::Patch) => {
-                assert_eq!(
-                    (r.namespace.as_deref(), r.name.as_deref()),
-                    (Some(NAMESPACE), Some(POD)),
-                    "only its own pod: {what}"
+            ("endpointslices", Verb::Get | Verb::Create | Verb::Update) => {
+                assert_eq!(r.namespace.as_deref(), Some(NAMESPACE), "{what}");
+                assert!(
+                    r.verb == Verb::Create || r.name.as_deref() == Some("census-operator-leader"),
+                    "only the leader slice: {what}"
                 );
             }
             ("events", Verb::Create) => {}

@@ -1,7 +1,8 @@
 //! Leadership, term by term. A follower tries the Lease every retry period (once its
 //! store has listed its objects). On winning it opens the store's fence until the
-//! renew deadline, builds a core from the CRDs (`Allocator::new` with the loaded
-//! identities; agents re-snapshot when they reconnect) and starts the term's writers,
+//! renew deadline, builds a core from the store's index of the Identity objects (kept
+//! synced by its watch; `Allocator::new` with those identities; agents re-snapshot
+//! when they reconnect) and starts the term's writers,
 //! all while renewing. Each renewal moves the fence's deadline; a leader that cannot
 //! renew before the deadline, or finds the Lease taken, stops writing (fence closed,
 //! writers aborted) and becomes a follower again.
@@ -12,21 +13,21 @@ use tokio::{sync::watch, task::JoinHandle, time::Instant};
 use tracing::{info, warn};
 
 use super::{
+    endpointslice::Publisher,
     lease::{Elector, Outcome},
     nodes::NodeIndex,
-    pod::{OwnLabel, Pods},
 };
 use crate::{
     allocator::{Allocator, Config},
     replica::{Fence, Leader},
     runtime::Runtime,
-    store::{Loaded, Store, kubernetes::KubeStore},
+    store::{Loaded, kubernetes::KubeStore},
     writer,
 };
 
 /// How long a stepping-down leader lets its writers finish at shutdown.
 const DRAIN: Duration = Duration::from_secs(5);
-/// How long shutdown waits for the Lease release and the label removal.
+/// How long shutdown waits for the Lease release and the leader slice's update.
 const GOODBYE: Duration = Duration::from_secs(3);
 
 pub(super) struct Leadership {
@@ -36,7 +37,8 @@ pub(super) struct Leadership {
     pub(super) nodes: Arc<NodeIndex>,
     pub(super) fence: Arc<Fence>,
     pub(super) elector: Elector,
-    pub(super) pods: Option<(Pods, OwnLabel)>,
+    /// This replica's address in the leader Service's EndpointSlice.
+    pub(super) slice: Option<Publisher>,
     pub(super) cfg: Config,
     pub(super) store_timeout: Duration,
     pub(super) stop: watch::Receiver<bool>,
@@ -87,6 +89,9 @@ impl Leadership {
                         return Some((started + self.elector.config().renew_deadline, previous));
                     }
                     Ok(Ok(Outcome::Following(leader))) => self.runtime.set_leader(leader),
+                    // Another replica wrote it first (or someone edited it): read it
+                    // again at the next try.
+                    Ok(Ok(Outcome::Conflict)) => {}
                     Ok(Err(e)) => warn!(error = %e, "trying the Lease failed"),
                     Err(_) => warn!("trying the Lease timed out"),
                 }
@@ -110,36 +115,28 @@ impl Leadership {
     async fn lead(&mut self, mut deadline: Instant, previous: Option<String>) -> bool {
         self.fence.open_until(deadline);
         info!(lease = %self.elector.config().name, "this replica leads");
-        if let Some((pods, label)) = &self.pods {
-            label.set(true);
-            if let Some(previous) = previous {
-                // A leader that crashed cannot take its label off: do it for it.
-                let pods = pods.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = pods.set_leader_label(&previous, false).await {
-                        warn!(pod = %previous, error = %e, "could not remove the previous leader's label");
-                    }
-                });
-            }
+        if let Some(slice) = &self.slice {
+            // Overwrites whatever a crashed predecessor left there.
+            slice.set(true);
+        }
+        if let Some(previous) = previous {
+            info!(%previous, "took the Lease over from another replica");
         }
         let store = self.store.clone();
         let retry = self.retry_period();
+        // The core is built from the index the store's watch keeps synced (a replica
+        // campaigns only once it is), not from a second full list.
         let load = async move {
             store.wait_synced().await;
-            loop {
-                match store.load().await {
-                    Ok(loaded) => return loaded,
-                    Err(e) => {
-                        warn!(error = %e, "loading the Identity objects failed; retrying");
-                        tokio::time::sleep(retry).await;
-                    }
-                }
-            }
+            store.loaded_from_index()
         };
         let mut load = std::pin::pin!(load);
         let mut writers: Vec<JoinHandle<()>> = Vec::new();
         let mut loaded = false;
         let mut renew_at = Instant::now() + retry;
+        // 409s on the Lease in a row: the first is retried at once, later ones each
+        // retry period (client-go retries every retry period until the renew deadline).
+        let mut conflicts = 0u32;
         let end = loop {
             tokio::select! {
                 l = &mut load, if !loaded => {
@@ -153,15 +150,28 @@ impl Leadership {
                         Ok(Ok(Outcome::Leading { .. })) => {
                             deadline = started + self.elector.config().renew_deadline;
                             self.fence.open_until(deadline);
+                            conflicts = 0;
                         }
                         Ok(Ok(Outcome::Following(leader))) => break End::Taken(leader),
+                        // The Lease changed between the read and the write (an edit, an
+                        // annotation): not a reason to step down. The next round reads
+                        // it again; only another holder found there, or the deadline,
+                        // ends the term.
+                        Ok(Ok(Outcome::Conflict)) => {
+                            conflicts = conflicts.saturating_add(1);
+                            info!(conflicts, "the Lease changed while renewing it; reading it again");
+                        }
                         Ok(Err(e)) => warn!(error = %e, "renewing the Lease failed"),
                         Err(_) => warn!("renewing the Lease timed out"),
                     }
                     if Instant::now() >= deadline {
                         break End::Deadline;
                     }
-                    renew_at = Instant::now() + retry;
+                    renew_at = if conflicts == 1 {
+                        Instant::now()
+                    } else {
+                        Instant::now() + retry
+                    };
                 }
                 _ = self.stop.changed() => break End::Stopping,
             }
@@ -175,7 +185,7 @@ impl Leadership {
         info!(
             identities = loaded.identities.len(),
             tombstones = loaded.tombstones.len(),
-            "loaded the Identity objects: building the core"
+            "building the core from the index of the Identity objects"
         );
         let mut alloc = Allocator::new(self.cfg.clone(), loaded, self.runtime.now());
         // Every Node is a node whose agent may be partitioned away, still using its
@@ -240,8 +250,8 @@ impl Leadership {
                 Ok(Err(e)) => warn!(error = %e, "could not release the Lease"),
                 Err(_) => warn!("releasing the Lease timed out"),
             }
-            if let Some((_, label)) = self.pods.take() {
-                label.clear(GOODBYE).await;
+            if let Some(slice) = self.slice.take() {
+                slice.clear(GOODBYE).await;
             }
             return true;
         }
@@ -258,8 +268,8 @@ impl Leadership {
             End::Deadline | End::Stopping => None,
         };
         self.runtime.follow(leader);
-        if let Some((_, label)) = &self.pods {
-            label.set(false);
+        if let Some(slice) = &self.slice {
+            slice.set(false);
         }
         false
     }

@@ -1,15 +1,16 @@
 //! The operator in a Kubernetes cluster: clients, the Identity store, the Node watch,
-//! leader election and the leader's pod label, assembled for the daemon.
+//! leader election and the leader's EndpointSlice, assembled for the daemon.
 //!
 //! Every replica watches the Identity objects (its read model and, when it leads, the
 //! source of `binding_lost`/`binding_invalid`) and the Nodes (Hello admission and
 //! `node_gone`), and tries the Lease; the one that holds it runs the core. No replica
-//! watches anything else: Leases are read one at a time, pods only patched.
+//! watches anything else: Leases and the leader EndpointSlice are read one at a time,
+//! and no replica writes to any pod.
 
+pub mod endpointslice;
 mod leader;
 pub mod lease;
 pub mod nodes;
-pub mod pod;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -23,15 +24,15 @@ use tokio::{sync::watch, task::JoinHandle};
 use tracing::{Instrument, info, info_span, warn};
 
 use self::{
+    endpointslice::{LeaderSlice, Me, Publisher},
     leader::Leadership,
     lease::{ElectionError, Elector, LeaseConfig},
     nodes::NodeIndex,
-    pod::{OwnLabel, Pods},
 };
 use crate::{
     admin::Readiness,
     allocator::Config,
-    config::KubernetesArgs,
+    config::{KubernetesArgs, ServiceAccountRef},
     metrics::Metrics,
     replica::{Fence, Replica},
     runtime::{Clock, Runtime, Settings, feed_store_events},
@@ -83,6 +84,8 @@ pub struct Cluster {
     pub runtime: Arc<Runtime>,
     pub store: Arc<KubeStore>,
     pub nodes: Arc<NodeIndex>,
+    /// The agents' ServiceAccount (`--agent-service-account`), if given.
+    pub agent_service_account: Option<ServiceAccountRef>,
     stop: watch::Sender<bool>,
     leadership: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
@@ -125,6 +128,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         lease_retry_period,
         pod_name,
         pod_ip,
+        agent_service_account,
     } = args;
     let Parts {
         cfg,
@@ -168,7 +172,6 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             limits,
             request_timeout: store_timeout,
             events: Some(EventsConfig {
-                namespace: namespace.clone(),
                 instance: identity.clone(),
             }),
             ..KubeStoreConfig::default()
@@ -196,29 +199,43 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         let store = store.clone();
         let nodes = nodes.clone();
         let identity = identity.clone();
+        let agents = agent_service_account.clone();
         tasks.push(tokio::spawn(async move {
             store.wait_synced().await;
+            let agents = agents.map_or_else(
+                || "agents' ServiceAccount not set".to_owned(),
+                |a| format!("agents' ServiceAccount {a}"),
+            );
             readiness.set_ready(format!(
-                "replica {identity}: listed {} Identity objects; serving reads",
+                "replica {identity}: listed {} Identity objects; serving reads; {agents}",
                 store.cached_objects()
             ));
             info!(nodes = nodes.len(), "listed the Identity objects: ready");
         }));
     }
-    let pods = match pod_name {
-        Some(name) => {
-            let pods = Pods::new(writes, &namespace);
-            let label = OwnLabel::start(pods.clone(), name.clone());
-            Some((pods, label))
+    let slice = match pod_ip {
+        Some(ip) => {
+            let me = Me {
+                pod: identity.clone(),
+                ip: *ip,
+                port: grpc_addr.port(),
+            };
+            Some(Publisher::start(LeaderSlice::new(
+                writes,
+                &namespace,
+                me,
+                fence.clone(),
+            )))
         }
         None => {
-            warn!("no --pod-name: the leader's pod is not labelled, so no Service can select it");
+            warn!(
+                "no --pod-ip: followers cannot tell clients the leader's address, and the \
+                 leader publishes none in the census-operator-leader EndpointSlice, so agents \
+                 cannot reach it through that Service"
+            );
             None
         }
     };
-    if pod_ip.is_none() {
-        warn!("no --pod-ip: followers cannot tell clients the leader's address");
-    }
     let (stop, stop_rx) = watch::channel(false);
     let leadership = Leadership {
         runtime: runtime.clone(),
@@ -226,7 +243,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         nodes: nodes.clone(),
         fence,
         elector: Elector::new(leases, lease.clone()),
-        pods,
+        slice,
         cfg,
         store_timeout,
         stop: stop_rx,
@@ -236,11 +253,22 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             .run()
             .instrument(info_span!("leader_election", lease = %lease.name, identity = %identity)),
     );
+    match agent_service_account {
+        Some(account) => info!(
+            agent_service_account = %account,
+            "agents' streams will be accepted from this ServiceAccount only"
+        ),
+        None => warn!(
+            "no --agent-service-account: name the agents' ServiceAccount (NAMESPACE/NAME) before \
+             agents authenticate with its tokens"
+        ),
+    }
     info!(%namespace, lease = %lease.name, %identity, "joined the cluster as a follower");
     Ok(Cluster {
         runtime,
         store,
         nodes,
+        agent_service_account: agent_service_account.clone(),
         stop,
         leadership,
         tasks,
@@ -265,8 +293,8 @@ async fn check_crd(client: &Client) -> Result<(), ClusterError> {
 }
 
 impl Cluster {
-    /// Steps down (a leader drains its writes, releases the Lease and removes its
-    /// label), then stops the watches.
+    /// Steps down (a leader drains its writes, releases the Lease and takes its
+    /// address off the leader EndpointSlice), then stops the watches.
     pub async fn shut_down(self) {
         let _ = self.stop.send(true);
         if tokio::time::timeout(Duration::from_secs(15), self.leadership)

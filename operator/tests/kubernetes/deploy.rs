@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, path::Path};
 use k8s_openapi::{
     api::{
         apps::v1::{DaemonSet, Deployment},
-        core::v1::{Container, Namespace, PodSpec, Service, ServiceAccount},
+        core::v1::{Container, Namespace, PodSpec, ResourceQuota, Service, ServiceAccount},
         policy::v1::PodDisruptionBudget,
         rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
     },
@@ -15,6 +15,11 @@ use k8s_openapi::{
 };
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::Value;
+
+use census_operator::{
+    config::ServiceAccountRef,
+    k8s::endpointslice::{LEADER_SERVICE, PORT_NAME},
+};
 
 use crate::common::{TestResult, fail, repo_root, yaml_docs};
 
@@ -98,6 +103,11 @@ struct Manifests {
     services: Vec<Service>,
     pdbs: Vec<PodDisruptionBudget>,
     cluster_roles: Vec<ClusterRole>,
+    cluster_role_bindings: Vec<ClusterRoleBinding>,
+    roles: Vec<Role>,
+    namespaces: Vec<Namespace>,
+    quotas: Vec<ResourceQuota>,
+    service_accounts: Vec<ServiceAccount>,
     rules: Vec<PrometheusRule>,
     crds: Vec<CustomResourceDefinition>,
     count: usize,
@@ -126,8 +136,9 @@ fn manifests() -> TestResult<Manifests> {
             let api_version = doc["apiVersion"].as_str().unwrap_or_default();
             let kind = doc["kind"].as_str().unwrap_or_default();
             match (api_version, kind) {
-                ("v1", "Namespace") => drop(strict::<Namespace>(&doc, file)?),
-                ("v1", "ServiceAccount") => drop(strict::<ServiceAccount>(&doc, file)?),
+                ("v1", "Namespace") => m.namespaces.push(strict(&doc, file)?),
+                ("v1", "ResourceQuota") => m.quotas.push(strict(&doc, file)?),
+                ("v1", "ServiceAccount") => m.service_accounts.push(strict(&doc, file)?),
                 ("v1", "Service") => m.services.push(strict(&doc, file)?),
                 ("apps/v1", "Deployment") => m.deployments.push(strict(&doc, file)?),
                 ("apps/v1", "DaemonSet") => m.daemonsets.push(strict(&doc, file)?),
@@ -135,9 +146,9 @@ fn manifests() -> TestResult<Manifests> {
                 ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
                     m.cluster_roles.push(strict(&doc, file)?);
                 }
-                ("rbac.authorization.k8s.io/v1", "Role") => drop(strict::<Role>(&doc, file)?),
+                ("rbac.authorization.k8s.io/v1", "Role") => m.roles.push(strict(&doc, file)?),
                 ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
-                    drop(strict::<ClusterRoleBinding>(&doc, file)?);
+                    m.cluster_role_bindings.push(strict(&doc, file)?);
                 }
                 ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
                     drop(strict::<RoleBinding>(&doc, file)?);
@@ -146,6 +157,16 @@ fn manifests() -> TestResult<Manifests> {
                     m.crds.push(strict(&doc, file)?);
                 }
                 ("monitoring.coreos.com/v1", "PrometheusRule") => m.rules.push(strict(&doc, file)?),
+                ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+                    drop(strict::<
+                        k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy,
+                    >(&doc, file)?);
+                }
+                ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+                    drop(strict::<
+                        k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding,
+                    >(&doc, file)?);
+                }
                 _ => {
                     return fail(format!(
                         "{file}: a {api_version} {kind} the test does not know"
@@ -299,20 +320,36 @@ fn every_manifest_parses_strictly_and_says_what_the_design_asks() -> TestResult 
         pdb.spec.as_ref().and_then(|s| s.max_unavailable.clone()),
         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
     );
-    let selectors: Vec<BTreeMap<String, String>> = m
-        .services
-        .iter()
-        .filter_map(|s| s.spec.as_ref()?.selector.clone())
-        .collect();
-    assert!(
-        selectors
+    // Reads go to any replica; the leader Service has no selector (the leader
+    // publishes its EndpointSlice), and its port name is the slice's.
+    let service = |name: &str| {
+        m.services
             .iter()
-            .any(|s| s.get("census.dev/leader").map(String::as_str) == Some("true"))
+            .find(|s| s.metadata.name.as_deref() == Some(name))
+            .and_then(|s| s.spec.as_ref())
+            .ok_or(format!("no Service {name}"))
+    };
+    assert!(
+        service("census-operator")?
+            .selector
+            .as_ref()
+            .is_some_and(
+                |s| s.get("app.kubernetes.io/name").map(String::as_str) == Some("census-operator")
+            )
     );
-    assert!(
-        selectors
+    let leader = service(LEADER_SERVICE)?;
+    assert_eq!(
+        leader.selector, None,
+        "the leader Service must have no selector"
+    );
+    assert_eq!(
+        leader
+            .ports
             .iter()
-            .any(|s| !s.contains_key("census.dev/leader"))
+            .flatten()
+            .map(|p| (p.name.as_deref(), p.port))
+            .collect::<Vec<_>>(),
+        [(Some(PORT_NAME), 9460)]
     );
 
     let agent_role = m
@@ -354,6 +391,243 @@ fn every_manifest_parses_strictly_and_says_what_the_design_asks() -> TestResult 
             == 2
     );
     assert_eq!(m.crds.len(), 1);
+    Ok(())
+}
+
+/// What the Pod Security Standards' `restricted` level refuses in `spec`
+/// (kubernetes.io/docs/concepts/security/pod-security-standards/, "Restricted").
+fn restricted_violations(spec: &PodSpec) -> Vec<String> {
+    let mut out = Vec::new();
+    let pod = spec.security_context.clone().unwrap_or_default();
+    for (what, on) in [
+        ("hostNetwork", spec.host_network),
+        ("hostPID", spec.host_pid),
+        ("hostIPC", spec.host_ipc),
+    ] {
+        if on == Some(true) {
+            out.push(what.to_owned());
+        }
+    }
+    for v in spec.volumes.iter().flatten() {
+        let allowed = v.config_map.is_some()
+            || v.csi.is_some()
+            || v.downward_api.is_some()
+            || v.empty_dir.is_some()
+            || v.ephemeral.is_some()
+            || v.persistent_volume_claim.is_some()
+            || v.projected.is_some()
+            || v.secret.is_some();
+        if !allowed {
+            out.push(format!("volume {}", v.name));
+        }
+    }
+    for c in containers(spec) {
+        let sc = c.security_context.clone().unwrap_or_default();
+        if sc.privileged == Some(true) {
+            out.push(format!("{}: privileged", c.name));
+        }
+        if c.ports
+            .iter()
+            .flatten()
+            .any(|p| p.host_port.is_some_and(|h| h != 0))
+        {
+            out.push(format!("{}: hostPort", c.name));
+        }
+        let caps = sc.capabilities.clone().unwrap_or_default();
+        if !caps.drop.iter().flatten().any(|d| d == "ALL") {
+            out.push(format!("{}: capabilities not dropped (ALL)", c.name));
+        }
+        if caps.add.iter().flatten().any(|a| a != "NET_BIND_SERVICE") {
+            out.push(format!("{}: capabilities added", c.name));
+        }
+        if sc.allow_privilege_escalation != Some(false) {
+            out.push(format!("{}: allowPrivilegeEscalation not false", c.name));
+        }
+        if sc.run_as_non_root.or(pod.run_as_non_root) != Some(true) {
+            out.push(format!("{}: runAsNonRoot not true", c.name));
+        }
+        if sc.run_as_user.or(pod.run_as_user) == Some(0) {
+            out.push(format!("{}: runAsUser 0", c.name));
+        }
+        let seccomp = sc
+            .seccomp_profile
+            .clone()
+            .or(pod.seccomp_profile.clone())
+            .map(|p| p.type_);
+        if !matches!(seccomp.as_deref(), Some("RuntimeDefault" | "Localhost")) {
+            out.push(format!("{}: seccompProfile {seccomp:?}", c.name));
+        }
+    }
+    out
+}
+
+#[test]
+fn each_namespace_admits_its_pods_and_the_operator_has_no_access_to_them() -> TestResult {
+    let m = manifests()?;
+    let operator = m.deployments.first().ok_or("no operator Deployment")?;
+    let agent = m.daemonsets.first().ok_or("no agent DaemonSet")?;
+    let operator_ns = operator
+        .metadata
+        .namespace
+        .as_deref()
+        .ok_or("no namespace")?;
+    let agent_ns = agent.metadata.namespace.as_deref().ok_or("no namespace")?;
+    assert_ne!(
+        operator_ns, agent_ns,
+        "the agent has a namespace of its own"
+    );
+    let operator_pod = operator
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .ok_or("no pod spec")?;
+    let agent_pod = agent
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .ok_or("no pod spec")?;
+
+    // Pod Security admission: enforced, audited and warned at one level per namespace.
+    for (ns, level) in [(operator_ns, "restricted"), (agent_ns, "privileged")] {
+        let labels = m
+            .namespaces
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(ns))
+            .and_then(|n| n.metadata.labels.clone())
+            .ok_or(format!("no Namespace {ns} with labels"))?;
+        for mode in ["enforce", "audit", "warn"] {
+            assert_eq!(
+                labels
+                    .get(&format!("pod-security.kubernetes.io/{mode}"))
+                    .map(String::as_str),
+                Some(level),
+                "{ns}: {mode}"
+            );
+        }
+    }
+    let violations = restricted_violations(operator_pod);
+    assert!(
+        violations.is_empty(),
+        "the operator's pod is not restricted: {violations:?}"
+    );
+    // The agent needs what only `privileged` allows (and `restricted` would refuse).
+    assert!(restricted_violations(agent_pod).len() >= 3);
+
+    // A system-* priority class outside kube-system needs a quota scoped to it.
+    for (ns, spec, pods) in [(operator_ns, operator_pod, 3), (agent_ns, agent_pod, 5000)] {
+        let Some(class) = spec
+            .priority_class_name
+            .as_deref()
+            .filter(|c| c.starts_with("system-"))
+        else {
+            continue;
+        };
+        let quota = m
+            .quotas
+            .iter()
+            .filter(|q| q.metadata.namespace.as_deref() == Some(ns))
+            .filter_map(|q| q.spec.as_ref())
+            .find(|q| {
+                q.scope_selector.iter().any(|s| {
+                    s.match_expressions.iter().flatten().any(|e| {
+                        e.scope_name == "PriorityClass"
+                            && e.operator == "In"
+                            && e.values.iter().flatten().any(|v| v == class)
+                    })
+                })
+            })
+            .ok_or(format!(
+                "no ResourceQuota in {ns} scoped to PriorityClass {class}"
+            ))?;
+        let hard = quota
+            .hard
+            .as_ref()
+            .and_then(|h| h.get("pods"))
+            .ok_or(format!("{ns}: the quota sets no pods"))?;
+        assert!(hard.0.parse::<u64>()? >= pods, "{ns}: pods {}", hard.0);
+    }
+
+    // The agents' ServiceAccount: in their namespace, bound to their ClusterRole, and
+    // named by the operator's --agent-service-account.
+    let account = agent_pod
+        .service_account_name
+        .as_deref()
+        .ok_or("the DaemonSet names no ServiceAccount")?;
+    assert!(m.service_accounts.iter().any(|a| {
+        a.metadata.name.as_deref() == Some(account)
+            && a.metadata.namespace.as_deref() == Some(agent_ns)
+    }));
+    assert!(m.cluster_role_bindings.iter().any(|b| {
+        b.role_ref.name == "census-agent"
+            && b.subjects.iter().flatten().any(|s| {
+                s.kind == "ServiceAccount"
+                    && s.name == account
+                    && s.namespace.as_deref() == Some(agent_ns)
+            })
+    }));
+    let flag = operator_pod.containers[0]
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "CENSUS_AGENT_SERVICE_ACCOUNT")
+        .and_then(|e| e.value.as_deref())
+        .ok_or("the operator is not told the agents' ServiceAccount")?;
+    let parsed: ServiceAccountRef = flag.parse()?;
+    assert_eq!(
+        (parsed.namespace.as_str(), parsed.name.as_str()),
+        (agent_ns, account)
+    );
+
+    // The operator's rules: nothing on pods; the leader EndpointSlice by name, and
+    // create (which RBAC cannot limit by name).
+    let operator_rules: Vec<_> = m
+        .roles
+        .iter()
+        .filter(|r| {
+            r.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("census-operator"))
+        })
+        .flat_map(|r| r.rules.iter().flatten())
+        .chain(
+            m.cluster_roles
+                .iter()
+                .filter(|r| r.metadata.name.as_deref() == Some("census-operator"))
+                .flat_map(|r| r.rules.iter().flatten()),
+        )
+        .collect();
+    for rule in &operator_rules {
+        let resources = rule.resources.iter().flatten();
+        assert!(
+            !resources
+                .clone()
+                .any(|r| r == "pods" || r.starts_with("pods/") || r == "*"),
+            "the operator may touch pods: {rule:?}"
+        );
+        assert!(!rule.verbs.iter().any(|v| v == "*"), "{rule:?}");
+    }
+    let slices: Vec<(Vec<String>, Option<Vec<String>>)> = operator_rules
+        .iter()
+        .filter(|r| r.resources.iter().flatten().any(|x| x == "endpointslices"))
+        .map(|r| {
+            assert_eq!(
+                r.api_groups.as_deref(),
+                Some(&["discovery.k8s.io".to_owned()][..])
+            );
+            (r.verbs.clone(), r.resource_names.clone())
+        })
+        .collect();
+    assert_eq!(
+        slices,
+        [
+            (vec!["create".to_owned()], None),
+            (
+                vec!["get".to_owned(), "update".to_owned()],
+                Some(vec![LEADER_SERVICE.to_owned()])
+            ),
+        ]
+    );
     Ok(())
 }
 

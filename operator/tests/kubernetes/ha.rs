@@ -1,7 +1,9 @@
 //! Two real operator processes against the fake API server (over loopback TCP, through
 //! a kubeconfig): the leader is SIGKILLed, the other takes over within the lease
-//! duration plus the retry period, agents reconnect with jitter and snapshot again,
-//! and no id is ever bound to two label sets, nor a label set to two ids.
+//! duration plus the retry period and publishes itself in the leader EndpointSlice
+//! over the dead leader's address, agents (which find the leader there, as the
+//! Service routes them) reconnect with jitter and snapshot again, no id is ever bound
+//! to two label sets, nor a label set to two ids, and no request touches a pod.
 
 use std::{
     collections::BTreeMap,
@@ -18,7 +20,8 @@ use tokio::task::JoinSet;
 
 use crate::{
     common::{TestResult, WAIT, eventually, fail, fake, identities, node},
-    operator::{Agent, NAMESPACE, allocate, pod_labelled, replica_args, seed_cluster, session},
+    leader_slice::{no_pod_requests, slice_leader, slice_names},
+    operator::{Agent, NAMESPACE, allocate, replica_args, seed_cluster, session},
 };
 
 const LEASE: Duration = Duration::from_secs(2);
@@ -124,18 +127,14 @@ fn apps(node: &str) -> Vec<String> {
 /// ids again, and a new one.
 async fn agent(
     server: Arc<FakeApiServer>,
-    addrs: Arc<BTreeMap<String, SocketAddr>>,
     node: &'static str,
     bindings: Arc<Mutex<Bindings>>,
     killed: Arc<tokio::sync::Notify>,
 ) -> TestResult<Duration> {
-    let leader_addr = |server: &FakeApiServer| {
-        addrs
-            .iter()
-            .find(|(pod, _)| pod_labelled(server, pod))
-            .map(|(_, a)| *a)
-    };
-    let addr = leader_addr(&server).ok_or("no labelled leader")?;
+    // Where the Service sends agents: the one endpoint of the leader slice.
+    let leader_addr =
+        |server: &FakeApiServer| slice_leader(server).ok().flatten().map(|(_, addr)| addr);
+    let addr = leader_addr(&server).ok_or("no leader in the slice")?;
     let mut stream = Agent::connect(addr, node, session(7)).await??;
     let mut ids = Vec::new();
     for app in apps(node) {
@@ -161,7 +160,7 @@ async fn agent(
             let Some(addr) = leader_addr(&server) else {
                 return Ok(None);
             };
-            // The dead leader's pod may still carry the label: refused, try again.
+            // The slice may still hold the dead leader's address: refused, try again.
             let connected = Agent::connect(addr, node, session(7)).await;
             Ok(connected.ok().and_then(Result::ok).map(|s| (addr, s)))
         }
@@ -197,12 +196,16 @@ async fn the_leader_is_killed_and_the_other_process_takes_over() -> TestResult {
     server.write_kubeconfig(&kubeconfig)?;
     let mut a = Process::spawn(&kubeconfig, "op-a")?;
     let mut b = Process::spawn(&kubeconfig, "op-b")?;
-    let addrs: Arc<BTreeMap<String, SocketAddr>> =
-        Arc::new([("op-a".to_owned(), a.grpc), ("op-b".to_owned(), b.grpc)].into());
-    let first = eventually("a leader is elected and labelled", WAIT, || async {
-        Ok(holder(&server).filter(|h| pod_labelled(&server, h)))
+    let addrs: BTreeMap<String, SocketAddr> =
+        [("op-a".to_owned(), a.grpc), ("op-b".to_owned(), b.grpc)].into();
+    let first = eventually("a leader is elected and published", WAIT, || async {
+        Ok(holder(&server).filter(|h| slice_names(&server, h)))
     })
     .await?;
+    assert_eq!(
+        slice_leader(&server)?.map(|(_, addr)| addr),
+        Some(addrs[&first])
+    );
 
     let bindings = Arc::new(Mutex::new(Bindings::default()));
     let killed = Arc::new(tokio::sync::Notify::new());
@@ -210,7 +213,6 @@ async fn the_leader_is_killed_and_the_other_process_takes_over() -> TestResult {
     for name in NODES {
         agents.spawn(agent(
             server.clone(),
-            addrs.clone(),
             name,
             bindings.clone(),
             killed.clone(),
@@ -239,13 +241,15 @@ async fn the_leader_is_killed_and_the_other_process_takes_over() -> TestResult {
         "takeover took {takeover:?}, more than the lease duration + retry period"
     );
     eventually(
-        "the new leader labels its pod and unlabels the dead one",
+        "the new leader publishes itself over the dead one's address",
         WAIT,
-        || async {
-            Ok((pod_labelled(&server, &second) && !pod_labelled(&server, &first)).then_some(()))
-        },
+        || async { Ok(slice_names(&server, &second).then_some(())) },
     )
     .await?;
+    assert_eq!(
+        slice_leader(&server)?.map(|(_, addr)| addr),
+        Some(addrs[&second])
+    );
     while let Some(done) = agents.join_next().await {
         done??;
     }
@@ -274,5 +278,5 @@ async fn the_leader_is_killed_and_the_other_process_takes_over() -> TestResult {
         assert!(obj["status"].is_null(), "{id} is a tombstone");
     }
     tracing::info!(?takeover, "failover");
-    Ok(())
+    no_pod_requests(&server)
 }

@@ -26,7 +26,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status, Streaming, transport::Channel};
 
-use crate::common::{TestResult, WAIT, eventually, fail, fake, identities, node, yaml_docs};
+use crate::{
+    common::{TestResult, WAIT, eventually, fail, fake, identities, node, yaml_docs},
+    leader_slice::{slice_leader, slice_names},
+};
 
 pub(crate) const NAMESPACE: &str = "census";
 
@@ -105,13 +108,13 @@ pub(crate) fn replica_args(
     args
 }
 
-async fn start_replica(kubeconfig: &Path, pod: &str) -> TestResult<Operator> {
+pub(crate) async fn start_replica(kubeconfig: &Path, pod: &str) -> TestResult<Operator> {
     let args = replica_args(kubeconfig, pod, &[]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Operator::start(&args).await
 }
 
-async fn until_leader(op: &Operator) -> TestResult {
+pub(crate) async fn until_leader(op: &Operator) -> TestResult {
     eventually("the replica leads", WAIT, || async {
         Ok(op.running().runtime.role().is_leader().then_some(()))
     })
@@ -266,12 +269,6 @@ fn lease(server: &FakeApiServer) -> Option<Value> {
     )
 }
 
-pub(crate) fn pod_labelled(server: &FakeApiServer, pod: &str) -> bool {
-    server
-        .get(&Gvr::new("", "v1", "pods"), Some(NAMESPACE), pod)
-        .is_some_and(|p| p["metadata"]["labels"]["census.dev/leader"] == "true")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_server()
 -> TestResult {
@@ -289,8 +286,8 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
         lease_obj["metadata"]["annotations"]["census.dev/leader-address"],
         addr.to_string()
     );
-    eventually("the leader labels its pod", WAIT, || async {
-        Ok(pod_labelled(&server, "op-a").then_some(()))
+    eventually("the leader publishes itself", WAIT, || async {
+        Ok(slice_names(&server, "op-a").then_some(()))
     })
     .await?;
 
@@ -362,8 +359,10 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
             .list(&Gvr::new("events.k8s.io", "v1", "events"))
             .into_iter()
             .find(|e| {
+                // Not the operator's namespace: Events about cluster-scoped objects
+                // are accepted only in `default` (or `kube-system`).
                 e["regarding"]["name"].as_str() == Some(web.to_string().as_str())
-                    && e["metadata"]["namespace"] == NAMESPACE
+                    && e["metadata"]["namespace"] == "default"
             }))
     })
     .await?;
@@ -455,11 +454,11 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
     .await?;
     assert!(server.get(&gvr, None, &again.to_string()).is_some());
 
-    // Shutdown hands the Lease over and takes the label off.
+    // Shutdown hands the Lease over and empties the leader slice.
     op.shut_down().await?;
     let lease_obj = lease(&server).ok_or("no Lease")?;
     assert!(lease_obj["spec"]["holderIdentity"].is_null(), "{lease_obj}");
-    assert!(!pod_labelled(&server, "op-a"));
+    assert_eq!(slice_leader(&server)?, None);
 
     let log = server.requests();
     check_rbac(log.all())
@@ -579,11 +578,8 @@ async fn a_follower_serves_reads_and_points_writes_at_the_leader() -> TestResult
         .await??
         .ok_or("watch ended")?;
     assert_eq!(event.kind, i32::from(pb::watch_event::Kind::ResyncStart));
-    eventually("the new leader labels its pod", WAIT, || async {
-        Ok(
-            (pod_labelled(&server, follower_pod) && !pod_labelled(&server, leader_pod))
-                .then_some(()),
-        )
+    eventually("the new leader publishes itself", WAIT, || async {
+        Ok((slice_names(&server, follower_pod) && !slice_names(&server, leader_pod)).then_some(()))
     })
     .await?;
     let again = allocate(new.grpc_addr, "node-1", session(1), "web").await?;
@@ -604,8 +600,9 @@ struct Rule {
     resources: Vec<String>,
     verbs: Vec<String>,
     names: Option<Vec<String>>,
-    /// From a Role: only in the operator's namespace.
-    namespaced: bool,
+    /// From a Role: only in its namespace (the operator's, `census-system` in deploy/
+    /// and [`NAMESPACE`] here, or another one it names, such as `default`).
+    namespace: Option<String>,
 }
 
 fn strings(v: &Value) -> Vec<String> {
@@ -619,9 +616,12 @@ fn strings(v: &Value) -> Vec<String> {
 fn operator_rules() -> TestResult<Vec<Rule>> {
     let mut rules = Vec::new();
     for doc in yaml_docs("deploy/operator/rbac.yaml")? {
-        let namespaced = match doc["kind"].as_str() {
-            Some("ClusterRole") => false,
-            Some("Role") => true,
+        let namespace = match doc["kind"].as_str() {
+            Some("ClusterRole") => None,
+            Some("Role") => Some(match doc["metadata"]["namespace"].as_str() {
+                Some("census-system") | None => NAMESPACE.to_owned(),
+                Some(other) => other.to_owned(),
+            }),
             _ => continue,
         };
         for rule in doc["rules"].as_array().into_iter().flatten() {
@@ -630,7 +630,7 @@ fn operator_rules() -> TestResult<Vec<Rule>> {
                 resources: strings(&rule["resources"]),
                 verbs: strings(&rule["verbs"]),
                 names: rule.get("resourceNames").map(strings),
-                namespaced,
+                namespace: namespace.clone(),
             });
         }
     }
@@ -646,7 +646,10 @@ impl Rule {
                 .names
                 .as_ref()
                 .is_none_or(|names| r.name.as_ref().is_some_and(|n| names.contains(n)))
-            && (!self.namespaced || r.namespace.as_deref() == Some(NAMESPACE))
+            && self
+                .namespace
+                .as_ref()
+                .is_none_or(|ns| r.namespace.as_ref() == Some(ns))
     }
 }
 
