@@ -354,6 +354,9 @@ impl Runtime {
                 inner.alloc.binding_invalid(id, found, now);
             }
             StoreEvent::BindingFound { id, labels } => inner.alloc.binding_found(id, &labels),
+            StoreEvent::TombstoneLost { tombstone, labels } => {
+                inner.alloc.tombstone_lost(tombstone, labels.as_ref(), now);
+            }
         }
         self.dispatch(&mut inner, now);
         true

@@ -127,6 +127,9 @@ impl Allocator {
         }
         match op {
             StoreOp::CreateIdentity { id, labels } => self.created(id, &labels, result, now),
+            op @ StoreOp::DeleteIdentity { id, .. } if self.core.gc.rewriting.contains(&id) => {
+                self.tombstone_rewritten(op, &result);
+            }
             StoreOp::DeleteIdentity {
                 id,
                 labels,
@@ -163,9 +166,7 @@ impl Allocator {
     ) {
         // The labels have an identity in the store already: take it when the core can.
         let take = match &result {
-            Err(StoreError::LabelsBound { bound, .. })
-                if self.core.ids.can_adopt(*bound, labels) =>
-            {
+            Err(StoreError::LabelsBound { bound, .. }) if self.core.can_take(*bound, labels) => {
                 Some(*bound)
             }
             _ => None,
@@ -374,6 +375,66 @@ impl Allocator {
         }
     }
 
+    /// The store reports (from its own watch) that the tombstone `lost` is gone,
+    /// deleted by someone else; `labels` are the labels it kept. While the id is still
+    /// in quarantine for those labels the tombstone is written again (the store's
+    /// DeleteIdentity creates the object and tombstones it), so the quarantine
+    /// survives a restart or a failover. A tombstone without valid labels cannot be
+    /// written again (the object needs them); it is counted, and the quarantine holds
+    /// in this core only.
+    pub fn tombstone_lost(&mut self, lost: Tombstone, labels: Option<&LabelSet>, now: Timestamp) {
+        let core = &mut self.core;
+        let id = lost.id;
+        if core.ids.get(id).is_some() || core.gc.rewriting.contains(&id) {
+            return;
+        }
+        let Some(tomb) = core.ids.quarantine().get(&id).copied() else {
+            return;
+        };
+        if tomb.until <= now {
+            return;
+        }
+        let Some(labels) = labels.filter(|l| l.stable_hash() == tomb.labels_hash) else {
+            core.counters.tombstones_unrecoverable += 1;
+            return;
+        };
+        core.counters.tombstones_recreated += 1;
+        core.gc.rewriting.insert(id);
+        let op = StoreOp::DeleteIdentity {
+            id,
+            labels: labels.clone(),
+            tombstone: Tombstone {
+                id,
+                labels_hash: tomb.labels_hash,
+                until_ms: tomb.until.as_millis(),
+            },
+        };
+        core.store(op, Priority::Gc);
+    }
+
+    /// The answer to the re-write of a lost tombstone: a failure is retried with the
+    /// next quarantine scan while the id is still in quarantine.
+    fn tombstone_rewritten(&mut self, op: StoreOp, result: &Result<(), StoreError>) {
+        let core = &mut self.core;
+        if let StoreOp::DeleteIdentity { id, .. } = &op {
+            core.gc.rewriting.remove(id);
+        }
+        match result {
+            // The quarantine ended while the write was in flight: the tombstone goes.
+            Ok(()) => {
+                if let StoreOp::DeleteIdentity { id, .. } = &op
+                    && core.ids.get(*id).is_none()
+                    && !core.ids.quarantine().contains_key(id)
+                {
+                    core.store(StoreOp::DeleteTombstone { id: *id }, Priority::Gc);
+                }
+            }
+            // The store holds something else under the id now; its watch reports it.
+            Err(StoreError::Conflict { .. }) => core.counters.stale_results += 1,
+            Err(_) => core.gc.cleanup_retries.push(op),
+        }
+    }
+
     /// The store holds a valid binding of `id` to `labels` that the core never loaded
     /// nor wrote (seen by the store's own watch). The core takes it in when it knows
     /// neither the id nor the labels and could adopt the id; unused, it is released
@@ -381,7 +442,7 @@ impl Allocator {
     /// core's own writes and to [`Allocator::binding_invalid`].
     pub fn binding_found(&mut self, id: IdentityId, labels: &LabelSet) {
         let core = &mut self.core;
-        if core.ids.id_of(labels).is_some() || !core.ids.can_adopt(id, labels) {
+        if core.ids.id_of(labels).is_some() || !core.can_take(id, labels) {
             return;
         }
         core.ids.insert(id, labels.clone(), Phase::Live);

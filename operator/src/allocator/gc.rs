@@ -310,9 +310,20 @@ impl Allocator {
                     core.ids.get(*id).is_none() && !core.ids.quarantine().contains_key(id)
                 }
                 StoreOp::DeleteNode { node } => !self.nodes.contains_key(node),
+                // A lost tombstone, while its quarantine lasts.
+                StoreOp::DeleteIdentity { id, tombstone, .. } => {
+                    core.ids.get(*id).is_none()
+                        && !core.gc.rewriting.contains(id)
+                        && core.ids.quarantine().get(id).is_some_and(|t| {
+                            t.labels_hash == tombstone.labels_hash && t.until > now
+                        })
+                }
                 _ => false,
             };
             if still_meant {
+                if let StoreOp::DeleteIdentity { id, .. } = &op {
+                    core.gc.rewriting.insert(*id);
+                }
                 let priority = match op {
                     // Beside PutNode (see `drop_node`).
                     StoreOp::DeleteNode { .. } => Priority::Allocation,

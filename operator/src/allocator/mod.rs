@@ -84,8 +84,12 @@ struct Gc {
     /// from deletes, so a create never waits behind deletes the budget holds back.
     create_retries: BTreeSet<(Timestamp, IdentityId)>,
     delete_retries: BTreeSet<(Timestamp, IdentityId)>,
-    /// Failed tombstone and node deletes, retried with the next quarantine scan.
+    /// Failed tombstone and node deletes, and failed re-writes of lost tombstones,
+    /// retried with the next quarantine scan.
     cleanup_retries: Vec<StoreOp>,
+    /// Quarantined ids whose lost tombstone is being written again (the binding the
+    /// store creates on the way is census's own, not one to take in).
+    rewriting: BTreeSet<IdentityId>,
     next_tomb_scan: Timestamp,
     /// The restart protection's node TTL has passed (it may still wait for nodes).
     past_node_ttl: bool,
@@ -162,6 +166,7 @@ impl Allocator {
                     create_retries: BTreeSet::new(),
                     delete_retries: BTreeSet::new(),
                     cleanup_retries: Vec::new(),
+                    rewriting: BTreeSet::new(),
                     next_tomb_scan: now,
                     past_node_ttl: false,
                 },
@@ -186,6 +191,13 @@ impl Allocator {
 }
 
 impl Core {
+    /// Whether `id` can be taken as the binding of `labels` (see
+    /// [`identities::Identities::can_adopt`]); not while its lost tombstone is being
+    /// written again, whose write would end such a binding.
+    fn can_take(&self, id: IdentityId, labels: &census_proto::labels::LabelSet) -> bool {
+        self.ids.can_adopt(id, labels) && !self.gc.rewriting.contains(&id)
+    }
+
     fn store(&mut self, op: StoreOp, priority: Priority) {
         self.fx.push(Effect::Store { op, priority });
     }

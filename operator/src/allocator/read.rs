@@ -37,6 +37,11 @@ pub struct Counters {
     pub blocked: u64,
     /// Bindings written again after someone else deleted them from the store.
     pub bindings_recreated: u64,
+    /// Quarantine tombstones written again after someone else deleted them from the
+    /// store.
+    pub tombstones_recreated: u64,
+    /// Lost tombstones that could not be written again (they kept no valid labels).
+    pub tombstones_unrecoverable: u64,
     /// Bindings taken from the store that census had not written (a backup restored,
     /// an object applied by hand): seen by its watch, or met by a create of the same
     /// labels.

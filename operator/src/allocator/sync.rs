@@ -330,7 +330,7 @@ impl Core {
             };
         }
         // X unknown, L unknown, X in range and not quarantined for another set: adopt.
-        if self.ids.can_adopt(claimed, labels) {
+        if self.can_take(claimed, labels) {
             self.ids.insert(
                 claimed,
                 labels.clone(),

@@ -161,6 +161,13 @@ pub enum StoreEvent {
     /// takes it in if it knows neither the id nor the labels; unused, it is collected
     /// like any other identity.
     BindingFound { id: IdentityId, labels: LabelSet },
+    /// The quarantine record `tombstone` is gone from the store (deleted by someone
+    /// else); `labels` are the labels it kept, if valid. The core writes it again while
+    /// the id is still in quarantine, so the quarantine survives a failover.
+    TombstoneLost {
+        tombstone: Tombstone,
+        labels: Option<LabelSet>,
+    },
 }
 
 /// Durable state behind the allocator.

@@ -281,3 +281,86 @@ async fn real_leader_election_hands_over() -> TestResult {
         .await;
     outcome
 }
+
+/// The API server accepts the shipped CRD, whose CEL rules it checks against its cost
+/// budget when the CRD is created or updated (a rule over an unbounded list is
+/// refused there: the fake does not estimate costs), and refuses what the rules
+/// refuse, with the same field errors as the fake.
+#[tokio::test]
+#[ignore = "needs a real cluster: CENSUS_TEST_KUBECONFIG"]
+async fn real_crd_rules_are_within_the_cost_budget_and_refuse_bad_objects() -> TestResult {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+
+    let client = real_client(true).await?;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let shipped = census_operator::store::kubernetes::crd::crd_yaml()?;
+    let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&shipped)?;
+    // Server-side apply: a CRD whose rules exceed the budget is refused here.
+    crds.patch(
+        "identities.census.dev",
+        &PatchParams::apply("census-test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
+    clean(&client).await?;
+    let api = api(&client);
+    let refused = |name: &str, labels: serde_json::Value| {
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "census.dev/v1", "kind": "Identity",
+            "metadata": {"name": name}, "spec": {"labels": labels},
+        }))
+        .unwrap_or_else(|_| {
+            DynamicObject::new(
+                name,
+                &kube::api::ApiResource::erase::<census_operator::store::kubernetes::crd::Identity>(
+                    &(),
+                ),
+            )
+        });
+        let api = api.clone();
+        async move { api.create(&PostParams::default(), &obj).await }
+    };
+    for (name, labels, needle) in [
+        (
+            "web",
+            json!(["k8s:app=web"]),
+            "metadata.name must be the numeric id",
+        ),
+        ("200", json!(["k8s:app=web"]), "1-255 are reserved"),
+        (
+            &*FIRST.to_string(),
+            json!(["k8s:a=1", "k8s:a=1"]),
+            "Duplicate value",
+        ),
+        (&*FIRST.to_string(), json!([]), "spec.labels"),
+    ] {
+        match refused(name, labels).await {
+            Err(kube::Error::Api(status))
+                if status.code == 422 && status.message.contains(needle) => {}
+            other => {
+                return fail(format!(
+                    "{name}: expected 422 naming {needle:?}, got {other:?}"
+                ));
+            }
+        }
+    }
+    let created = refused(&FIRST.to_string(), json!(["k8s:app=web"])).await?;
+    let edited = api
+        .patch(
+            &FIRST.to_string(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"labels": ["k8s:app=db"]}})),
+        )
+        .await;
+    match edited {
+        Err(kube::Error::Api(status))
+            if status.code == 422 && status.message.contains("immutable") => {}
+        other => {
+            return fail(format!(
+                "an edit of the labels: expected 422, got {other:?}"
+            ));
+        }
+    }
+    drop(created);
+    clean(&client).await
+}

@@ -69,6 +69,12 @@ pub(in crate::allocator) fn check(a: &Allocator) {
         }
     }
     assert_eq!(a.core.gc.inflight, inflight_deletes, "deletes in flight");
+    for id in &a.core.gc.rewriting {
+        assert!(
+            ids.get(*id).is_none(),
+            "the tombstone of {id} is written again, but it is bound"
+        );
+    }
     for (name, node) in &a.nodes {
         assert_eq!(
             node.pending,

@@ -91,6 +91,9 @@ pub(super) struct ModelStore {
     /// a create of their labels at another id is refused as a real store refuses it.
     /// Any other second binding of one label set is a core bug.
     pub(super) foreign: BTreeSet<IdentityId>,
+    /// Tombstones someone deleted that census has not written again yet: an operator
+    /// that restarts before it does cannot know those quarantines.
+    pub(super) lost_tombstones: BTreeSet<IdentityId>,
 }
 
 impl ModelStore {
@@ -147,6 +150,7 @@ impl ModelStore {
                     );
                 }
                 self.tombstones.remove(id);
+                self.lost_tombstones.remove(id);
                 self.identities.insert(*id, labels.clone());
                 Ok(())
             }
@@ -167,6 +171,7 @@ impl ModelStore {
                     None => {}
                 }
                 self.tombstones.insert(*id, *tombstone);
+                self.lost_tombstones.remove(id);
                 Ok(())
             }
             StoreOp::DeleteTombstone { id } => {

@@ -83,6 +83,9 @@ enum Action {
     Tick {
         ms: u16,
     },
+    /// Someone deletes every tombstone in the store (`kubectl delete identities
+    /// --all`); the store's watch reports each to the core.
+    LoseTombstones,
 }
 
 fn arb_action() -> impl Strategy<Value = Action> {
@@ -105,6 +108,7 @@ fn arb_action() -> impl Strategy<Value = Action> {
         8 => (1u8..6, proptest::bool::weighted(0.25), any::<bool>())
             .prop_map(|(ops, fail, gc)| Action::Store { ops, fail, gc }),
         8 => (1u16..3000).prop_map(|ms| Action::Tick { ms }),
+        2 => Just(Action::LoseTombstones),
     ]
 }
 
@@ -380,6 +384,11 @@ impl Sim {
                         let _ = self.h.store.apply(op, self.h.now);
                     }
                 }
+                // Quarantines whose tombstone was deleted and not yet written again
+                // are gone with the operator that remembered them.
+                for id in std::mem::take(&mut self.h.store.lost_tombstones) {
+                    self.h.store.deleted.remove(&id);
+                }
                 if wipe_store {
                     // The store is lost; agents' snapshots re-adopt what they hold. Its
                     // history of deletes is kept: quarantine is about what agents may
@@ -434,6 +443,23 @@ impl Sim {
             }
             Action::Tick { ms: step } => {
                 self.h.advance(ms(u64::from(step)));
+                self.route();
+            }
+            Action::LoseTombstones => {
+                let lost = std::mem::take(&mut self.h.store.tombstones);
+                self.h.store.lost_tombstones.extend(lost.keys().copied());
+                for tombstone in lost.into_values() {
+                    // The labels the object kept in its spec.
+                    let labels = self
+                        .h
+                        .store
+                        .deleted
+                        .get(&tombstone.id)
+                        .map(|(l, _)| l.clone());
+                    self.h
+                        .alloc
+                        .tombstone_lost(tombstone, labels.as_ref(), self.h.now);
+                }
                 self.route();
             }
         }
@@ -574,6 +600,7 @@ struct Coverage {
     recreated: u64,
     store_failures: u64,
     operator_restarts: u64,
+    tombstones_recreated: u64,
 }
 
 fn run_case(actions: Vec<Action>, coverage: &RefCell<Coverage>) -> Result<(), TestCaseError> {
@@ -611,6 +638,20 @@ fn run_case(actions: Vec<Action>, coverage: &RefCell<Coverage>) -> Result<(), Te
     }
     sim.let_retries_finish();
     sim.check_truth(true);
+    // Every quarantine the core holds is in the store, so it survives a restart:
+    // also those whose tombstone someone deleted.
+    for (id, tomb) in sim.h.alloc.core.ids.quarantine() {
+        prop_assert!(
+            sim.h
+                .store
+                .tombstones
+                .get(id)
+                .is_some_and(|t| t.labels_hash == tomb.labels_hash),
+            "identity {} is quarantined in memory only (the store has {:?})",
+            id,
+            sim.h.store.tombstones.get(id)
+        );
+    }
     sim.run_out_the_clock();
     sim.check_truth(true);
     add(&mut totals, sim.h.alloc.counters(), &before);
@@ -651,6 +692,7 @@ fn run_case(actions: Vec<Action>, coverage: &RefCell<Coverage>) -> Result<(), Te
     c.recreated += totals.gc_outcomes.get("recreated").copied().unwrap_or(0);
     c.store_failures += totals.store_failures.values().sum::<u64>();
     c.operator_restarts += restarts;
+    c.tombstones_recreated += totals.tombstones_recreated;
     Ok(())
 }
 
@@ -660,6 +702,7 @@ fn add(total: &mut Counters, now: &Counters, before: &Counters) {
     total.rebinds += now.rebinds - before.rebinds;
     total.identities_adopted += now.identities_adopted - before.identities_adopted;
     total.old_seq_ignored += now.old_seq_ignored - before.old_seq_ignored;
+    total.tombstones_recreated += now.tombstones_recreated - before.tombstones_recreated;
     for (k, v) in &now.gc_outcomes {
         *total.gc_outcomes.entry(k).or_default() += v;
     }
@@ -709,6 +752,7 @@ fn invariants_hold_under_loss_reordering_restarts_and_failures() {
         ("re-created during delete", c.recreated),
         ("store failures", c.store_failures),
         ("operator restarts", c.operator_restarts),
+        ("lost tombstones written again", c.tombstones_recreated),
     ] {
         assert!(
             n >= 5,

@@ -1215,6 +1215,80 @@ fn a_binding_deleted_behind_our_back_is_recreated() {
 }
 
 #[test]
+fn a_tombstone_deleted_by_someone_else_is_written_again_while_its_quarantine_lasts() {
+    let cfg = small_config();
+    let now = Timestamp::from_millis(1_000_000);
+    let web = labels("app=web");
+    let mut store = ModelStore::new(cfg.quarantine);
+    let until = now.plus(ms(5_000)).as_millis();
+    for (n, l) in [(300, &web), (301, &labels("app=db"))] {
+        store.tombstones.insert(
+            id(n),
+            Tombstone {
+                id: id(n),
+                labels_hash: l.stable_hash(),
+                until_ms: until,
+            },
+        );
+    }
+    let mut h = Harness::with_store(cfg, store, now);
+    let tomb = |n: u32| h_tomb(&h, n);
+    let (t300, t301) = (tomb(300), tomb(301));
+    // `kubectl delete identities --all`: both go, the watch reports them.
+    h.store.tombstones.clear();
+    h.alloc.tombstone_lost(t300, Some(&web), h.now);
+    // Labels that do not match the quarantine (or none) cannot be written back.
+    h.alloc
+        .tombstone_lost(t301, Some(&labels("app=other")), h.now);
+    h.route();
+    let ops: Vec<&StoreOp> = h.pending().collect();
+    assert!(
+        matches!(ops.as_slice(), [StoreOp::DeleteIdentity { id: i, labels: l, tombstone }]
+            if *i == id(300) && *l == web && *tombstone == t300),
+        "{ops:?}"
+    );
+    assert_eq!(h.alloc.counters().tombstones_recreated, 1);
+    assert_eq!(h.alloc.counters().tombstones_unrecoverable, 1);
+    // While the write is in flight, a second report, and the binding the store
+    // creates on the way (seen by its watch), change nothing.
+    h.alloc.tombstone_lost(t300, Some(&web), h.now);
+    h.alloc.binding_found(id(300), &web);
+    h.route();
+    assert_eq!(h.pending().count(), 1);
+    assert_eq!(h.state(300).map(|s| s.name()), Some("quarantined"));
+    // A failure is retried at the next quarantine scan.
+    h.fail_store();
+    assert!(h.pending().next().is_none());
+    h.advance(ms(1_100));
+    assert_eq!(h.pending().count(), 1);
+    h.settle_store();
+    assert_eq!(h.store.tombstones.get(&id(300)), Some(&t300));
+    // After a restart the quarantine is still there.
+    let store = h.store.clone();
+    let h = Harness::with_store(small_config(), store, h.now);
+    assert_eq!(h.state(300).map(|s| s.name()), Some("quarantined"));
+    // A report after the quarantine ended, or for an id no longer quarantined, is
+    // nothing to write.
+    let mut h = h;
+    h.advance(ms(10_000));
+    h.settle_store();
+    h.alloc.tombstone_lost(t300, Some(&web), h.now);
+    h.route();
+    assert!(h.pending().next().is_none());
+}
+
+fn h_tomb(h: &Harness, n: u32) -> Tombstone {
+    match h.alloc.core.ids.quarantine().get(&id(n)) {
+        Some(t) => Tombstone {
+            id: id(n),
+            labels_hash: t.labels_hash,
+            until_ms: t.until.as_millis(),
+        },
+        None => panic!("{n} is not quarantined"),
+    }
+}
+
+#[test]
 fn an_edited_object_blocks_its_id_and_moves_its_users() {
     let mut h = Harness::new(small_config());
     let (s, c) = connected(&mut h, N1, 10);

@@ -7,6 +7,11 @@
 //! conditional, so a stale entry costs a 409 and a re-read, never a wrong write); on a
 //! follower it is the read model IdentityService answers from. Changes census did not
 //! make become [`StoreEvent`]s for the core.
+//!
+//! An object being deleted (`deletionTimestamp` set, held by someone's finalizer) is
+//! kept with its uid and version, but counts as neither a binding nor a tombstone: its
+//! labels are free in the index, readers do not see it, and a binding that starts
+//! being deleted is lost ([`StoreEvent::BindingLost`]) like a deleted one.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -35,6 +40,21 @@ pub(crate) enum Source {
 pub(crate) struct Entry {
     pub(crate) meta: Meta,
     pub(crate) state: State,
+}
+
+impl Entry {
+    /// The labels this object binds, if it is a binding not being deleted.
+    fn bound(&self) -> Option<&LabelSet> {
+        match &self.state {
+            State::Binding(labels) if !self.meta.deleting => Some(labels),
+            _ => None,
+        }
+    }
+
+    /// Whether readers see it (an object being deleted is as good as gone).
+    fn visible(&self) -> bool {
+        !self.meta.deleting
+    }
 }
 
 #[derive(Debug)]
@@ -75,6 +95,11 @@ fn newer(new: &str, old: &str) -> bool {
 impl Index {
     pub(crate) fn get(&self, id: IdentityId) -> Option<&Entry> {
         self.entries.get(&id)
+    }
+
+    /// Every object, by id.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (IdentityId, &Entry)> {
+        self.entries.iter().map(|(&id, e)| (id, e))
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -130,6 +155,7 @@ impl Index {
             }
         }
         if let State::Binding(labels) = &state
+            && !meta.deleting
             && let Some(&other) = self.by_labels.get(labels)
             && other != id
             && let Some(entry) = self.entries.get(&other)
@@ -210,7 +236,7 @@ impl Index {
         let Some(old) = self.entries.remove(&id) else {
             return;
         };
-        if let State::Binding(labels) = old.state {
+        if let Some(labels) = old.bound().cloned() {
             self.unlink(id, &labels);
             let _ = self.changes.send(WatchChange::Removed {
                 id,
@@ -219,6 +245,23 @@ impl Index {
             if source == Source::Observed {
                 out.push(StoreEvent::BindingLost { id, labels });
             }
+        } else if let State::Tombstone {
+            labels,
+            labels_hash,
+            until_ms,
+        } = old.state
+            && source == Source::Observed
+        {
+            // Deleted by someone else (`kubectl delete identities --all`): the core
+            // writes it again while the id is still in quarantine.
+            out.push(StoreEvent::TombstoneLost {
+                tombstone: crate::store::Tombstone {
+                    id,
+                    labels_hash,
+                    until_ms,
+                },
+                labels,
+            });
         }
     }
 
@@ -230,16 +273,16 @@ impl Index {
         source: Source,
         out: &mut Vec<StoreEvent>,
     ) {
-        let old = self.entries.insert(
-            id,
-            Entry {
-                meta,
-                state: state.clone(),
-            },
-        );
+        let new = Entry {
+            meta,
+            state: state.clone(),
+        };
+        let now_bound = new.bound().cloned();
+        let old = self.entries.insert(id, new);
+        let was_bound = old.as_ref().and_then(Entry::bound).cloned();
         let old_state = old.map(|e| e.state);
-        if let Some(State::Binding(was)) = &old_state
-            && state != State::Binding(was.clone())
+        if let Some(was) = &was_bound
+            && now_bound.as_ref() != Some(was)
         {
             self.unlink(id, was);
             let _ = self.changes.send(WatchChange::Removed {
@@ -254,8 +297,8 @@ impl Index {
             }
         }
         match state {
-            State::Binding(labels) => {
-                if old_state.as_ref() != Some(&State::Binding(labels.clone())) {
+            State::Binding(labels) if now_bound.is_some() => {
+                if was_bound.as_ref() != Some(&labels) {
                     self.by_labels.insert(labels.clone(), id);
                     if source == Source::Observed && self.listed {
                         out.push(StoreEvent::BindingFound { id, labels });
@@ -273,7 +316,7 @@ impl Index {
                     });
                 }
             }
-            State::Tombstone { .. } => {}
+            State::Binding(_) | State::Tombstone { .. } => {}
         }
     }
 
@@ -309,7 +352,10 @@ impl Index {
     }
 
     pub(crate) fn identity(&self, id: IdentityId) -> Option<IdentityInfo> {
-        self.entries.get(&id).map(|e| Self::info(id, e))
+        self.entries
+            .get(&id)
+            .filter(|e| e.visible())
+            .map(|e| Self::info(id, e))
     }
 
     pub(crate) fn lookup(&self, labels: &LabelSet) -> Option<IdentityInfo> {
@@ -330,6 +376,7 @@ impl Index {
         let mut page: Vec<IdentityInfo> = self
             .entries
             .range(start..)
+            .filter(|(_, e)| e.visible())
             .filter(|(_, e)| match &e.state {
                 State::Binding(labels) => selector.is_none_or(|s| labels.contains_all(s)),
                 _ => include_quarantined && selector.is_none(),
@@ -345,7 +392,7 @@ impl Index {
     pub(crate) fn bindings(&self) -> Vec<IdentityInfo> {
         self.entries
             .iter()
-            .filter(|(_, e)| matches!(e.state, State::Binding(_)))
+            .filter(|(_, e)| e.bound().is_some())
             .map(|(&id, e)| Self::info(id, e))
             .collect()
     }
@@ -380,9 +427,63 @@ mod tests {
                 uid: uid.into(),
                 resource_version: rv.to_string().into(),
                 created_ms: created,
+                deleting: false,
             },
             state,
         }
+    }
+
+    fn deleting(mut p: Parsed) -> Parsed {
+        p.meta.deleting = true;
+        p
+    }
+
+    #[test]
+    fn an_object_being_deleted_is_neither_a_binding_nor_a_tombstone() {
+        let web = labels("k8s:app=web");
+        let mut index = Index::default();
+        index.reset(
+            vec![parsed(300, "a", 1, 0, State::Binding(web.clone()))],
+            Vec::new(),
+        );
+        let mut changes = index.subscribe();
+        // Someone deletes it while their finalizer holds it: lost, its labels free.
+        let events = index.apply(
+            deleting(parsed(300, "a", 2, 0, State::Binding(web.clone()))),
+            Source::Observed,
+        );
+        assert_eq!(
+            events,
+            [StoreEvent::BindingLost {
+                id: id(300),
+                labels: web.clone()
+            }]
+        );
+        assert!(matches!(
+            changes.try_recv(),
+            Ok(WatchChange::Removed { .. })
+        ));
+        assert!(index.lookup(&web).is_none());
+        assert!(index.identity(id(300)).is_none());
+        assert!(index.bindings().is_empty());
+        assert!(index.get(id(300)).is_some_and(|e| e.meta.deleting));
+        // Another object taking the labels meanwhile is not a duplicate of it.
+        assert!(
+            index
+                .apply(
+                    parsed(301, "b", 3, 5, State::Binding(web.clone())),
+                    Source::Observed
+                )
+                .iter()
+                .all(|e| !matches!(e, StoreEvent::BindingInvalid { .. }))
+        );
+        assert_eq!(index.lookup(&web).map(|i| i.id), Some(id(301)));
+        // Gone at last: nothing more to report.
+        assert!(
+            index
+                .delete(id(300), Some("a"), Source::Observed)
+                .is_empty()
+        );
     }
 
     #[test]

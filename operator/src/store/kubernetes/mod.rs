@@ -87,9 +87,11 @@ pub struct KubeStoreConfig {
     pub events: Option<EventsConfig>,
 }
 
+/// Kubernetes Events about invalid objects. They go to `default`, whatever the
+/// operator's namespace: the only namespace (with `kube-system`) where the API server
+/// accepts Events about cluster-scoped objects.
 #[derive(Debug, Clone)]
 pub struct EventsConfig {
-    pub namespace: String,
     /// The reporting instance (the operator's pod name).
     pub instance: String,
 }
@@ -154,7 +156,7 @@ impl KubeStore {
         let reporter = cfg
             .events
             .as_ref()
-            .map(|e| Reporter::new(writes.clone(), &e.namespace, &e.instance));
+            .map(|e| Reporter::new(writes.clone(), &e.instance));
         let shared = Arc::new(Shared {
             writes: Api::all_with(writes, &resource),
             reads: Api::all_with(reads, &resource),
@@ -197,16 +199,58 @@ impl KubeStore {
         self.shared.index.read().invalid()
     }
 
-    /// Of `loaded`, the bindings the watch no longer sees as they were loaded: deleted
-    /// or tombstoned by someone else since. A new leader tells its core after the load.
+    /// What a new leader builds its core from: the index the watch keeps synced (a
+    /// second full list would only repeat it). Like [`Store::load`]: the bindings (a
+    /// label set claimed by two objects stays with the older, as the index decides) and
+    /// the tombstones; invalid objects are left out (the caller tells the core of them,
+    /// [`Self::invalid_objects`]). An object being deleted is included as what it says,
+    /// so its id stays taken in the core: a binding's users keep it, and the binding is
+    /// reported lost right after ([`Self::lost_since_load`]), so the core writes it
+    /// again once the object is gone; a tombstone keeps its quarantine.
+    ///
+    /// Call it once [`Self::wait_synced`] has returned.
+    pub fn loaded_from_index(&self) -> Loaded {
+        let index = self.shared.index.read();
+        let mut loaded = Loaded::default();
+        for (id, entry) in index.iter() {
+            match &entry.state {
+                // Its labels are bound to a live object already: that one is theirs.
+                State::Binding(labels)
+                    if entry.meta.deleting && index.bound_to(labels).is_some_and(|b| b != id) => {}
+                State::Binding(labels) => loaded.identities.push(StoredIdentity {
+                    id,
+                    labels: labels.clone(),
+                }),
+                State::Tombstone {
+                    labels_hash,
+                    until_ms,
+                    ..
+                } => loaded.tombstones.push(Tombstone {
+                    id,
+                    labels_hash: *labels_hash,
+                    until_ms: *until_ms,
+                }),
+                State::Invalid(_) => {}
+            }
+        }
+        loaded
+    }
+
+    /// Of `loaded`, the bindings the watch no longer sees as they were loaded: deleted,
+    /// being deleted, or tombstoned by someone else since. A new leader tells its core
+    /// right after building it.
     pub fn lost_since_load(&self, loaded: &[StoredIdentity]) -> Vec<(IdentityId, LabelSet)> {
         let index = self.shared.index.read();
         loaded
             .iter()
-            .filter(|s| match index.get(s.id).map(|e| &e.state) {
-                Some(State::Binding(labels)) => *labels != s.labels,
-                Some(State::Invalid(_)) => false,
-                _ => true,
+            .filter(|s| match index.get(s.id) {
+                Some(e) if e.meta.deleting => true,
+                Some(e) => match &e.state {
+                    State::Binding(labels) => *labels != s.labels,
+                    State::Invalid(_) => false,
+                    State::Tombstone { .. } => true,
+                },
+                None => true,
             })
             .map(|s| (s.id, s.labels.clone()))
             .collect()
@@ -358,6 +402,11 @@ impl Shared {
                     // Also census's own delete, seen by the watch before its answer
                     // (the core ignores that one).
                     debug!(object = %id, %labels, "the store no longer holds the binding of identity {id}");
+                }
+                StoreEvent::TombstoneLost { tombstone, .. } => {
+                    // Also census's own delete at the end of a quarantine (the core
+                    // has ended that quarantine and ignores it).
+                    debug!(object = %tombstone.id, "the store no longer holds the tombstone of identity {}", tombstone.id);
                 }
             }
             if self.events_taken.load(Ordering::Acquire) {
