@@ -9,6 +9,7 @@ mod cmd;
 mod codegen;
 mod demo;
 mod ebpf;
+mod images;
 mod privileged;
 mod setup;
 mod test;
@@ -54,6 +55,10 @@ enum Command {
     /// Builds census-bench (bench/) and the operator in release and runs it with these
     /// arguments.
     Bench(bench::Options),
+    /// Build the operator and agent images (deploy/images/) from release binaries built
+    /// here, on a Debian 12 base made with mmdebstrap, and smoke-run them with podman;
+    /// as root. Not part of `cargo xtask test`.
+    Images(images::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,5 +72,6 @@ fn main() -> anyhow::Result<()> {
         Command::Test(options) => test::run(options),
         Command::Codegen(options) => codegen::run(options),
         Command::Bench(options) => bench::run(options),
+        Command::Images(options) => images::run(options),
     }
 }
