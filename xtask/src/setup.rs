@@ -23,6 +23,9 @@ const PACKAGES: [&str; 7] = [
     "iproute2",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+/// The schema validator the manifest tests (`operator/tests/kubernetes/manifests.rs`)
+/// check `deploy/` with, against the Kubernetes 1.30 and 1.33 schemas it bundles.
+const MANIFEST_VALIDATOR: &str = "kubernetes-validate==1.37.0";
 
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub(crate) struct Options {}
@@ -30,40 +33,7 @@ pub(crate) struct Options {}
 #[expect(clippy::print_stdout, reason = "xtask reports each check")]
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let Options {} = options;
-    println!("Debian packages:");
-    let mut missing = Vec::new();
-    for package in PACKAGES {
-        match installed_version(package)? {
-            Some(version) => println!("  present     {package} {version}"),
-            None => {
-                println!("  missing     {package}");
-                missing.push(package);
-            }
-        }
-    }
-    if !missing.is_empty() {
-        if !cmd::is_root() {
-            bail!(
-                "missing Debian packages: {}; installing them needs root: run \
-                 `cargo xtask setup` as root, or `apt-get install {}`",
-                missing.join(" "),
-                missing.join(" ")
-            );
-        }
-        println!("  installing  {}", missing.join(" "));
-        cmd::run(Command::new("apt-get").arg("update"))?;
-        cmd::run(
-            Command::new("apt-get")
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .args(["install", "-y", "--no-install-recommends"])
-                .args(&missing),
-        )?;
-        for package in &missing {
-            if installed_version(package)?.is_none() {
-                bail!("apt-get did not install {package}");
-            }
-        }
-    }
+    install_packages(&PACKAGES, "cargo xtask setup")?;
 
     println!("bpf-linker:");
     match ebpf::bpf_linker() {
@@ -85,7 +55,72 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             println!("  installed   {}", path.display());
         }
     }
+    install_manifest_validator()?;
     println!("ready: `cargo xtask build-ebpf`");
+    Ok(())
+}
+
+/// The PyPI package the manifest tests use, with the `python3` on `PATH`.
+#[expect(clippy::print_stdout, reason = "xtask reports each check")]
+fn install_manifest_validator() -> anyhow::Result<()> {
+    println!("Python packages:");
+    let present = Command::new("python3")
+        .args([
+            "-c",
+            "import importlib.metadata as m, sys; \
+             sys.exit(m.version('kubernetes-validate') != '1.37.0')",
+        ])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("running python3 (the manifest tests need it)")?
+        .success();
+    if present {
+        println!("  present     {MANIFEST_VALIDATOR}");
+        return Ok(());
+    }
+    println!("  installing  {MANIFEST_VALIDATOR} with pip");
+    cmd::run(Command::new("python3").args(["-m", "pip", "install", "--quiet", MANIFEST_VALIDATOR]))
+}
+
+/// Installs those of the Debian `packages` that are missing, with apt, saying which
+/// are present and which it installs; idempotent. `command` is what to run as root
+/// when this process is not.
+#[expect(clippy::print_stdout, reason = "xtask reports each check")]
+pub(crate) fn install_packages(packages: &[&str], command: &str) -> anyhow::Result<()> {
+    println!("Debian packages:");
+    let mut missing = Vec::new();
+    for &package in packages {
+        match installed_version(package)? {
+            Some(version) => println!("  present     {package} {version}"),
+            None => {
+                println!("  missing     {package}");
+                missing.push(package);
+            }
+        }
+    }
+    if !missing.is_empty() {
+        if !cmd::is_root() {
+            bail!(
+                "missing Debian packages: {}; installing them needs root: run \
+                 `{command}` as root, or `apt-get install {}`",
+                missing.join(" "),
+                missing.join(" ")
+            );
+        }
+        println!("  installing  {}", missing.join(" "));
+        cmd::run(Command::new("apt-get").arg("update"))?;
+        cmd::run(
+            Command::new("apt-get")
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(["install", "-y", "--no-install-recommends"])
+                .args(&missing),
+        )?;
+        for package in &missing {
+            if installed_version(package)?.is_none() {
+                bail!("apt-get did not install {package}");
+            }
+        }
+    }
     Ok(())
 }
 
