@@ -377,6 +377,19 @@ impl Collector for CoreCollector {
         )?;
         labelled(
             &mut e,
+            "census_store_repairs",
+            "Objects of the store census wrote again or took in after someone else changed them, by kind",
+            "kind",
+            [
+                ("binding_recreated", c.bindings_recreated),
+                ("tombstone_recreated", c.tombstones_recreated),
+                ("tombstone_unrecoverable", c.tombstones_unrecoverable),
+                ("binding_taken", c.bindings_taken),
+            ],
+            true,
+        )?;
+        labelled(
+            &mut e,
             "census_gc_outcomes",
             "Garbage-collection deletes by outcome",
             "outcome",

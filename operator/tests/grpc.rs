@@ -1609,6 +1609,7 @@ async fn the_admin_port_serves_health_readiness_and_openmetrics() -> TestResult 
         "census_nodes 1",
         "census_connected_nodes 1",
         "census_endpoints 1",
+        "census_store_repairs_total{kind=\"tombstone_recreated\"} 0",
     ] {
         assert!(
             body.lines().any(|l| l == line),
