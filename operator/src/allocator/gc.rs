@@ -332,7 +332,10 @@ impl Allocator {
                 core.store(op, priority);
             }
         }
-        for id in core.ids.expire_tombs(now) {
+        // A quarantine whose lost tombstone is being written again ends at the first
+        // scan after the write's answer: ended now, its id could be bound while that
+        // write, which tombstones the object, is still in flight.
+        for id in core.ids.expire_tombs(now, &core.gc.rewriting) {
             core.counters.quarantine_ended += 1;
             core.store(StoreOp::DeleteTombstone { id }, Priority::Gc);
         }

@@ -1,7 +1,7 @@
 //! The identity table: id <-> canonical label set, reference and hold counts, the
 //! lifecycle phase of each identity, quarantine tombstones and blocked ids.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use census_proto::{
     domain::{EndpointKey, IdRange, IdentityId, NodeName},
@@ -259,12 +259,17 @@ impl Identities {
         }
     }
 
-    /// Removes tombstones that ended at or before `now`, returning their ids.
-    pub(crate) fn expire_tombs(&mut self, now: Timestamp) -> Vec<IdentityId> {
+    /// Removes tombstones that ended at or before `now`, except those of `keep`,
+    /// returning their ids.
+    pub(crate) fn expire_tombs(
+        &mut self,
+        now: Timestamp,
+        keep: &BTreeSet<IdentityId>,
+    ) -> Vec<IdentityId> {
         let expired: Vec<IdentityId> = self
             .quarantine
             .iter()
-            .filter(|(_, t)| t.until <= now)
+            .filter(|(id, t)| t.until <= now && !keep.contains(id))
             .map(|(&id, _)| id)
             .collect();
         for id in &expired {
