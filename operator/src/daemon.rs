@@ -11,11 +11,12 @@ use tracing::{info, warn};
 use crate::{
     admin::{self, Readiness},
     allocator::Allocator,
+    api::{Api, Settings},
     config::{Cli, StoreArgs, StoreKind},
     grpc,
     k8s::{self, Cluster, ClusterError},
-    metrics::{CoreCollector, Metrics},
-    runtime::{Clock, Runtime, Settings},
+    metrics::Metrics,
+    runtime::{Clock, CoreCollector, Runtime},
     store::{
         Store, StoreError,
         redb::{RedbOptions, RedbStore},
@@ -150,7 +151,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
             let alloc = Allocator::new(cfg, loaded, clock.now());
             let (runtime, queues) =
                 Runtime::new(alloc, clock, settings(store.kind()), metrics.clone());
-            let writers = writer::spawn(queues, store, runtime.clone(), store_timeout);
+            let writers = writer::spawn(queues, store, metrics.clone(), store_timeout);
             (runtime, writers, None)
         }
         StoreKind::Kubernetes => {
@@ -215,14 +216,15 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         }));
     }
     {
-        let runtime = runtime.clone();
+        let operator: Arc<dyn Api> = runtime.clone();
+        let metrics = metrics.clone();
         let stop = stop.clone();
         servers.push(tokio::spawn(async move {
             let keepalive = grpc::Keepalive {
                 interval: listen.keepalive_interval,
                 timeout: listen.keepalive_timeout,
             };
-            if let Err(e) = grpc::serve(grpc_listener, runtime, keepalive, stop).await {
+            if let Err(e) = grpc::serve(grpc_listener, operator, metrics, keepalive, stop).await {
                 tracing::error!(error = %e, "the gRPC server failed");
             }
         }));

@@ -4,17 +4,21 @@
 //! The public API is what the daemon is made of and what its component tests and
 //! benchmarks compose: the core ([`allocator`]), the [`store`]s, leadership
 //! ([`replica`], [`k8s`]), the [`runtime`] that feeds the core and its store
-//! [`writer`]s, [`metrics`], the command line ([`config`]) and the [`daemon`] that
-//! starts it all. The gRPC services and the admin port are reached only over the
-//! network, and are private.
+//! [`writer`]s, the [`api`] through which the gRPC services reach the runtime,
+//! [`metrics`], the command line ([`config`]) and the [`daemon`] that starts it all.
+//! The gRPC services and the admin port are reached only over the network, and are
+//! private.
 #![forbid(unsafe_code)]
 
 mod admin;
 pub mod allocator;
+pub mod api;
 pub mod config;
 pub mod daemon;
 mod grpc;
 pub mod k8s;
+#[cfg(test)]
+mod layering;
 pub mod metrics;
 pub mod replica;
 pub mod runtime;

@@ -6,12 +6,11 @@ use census_proto::{
 };
 
 use super::{
-    AgentMsg, AllocError, Allocator, Effect, Priority, RequestId, SyncError, Timestamp,
-    WatchChange, bump,
+    AgentMsg, AllocError, Allocator, Effect, Priority, RequestId, StoreError, StoreOp, SyncError,
+    Timestamp, Tombstone, WatchChange, bump,
     identities::{Blocked, Phase, Tomb, Waiter},
     nodes::Persisted,
 };
-use crate::store::{StoreError, StoreOp, Tombstone};
 
 impl Allocator {
     /// The identity of `labels` for a pod on `node`. A known label set is answered at

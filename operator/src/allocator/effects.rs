@@ -3,8 +3,7 @@ use census_proto::{
     labels::LabelSet,
 };
 
-use super::IdentityInfo;
-use crate::store::StoreOp;
+use super::{IdentityInfo, StoreOp};
 
 /// Identifies one Allocate call while its answer is pending.
 pub type RequestId = u64;

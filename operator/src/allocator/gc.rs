@@ -9,11 +9,11 @@ use std::time::Duration;
 use census_proto::domain::NodeName;
 
 use super::{
-    AgentMsg, AllocError, Allocator, CloseReason, Effect, Liveness, Priority, SyncError, Timestamp,
+    AgentMsg, AllocError, Allocator, CloseReason, Effect, Liveness, Priority, StoreOp, SyncError,
+    Timestamp,
     identities::{Phase, shrink_map},
     nodes::{Node, Persisted},
 };
-use crate::store::StoreOp;
 
 /// How often quarantine tombstones are scanned for expiry.
 const TOMB_SCAN_EVERY: Duration = Duration::from_secs(1);

@@ -16,6 +16,7 @@ mod effects;
 mod gc;
 mod identities;
 mod nodes;
+mod ops;
 mod read;
 mod sync;
 mod time;
@@ -34,6 +35,7 @@ pub use self::{
         Accepted, AgentMsg, AllocError, Applied, CloseReason, ConnId, Effect, Priority, RequestId,
         SyncError, WatchChange,
     },
+    ops::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone},
     read::{Counters, IdentityInfo, IdentityState, NodeInfo, Stats},
     time::Timestamp,
 };
@@ -41,7 +43,6 @@ use self::{
     identities::{Identities, Phase, Tomb},
     nodes::{Node, Persisted},
 };
-use crate::store::{Loaded, StoreOp};
 
 /// The identity allocator. See the module documentation.
 #[derive(Debug)]

@@ -9,12 +9,11 @@ use census_proto::{
 };
 
 use super::{
-    Accepted, AgentMsg, Allocator, Applied, CloseReason, ConnId, Core, Effect, Priority, SyncError,
-    Timestamp,
+    Accepted, AgentMsg, Allocator, Applied, CloseReason, ConnId, Core, Effect, Priority, StoreOp,
+    SyncError, Timestamp,
     identities::{Phase, Waiter, settle_map, shrink_map},
     nodes::{Node, Persisted, ViewEntry},
 };
-use crate::store::StoreOp;
 
 /// The identity an endpoint's entry resolved to.
 struct Resolved {

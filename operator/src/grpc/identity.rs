@@ -1,6 +1,6 @@
 //! IdentityService: Allocate, Get, Lookup, List, Watch.
 
-use std::{sync::Arc, time::Instant};
+use std::time::Instant;
 
 use census_proto::{
     convert::{check_version, labels_from_wire, node_from_wire, session_from_wire},
@@ -13,8 +13,15 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
-use super::convert::{alloc, field, identity_to_wire, refused, version};
-use crate::{allocator::WatchChange, metrics::KindLabels, runtime::Runtime};
+use super::{
+    Operator,
+    convert::identity_to_wire,
+    status::{alloc, field, refused, version},
+};
+use crate::{
+    api::{Allocated, Allocation, Caller, Feed, WatchChange},
+    metrics::{KindLabels, Metrics},
+};
 
 const DEFAULT_PAGE: usize = 500;
 const MAX_PAGE: usize = 5000;
@@ -22,23 +29,32 @@ const WATCH_QUEUE: usize = 256;
 
 #[derive(Debug, Clone)]
 pub(crate) struct Identities {
-    runtime: Arc<Runtime>,
+    operator: Operator,
+    metrics: Metrics,
     shutdown: watch::Receiver<bool>,
 }
 
 impl Identities {
-    pub(crate) fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
-        Self { runtime, shutdown }
+    pub(crate) fn new(
+        operator: Operator,
+        metrics: Metrics,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            operator,
+            metrics,
+            shutdown,
+        }
     }
 
     /// Labels from a request, validated and passed through the operator's filter.
     fn labels(&self, labels: &[String], field_name: &str) -> Result<LabelSet, Status> {
-        let limits = &self.runtime.settings.wire.labels;
+        let settings = self.operator.settings();
+        let limits = &settings.wire.labels;
         let set = labels_from_wire(labels, limits, field_name).map_err(field)?;
-        set.filtered(&self.runtime.settings.filter, limits)
-            .map_err(|e| {
-                Status::invalid_argument(format!("{field_name}: after the label filter: {e}"))
-            })
+        set.filtered(&settings.filter, limits).map_err(|e| {
+            Status::invalid_argument(format!("{field_name}: after the label filter: {e}"))
+        })
     }
 }
 
@@ -49,30 +65,30 @@ impl IdentityService for Identities {
         request: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let started = Instant::now();
+        let peer = request.remote_addr().map(|p| p.ip().to_canonical());
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let node = node_from_wire(&req.node, "node").map_err(field)?;
         let session = session_from_wire(req.session.as_ref(), "session").map_err(field)?;
         let labels = self.labels(&req.labels, "labels")?;
-        let (id, kind) = match self
-            .runtime
-            .allocate(&node, session, labels)
+        let caller = Caller { node, peer };
+        let (Allocated { id, info }, kind) = match self
+            .operator
+            .allocate(&caller, session, labels)
             .map_err(refused)?
         {
-            Ok(id) => (id, "known"),
-            Err(pending) => {
+            Allocation::Known(allocated) => (allocated, "known"),
+            Allocation::New(pending) => {
                 let answer = pending
                     .await
                     .map_err(|_| Status::unavailable("the operator is shutting down"))?;
                 (answer.map_err(alloc)?, "new")
             }
         };
-        self.runtime
-            .metrics
+        self.metrics
             .allocate_latency
             .get_or_create(&KindLabels { kind })
             .observe(started.elapsed().as_secs_f64());
-        let info = self.runtime.identity(id);
         let identity = info.as_ref().map_or_else(
             || pb::Identity {
                 id: id.get(),
@@ -101,7 +117,7 @@ impl IdentityService for Identities {
                 ..pb::Identity::default()
             }));
         }
-        match self.runtime.identity(id) {
+        match self.operator.identity(id) {
             Some(info) => Ok(Response::new(identity_to_wire(&info))),
             None => Err(Status::not_found(format!("identity {id} is not known"))),
         }
@@ -114,7 +130,7 @@ impl IdentityService for Identities {
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let labels = self.labels(&req.labels, "labels")?;
-        match self.runtime.lookup(&labels) {
+        match self.operator.lookup(&labels) {
             Some(info) => Ok(Response::new(identity_to_wire(&info))),
             None => Err(Status::not_found(format!(
                 "no identity has the labels {labels}"
@@ -150,12 +166,12 @@ impl IdentityService for Identities {
         } else {
             // Selectors match stored labels as they are: no filter.
             let limits = LabelLimits {
-                max_labels: self.runtime.settings.wire.labels.max_labels,
+                max_labels: self.operator.settings().wire.labels.max_labels,
             };
             Some(labels_from_wire(&req.selector, &limits, "selector").map_err(field)?)
         };
         let (page, more) =
-            self.runtime
+            self.operator
                 .list(after, limit, selector.as_ref(), req.include_quarantined);
         let next_page_token = match (more, page.last()) {
             (true, Some(last)) => last.id.to_string(),
@@ -176,7 +192,7 @@ impl IdentityService for Identities {
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let (tx, rx) = mpsc::channel(WATCH_QUEUE);
-        tokio::spawn(run_watch(self.runtime.clone(), tx, self.shutdown.clone()));
+        tokio::spawn(run_watch(self.operator.clone(), tx, self.shutdown.clone()));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -202,11 +218,13 @@ type WatchTx = mpsc::Sender<Result<pb::WatchEvent, Status>>;
 /// Sends the full list, then changes; starts over with the full list when the
 /// subscriber falls behind or the replica's role changes. Ends when the client goes
 /// away or the operator stops.
-async fn run_watch(runtime: Arc<Runtime>, tx: WatchTx, mut shutdown: watch::Receiver<bool>) {
+async fn run_watch(operator: Operator, tx: WatchTx, mut shutdown: watch::Receiver<bool>) {
     loop {
-        let mut terms = runtime.terms();
-        let mut changes = runtime.subscribe();
-        let all = runtime.bindings();
+        let Feed {
+            mut terms,
+            mut changes,
+            full: all,
+        } = operator.identity_feed();
         let mut full = Vec::with_capacity(all.len() + 2);
         full.push(event(Kind::ResyncStart, None));
         full.extend(

@@ -1,9 +1,15 @@
 //! The gRPC server: IdentityService, EndpointSync, NodeService, gRPC health and
 //! reflection (v1 and v1alpha), with explicit message size limits and a metrics layer.
+//!
+//! The services reach the operator only through [`Api`], in domain types. This is
+//! the one module that knows the wire: it decodes and validates requests, encodes
+//! answers and the operator's messages to agents (`convert`), and turns refusals into
+//! precise statuses, a follower's naming the leader (`status`).
 
 mod convert;
 mod identity;
 mod node;
+mod status;
 mod sync;
 
 use std::{
@@ -23,9 +29,12 @@ use tower::{Layer, Service};
 
 pub(crate) use self::{identity::Identities, node::Nodes, sync::EndpointStreams};
 use crate::{
+    api::Api,
     metrics::{GrpcLabels, MethodLabels, Metrics},
-    runtime::Runtime,
 };
+
+/// The operator, as every service reaches it.
+type Operator = Arc<dyn Api>;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ServeError {
@@ -46,21 +55,30 @@ pub(crate) struct Keepalive {
     pub(crate) timeout: Duration,
 }
 
-/// Serves until `shutdown` turns true, then stops accepting and drains.
+/// Serves `operator` until `shutdown` turns true, then stops accepting and drains.
 pub(crate) async fn serve(
     listener: TcpListener,
-    runtime: Arc<Runtime>,
+    operator: Operator,
+    metrics: Metrics,
     keepalive: Keepalive,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
-    let max = runtime.settings.max_message_bytes;
-    let identities = IdentityServiceServer::new(Identities::new(runtime.clone(), shutdown.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
-    let sync = EndpointSyncServer::new(EndpointStreams::new(runtime.clone(), shutdown.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
-    let nodes = NodeServiceServer::new(Nodes::new(runtime.clone()))
+    let max = operator.settings().max_message_bytes;
+    let identities = IdentityServiceServer::new(Identities::new(
+        operator.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ))
+    .max_decoding_message_size(max)
+    .max_encoding_message_size(max);
+    let sync = EndpointSyncServer::new(EndpointStreams::new(
+        operator.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ))
+    .max_decoding_message_size(max)
+    .max_encoding_message_size(max);
+    let nodes = NodeServiceServer::new(Nodes::new(operator))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
@@ -91,9 +109,7 @@ pub(crate) async fn serve(
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keepalive.interval))
         .http2_keepalive_timeout(Some(keepalive.timeout))
-        .layer(GrpcMetricsLayer {
-            metrics: runtime.metrics.clone(),
-        })
+        .layer(GrpcMetricsLayer { metrics })
         .add_service(identities)
         .add_service(sync)
         .add_service(nodes)

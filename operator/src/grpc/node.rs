@@ -14,11 +14,12 @@ use census_proto::{
 use parking_lot::Mutex;
 use tonic::{Request, Response, Status, transport::Channel};
 
-use super::convert::{field, node_to_wire, version};
-use crate::{
-    replica::{Leader, NotLeader, Role},
-    runtime::{Runtime, not_leader_status},
+use super::{
+    Operator,
+    convert::node_to_wire,
+    status::{field, not_leader_status, version},
 };
+use crate::api::{Leader, NotLeader, Role};
 
 /// Marks a call one replica forwarded to another.
 const FORWARDED: &str = "census-forwarded";
@@ -27,22 +28,22 @@ const FORWARD_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub(crate) struct Nodes {
-    runtime: Arc<Runtime>,
+    operator: Operator,
     /// A channel to the leader, by its address, reused while the leader stays.
     leader: Arc<Mutex<Option<(String, Channel)>>>,
 }
 
 impl Nodes {
-    pub(crate) fn new(runtime: Arc<Runtime>) -> Self {
+    pub(crate) fn new(operator: Operator) -> Self {
         Self {
-            runtime,
+            operator,
             leader: Arc::new(Mutex::new(None)),
         }
     }
 
     /// `None` to answer here; a client to forward to; or why neither is possible.
     fn route<T>(&self, request: &Request<T>) -> Result<Option<NodeServiceClient<Channel>>, Status> {
-        let leader = match self.runtime.role() {
+        let leader = match self.operator.role() {
             Role::Leader => return Ok(None),
             Role::Follower { leader } => leader,
         };
@@ -86,7 +87,7 @@ impl Nodes {
     }
 
     fn forward_failed(&self, status: Status) -> Status {
-        let leader = match self.runtime.role() {
+        let leader = match self.operator.role() {
             Role::Follower { leader: Some(l) } => l.to_string(),
             _ => "the leader".to_owned(),
         };
@@ -118,7 +119,7 @@ impl NodeService for Nodes {
                 .await
                 .map_err(|s| self.forward_failed(s));
         }
-        let nodes = self.runtime.read(|a| a.nodes());
+        let nodes = self.operator.nodes();
         Ok(Response::new(pb::ListNodesResponse {
             nodes: nodes.iter().map(node_to_wire).collect(),
         }))
@@ -132,8 +133,8 @@ impl NodeService for Nodes {
         Ok(Response::new(pb::VersionInfo {
             operator_version: env!("CARGO_PKG_VERSION").to_owned(),
             protocol_version: census_proto::PROTOCOL_VERSION,
-            store: self.runtime.settings.store_kind.to_owned(),
-            id_range: self.runtime.read(|a| a.range()).to_string(),
+            store: self.operator.settings().store_kind.to_owned(),
+            id_range: self.operator.id_range().to_string(),
         }))
     }
 
@@ -151,7 +152,7 @@ impl NodeService for Nodes {
                 .await
                 .map_err(|s| self.forward_failed(s));
         }
-        match self.runtime.read(|a| a.node(&name)) {
+        match self.operator.node(&name) {
             Some(info) => Ok(Response::new(node_to_wire(&info))),
             None => Err(Status::not_found(format!("node {name} is not known"))),
         }

@@ -6,12 +6,16 @@
 //! stream: an entry that fails validation is rejected alone (named in the Ack,
 //! counted, logged once) and the rest of the message is applied. A message malformed
 //! as a whole ends the stream with a precise status and changes nothing.
+//!
+//! What the operator tells the agent (Rebind, SnapshotNow, the end of the stream)
+//! comes as domain values on a channel of the stream's own; the stream's task encodes
+//! it, and sends what the operator said while applying a message before its Ack.
 
 use std::{
     collections::{HashMap, hash_map::Entry},
     net::SocketAddr,
     sync::Arc,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use census_proto::{
@@ -20,7 +24,6 @@ use census_proto::{
         Rejected, SentKey, check_version, delete_from_wire, filter_to_wire, node_from_wire,
         pending_to_wire, session_from_wire, snapshot_from_wire, upsert_from_wire,
     },
-    domain::{NodeName, SessionId},
     pb::{self, agent_message::Body, endpoint_sync_server::EndpointSync},
 };
 use tokio::sync::{mpsc, watch};
@@ -28,11 +31,14 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::convert::{field, refused, sync, version};
+use super::{
+    Operator,
+    convert::to_agent,
+    status::{field, refused, version},
+};
 use crate::{
-    allocator::{Applied, ConnId},
-    metrics::{KindLabels, ReasonLabels},
-    runtime::{Runtime, Term, not_leader_status},
+    api::{Applied, Caller, Connected, ToAgent},
+    metrics::{KindLabels, Metrics, ReasonLabels},
 };
 
 /// Messages buffered towards one agent.
@@ -42,15 +48,21 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub(crate) struct EndpointStreams {
-    runtime: Arc<Runtime>,
+    operator: Operator,
+    metrics: Metrics,
     shutdown: watch::Receiver<bool>,
     refusals: Arc<Refusals>,
 }
 
 impl EndpointStreams {
-    pub(crate) fn new(runtime: Arc<Runtime>, shutdown: watch::Receiver<bool>) -> Self {
+    pub(crate) fn new(
+        operator: Operator,
+        metrics: Metrics,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
         Self {
-            runtime,
+            operator,
+            metrics,
             shutdown,
             refusals: Arc::default(),
         }
@@ -147,7 +159,7 @@ impl EndpointSync for EndpointStreams {
             .map_err(|e| refuse(&who, field(e)))?;
 
         let (tx, rx) = mpsc::channel(OUTBOUND);
-        let settings = &self.runtime.settings;
+        let settings = self.operator.settings();
         let reply = pb::OperatorMessage {
             body: Some(pb::operator_message::Body::HelloReply(pb::HelloReply {
                 protocol_version: PROTOCOL_VERSION,
@@ -166,23 +178,27 @@ impl EndpointSync for EndpointStreams {
         tx.try_send(Ok(reply))
             .map_err(|_| Status::internal("cannot queue HelloReply"))?;
         // Agents use host networking: the peer is their Node's address.
-        let peer_ip = peer.map(|p| p.ip().to_canonical());
-        let (accepted, term) = self
-            .runtime
-            .hello(&node, session, peer_ip, tx.clone())
+        let caller = Caller {
+            node,
+            peer: peer.map(|p| p.ip().to_canonical()),
+        };
+        let (to_agent_tx, from_operator) = mpsc::channel(OUTBOUND);
+        let connected = self
+            .operator
+            .hello(&caller, session, to_agent_tx)
             .map_err(|e| refuse(&who, refused(e)))?;
         self.refusals.accepted(&who);
-        let span = info_span!("sync", %node, %session, conn = accepted.conn.get());
+        let span =
+            info_span!("sync", node = %connected.node, %session, conn = connected.conn.get());
         span.in_scope(
             || info!(agent_version = %hello.agent_version, peer = ?peer, "agent connected"),
         );
         let stream = Stream {
-            runtime: self.runtime.clone(),
-            node,
-            session,
-            conn: accepted.conn,
-            term,
+            operator: self.operator.clone(),
+            metrics: self.metrics.clone(),
+            connected,
             tx,
+            from_operator,
             peer,
             rejected: HashMap::new(),
         };
@@ -193,8 +209,7 @@ impl EndpointSync for EndpointStreams {
 
 impl EndpointStreams {
     fn invalid(&self, kind: &'static str) {
-        self.runtime
-            .metrics
+        self.metrics
             .invalid_messages
             .get_or_create(&KindLabels { kind })
             .inc();
@@ -202,13 +217,13 @@ impl EndpointStreams {
 }
 
 struct Stream {
-    runtime: Arc<Runtime>,
-    node: NodeName,
-    session: SessionId,
-    conn: ConnId,
-    /// The runtime's term at Hello: after a change of role the stream is over.
-    term: Term,
+    operator: Operator,
+    metrics: Metrics,
+    connected: Connected,
+    /// Towards the agent: the HelloReply, Acks, and what the operator says.
     tx: mpsc::Sender<Result<pb::OperatorMessage, Status>>,
+    /// What the operator says to the agent (Rebind, SnapshotNow, the end).
+    from_operator: mpsc::Receiver<ToAgent>,
     peer: Option<SocketAddr>,
     /// The node's rejected entries as last logged, with their reasons: replaced by
     /// each snapshot's, edited by each delta's. A rejection is logged once however
@@ -224,55 +239,98 @@ enum Covers {
     One(SentKey),
 }
 
+/// What a stream's task waits for.
+enum Event {
+    Agent(Result<Option<pb::AgentMessage>, Status>),
+    Operator(Option<ToAgent>),
+    Closed,
+    Stopping,
+}
+
 impl Stream {
     async fn run(
         mut self,
         mut inbound: Streaming<pb::AgentMessage>,
         mut shutdown: watch::Receiver<bool>,
     ) {
+        let mut operator_open = true;
         loop {
-            let message = tokio::select! {
-                m = inbound.message() => m,
-                () = self.tx.closed() => break,
-                _ = shutdown.changed() => {
-                    // Said here, not only by `Runtime::shut_down`: once this task has
-                    // disconnected, the runtime no longer holds the stream.
+            let event = tokio::select! {
+                m = inbound.message() => Event::Agent(m),
+                m = self.from_operator.recv(), if operator_open => Event::Operator(m),
+                () = self.tx.closed() => Event::Closed,
+                _ = shutdown.changed() => Event::Stopping,
+            };
+            let open = match event {
+                Event::Agent(Ok(Some(msg))) => {
+                    let answer = self.handle(msg);
+                    // What the operator said while applying the message goes first.
+                    self.forward_queued().await
+                        && match answer {
+                            Ok(ack) => self.tx.send(Ok(ack)).await.is_ok(),
+                            Err(status) => {
+                                warn!(code = ?status.code(), message = status.message(), "ending the stream");
+                                let _ = self.tx.send(Err(status)).await;
+                                false
+                            }
+                        }
+                }
+                Event::Agent(Ok(None)) => {
+                    debug!("agent closed the stream");
+                    false
+                }
+                Event::Agent(Err(status)) => {
+                    debug!(code = ?status.code(), message = status.message(), "stream failed");
+                    false
+                }
+                Event::Operator(Some(msg)) => self.forward(msg).await,
+                // The operator forgot the stream without ending it: the next message
+                // it sends is refused.
+                Event::Operator(None) => {
+                    operator_open = false;
+                    true
+                }
+                Event::Closed => false,
+                Event::Stopping => {
+                    // Said here too: once this task has disconnected, the operator no
+                    // longer holds the stream.
                     let _ = self.tx.try_send(Err(Status::unavailable(
                         "the operator is shutting down; reconnect",
                     )));
-                    break;
+                    false
                 }
             };
-            match message {
-                Ok(Some(msg)) => match self.handle(msg) {
-                    Ok(ack) => {
-                        if self.tx.send(Ok(ack)).await.is_err() {
-                            break;
-                        }
-                    }
-                    Err(status) => {
-                        warn!(code = ?status.code(), message = status.message(), "ending the stream");
-                        let _ = self.tx.send(Err(status)).await;
-                        break;
-                    }
-                },
-                Ok(None) => {
-                    debug!("agent closed the stream");
-                    break;
-                }
-                Err(status) => {
-                    debug!(code = ?status.code(), message = status.message(), "stream failed");
-                    break;
-                }
+            if !open {
+                break;
             }
         }
-        info!(peer = ?self.peer, session = %self.session, "agent disconnected");
-        self.runtime.disconnect(self.term, &self.node, self.conn);
+        info!(peer = ?self.peer, session = %self.connected.session, "agent disconnected");
+        self.operator.disconnect(&self.connected);
+    }
+
+    /// Sends the agent what the operator said; false once the stream is over.
+    async fn forward(&self, msg: ToAgent) -> bool {
+        match to_agent(&self.connected.node, msg) {
+            Ok(msg) => self.tx.send(Ok(msg)).await.is_ok(),
+            Err(end) => {
+                let _ = self.tx.send(Err(end)).await;
+                false
+            }
+        }
+    }
+
+    /// [`Stream::forward`]s everything the operator has said so far.
+    async fn forward_queued(&mut self) -> bool {
+        while let Ok(msg) = self.from_operator.try_recv() {
+            if !self.forward(msg).await {
+                return false;
+            }
+        }
+        true
     }
 
     fn invalid(&self, kind: &'static str, status: Status) -> Status {
-        self.runtime
-            .metrics
+        self.metrics
             .invalid_messages
             .get_or_create(&KindLabels { kind })
             .inc();
@@ -289,8 +347,7 @@ impl Stream {
                 Status::invalid_argument("seq: must be above 0 after Hello"),
             ));
         }
-        let settings = &self.runtime.settings;
-        let (node, conn) = (&self.node, self.conn);
+        let settings = self.operator.settings();
         let (applied, rejected, covers): (Applied, Vec<Rejected>, Covers) = match msg.body {
             None => {
                 return Err(
@@ -310,10 +367,9 @@ impl Stream {
                     Ok(endpoint) => {
                         let key = SentKey::from(&endpoint.key);
                         let applied = self
-                            .runtime
-                            .with_term(self.term, |a, now| a.upsert(node, conn, seq, endpoint, now))
-                            .map_err(|e| not_leader_status(&e))?
-                            .map_err(sync)?;
+                            .operator
+                            .upsert(&self.connected, seq, endpoint)
+                            .map_err(refused)?;
                         (applied, Vec::new(), Covers::One(key))
                     }
                     // Changes nothing: the core never sees it.
@@ -326,10 +382,9 @@ impl Stream {
             Some(Body::Delete(delete)) => match delete_from_wire(&delete) {
                 Ok(key) => {
                     let applied = self
-                        .runtime
-                        .with_term(self.term, |a, now| a.delete(node, conn, seq, &key, now))
-                        .map_err(|e| not_leader_status(&e))?
-                        .map_err(sync)?;
+                        .operator
+                        .delete(&self.connected, seq, &key)
+                        .map_err(refused)?;
                     (applied, Vec::new(), Covers::One(SentKey::from(&key)))
                 }
                 Err(rejected) => {
@@ -340,20 +395,10 @@ impl Stream {
             Some(Body::Snapshot(snapshot)) => {
                 let entries = snapshot_from_wire(&snapshot, &settings.wire, &settings.filter)
                     .map_err(|e| self.invalid("snapshot", field(e)))?;
-                let endpoints = entries.endpoints;
-                let metrics = &self.runtime.metrics;
                 let applied = self
-                    .runtime
-                    .with_term(self.term, |a, now| {
-                        let started = Instant::now();
-                        let r = a.snapshot(node, conn, seq, endpoints, now);
-                        metrics
-                            .snapshot_apply
-                            .observe(started.elapsed().as_secs_f64());
-                        r
-                    })
-                    .map_err(|e| not_leader_status(&e))?
-                    .map_err(sync)?;
+                    .operator
+                    .snapshot(&self.connected, seq, entries.endpoints)
+                    .map_err(refused)?;
                 (applied, entries.rejected, Covers::All)
             }
         };
@@ -386,8 +431,7 @@ impl Stream {
     fn note_rejections(&mut self, covers: Covers, rejected: &[Rejected]) {
         let mut now: HashMap<SentKey, Vec<String>> = HashMap::with_capacity(rejected.len());
         for r in rejected {
-            self.runtime
-                .metrics
+            self.metrics
                 .rejected_entries
                 .get_or_create(&ReasonLabels { reason: r.kind() })
                 .inc();
@@ -412,7 +456,7 @@ impl Stream {
             Covers::One(key) => match now.remove(&key) {
                 Some(reasons) => {
                     let room =
-                        self.rejected.len() < self.runtime.settings.wire.max_snapshot_endpoints;
+                        self.rejected.len() < self.operator.settings().wire.max_snapshot_endpoints;
                     match self.rejected.entry(key) {
                         Entry::Occupied(mut logged) => *logged.get_mut() = reasons,
                         // Past the bound it is logged again when resent, never kept.

@@ -202,7 +202,7 @@ impl Leadership {
         let writers = writer::spawn(
             queues,
             self.store.clone(),
-            self.runtime.clone(),
+            self.runtime.metrics.clone(),
             self.store_timeout,
         );
         // What changed between the list and now reached a follower's core (dropped):

@@ -32,10 +32,11 @@ use self::{
 use crate::{
     admin::Readiness,
     allocator::Config,
+    api::Settings,
     config::{KubernetesArgs, ServiceAccountRef},
     metrics::Metrics,
     replica::{Fence, Replica},
-    runtime::{Clock, Runtime, Settings, feed_store_events},
+    runtime::{Clock, Runtime, feed_store_events},
     store::{
         Store as _,
         kubernetes::{EventsConfig, KubeStore, KubeStoreConfig},

@@ -15,137 +15,14 @@ pub mod redb;
 
 use std::{future::Future, pin::Pin};
 
-use census_proto::{
-    domain::{IdentityId, NodeName},
-    labels::LabelSet,
-};
+use census_proto::{domain::IdentityId, labels::LabelSet};
 use tokio::sync::mpsc;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// An identity as stored: the binding of an id to its canonical label set.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredIdentity {
-    pub id: IdentityId,
-    pub labels: LabelSet,
-}
-
-/// A deleted id's quarantine record: the id may be bound again only to the label set
-/// with this hash until `until_ms` (wall-clock ms since the Unix epoch).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Tombstone {
-    pub id: IdentityId,
-    pub labels_hash: u64,
-    pub until_ms: u64,
-}
-
-/// Everything a store holds, read once when the operator starts.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Loaded {
-    pub identities: Vec<StoredIdentity>,
-    pub nodes: Vec<NodeName>,
-    pub tombstones: Vec<Tombstone>,
-}
-
-/// One write. Ops are idempotent, so a retry after an unknown outcome is safe.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreOp {
-    /// Bind `id` to `labels` and drop any tombstone of `id`. Succeeds if exactly this
-    /// binding exists already; fails with [`StoreError::Conflict`] if the id or the
-    /// labels are bound otherwise.
-    CreateIdentity { id: IdentityId, labels: LabelSet },
-    /// Delete `id` if it is bound to `labels` (success if it is gone already) and
-    /// record `tombstone`. Fails with [`StoreError::Conflict`] if the id is bound to
-    /// other labels.
-    DeleteIdentity {
-        id: IdentityId,
-        labels: LabelSet,
-        tombstone: Tombstone,
-    },
-    /// Forget an expired tombstone (success if it is gone already).
-    DeleteTombstone { id: IdentityId },
-    /// Record a node as known (success if it is known already).
-    PutNode { node: NodeName },
-    /// Forget a node (success if it is unknown already).
-    DeleteNode { node: NodeName },
-}
-
-impl StoreOp {
-    /// For logs and metrics.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::CreateIdentity { .. } => "create_identity",
-            Self::DeleteIdentity { .. } => "delete_identity",
-            Self::DeleteTombstone { .. } => "delete_tombstone",
-            Self::PutNode { .. } => "put_node",
-            Self::DeleteNode { .. } => "delete_node",
-        }
-    }
-}
-
-/// Why a store refused or failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StoreError {
-    /// The store holds a different binding than the op expects. Not retried as is.
-    #[error("identity {id}: the store binds {found}, expected {expected}")]
-    Conflict {
-        id: IdentityId,
-        expected: String,
-        found: String,
-    },
-    /// A create of `id` found its labels bound to another identity, `bound`: the
-    /// store already has an identity for them (restored from a backup, applied by
-    /// hand, or written by a deposed leader). Nothing was written; the core takes
-    /// `bound` for the labels instead of blocking `id`.
-    #[error("identity {id}: the store binds its labels {labels} to identity {bound} already")]
-    LabelsBound {
-        id: IdentityId,
-        labels: String,
-        bound: IdentityId,
-    },
-    /// The write may succeed later (I/O error, timeout, API server unavailable).
-    #[error("store unavailable ({cause}): {detail}")]
-    Unavailable { cause: &'static str, detail: String },
-    /// The file or its contents cannot be read as census state: empty, truncated,
-    /// damaged, or not a census store. Fatal at open.
-    #[error(
-        "store {path} is corrupt: {detail}; \
-         it is never rewritten silently: restore it from a backup, or move the file away to start empty"
-    )]
-    Corrupt { path: String, detail: String },
-    /// The file was written by another schema version. Fatal at open.
-    #[error(
-        "store {path} has schema version {found}, this operator reads version {supported}; \
-         it is never rewritten silently: use an operator that reads version {found}, or move the file away to start empty"
-    )]
-    Schema {
-        path: String,
-        found: u32,
-        supported: u32,
-    },
-    /// The store cannot be opened (permissions, locked by another process, ...). Fatal at open.
-    #[error("cannot open store {path}: {detail}")]
-    Open { path: String, detail: String },
-}
-
-impl StoreError {
-    /// A bounded label for metrics.
-    pub fn cause(&self) -> &'static str {
-        match self {
-            Self::Conflict { .. } => "conflict",
-            Self::LabelsBound { .. } => "labels_bound",
-            Self::Unavailable { cause, .. } => cause,
-            Self::Corrupt { .. } => "corrupt",
-            Self::Schema { .. } => "schema",
-            Self::Open { .. } => "open",
-        }
-    }
-
-    /// True if the same op may succeed when retried later.
-    pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Unavailable { .. })
-    }
-}
+// The ops and their outcomes are the core's vocabulary (it asks for writes and hears
+// how they went); the stores implement them.
+pub use crate::allocator::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone};
 
 /// A change to the store that census did not make.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,9 +15,10 @@ use std::{
 use census_fake_apiserver::{Failure, RequestFilter, ServerConfig, Verb};
 use census_operator::{
     allocator::{Allocator, Config, IdentityState, Liveness},
+    api::{Api, Caller, Settings},
     metrics::Metrics,
     replica::Fence,
-    runtime::{Clock, Runtime, Settings, feed_store_events},
+    runtime::{Clock, Runtime, feed_store_events},
     store::{Store, kubernetes::KubeStoreConfig},
     writer,
 };
@@ -111,7 +112,7 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
     let writers = writer::spawn(
         queues,
         store.clone(),
-        runtime.clone(),
+        runtime.metrics.clone(),
         Duration::from_secs(30),
     );
     let events = store.events().ok_or("no store events")?;
@@ -169,13 +170,16 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
     let regained: BTreeSet<IdentityId> = far.iter().chain(&frontier).copied().collect();
     let node = NodeName::new("n1")?;
     let (tx, _rx) = mpsc::channel(1024);
-    let (accepted, _term) = runtime.hello(
-        &node,
+    let caller = Caller {
+        node: node.clone(),
+        peer: None,
+    };
+    let stream = runtime.hello(
+        &caller,
         SessionId {
             start_time_ns: 1,
             nonce: 1,
         },
-        None,
         tx,
     )?;
     let endpoints: Vec<Endpoint> = regained
@@ -191,7 +195,7 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
             })
         })
         .collect::<Result<_, census_proto::domain::NameError>>()?;
-    let applied = runtime.with(|a, now| a.snapshot(&node, accepted.conn, 1, endpoints, now))?;
+    let applied = runtime.snapshot(&stream, 1, endpoints)?;
     assert_eq!(applied.rebinds, 0, "every regained identity keeps its id");
 
     // Every other identity is deleted: tombstoned, then gone after the quarantine.

@@ -5,12 +5,14 @@
 //! - [`agent`]: an agent's EndpointSync stream, driven message by message;
 //! - [`eventually`], [`until_some`] and [`wait_for`]: polling with a deadline;
 //! - [`alloc`]: a global allocator that counts live bytes per thread;
-//! - [`proxy`]: a TCP proxy that can go silent (a half-open connection).
+//! - [`proxy`]: a TCP proxy that can go silent (a half-open connection);
+//! - [`layering`]: a crate's module graph read from its source, for layering tests.
 //!
 //! Only ever a dev-dependency: nothing here belongs in a production binary.
 
 pub mod agent;
 pub mod alloc;
+pub mod layering;
 pub mod operator;
 pub mod proxy;
 
