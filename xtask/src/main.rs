@@ -10,6 +10,7 @@ mod codegen;
 mod demo;
 mod ebpf;
 mod images;
+mod mutants;
 mod privileged;
 mod setup;
 mod test;
@@ -59,6 +60,10 @@ enum Command {
     /// here, on a Debian 12 base made with mmdebstrap, and smoke-run them with podman;
     /// as root. Not part of `cargo xtask test`.
     Images(images::Options),
+    /// Mutation testing of the allocator core (cargo-mutants, installed if missing):
+    /// by shard and time bound, carrying on from earlier runs; caught / missed /
+    /// timeout / unviable. `--in-diff`: only the lines the change touches.
+    Mutants(mutants::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,5 +78,6 @@ fn main() -> anyhow::Result<()> {
         Command::Codegen(options) => codegen::run(options),
         Command::Bench(options) => bench::run(options),
         Command::Images(options) => images::run(options),
+        Command::Mutants(options) => mutants::run(options),
     }
 }

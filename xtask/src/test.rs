@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::{bench, cmd, ebpf, privileged, setup};
+use crate::{bench, cmd, ebpf, mutants, privileged, setup};
 
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub(crate) struct Options {
@@ -97,6 +97,12 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
                 .args(["test", "--package", "census-common"]),
         )
     })?;
+    // Mutation testing of the allocator lines the change touches (against `main`),
+    // bounded to 10 minutes; nothing to do when no allocator source file changed.
+    step(
+        "allocator mutants in the change",
+        &mut mutants::in_diff_step,
+    )?;
     if no_privileged {
         println!("\n==> privileged suite: skipped (--no-privileged)");
     } else {

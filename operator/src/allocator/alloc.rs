@@ -459,6 +459,14 @@ impl Allocator {
         let Some(old) = core.ids.remove(from) else {
             return;
         };
+        // `from` was shown if it was a binding being written again (someone deleted
+        // it from the store) when the store turned out to bind its labels to `to`.
+        if old.announced {
+            core.fx.push(Effect::Watch(WatchChange::Removed {
+                id: from,
+                labels: old.labels.clone(),
+            }));
+        }
         core.ids.insert(to, old.labels, Phase::Live);
         core.counters.bindings_taken += 1;
         core.announce(to);

@@ -68,7 +68,13 @@ pub(in crate::allocator) fn check(a: &Allocator) {
             }
         }
     }
-    assert_eq!(a.core.gc.inflight, inflight_deletes, "deletes in flight");
+    // At least these: a delete stays in flight after its identity is rehomed (its
+    // object was edited meanwhile) until the store answers it.
+    assert!(
+        a.core.gc.inflight >= inflight_deletes,
+        "deletes in flight: {} counted, {inflight_deletes} identities deleting",
+        a.core.gc.inflight
+    );
     for id in &a.core.gc.rewriting {
         assert!(
             ids.get(*id).is_none(),

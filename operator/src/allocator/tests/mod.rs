@@ -1,6 +1,7 @@
 //! Tests of the allocator core: one module of focused unit tests per concern, a
 //! model-based property test of the invariants, and the small builders they share.
 
+mod accounting;
 mod invariants;
 mod model;
 mod unit;
@@ -94,6 +95,20 @@ pub(super) struct ModelStore {
     /// Tombstones someone deleted that census has not written again yet: an operator
     /// that restarts before it does cannot know those quarantines.
     pub(super) lost_tombstones: BTreeSet<IdentityId>,
+    /// Bindings written by census ops whose success the core was never told (a write
+    /// that committed but answered an error, or committed late): like foreign ones,
+    /// the core may not know them, and the store answers as a real store would.
+    pub(super) unreported: BTreeSet<IdentityId>,
+    /// Objects someone edited so they bind no valid label set (or other labels than
+    /// census wrote): every write census makes to them conflicts.
+    pub(super) invalid: BTreeMap<IdentityId, String>,
+    /// How far the operator's clock has stepped back since the store was made:
+    /// `deleted` keeps the end of each quarantine in real time (the core's clock
+    /// plus this), as a quarantine that ended before a step back has ended.
+    pub(super) skew_ms: u64,
+    /// Every id where an object census did not write (or did not hear back about)
+    /// ever appeared: the only ids the core may block.
+    pub(super) others: BTreeSet<IdentityId>,
 }
 
 impl ModelStore {
@@ -122,6 +137,13 @@ impl ModelStore {
     pub(super) fn apply(&mut self, op: &StoreOp, now: Timestamp) -> Result<(), StoreError> {
         match op {
             StoreOp::CreateIdentity { id, labels } => {
+                if let Some(found) = self.invalid.get(id) {
+                    return Err(StoreError::Conflict {
+                        id: *id,
+                        expected: labels.to_string(),
+                        found: found.clone(),
+                    });
+                }
                 if let Some(bound) = self.identities.get(id) {
                     return if bound == labels {
                         Ok(())
@@ -130,7 +152,7 @@ impl ModelStore {
                     };
                 }
                 if let Some((&other, _)) = self.identities.iter().find(|(_, l)| *l == labels) {
-                    if self.foreign.contains(&other) {
+                    if self.foreign.contains(&other) || self.unreported.contains(&other) {
                         return Err(StoreError::LabelsBound {
                             id: *id,
                             labels: labels.to_string(),
@@ -139,6 +161,7 @@ impl ModelStore {
                     }
                     panic!("label set {labels} would be bound to {id} while bound to {other}");
                 }
+                let now = Timestamp::from_millis(now.as_millis() + self.skew_ms);
                 if let Some((old, until)) = self.deleted.get(id)
                     && !self.lost
                     && old != labels
@@ -159,16 +182,30 @@ impl ModelStore {
                 labels,
                 tombstone,
             } => {
+                if let Some(found) = self.invalid.get(id) {
+                    return Err(StoreError::Conflict {
+                        id: *id,
+                        expected: labels.to_string(),
+                        found: found.clone(),
+                    });
+                }
                 match self.identities.get(id) {
                     Some(bound) if bound != labels => return Err(conflict(*id, labels, bound)),
                     Some(_) => {
                         self.identities.remove(id);
-                        self.deleted.insert(
-                            *id,
-                            (labels.clone(), Timestamp::from_millis(tombstone.until_ms)),
-                        );
+                        self.foreign.remove(id);
+                        self.unreported.remove(id);
+                        let until = Timestamp::from_millis(tombstone.until_ms + self.skew_ms);
+                        self.deleted.insert(*id, (labels.clone(), until));
                     }
-                    None => {}
+                    // Gone already (someone deleted it): the tombstone object still
+                    // keeps the labels it quarantines.
+                    None => {
+                        let until = Timestamp::from_millis(tombstone.until_ms + self.skew_ms);
+                        self.deleted
+                            .entry(*id)
+                            .or_insert_with(|| (labels.clone(), until));
+                    }
                 }
                 self.tombstones.insert(*id, *tombstone);
                 self.lost_tombstones.remove(id);
@@ -214,6 +251,10 @@ pub(super) struct Harness {
     watched: BTreeMap<IdentityId, IdentityInfo>,
     /// Every delete emitted, with the identity's refs and holds at the time.
     pub(super) deletes_issued: Vec<(IdentityId, u32, u32)>,
+    /// Every store op emitted, with whether its id was bound in the core then (a
+    /// DeleteIdentity of an unbound id writes a lost tombstone again), for the
+    /// model test's checks; whoever reads it empties it.
+    pub(super) emitted: Vec<(StoreOp, bool)>,
     next_req: RequestId,
 }
 
@@ -263,6 +304,7 @@ impl Harness {
             watch: Vec::new(),
             watched,
             deletes_issued: Vec::new(),
+            emitted: Vec::new(),
             next_req: 1,
         };
         h.route();
@@ -281,6 +323,13 @@ impl Harness {
                             .map_or((0, 0), |i| (i.refs, i.holds));
                         self.deletes_issued.push((*id, refs, holds));
                     }
+                    let bound = match &op {
+                        StoreOp::CreateIdentity { id, .. } | StoreOp::DeleteIdentity { id, .. } => {
+                            self.alloc.identity(*id).is_some_and(|i| i.labels.is_some())
+                        }
+                        _ => false,
+                    };
+                    self.emitted.push((op.clone(), bound));
                     match priority {
                         Priority::Allocation => self.pending_ops.push_back(op),
                         Priority::Gc => self.pending_gc.push_back(op),

@@ -1,0 +1,89 @@
+//! What the invariants and the model cannot see: counters, the configuration's
+//! arithmetic, stream ids. Each test pins down a figure that mutation testing
+//! showed no other test checks.
+
+use super::*;
+
+const N1: &str = "node-1";
+
+fn connected(h: &mut Harness, n: &str, start: u64) -> (SessionId, ConnId) {
+    let s = session(start);
+    match h.hello(n, s) {
+        Ok(conn) => (s, conn),
+        Err(e) => panic!("hello {n}: {e}"),
+    }
+}
+
+#[test]
+fn defaults_scale_with_the_snapshot_interval() {
+    let cfg = Config::with_snapshot_interval(ms(10_000));
+    assert_eq!(cfg.snapshot_interval, ms(10_000));
+    assert_eq!(cfg.node_ttl, ms(30_000));
+    assert_eq!(cfg.hold_timeout, ms(30_000));
+    assert_eq!(cfg.adoption_window, ms(30_000));
+    assert_eq!(cfg.grace, Config::default().grace);
+}
+
+#[test]
+fn retries_back_off_doubling_up_to_the_maximum() {
+    let cfg = small_config();
+    let waits: Vec<Duration> = (1..=5).map(|n| cfg.backoff(n)).collect();
+    assert_eq!(waits, [ms(500), ms(1_000), ms(2_000), ms(4_000), ms(4_000)]);
+}
+
+#[test]
+fn each_stream_has_its_own_number() {
+    let mut h = Harness::new(small_config());
+    let (_, c1) = connected(&mut h, N1, 10);
+    let (_, c2) = connected(&mut h, "node-2", 10);
+    assert!(c1.get() >= 1 && c2.get() == c1.get() + 1, "{c1:?} {c2:?}");
+}
+
+#[test]
+fn bindings_taken_from_the_store_and_the_rebinds_they_cost_are_counted() {
+    let mut cfg = small_config();
+    cfg.range = IdRange::new(256, 300).unwrap_or_default();
+    // Seen by the store's watch.
+    let mut h = Harness::new(cfg.clone());
+    h.store.identities.insert(id(280), labels("app=web"));
+    h.alloc.binding_found(id(280), &labels("app=web"));
+    h.route();
+    assert_eq!(h.alloc.counters().bindings_taken, 1);
+    // Met by a create, with an endpoint that used the id tried: moved with a Rebind.
+    let mut h = Harness::new(cfg);
+    let (_, c1) = connected(&mut h, N1, 10);
+    h.store.identities.insert(id(280), labels("app=web"));
+    h.store.foreign.insert(id(280));
+    let applied = h.snapshot(N1, c1, 1, vec![mk_endpoint("web-0", 290, "app=web")]);
+    assert!(applied.is_ok());
+    let rebinds = h.alloc.counters().rebinds;
+    h.settle_store();
+    let c = h.alloc.counters();
+    assert_eq!(c.bindings_taken, 1);
+    assert_eq!(c.rebinds, rebinds + 1, "the endpoint moved to 280");
+    assert_eq!(h.rebinds(), [("web-0".to_owned(), 280)]);
+    let node = h.alloc.node(&node(N1)).map(|n| n.rebinds);
+    assert_eq!(node, Some(1));
+}
+
+#[test]
+fn a_rehomed_identity_moves_its_holds() {
+    let mut h = Harness::new(small_config());
+    let (s1, _) = connected(&mut h, N1, 10);
+    let web = match h.allocate_now(N1, s1, "app=web") {
+        Ok(id) => id,
+        Err(e) => panic!("{e}"),
+    };
+    // Someone edits the object's labels.
+    h.store.identities.remove(&web);
+    let found = "labels k8s:app=edited".to_owned();
+    h.store.invalid.insert(web, found.clone());
+    h.alloc.binding_invalid(web, found, h.now);
+    h.route();
+    h.settle_store();
+    let moved = h.alloc.lookup(&labels("app=web"));
+    assert!(
+        moved.as_ref().is_some_and(|i| i.id != web && i.holds == 1),
+        "the hold moved with the labels: {moved:?}"
+    );
+}
