@@ -4,8 +4,9 @@
 //!   and the jemalloc options that make freed memory go back to the OS;
 //! - [`profiling`]: jemalloc heap profiles in pprof format at `/debug/pprof/heap`,
 //!   compiled in, inactive unless the daemon runs with `--heap-profiling`;
-//! - [`metrics`]: a Prometheus collector for the process's resident memory and live
-//!   heap;
+//! - [`metrics`]: `/metrics` in the Prometheus text format or OpenMetrics, as the
+//!   scraper asks, and a Prometheus collector for the process's resident memory and
+//!   live heap;
 //! - [`log`]: the `--log`/`--log-format` flags and the `tracing` subscriber;
 //! - [`signal`]: waiting for SIGTERM or SIGINT.
 //!

@@ -1,4 +1,17 @@
-//! Process memory for Prometheus, read at scrape time:
+//! Prometheus plumbing shared by both daemons' admin servers.
+//!
+//! **`/metrics` in two formats** ([`Format`], [`response`]): the classic
+//! Prometheus text format 0.0.4 and OpenMetrics 1.0.0, both written by
+//! prometheus-client's own encoders (`encoding::prometheus_text` and
+//! `encoding::text`) from the one registry, chosen by the scraper's `Accept`
+//! header as Prometheus's content negotiation describes (the highest `q` of the
+//! formats offered; Prometheus sends both, OpenMetrics preferred). They differ
+//! where it matters to parsers: a counter's `HELP`/`TYPE` name is `x_total` in
+//! the text format and `x` in OpenMetrics (whose samples are `x_total`), which a
+//! text-format parser such as `promtool check metrics` reads as a sample without
+//! help. Without an `Accept` that names either, the answer is OpenMetrics.
+//!
+//! **Process memory**, read at scrape time ([`ProcessCollector`]):
 //!
 //! - `process_resident_memory_bytes`: resident set size, from `/proc/self/statm`
 //!   (the name the Prometheus client libraries' process collectors use);
@@ -7,11 +20,107 @@
 
 use std::fmt;
 
+use axum::{
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
     metrics::gauge::ConstGauge,
+    registry::Registry,
 };
+
+/// An exposition format `/metrics` can answer in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics text 1.0.0 (`application/openmetrics-text`).
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4 (`text/plain; version=0.0.4`).
+    Text,
+}
+
+impl Format {
+    /// The format an `Accept` header asks for: of the media ranges that name a
+    /// format written here, the one with the highest `q` (the first of equals);
+    /// `text/*` is the text format; anything else, or no header, OpenMetrics.
+    pub fn negotiate(accept: Option<&str>) -> Self {
+        let mut best: Option<(f32, Self)> = None;
+        for range in accept.unwrap_or_default().split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or_default().to_ascii_lowercase();
+            let mut q = 1.0_f32;
+            let mut version = None;
+            for param in parts {
+                let Some((key, value)) = param.split_once('=') else {
+                    continue;
+                };
+                let value = value.trim().trim_matches('"');
+                match key.trim().to_ascii_lowercase().as_str() {
+                    "q" => q = value.parse().unwrap_or(0.0),
+                    "version" => version = Some(value.to_owned()),
+                    _ => {}
+                }
+            }
+            let format = match (media.as_str(), version.as_deref()) {
+                ("application/openmetrics-text", None | Some("0.0.1" | "1.0.0")) => {
+                    Self::OpenMetrics
+                }
+                ("text/plain", None | Some("0.0.4")) | ("text/*", None) => Self::Text,
+                _ => continue,
+            };
+            if q > 0.0 && best.is_none_or(|(best_q, _)| q > best_q) {
+                best = Some((q, format));
+            }
+        }
+        best.map_or(Self::OpenMetrics, |(_, format)| format)
+    }
+
+    /// The `Content-Type` of an answer in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Self::Text => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+        }
+    }
+
+    /// The registry's metrics in this format.
+    pub fn encode(self, registry: &Registry) -> Result<String, fmt::Error> {
+        let mut body = String::new();
+        match self {
+            Self::OpenMetrics => prometheus_client::encoding::text::encode(&mut body, registry)?,
+            Self::Text => {
+                prometheus_client::encoding::prometheus_text::encode(&mut body, registry)?;
+            }
+        }
+        Ok(body)
+    }
+}
+
+/// The answer to `GET /metrics`: the registry in the format the request's
+/// `Accept` asks for (`Vary: Accept`, so caches keep the formats apart).
+pub fn response(registry: &Registry, headers: &HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = Format::negotiate(accept);
+    let mut response = match format.encode(registry) {
+        Ok(body) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, format.content_type())],
+            body,
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            "encoding the metrics failed\n",
+        )
+            .into_response(),
+    };
+    response
+        .headers_mut()
+        .insert(header::VARY, HeaderValue::from_static("accept"));
+    response
+}
 
 use crate::alloc::live_heap_bytes;
 
@@ -66,9 +175,66 @@ impl Collector for ProcessCollector {
 
 #[cfg(test)]
 mod tests {
-    use prometheus_client::{encoding::text::encode, registry::Registry};
+    use prometheus_client::{encoding::text::encode, metrics::counter::Counter};
 
     use super::*;
+
+    #[test]
+    fn the_format_is_the_scrapers_preference() {
+        use Format::{OpenMetrics, Text};
+        for (accept, want) in [
+            (None, OpenMetrics),
+            (Some("*/*"), OpenMetrics),
+            (Some("text/plain"), Text),
+            (Some("text/plain; version=0.0.4"), Text),
+            (Some("text/plain;version=0.0.4;q=0.3,*/*;q=0.2"), Text),
+            (Some("text/*"), Text),
+            (Some("application/openmetrics-text"), OpenMetrics),
+            // Prometheus 2's default scrape protocols.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;\
+                     version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.1",
+                ),
+                OpenMetrics,
+            ),
+            // Prometheus 3's, with the text format first.
+            (
+                Some(
+                    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.6,text/plain;version=0.0.4;q=0.5,\
+                     application/openmetrics-text;version=1.0.0;q=0.4,*/*;q=0.2",
+                ),
+                Text,
+            ),
+            (
+                Some("application/openmetrics-text;q=0.2, TEXT/PLAIN;q=0.9"),
+                Text,
+            ),
+            (Some("text/plain;q=0, application/json"), OpenMetrics),
+            (Some("text/plain;version=9.9"), OpenMetrics),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn counters_are_named_as_each_format_wants() -> Result<(), fmt::Error> {
+        let mut registry = Registry::default();
+        let counter = Counter::<u64>::default();
+        counter.inc();
+        registry.register("things", "Things done", counter);
+        let text = Format::Text.encode(&registry)?;
+        assert!(
+            text.contains("# HELP things_total Things done.\n"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE things_total counter\n"), "{text}");
+        assert!(!text.contains("# EOF"), "{text}");
+        let open = Format::OpenMetrics.encode(&registry)?;
+        assert!(open.contains("# HELP things Things done.\n"), "{open}");
+        assert!(open.ends_with("# EOF\n"), "{open}");
+        Ok(())
+    }
 
     #[test]
     fn resident_memory_is_read() {

@@ -1,4 +1,5 @@
-//! The admin HTTP server: `/metrics` (OpenMetrics text), `/healthz`, `/readyz`, and
+//! The admin HTTP server: `/metrics` (OpenMetrics or the Prometheus text format, as
+//! the scraper's `Accept` asks), `/healthz`, `/readyz`, and
 //! `/debug/pprof/heap` (a heap profile when started with `--heap-profiling`).
 //! Internal only; never the gRPC port.
 
@@ -10,8 +11,8 @@ use std::sync::{
 use axum::{
     Router,
     extract::State,
-    http::{StatusCode, header},
-    response::IntoResponse,
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
     routing::get,
 };
 use prometheus_client::registry::Registry;
@@ -71,23 +72,8 @@ pub(crate) async fn serve(
         .await
 }
 
-async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
-    let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
-        Ok(()) => (
-            StatusCode::OK,
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            body,
-        ),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-            "encoding the metrics failed\n".to_owned(),
-        ),
-    }
+async fn metrics(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    census_daemon::metrics::response(&state.registry, &headers)
 }
 
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {

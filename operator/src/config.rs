@@ -52,6 +52,9 @@ pub enum Command {
         #[arg(long, short)]
         out: Option<PathBuf>,
     },
+    /// Write a CA, the operator's serving certificate and nodes' client
+    /// certificates (PEM) for mutual TLS; an existing CA in the directory signs.
+    Certs(crate::certs::CertsArgs),
 }
 
 #[derive(Debug, Clone, Args)]

@@ -13,6 +13,7 @@
 mod admin;
 pub mod allocator;
 pub mod api;
+pub mod certs;
 pub mod config;
 pub mod daemon;
 mod grpc;

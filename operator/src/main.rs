@@ -18,8 +18,10 @@ fn main() -> ExitCode {
     if let Err(error) = cli.log.init() {
         tracing::warn!("{error}");
     }
-    if let Some(Command::Crdgen { out }) = &cli.command {
-        return crdgen(out.as_deref());
+    match &cli.command {
+        Some(Command::Crdgen { out }) => return crdgen(out.as_deref()),
+        Some(Command::Certs(args)) => return certs(args),
+        None => {}
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -44,6 +46,24 @@ fn main() -> ExitCode {
         running.shut_down().await;
         ExitCode::SUCCESS
     })
+}
+
+/// `census-operator certs`: PEM files for mutual TLS; says what it wrote.
+fn certs(args: &census_operator::certs::CertsArgs) -> ExitCode {
+    use std::io::Write;
+    match census_operator::certs::run(args) {
+        Ok(written) => {
+            let mut stdout = std::io::stdout();
+            for path in written {
+                let _ = writeln!(stdout, "wrote {}", path.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "census-operator certs: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// `census-operator crdgen`: the Identity CRD as YAML.

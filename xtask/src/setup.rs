@@ -11,9 +11,13 @@ use anyhow::{Context as _, bail};
 use crate::{cmd, ebpf};
 
 /// Debian 12 packages: the toolchain that builds and lints the eBPF crate (1.96,
-/// LLVM 22), the LLVM bpf-linker links against, and the tools the privileged tests
-/// use.
-const PACKAGES: [&str; 7] = [
+/// LLVM 22), the LLVM bpf-linker links against, the tools the privileged tests
+/// use, and the linters of `/metrics` (`census_testkit::promlint`): `promtool`
+/// from `prometheus` for the text format, the Prometheus Python client's strict
+/// OpenMetrics parser for OpenMetrics. (`prometheus` is the server package: where
+/// apt may start services, on a machine with systemd, it also starts a Prometheus
+/// server on :9090; in containers `policy-rc.d` keeps it stopped.)
+const PACKAGES: [&str; 9] = [
     "rustc-web",
     "cargo-web",
     "rust-web-src",
@@ -21,6 +25,8 @@ const PACKAGES: [&str; 7] = [
     "llvm-22-dev",
     "bpftool",
     "iproute2",
+    "prometheus",
+    "python3-prometheus-client",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 /// The schema validator the manifest tests (`operator/tests/kubernetes/manifests.rs`)

@@ -283,7 +283,23 @@ fn every_manifest_parses_strictly_and_says_what_the_design_asks() -> TestResult 
         "the agent must tolerate every taint"
     );
     let c = &pod.containers[0];
-    assert_eq!(probe_port(c), ["9462", "9462"]);
+    // Probes on the health listener; the unauthenticated admin API on loopback.
+    assert_eq!(probe_port(c), ["9463", "9463"]);
+    let agent_env = |name: &str| {
+        c.env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(
+        agent_env("CENSUS_ADMIN_LISTEN").as_deref(),
+        Some("127.0.0.1:9462")
+    );
+    assert_eq!(
+        agent_env("CENSUS_HEALTH_LISTEN").as_deref(),
+        Some("0.0.0.0:9463")
+    );
     let security = c.security_context.as_ref().ok_or("no securityContext")?;
     assert_ne!(security.privileged, Some(true));
     let caps = security.capabilities.as_ref().ok_or("no capabilities")?;

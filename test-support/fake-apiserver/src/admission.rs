@@ -4,8 +4,9 @@
 //! server's static token file (`--token-auth-file`): a token registered with
 //! [`crate::FakeApiServer::add_token`] names a user and groups; a request
 //! without a token is `system:anonymous` (group `system:unauthenticated`), as
-//! with anonymous authentication enabled; an unknown token is 401. Nothing is
-//! authorized (no RBAC): the user matters to admission only.
+//! with anonymous authentication enabled; an unknown token is 401. Only
+//! TokenReviews are authorized (by RBAC, `tokenreview`); elsewhere the user
+//! matters to admission only.
 //!
 //! **ValidatingAdmissionPolicy** (`admissionregistration.k8s.io/v1`): every
 //! create, update (also of a subresource) and delete is checked against the

@@ -137,6 +137,27 @@ pub enum ApiError {
         /// Why, as the admission plugin words it.
         message: String,
     },
+    /// 403 from RBAC (only TokenReviews are authorized; `tokenreview`).
+    #[error("{resource} is forbidden: User \"{user}\" cannot {verb} resource \"{}\" in API group \"{}\" at the cluster scope", resource.resource, resource.group)]
+    AccessDenied {
+        /// The resource asked for.
+        resource: GroupResource,
+        /// Who asked.
+        user: String,
+        /// The verb refused.
+        verb: &'static str,
+    },
+    /// 400 for a TokenReview without `spec.token`.
+    #[error("token is required for TokenReview in authentication")]
+    TokenRequired,
+    /// 400 for a token requested for a pod that runs as another ServiceAccount.
+    #[error(
+        "cannot bind token for serviceaccount \"{service_account}\" to pod running with different serviceaccount name."
+    )]
+    TokenForOtherServiceAccount {
+        /// The ServiceAccount the token was asked for.
+        service_account: String,
+    },
     /// 401 for a bearer token the server did not issue.
     #[error("Unauthorized")]
     Unauthorized,
@@ -308,9 +329,11 @@ impl ApiError {
             | Self::InvalidParam { .. }
             | Self::InvalidContinue { .. }
             | Self::VersionWithContinue
-            | Self::DryRunUnsupported => 400,
+            | Self::DryRunUnsupported
+            | Self::TokenRequired
+            | Self::TokenForOtherServiceAccount { .. } => 400,
             Self::Invalid { .. } | Self::FieldsInvalid { .. } | Self::PatchFailed { .. } => 422,
-            Self::Forbidden { .. } => 403,
+            Self::Forbidden { .. } | Self::AccessDenied { .. } => 403,
             Self::Unauthorized => 401,
             Self::UnsupportedPatch { .. } => 415,
             Self::MethodNotAllowed => 405,
@@ -336,11 +359,13 @@ impl ApiError {
             | Self::InvalidParam { .. }
             | Self::InvalidContinue { .. }
             | Self::VersionWithContinue
-            | Self::DryRunUnsupported => "BadRequest",
+            | Self::DryRunUnsupported
+            | Self::TokenRequired
+            | Self::TokenForOtherServiceAccount { .. } => "BadRequest",
             Self::Invalid { .. } | Self::FieldsInvalid { .. } | Self::PatchFailed { .. } => {
                 "Invalid"
             }
-            Self::Forbidden { .. } => "Forbidden",
+            Self::Forbidden { .. } | Self::AccessDenied { .. } => "Forbidden",
             Self::Unauthorized => "Unauthorized",
             Self::UnsupportedPatch { .. } => "UnsupportedMediaType",
             Self::MethodNotAllowed => "MethodNotAllowed",
@@ -370,6 +395,9 @@ impl ApiError {
                 })).collect::<Vec<_>>(),
             })),
             Self::Invalid { kind, name, .. } => Some(json!({"name": name, "kind": kind})),
+            Self::AccessDenied { resource, .. } => {
+                Some(json!({"group": resource.group, "kind": resource.resource}))
+            }
             Self::TooLargeResourceVersion { .. } => Some(json!({
                 "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
                 "retryAfterSeconds": 1,

@@ -308,6 +308,21 @@ async fn dispatch(
                 .ok_or(ApiError::NoSuchResource)
         }
         Route::Unknown => Err(ApiError::NoSuchResource),
+        Route::Resource(p) if crate::tokenreview::addresses(p) => {
+            let review = read_json(body).await;
+            let store = ctx.shared.store.lock();
+            let issued = ctx.shared.issued_tokens.lock();
+            let (code, body) = crate::tokenreview::review(
+                &store,
+                &issued,
+                &ctx.user,
+                p,
+                verb,
+                review,
+                std::time::SystemTime::now(),
+            )?;
+            Ok(json_response(code, &body))
+        }
         Route::Resource(p) => resource(ctx, p, verb, body).await,
     }
 }

@@ -72,6 +72,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! `TokenReview` answers for bound ServiceAccount tokens issued with
+//! [`FakeApiServer::issue_token`], as the real authenticator does (audiences,
+//! expiry, the bound pod still existing, the node in the user's `extra` from
+//! v1.30), authorized by the RBAC objects in the store (`tokenreview`).
+//!
 //! Custom resources are validated against their CRD's schema and CEL rules
 //! (`validation`), ValidatingAdmissionPolicies are enforced for the user a
 //! bearer token or impersonation names (`admission`), and `/openapi/v3` has
@@ -90,7 +95,7 @@
 //! (`ConsistentListFromCache`: the fake answers as a v1.30 server does, a list
 //! without resourceVersion is an etcd read); `propagationPolicy`, owner
 //! references and the garbage collector; `dryRun` (refused with 400);
-//! RBAC (who may impersonate, anything else); Table and protobuf encodings; CRD version
+//! RBAC beyond TokenReviews (who may impersonate, anything else); Table and protobuf encodings; CRD version
 //! conversion (each served version is its own store); core and
 //! `events.k8s.io` Events are separate stores.
 
@@ -114,6 +119,7 @@ mod route;
 mod selector;
 mod server;
 mod store;
+mod tokenreview;
 mod validation;
 mod watch;
 
@@ -126,4 +132,5 @@ pub use ratelimit::RateLimit;
 pub use resource::{GroupResource, Gvr, ResourceSpec};
 pub use selector::SelectorError;
 pub use server::{FakeApiServer, ServerConfig};
+pub use tokenreview::{API_AUDIENCE, TokenRequest};
 pub use validation::FieldCause;

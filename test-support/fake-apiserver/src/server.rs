@@ -71,6 +71,8 @@ pub(crate) struct Shared {
     pub(crate) shutdown: watch::Sender<bool>,
     pub(crate) open_watches: AtomicUsize,
     pub(crate) addr: SocketAddr,
+    /// The ServiceAccount tokens issued, for TokenReview (`tokenreview`).
+    pub(crate) issued_tokens: Mutex<crate::tokenreview::Issued>,
 }
 
 impl Shared {
@@ -117,6 +119,7 @@ impl FakeApiServer {
         let addr = listener
             .local_addr()
             .map_err(|source| Error::Bind { addr: bind, source })?;
+        let issued_tokens = Mutex::new(crate::tokenreview::Issued::new(config.seed));
         let shared = Arc::new(Shared {
             store: Mutex::new(Store::new(
                 config.history_limit,
@@ -132,6 +135,7 @@ impl FakeApiServer {
             shutdown: watch::Sender::new(false),
             open_watches: AtomicUsize::new(0),
             addr,
+            issued_tokens,
         });
         tokio::spawn(accept_loop(Arc::clone(&shared), listener));
         tracing::info!(%addr, "fake apiserver listening");
@@ -190,6 +194,22 @@ impl FakeApiServer {
             .admission
             .tokens
             .add(token, username, groups);
+    }
+
+    /// Issue a bound ServiceAccount token as the TokenRequest API does for a
+    /// pod's projected token volume; `TokenReview` answers for it
+    /// (see [`crate::TokenRequest`]). Fails as the real API does when the
+    /// ServiceAccount or the pod is missing, or the pod runs as another
+    /// ServiceAccount.
+    pub fn issue_token(&self, request: &crate::TokenRequest) -> Result<String, Error> {
+        let store = self.shared.store.lock();
+        let mut issued = self.shared.issued_tokens.lock();
+        Ok(crate::tokenreview::issue(
+            &store,
+            &mut issued,
+            request,
+            std::time::SystemTime::now(),
+        )?)
     }
 
     /// A kube client that authenticates with a bearer token (see [`Self::add_token`]).

@@ -6,6 +6,8 @@
 //! - [`eventually`], [`until_some`] and [`wait_for`]: polling with a deadline;
 //! - [`alloc`]: a global allocator that counts live bytes per thread;
 //! - [`proxy`]: a TCP proxy that can go silent (a half-open connection);
+//! - [`promlint`]: `/metrics` scraped in both formats and linted by promtool and
+//!   a strict OpenMetrics parser;
 //! - [`layering`]: a crate's module graph read from its source, for layering tests.
 //!
 //! Only ever a dev-dependency: nothing here belongs in a production binary.
@@ -14,6 +16,7 @@ pub mod agent;
 pub mod alloc;
 pub mod layering;
 pub mod operator;
+pub mod promlint;
 pub mod proxy;
 
 use std::{

@@ -11,4 +11,5 @@ mod list;
 mod list_source;
 mod pods;
 mod seeding;
+mod tokenreview;
 mod watch;

@@ -1,0 +1,574 @@
+//! `census-operator certs`: a CA, the operator's serving certificate and one
+//! client certificate per node, as PEM files, for mutual TLS between agents and
+//! the operator; and [`NodeCa`], which reads the node name back from a client
+//! certificate the CA signed.
+//!
+//! Files in `--out-dir` (keys are written 0600, certificates 0644; each file is
+//! written to a temporary name and renamed, so a reader never sees half a file):
+//!
+//! | file | what |
+//! |---|---|
+//! | `ca.pem`, `ca-key.pem` | the CA (ECDSA P-256, `CA:true, pathlen:0`, keyCertSign) |
+//! | `server.pem`, `server-key.pem` | the operator's serving certificate: the `--dns` and `--ip` SANs, EKU serverAuth only |
+//! | `node-NAME.pem`, `node-NAME-key.pem` | node NAME's client certificate: the URI SAN `census://node/NAME`, EKU clientAuth only |
+//!
+//! **The node is the URI SAN** `census://node/NAME` (NAME a Kubernetes node name,
+//! a DNS subdomain): one such SAN, nothing else is read. Not a DNS SAN: a client
+//! certificate's DNS names mean "this host" to other tools, and `node:NAME` is
+//! not a valid DNS name. The common name is set to NAME for people reading the
+//! certificate and never trusted. The serving certificate has no clientAuth EKU
+//! and node certificates have no serverAuth EKU, so neither can stand in for the
+//! other.
+//!
+//! An existing CA in the directory is used to sign (so nodes are added by running
+//! the command again with new `--node`s); it is never replaced, even with
+//! `--force`, which only overwrites serving and node certificates. Everything is
+//! checked before anything is written: a refusal changes no file.
+
+use std::{
+    fs,
+    io::Write,
+    net::IpAddr,
+    os::unix::fs::OpenOptionsExt,
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use census_proto::domain::NodeName;
+use clap::Args;
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls_pki_types::{CertificateDer, UnixTime, pem::PemObject};
+
+/// The scheme and authority of a node's URI SAN: `census://node/NAME`.
+pub const NODE_URI_PREFIX: &str = "census://node/";
+
+/// The clientAuth extended key usage (1.3.6.1.5.5.7.3.2), DER-encoded OID value.
+const EKU_CLIENT_AUTH: &[u8] = &[0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x03, 0x02];
+
+/// `census-operator certs` flags.
+#[derive(Debug, Clone, Args)]
+pub struct CertsArgs {
+    /// The directory to write the PEM files to (created if missing).
+    #[arg(long, short = 'o', value_name = "DIR")]
+    pub out_dir: PathBuf,
+    /// A DNS name of the operator's serving certificate, e.g.
+    /// census-operator-leader.census-system.svc (repeat for more).
+    #[arg(long = "dns", value_name = "NAME")]
+    pub dns: Vec<String>,
+    /// An IP address of the operator's serving certificate (repeat for more).
+    #[arg(long = "ip", value_name = "ADDRESS")]
+    pub ips: Vec<IpAddr>,
+    /// A node to write a client certificate for (repeat for more).
+    #[arg(long = "node", value_name = "NODE")]
+    pub nodes: Vec<NodeName>,
+    /// How long the new certificates are valid, in days.
+    #[arg(long, default_value_t = 365)]
+    pub days: u32,
+    /// Overwrite existing serving and node certificates (never the CA).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// Why `certs` wrote nothing, or a certificate was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum CertsError {
+    #[error("{} exists; pass --force to overwrite it", path.display())]
+    Exists { path: PathBuf },
+    #[error(
+        "{} exists but {} does not: restore the missing half of the CA, or remove both to make a new CA",
+        present.display(),
+        missing.display()
+    )]
+    HalfCa { present: PathBuf, missing: PathBuf },
+    #[error("reading {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not a usable CA: {source}", path.display())]
+    BadCa {
+        path: PathBuf,
+        #[source]
+        source: rcgen::Error,
+    },
+    #[error("{} does not belong to the certificate in {}", key.display(), cert.display())]
+    CaKeyMismatch { cert: PathBuf, key: PathBuf },
+    #[error(
+        "nothing to write: the CA in {} exists; name --dns or --ip for a serving certificate, --node for client certificates",
+        dir.display()
+    )]
+    NothingToWrite { dir: PathBuf },
+    #[error(
+        "--dns {name:?} is not a DNS name (letters, digits, `-` and `.`, a leading `*.` at most)"
+    )]
+    BadDnsName { name: String },
+    #[error("--node {node} is named twice")]
+    DuplicateNode { node: NodeName },
+    #[error("--days must be at least 1")]
+    NoDays,
+    #[error("making the {what}: {source}")]
+    Generate {
+        what: String,
+        #[source]
+        source: rcgen::Error,
+    },
+    #[error("writing {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One file to write.
+#[derive(Debug)]
+struct Output {
+    path: PathBuf,
+    contents: String,
+    secret: bool,
+}
+
+/// Paths of the files of a node's client certificate: (certificate, key).
+pub fn node_files(dir: &Path, node: &NodeName) -> (PathBuf, PathBuf) {
+    (
+        dir.join(format!("node-{node}.pem")),
+        dir.join(format!("node-{node}-key.pem")),
+    )
+}
+
+fn valid_dns_name(name: &str) -> bool {
+    let name = name.strip_prefix("*.").unwrap_or(name);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
+fn read(path: &Path) -> Result<String, CertsError> {
+    fs::read_to_string(path).map_err(|source| CertsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn params(days: u32, common_name: &str) -> CertificateParams {
+    let now = SystemTime::now();
+    let mut params = CertificateParams::default();
+    // A minute back, for clocks slightly behind the one that signed.
+    params.not_before = (now - Duration::from_secs(60)).into();
+    params.not_after = (now + Duration::from_secs(u64::from(days) * 86_400)).into();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "census");
+    dn.push(DnType::CommonName, common_name);
+    params.distinguished_name = dn;
+    params.use_authority_key_identifier_extension = true;
+    params
+}
+
+fn generate(what: &str) -> impl Fn(rcgen::Error) -> CertsError + '_ {
+    move |source| CertsError::Generate {
+        what: what.to_owned(),
+        source,
+    }
+}
+
+/// The CA in `dir`, or a new one (and its files to write).
+fn load_or_make_ca(
+    dir: &Path,
+    days: u32,
+    out: &mut Vec<Output>,
+) -> Result<(Issuer<'static, KeyPair>, bool), CertsError> {
+    let cert_path = dir.join("ca.pem");
+    let key_path = dir.join("ca-key.pem");
+    match (cert_path.exists(), key_path.exists()) {
+        (true, true) => {
+            let cert_pem = read(&cert_path)?;
+            let key = KeyPair::from_pem(&read(&key_path)?).map_err(|source| CertsError::BadCa {
+                path: key_path.clone(),
+                source,
+            })?;
+            let der = CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(|_| {
+                CertsError::BadCa {
+                    path: cert_path.clone(),
+                    source: rcgen::Error::CouldNotParseCertificate,
+                }
+            })?;
+            let (_, parsed) =
+                x509_parser::parse_x509_certificate(&der).map_err(|_| CertsError::BadCa {
+                    path: cert_path.clone(),
+                    source: rcgen::Error::CouldNotParseCertificate,
+                })?;
+            if parsed
+                .tbs_certificate
+                .subject_pki
+                .subject_public_key
+                .data
+                .as_ref()
+                != key.public_key_raw()
+            {
+                return Err(CertsError::CaKeyMismatch {
+                    cert: cert_path,
+                    key: key_path,
+                });
+            }
+            let issuer =
+                Issuer::from_ca_cert_pem(&cert_pem, key).map_err(|source| CertsError::BadCa {
+                    path: cert_path,
+                    source,
+                })?;
+            Ok((issuer, true))
+        }
+        (true, false) => Err(CertsError::HalfCa {
+            present: cert_path,
+            missing: key_path,
+        }),
+        (false, true) => Err(CertsError::HalfCa {
+            present: key_path,
+            missing: cert_path,
+        }),
+        (false, false) => {
+            let key = KeyPair::generate().map_err(generate("CA key"))?;
+            let mut p = params(days.max(3650), "census CA");
+            p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+            p.key_usages = vec![
+                KeyUsagePurpose::KeyCertSign,
+                KeyUsagePurpose::CrlSign,
+                KeyUsagePurpose::DigitalSignature,
+            ];
+            let cert = p.self_signed(&key).map_err(generate("CA certificate"))?;
+            out.push(Output {
+                path: cert_path,
+                contents: cert.pem(),
+                secret: false,
+            });
+            out.push(Output {
+                path: key_path,
+                contents: key.serialize_pem(),
+                secret: true,
+            });
+            Ok((Issuer::new(p, key), false))
+        }
+    }
+}
+
+fn leaf(
+    what: &str,
+    mut p: CertificateParams,
+    issuer: &Issuer<'_, KeyPair>,
+    cert_path: PathBuf,
+    key_path: PathBuf,
+    out: &mut Vec<Output>,
+) -> Result<(), CertsError> {
+    let key = KeyPair::generate().map_err(generate(what))?;
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    let cert = p.signed_by(&key, issuer).map_err(generate(what))?;
+    out.push(Output {
+        path: cert_path,
+        contents: cert.pem(),
+        secret: false,
+    });
+    out.push(Output {
+        path: key_path,
+        contents: key.serialize_pem(),
+        secret: true,
+    });
+    Ok(())
+}
+
+fn ia5(value: &str, what: &str) -> Result<rcgen::string::Ia5String, CertsError> {
+    rcgen::string::Ia5String::try_from(value).map_err(generate(what))
+}
+
+/// Write what `args` asks for; returns the files written, in order.
+pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
+    let CertsArgs {
+        out_dir,
+        dns,
+        ips,
+        nodes,
+        days,
+        force,
+    } = args;
+    if *days == 0 {
+        return Err(CertsError::NoDays);
+    }
+    if let Some(name) = dns.iter().find(|n| !valid_dns_name(n)) {
+        return Err(CertsError::BadDnsName { name: name.clone() });
+    }
+    for (i, node) in nodes.iter().enumerate() {
+        if nodes[..i].contains(node) {
+            return Err(CertsError::DuplicateNode { node: node.clone() });
+        }
+    }
+    let serving = !dns.is_empty() || !ips.is_empty();
+    let mut leaves = Vec::new();
+    if serving {
+        leaves.push((out_dir.join("server.pem"), out_dir.join("server-key.pem")));
+    }
+    leaves.extend(nodes.iter().map(|n| node_files(out_dir, n)));
+    if !force {
+        for path in leaves.iter().flat_map(|(c, k)| [c, k]) {
+            if path.exists() {
+                return Err(CertsError::Exists { path: path.clone() });
+            }
+        }
+    }
+
+    let mut out = Vec::new();
+    let (issuer, existing) = load_or_make_ca(out_dir, *days, &mut out)?;
+    if existing && leaves.is_empty() {
+        return Err(CertsError::NothingToWrite {
+            dir: out_dir.clone(),
+        });
+    }
+    let mut leaves = leaves.into_iter();
+    if serving && let Some((cert, key)) = leaves.next() {
+        let mut p = params(*days, dns.first().map_or("census-operator", String::as_str));
+        for name in dns {
+            p.subject_alt_names
+                .push(SanType::DnsName(ia5(name, "serving certificate")?));
+        }
+        p.subject_alt_names
+            .extend(ips.iter().map(|ip| SanType::IpAddress(*ip)));
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        leaf("serving certificate", p, &issuer, cert, key, &mut out)?;
+    }
+    for (node, (cert, key)) in nodes.iter().zip(leaves) {
+        let what = format!("client certificate of node {node}");
+        let mut p = params(*days, node.as_str());
+        p.subject_alt_names.push(SanType::URI(ia5(
+            &format!("{NODE_URI_PREFIX}{node}"),
+            &what,
+        )?));
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        leaf(&what, p, &issuer, cert, key, &mut out)?;
+    }
+
+    fs::create_dir_all(out_dir).map_err(|source| CertsError::Write {
+        path: out_dir.clone(),
+        source,
+    })?;
+    out.iter()
+        .map(|o| write_file(o).map(|()| o.path.clone()))
+        .collect()
+}
+
+fn write_file(output: &Output) -> Result<(), CertsError> {
+    let Output {
+        path,
+        contents,
+        secret,
+    } = output;
+    let err = |source| CertsError::Write {
+        path: path.clone(),
+        source,
+    };
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let _ = fs::remove_file(&tmp);
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(if *secret { 0o600 } else { 0o644 })
+        .open(&tmp)
+        .map_err(err)?;
+    file.write_all(contents.as_bytes()).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    fs::rename(&tmp, path).map_err(err)
+}
+
+/// Why a client certificate names no node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeCertError {
+    #[error("the CA certificate cannot be read: {0}")]
+    Ca(String),
+    #[error("no client certificate was presented")]
+    NoCertificate,
+    #[error("the client certificate is not valid for this CA: {0}")]
+    Untrusted(#[source] webpki::Error),
+    #[error("the client certificate cannot be parsed")]
+    Malformed,
+    #[error("the client certificate has no {NODE_URI_PREFIX}NAME URI SAN")]
+    NoNode,
+    #[error("the client certificate has more than one {NODE_URI_PREFIX}NAME URI SAN")]
+    ManyNodes,
+    #[error("the client certificate's node: {0}")]
+    BadName(#[from] census_proto::domain::NameError),
+}
+
+/// The CA that signs nodes' client certificates, for reading a node name from
+/// a certificate chain a client presented.
+#[derive(Debug)]
+pub struct NodeCa {
+    anchors: Vec<rustls_pki_types::TrustAnchor<'static>>,
+}
+
+impl NodeCa {
+    /// From the CA's PEM (every certificate in it is trusted).
+    pub fn from_pem(pem: &[u8]) -> Result<Self, NodeCertError> {
+        let anchors = CertificateDer::pem_slice_iter(pem)
+            .map(|der| {
+                let der = der.map_err(|e| NodeCertError::Ca(e.to_string()))?;
+                webpki::anchor_from_trusted_cert(&der)
+                    .map(|a| a.to_owned())
+                    .map_err(|e| NodeCertError::Ca(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if anchors.is_empty() {
+            return Err(NodeCertError::Ca("no certificate in it".to_owned()));
+        }
+        Ok(Self { anchors })
+    }
+
+    /// The node a client certificate chain (leaf first) proves to be, checked
+    /// now: signed by this CA, in its validity period, for client
+    /// authentication, with one `census://node/NAME` URI SAN.
+    pub fn node_of(&self, chain: &[CertificateDer<'_>]) -> Result<NodeName, NodeCertError> {
+        self.node_at(chain, UnixTime::now())
+    }
+
+    /// [`Self::node_of`] at a given time.
+    pub fn node_at(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<NodeName, NodeCertError> {
+        let (leaf, intermediates) = chain.split_first().ok_or(NodeCertError::NoCertificate)?;
+        let cert = webpki::EndEntityCert::try_from(leaf).map_err(NodeCertError::Untrusted)?;
+        cert.verify_for_usage(
+            webpki::ALL_VERIFICATION_ALGS,
+            &self.anchors,
+            intermediates,
+            now,
+            webpki::KeyUsage::required(EKU_CLIENT_AUTH),
+            None,
+            None,
+        )
+        .map_err(NodeCertError::Untrusted)?;
+        let (_, parsed) =
+            x509_parser::parse_x509_certificate(leaf).map_err(|_| NodeCertError::Malformed)?;
+        let san = parsed
+            .subject_alternative_name()
+            .map_err(|_| NodeCertError::Malformed)?;
+        let mut names = san
+            .into_iter()
+            .flat_map(|ext| ext.value.general_names.iter())
+            .filter_map(|name| match name {
+                x509_parser::extensions::GeneralName::URI(uri) => uri.strip_prefix(NODE_URI_PREFIX),
+                _ => None,
+            });
+        let node = names.next().ok_or(NodeCertError::NoNode)?;
+        if names.next().is_some() {
+            return Err(NodeCertError::ManyNodes);
+        }
+        Ok(NodeName::new(node)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    fn args(dir: &Path) -> Result<CertsArgs, Box<dyn std::error::Error>> {
+        Ok(CertsArgs {
+            out_dir: dir.to_owned(),
+            dns: vec!["census-operator-leader.census-system.svc".to_owned()],
+            ips: vec!["127.0.0.1".parse()?],
+            nodes: vec![NodeName::new("node-a")?, NodeName::new("node-b.example")?],
+            days: 30,
+            force: false,
+        })
+    }
+
+    fn der(path: &Path) -> Result<CertificateDer<'static>, Box<dyn std::error::Error>> {
+        Ok(CertificateDer::from_pem_file(path)?)
+    }
+
+    #[test]
+    fn node_names_are_read_back_from_certificates_of_this_ca_only() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        run(&args(dir.path())?)?;
+        let ca = NodeCa::from_pem(&fs::read(dir.path().join("ca.pem"))?)?;
+        let (a, _) = node_files(dir.path(), &NodeName::new("node-a")?);
+        assert_eq!(ca.node_of(&[der(&a)?])?.as_str(), "node-a");
+        let (b, _) = node_files(dir.path(), &NodeName::new("node-b.example")?);
+        assert_eq!(ca.node_of(&[der(&b)?])?.as_str(), "node-b.example");
+
+        // The serving certificate is not a client certificate.
+        let server = der(&dir.path().join("server.pem"))?;
+        assert!(matches!(
+            ca.node_of(&[server]),
+            Err(NodeCertError::Untrusted(_))
+        ));
+        // Another CA's node certificate is refused, whatever it says.
+        let other = tempfile::tempdir()?;
+        run(&args(other.path())?)?;
+        let (foreign, _) = node_files(other.path(), &NodeName::new("node-a")?);
+        assert!(matches!(
+            ca.node_of(&[der(&foreign)?]),
+            Err(NodeCertError::Untrusted(_))
+        ));
+        // Past its validity, a certificate of this CA is refused too.
+        let later = UnixTime::since_unix_epoch(
+            SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?
+                + Duration::from_secs(31 * 86_400),
+        );
+        assert!(matches!(
+            ca.node_at(&[der(&a)?], later),
+            Err(NodeCertError::Untrusted(_))
+        ));
+        assert!(matches!(ca.node_of(&[]), Err(NodeCertError::NoCertificate)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_certificate_of_this_ca_without_a_node_uri_names_no_node() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        run(&args(dir.path())?)?;
+        let issuer = Issuer::from_ca_cert_pem(
+            &read(&dir.path().join("ca.pem"))?,
+            KeyPair::from_pem(&read(&dir.path().join("ca-key.pem"))?)?,
+        )?;
+        let ca = NodeCa::from_pem(&fs::read(dir.path().join("ca.pem"))?)?;
+        let client = |sans: Vec<SanType>| -> Result<CertificateDer<'static>, rcgen::Error> {
+            let mut p = params(1, "x");
+            p.subject_alt_names = sans;
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+            Ok(p.signed_by(&KeyPair::generate()?, &issuer)?.der().clone())
+        };
+        let dns = client(vec![SanType::DnsName("node-a".try_into()?)])?;
+        assert!(matches!(ca.node_of(&[dns]), Err(NodeCertError::NoNode)));
+        let two = client(vec![
+            SanType::URI("census://node/a".try_into()?),
+            SanType::URI("census://node/b".try_into()?),
+        ])?;
+        assert!(matches!(ca.node_of(&[two]), Err(NodeCertError::ManyNodes)));
+        let bad = client(vec![SanType::URI("census://node/Not_A_Node".try_into()?)])?;
+        assert!(matches!(ca.node_of(&[bad]), Err(NodeCertError::BadName(_))));
+        Ok(())
+    }
+
+    #[test]
+    fn dns_names_are_checked() {
+        assert!(valid_dns_name("census-operator-leader.census-system.svc"));
+        assert!(valid_dns_name("*.census-system.svc"));
+        for bad in ["", "a..b", "-a", "a b", "node:a", "a.*.b"] {
+            assert!(!valid_dns_name(bad), "{bad}");
+        }
+    }
+}
