@@ -29,19 +29,37 @@
 //! The maps are declared unpinned here: the agent decides where they are pinned
 //! (`EbpfLoader::map_pin_path`), so that a benchmark or a test can load the object
 //! without touching `/sys/fs/bpf`.
+//!
+//! Bytes are the link-layer bytes of every segment: a GSO packet counts its
+//! `skb->len` plus the headers its further segments repeat (see
+//! `census_common::FlowValue`).
+//!
+//! Rare events (a FLOWS insert the kernel refuses, an IP frame too short to read,
+//! a LOCAL endpoint whose interface has no INTERFACES entry) are counted in STATS
+//! and reported through aya-log. Logging is off unless the agent sets
+//! `AYA_LOG_LEVEL` at load (`--datapath-log`); the global is read-only data, so
+//! the verifier removes the disabled calls and they cost nothing. When on, each
+//! CPU sends at most one event per [`LOG_INTERVAL_NS`]; the others are counted
+//! as suppressed.
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_UNSPEC},
+    helpers::bpf_ktime_get_ns,
     macros::{classifier, map},
-    maps::{Array, HashMap, LruPerCpuHashMap},
+    maps::{Array, HashMap, LruPerCpuHashMap, PerCpuArray},
     programs::TcContext,
+};
+use aya_log_ebpf::{
+    debug, info,
+    macro_support::{Level, level_enabled},
+    warn,
 };
 use census_common::{
     ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES, FlowKey, FlowValue,
-    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, META_MAX_ENTRIES, flags,
-    identity, interface_slot,
+    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, META_MAX_ENTRIES,
+    STATS_MAX_ENTRIES, flags, identity, interface_slot, stats,
 };
 
 #[map(name = "ENDPOINTS")]
@@ -56,23 +74,61 @@ static FLOWS: LruPerCpuHashMap<FlowKey, FlowValue> =
 static INTERFACES: Array<InterfaceValue> =
     Array::with_max_entries(INTERFACES_MAX_ENTRIES, INTERFACES_MAP_FLAGS);
 
+#[map(name = "STATS")]
+static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_MAX_ENTRIES, 0);
+
+/// Per CPU, when it last sent a log event (`bpf_ktime_get_ns`). Not pinned: the
+/// rate limit is this program's, not the node's.
+#[map(name = "LOG_BUDGET")]
+static LOG_BUDGET: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Each CPU sends at most one log event per this many nanoseconds (10 a second).
+const LOG_INTERVAL_NS: u64 = 100_000_000;
+
 /// Holds the layout version; written and read by the agent only. It lives in the
 /// object so that every map census pins comes from one declaration site.
 #[map(name = "CENSUS_META")]
 static CENSUS_META: Array<u32> = Array::with_max_entries(META_MAX_ENTRIES, 0);
 
-/// No GPL-only helper is used (only map helpers and `bpf_skb_load_bytes`).
+/// No GPL-only helper is used (map and ring buffer helpers, `bpf_skb_load_bytes`,
+/// `bpf_ktime_get_ns`).
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "license")]
 static LICENSE: [u8; 11] = *b"Apache-2.0\0";
 
 const ETH_HLEN: usize = 14;
+const ETH_HLEN_U32: u32 = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 /// Offset of the source address in an IPv4 header; the destination follows it.
 const IPV4_SADDR: usize = 12;
 /// Offset of the source address in an IPv6 header; the destination follows it.
 const IPV6_SADDR: usize = 8;
+const IPV4_PROTOCOL: usize = 9;
+const IPV6_NEXT_HEADER: usize = 6;
+const IPV6_HLEN: usize = 40;
+/// Offset of the data offset (high nibble, in words) in a TCP header.
+const TCP_DATA_OFFSET: usize = 12;
+const UDP_HLEN: u32 = 8;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+/// `-EEXIST`: the pair was inserted meanwhile (by another CPU).
+const EEXIST: i32 = -17;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// What the program makes of a frame.
+enum Frame {
+    /// Neither IPv4 nor IPv6 (ARP, say): not census's business.
+    NotIp,
+    /// IPv4 or IPv6, but too short to hold both addresses.
+    Truncated(Family),
+    Ip(Family, EndpointKey, EndpointKey),
+}
 
 /// Which hook of the host-side interface a program runs on.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -97,8 +153,13 @@ fn census_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn count(ctx: &TcContext, hook: Hook) {
-    let Some((src, dst)) = addresses(ctx) else {
-        return;
+    let (family, src, dst) = match frame(ctx) {
+        Frame::Ip(family, src, dst) => (family, src, dst),
+        Frame::NotIp => return,
+        Frame::Truncated(family) => {
+            unparsable(ctx, family);
+            return;
+        }
     };
     // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole run;
     // these are readable context fields of a TC program.
@@ -113,7 +174,7 @@ fn count(ctx: &TcContext, hook: Hook) {
     };
     let key = match hook {
         Hook::Ingress => FlowKey {
-            src_identity: local_identity(ifindex, &src),
+            src_identity: local_identity(ctx, ifindex, &src),
             dst_identity: identity_of(endpoint(&dst)),
         },
         Hook::Egress => {
@@ -129,11 +190,50 @@ fn count(ctx: &TcContext, hook: Hook) {
             }
             FlowKey {
                 src_identity: identity_of(src),
-                dst_identity: local_identity(ifindex, &dst),
+                dst_identity: local_identity(ctx, ifindex, &dst),
             }
         }
     };
-    add(&key, u64::from(gso_segs.max(1)), u64::from(len));
+    let segments = gso_segs.max(1);
+    let mut bytes = u64::from(len);
+    if segments > 1 {
+        bytes += u64::from(segments - 1) * u64::from(header_len(ctx, family));
+    }
+    add(ctx, &key, u64::from(segments), bytes);
+}
+
+/// The headers every segment of a GSO packet carries: Ethernet, IP (IPv4 with
+/// its options; IPv6's fixed header) and TCP (with its options) or UDP. An IPv6
+/// packet whose transport header follows extension headers counts Ethernet and
+/// IPv6 only (GSO is for TCP and UDP, which rarely follow extension headers).
+#[inline(always)]
+fn header_len(ctx: &TcContext, family: Family) -> u32 {
+    // Every field is read as the first of two bytes: a one-byte bounds check
+    // compiles to a comparison the verifier cannot use for a variable offset.
+    let (ip_len, protocol) = match family {
+        Family::V4 => {
+            let Some([version_ihl, _]) = read::<[u8; 2]>(ctx, ETH_HLEN) else {
+                return ETH_HLEN_U32;
+            };
+            let ihl = usize::from(version_ihl & 0x0f) * 4;
+            // TTL, then protocol.
+            let protocol = read::<[u8; 2]>(ctx, ETH_HLEN + IPV4_PROTOCOL - 1).map(|[_, p]| p);
+            (ihl, protocol)
+        }
+        Family::V6 => (
+            IPV6_HLEN,
+            read::<[u8; 2]>(ctx, ETH_HLEN + IPV6_NEXT_HEADER).map(|[next, _]| next),
+        ),
+    };
+    let transport = match protocol {
+        Some(IPPROTO_TCP) => read::<[u8; 2]>(ctx, ETH_HLEN + ip_len + TCP_DATA_OFFSET)
+            .map_or(0, |[offset, _]| u32::from(offset >> 4) * 4),
+        Some(IPPROTO_UDP) => UDP_HLEN,
+        _ => 0,
+    };
+    #[expect(clippy::cast_possible_truncation, reason = "at most 14 + 60")]
+    let fixed = (ETH_HLEN + ip_len) as u32;
+    fixed + transport
 }
 
 /// The entry of interface `ifindex` in INTERFACES, if census counts on it.
@@ -147,30 +247,47 @@ fn interface(ifindex: u32) -> Option<InterfaceValue> {
 /// packet that is on this interface, whose address is `address`): from
 /// INTERFACES, else by address.
 #[inline(always)]
-fn local_identity(ifindex: u32, address: &EndpointKey) -> u32 {
+fn local_identity(ctx: &TcContext, ifindex: u32, address: &EndpointKey) -> u32 {
     match interface(ifindex) {
         Some(entry) if entry.identity != identity::INVALID => entry.identity,
-        _ => identity_of(endpoint(address)),
+        Some(_) => identity_of(endpoint(address)),
+        None => {
+            let ep = endpoint(address);
+            if let Some(ep) = ep
+                && ep.is_local()
+            {
+                interface_miss(ctx, ifindex, ep.identity);
+            }
+            identity_of(ep)
+        }
     }
 }
 
-/// The source and destination of an IPv4 or IPv6 packet with an Ethernet header,
-/// `None` for anything else (ARP, truncated headers).
+/// The family, source and destination of an IPv4 or IPv6 packet with an
+/// Ethernet header.
 #[inline(always)]
-fn addresses(ctx: &TcContext) -> Option<(EndpointKey, EndpointKey)> {
+fn frame(ctx: &TcContext) -> Frame {
     // `skb->protocol` is the EtherType in network order in the low 16 bits.
     #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
     let protocol = u16::from_be(ctx.skb.protocol() as u16);
     match protocol {
-        ETH_P_IP => {
-            let [src, dst]: [u32; 2] = read(ctx, ETH_HLEN + IPV4_SADDR)?;
-            Some((EndpointKey::v4_word(src), EndpointKey::v4_word(dst)))
-        }
-        ETH_P_IPV6 => {
-            let [src, dst]: [[u32; 4]; 2] = read(ctx, ETH_HLEN + IPV6_SADDR)?;
-            Some((EndpointKey::v6_words(src), EndpointKey::v6_words(dst)))
-        }
-        _ => None,
+        ETH_P_IP => match read::<[u32; 2]>(ctx, ETH_HLEN + IPV4_SADDR) {
+            Some([src, dst]) => Frame::Ip(
+                Family::V4,
+                EndpointKey::v4_word(src),
+                EndpointKey::v4_word(dst),
+            ),
+            None => Frame::Truncated(Family::V4),
+        },
+        ETH_P_IPV6 => match read::<[[u32; 4]; 2]>(ctx, ETH_HLEN + IPV6_SADDR) {
+            Some([src, dst]) => Frame::Ip(
+                Family::V6,
+                EndpointKey::v6_words(src),
+                EndpointKey::v6_words(dst),
+            ),
+            None => Frame::Truncated(Family::V6),
+        },
+        _ => Frame::NotIp,
     }
 }
 
@@ -205,14 +322,95 @@ fn identity_of(ep: Option<EndpointValue>) -> u32 {
 }
 
 #[inline(always)]
-fn add(key: &FlowKey, packets: u64, bytes: u64) {
+fn add(ctx: &TcContext, key: &FlowKey, packets: u64, bytes: u64) {
     if bump(key, packets, bytes) {
         return;
     }
     let value = FlowValue { packets, bytes };
-    if FLOWS.insert(key, value, u64::from(BPF_NOEXIST)).is_err() {
+    match FLOWS.insert(key, value, u64::from(BPF_NOEXIST)) {
+        Ok(()) => count_event(stats::FLOW_INSERTS),
         // Another CPU created the pair since the lookup: add to this CPU's slot.
-        bump(key, packets, bytes);
+        Err(EEXIST) => {
+            bump(key, packets, bytes);
+        }
+        Err(error) => insert_failed(ctx, key, error),
+    }
+}
+
+/// Adds one to this CPU's slot `index` of STATS.
+#[inline(always)]
+fn count_event(index: u32) {
+    if let Some(slot) = STATS.get_ptr_mut(index) {
+        // SAFETY: this CPU's slot of a live array element; programs on one CPU
+        // do not interleave (TC runs with bottom halves disabled).
+        unsafe { *slot += 1 };
+    }
+}
+
+/// Whether an event of `level` is to be logged now: logging is on at that level
+/// and this CPU has not logged for [`LOG_INTERVAL_NS`]. An event refused by the
+/// rate limit is counted as suppressed.
+#[inline(always)]
+fn may_log(level: Level) -> bool {
+    // Read-only data: with logging off the verifier drops everything below.
+    if !level_enabled(level) {
+        return false;
+    }
+    let Some(last) = LOG_BUDGET.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: a helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: this CPU's slot, as in `count_event`.
+    unsafe {
+        if *last != 0 && now.wrapping_sub(*last) < LOG_INTERVAL_NS {
+            count_event(stats::LOG_SUPPRESSED);
+            return false;
+        }
+        *last = now;
+    }
+    true
+}
+
+#[inline(never)]
+fn insert_failed(ctx: &TcContext, key: &FlowKey, error: i32) {
+    count_event(stats::FLOW_INSERT_FAILURES);
+    if may_log(Level::Warn) {
+        warn!(
+            ctx,
+            "FLOWS refused a new pair {} -> {} (error {}): the packet is not counted",
+            key.src_identity,
+            key.dst_identity,
+            error
+        );
+    }
+}
+
+#[inline(never)]
+fn unparsable(ctx: &TcContext, family: Family) {
+    count_event(stats::UNPARSABLE);
+    if may_log(Level::Info) {
+        let (version, len) = (if family == Family::V4 { 4u8 } else { 6 }, ctx.len());
+        info!(
+            ctx,
+            "an IPv{} frame of {} bytes is too short to hold its addresses: not counted",
+            version,
+            len
+        );
+    }
+}
+
+#[inline(never)]
+fn interface_miss(ctx: &TcContext, ifindex: u32, identity: u32) {
+    count_event(stats::INTERFACE_MISSES);
+    if may_log(Level::Debug) {
+        debug!(
+            ctx,
+            "interface {} has no INTERFACES entry, but its endpoint (identity {}) is flagged \
+             LOCAL: counted by address",
+            ifindex,
+            identity
+        );
     }
 }
 

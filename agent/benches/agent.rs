@@ -332,11 +332,13 @@ async fn latency(samples: usize) -> Fallible<()> {
         node: NodeName::new("bench-node")?,
         operator: format!("http://{}", operator.grpc_addr),
         admin_listen: "127.0.0.1:0".parse()?,
+        health_listen: None,
         reconcile_interval: Duration::from_secs(10),
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_secs(1),
         session: daemon::new_session(),
         host_ips: HostIps::Fixed(Default::default()),
+        reassert_order: false,
     };
     let source = FileSource::new(&file, Duration::from_secs(10))?;
     let agent = daemon::start(

@@ -5,7 +5,9 @@ use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 use census_proto::domain::NodeName;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::bpf::DEFAULT_PIN_DIR;
+use census_common::FLOWS_MAX_ENTRIES;
+
+use crate::bpf::{AttachModeChoice, DEFAULT_PIN_DIR, DatapathLog};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -46,9 +48,18 @@ pub struct AgentArgs {
     /// Where the maps and links are pinned (on a BPF file system).
     #[arg(long, env = "CENSUS_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
     pub pin_dir: PathBuf,
-    /// Address of the admin HTTP server (/metrics, /healthz, /readyz, /v1/...).
-    #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "0.0.0.0:9462")]
+    #[command(flatten)]
+    pub datapath: DatapathArgs,
+    /// Address of the admin HTTP server (/v1/... for the `census` CLI on this node,
+    /// /metrics, /healthz, /readyz, /debug/pprof/heap). Unauthenticated, so on
+    /// loopback by default.
+    #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "127.0.0.1:9462")]
     pub admin_listen: SocketAddr,
+    /// Address of a second listener with only /healthz, /readyz and /metrics, for
+    /// the kubelet's probes and Prometheus (the DaemonSet: 0.0.0.0:9463) [default:
+    /// none].
+    #[arg(long, env = "CENSUS_HEALTH_LISTEN")]
+    pub health_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub source: SourceArgs,
     /// How often a full pass compares the maps and links with the desired state and
@@ -63,6 +74,49 @@ pub struct AgentArgs {
     pub log: census_daemon::LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
+}
+
+/// How the datapath is loaded and attached.
+#[derive(Debug, Clone, Args)]
+pub struct DatapathArgs {
+    /// How the classifier attaches to interfaces: `tcx` links (Linux 6.6+), `tc`
+    /// filters on a clsact qdisc (any supported kernel), or `auto`: TCX where a
+    /// probe finds it, else TC.
+    #[arg(long, env = "CENSUS_ATTACH_MODE", value_enum, default_value_t = AttachModeArg::Auto)]
+    pub attach_mode: AttachModeArg,
+    /// FLOWS' entries (identity pairs) when the map is created; a pinned FLOWS keeps
+    /// its size (and its counters) until `census-agent uninstall`.
+    #[arg(long, env = "CENSUS_FLOWS_MAX_ENTRIES", default_value_t = FLOWS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
+    pub flows_max_entries: u32,
+    /// Attach the classifier again, first, when another program is found in front
+    /// of it (off: it is reported only; two programs that both insist on being
+    /// first would take turns).
+    #[arg(long, env = "CENSUS_REASSERT_ORDER")]
+    pub reassert_order: bool,
+    /// The datapath's own log (aya-log), forwarded as `tracing` events of target
+    /// `census_datapath`: FLOWS inserts refused (`warn`), frames too short to read
+    /// (`info`), LOCAL endpoints counted by address (`debug`). Rate-limited in the
+    /// kernel; `off` costs the programs nothing. `--log` must let the level through
+    /// (`--log info,census_datapath=debug`).
+    #[arg(long, env = "CENSUS_DATAPATH_LOG", value_enum, default_value_t = DatapathLog::Off)]
+    pub datapath_log: DatapathLog,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttachModeArg {
+    Auto,
+    Tcx,
+    Tc,
+}
+
+impl From<AttachModeArg> for AttachModeChoice {
+    fn from(arg: AttachModeArg) -> Self {
+        match arg {
+            AttachModeArg::Auto => Self::Auto,
+            AttachModeArg::Tcx => Self::Tcx,
+            AttachModeArg::Tc => Self::Tc,
+        }
+    }
 }
 
 /// Where endpoints come from.
@@ -202,9 +256,35 @@ mod tests {
         let cli = Cli::try_parse_from(["census-agent", "--endpoints-file", "/e.yaml"])?;
         assert!(cli.command.is_none());
         assert_eq!(cli.agent.pin_dir, PathBuf::from("/sys/fs/bpf/census"));
-        assert_eq!(cli.agent.admin_listen.port(), 9462);
+        assert_eq!(
+            cli.agent.admin_listen,
+            SocketAddr::from(([127, 0, 0, 1], 9462))
+        );
+        assert_eq!(cli.agent.health_listen, None);
         assert_eq!(cli.agent.operator.as_str(), "http://127.0.0.1:9460");
         assert_eq!(cli.agent.reconcile_interval, Duration::from_secs(10));
+        assert_eq!(cli.agent.datapath.attach_mode, AttachModeArg::Auto);
+        assert_eq!(cli.agent.datapath.flows_max_entries, 65_536);
+        assert!(!cli.agent.datapath.reassert_order);
+        Ok(())
+    }
+
+    #[test]
+    fn datapath_flags() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from([
+            "census-agent",
+            "--attach-mode",
+            "tc",
+            "--flows-max-entries",
+            "1024",
+            "--reassert-order",
+        ])?;
+        assert_eq!(cli.agent.datapath.attach_mode, AttachModeArg::Tc);
+        assert_eq!(cli.agent.datapath.flows_max_entries, 1024);
+        assert!(cli.agent.datapath.reassert_order);
+        for bad in [["--attach-mode", "xdp"], ["--flows-max-entries", "0"]] {
+            assert!(Cli::try_parse_from([&["census-agent"][..], &bad[..]].concat()).is_err());
+        }
         Ok(())
     }
 

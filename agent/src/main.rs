@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use census_agent::{
     bpf::{self, Datapath, Inspector},
-    config::{AgentArgs, Cli, Command, SourceChoice, UninstallArgs},
+    config::{AgentArgs, Cli, Command, DatapathArgs, SourceChoice, UninstallArgs},
     daemon::{self, Options},
     host::HostIps,
     source::{
@@ -73,7 +73,9 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         node_name,
         operator,
         pin_dir,
+        datapath,
         admin_listen,
+        health_listen,
         source,
         reconcile_interval,
         reconnect_max_backoff,
@@ -99,7 +101,18 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
 
     // Loading fails early and clearly: capabilities, bpffs, the verifier's log. Another
     // agent on these pins (the old pod of a DaemonSet being replaced) is waited for.
-    let datapath = Datapath::open_waiting(&pin_dir, |holder| {
+    let DatapathArgs {
+        attach_mode,
+        flows_max_entries,
+        reassert_order,
+        datapath_log,
+    } = datapath;
+    let datapath_options = bpf::DatapathOptions {
+        attach_mode: attach_mode.into(),
+        flows_max_entries: Some(flows_max_entries),
+        datapath_log,
+    };
+    let datapath = Datapath::open_waiting(&pin_dir, &datapath_options, |holder| {
         tracing::warn!(
             pin_dir = %pin_dir.display(),
             %holder,
@@ -142,11 +155,13 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             node,
             operator: operator.to_string(),
             admin_listen,
+            health_listen,
             reconcile_interval,
             initial_backoff: Duration::from_millis(200),
             max_backoff: reconnect_max_backoff,
             session: daemon::new_session(),
             host_ips: HostIps::Discover,
+            reassert_order,
         };
         let running = daemon::start(options, datapath, Some(pinned), source).await?;
         census_daemon::signal::shutdown().await;

@@ -29,7 +29,7 @@ use prometheus_client::{
 use tokio::sync::watch;
 
 use crate::{
-    bpf::{Flow, Inspector},
+    bpf::{DatapathStats, Flow, Inspector},
     core::Status,
 };
 
@@ -253,6 +253,27 @@ impl Collector for AgentCollector {
              holds: their packets are counted by address, not by interface",
             g.interfaces_by_address,
         )?;
+        gauge(
+            &mut e,
+            "census_agent_endpoints_unattached",
+            "Endpoints with an identity whose interface the classifier is not attached to \
+             (none found, refused or failing): their entries are not LOCAL, so their traffic \
+             is counted where it goes",
+            g.unattached,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_programs_in_front",
+            "Programs found running in front of census's classifier on its interfaces (a \
+             verdict they return bypasses census)",
+            g.in_front.len() as u64,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_datapath_whole",
+            "0 while census's pins are gone and cannot be put back (the agent is not Ready)",
+            u64::from(g.datapath_error.is_none()),
+        )?;
 
         let Some(maps) = &self.flows else {
             return Ok(());
@@ -261,12 +282,22 @@ impl Collector for AgentCollector {
         let Ok(flows) = maps.flows() else {
             return Ok(());
         };
+        let pairs = flows.len() as u64;
         gauge(
             &mut e,
             "census_agent_flow_pairs",
             "Identity pairs counted in FLOWS",
-            flows.len() as u64,
+            pairs,
         )?;
+        gauge(
+            &mut e,
+            "census_agent_flow_capacity",
+            "Identity pairs FLOWS holds before it evicts the least recently used",
+            u64::from(maps.flows_max_entries()),
+        )?;
+        if let Ok(Some(stats)) = maps.stats() {
+            encode_stats(&mut e, &stats, pairs)?;
+        }
         let (top, other) = top_flows(flows, TOP_FLOWS);
         for (name, help, pick) in [
             (
@@ -302,6 +333,59 @@ impl Collector for AgentCollector {
         }
         Ok(())
     }
+}
+
+/// The programs' own counters (STATS), and the evictions they imply.
+fn encode_stats(
+    e: &mut DescriptorEncoder<'_>,
+    stats: &DatapathStats,
+    pairs_present: u64,
+) -> Result<(), fmt::Error> {
+    let DatapathStats {
+        flow_inserts,
+        flow_insert_failures,
+        unparsable,
+        interface_misses,
+        log_suppressed,
+    } = *stats;
+    for (name, help, value) in [
+        (
+            "census_agent_flow_inserts",
+            "Identity pairs the datapath inserted into FLOWS",
+            flow_inserts,
+        ),
+        (
+            "census_agent_flow_insert_failures",
+            "FLOWS inserts the kernel refused: the packets went uncounted",
+            flow_insert_failures,
+        ),
+        (
+            "census_agent_flow_evictions",
+            "Identity pairs FLOWS evicted to make room (inserted and no longer present; \
+             their counters are lost)",
+            stats.flow_evictions(pairs_present),
+        ),
+        (
+            "census_agent_datapath_unparsable",
+            "IPv4 and IPv6 frames too short to read their addresses (not counted)",
+            unparsable,
+        ),
+        (
+            "census_agent_datapath_interface_misses",
+            "Packets counted by address because their interface had no INTERFACES entry \
+             although their endpoint is LOCAL",
+            interface_misses,
+        ),
+        (
+            "census_agent_datapath_log_suppressed",
+            "Datapath log events held back by the programs' rate limit",
+            log_suppressed,
+        ),
+    ] {
+        let counter = ConstCounter::new(value);
+        counter.encode(e.encode_descriptor(name, help, None, counter.metric_type())?)?;
+    }
+    Ok(())
 }
 
 fn as_i64(value: u64) -> i64 {
@@ -343,6 +427,44 @@ mod tests {
         assert_eq!(other, Some((21, 2100)));
         let (top, other) = top_flows(vec![flow(1, 2, 5)], 3);
         assert_eq!((top.len(), other), (1, None));
+    }
+
+    #[test]
+    fn encodes_datapath_stats_and_derives_evictions() -> Result<(), fmt::Error> {
+        let stats = DatapathStats {
+            flow_inserts: 70_000,
+            flow_insert_failures: 3,
+            unparsable: 2,
+            interface_misses: 5,
+            log_suppressed: 7,
+        };
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(StatsOnly(stats, 65_000)));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry)?;
+        for line in [
+            "census_agent_flow_inserts_total 70000",
+            "census_agent_flow_insert_failures_total 3",
+            "census_agent_flow_evictions_total 5000",
+            "census_agent_datapath_unparsable_total 2",
+            "census_agent_datapath_interface_misses_total 5",
+            "census_agent_datapath_log_suppressed_total 7",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in {text}");
+        }
+        // More pairs present than counted inserts (maps older than STATS): no
+        // negative evictions.
+        assert_eq!(stats.flow_evictions(80_000), 0);
+        Ok(())
+    }
+
+    #[derive(Debug)]
+    struct StatsOnly(DatapathStats, u64);
+
+    impl Collector for StatsOnly {
+        fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
+            encode_stats(&mut e, &self.0, self.1)
+        }
     }
 
     #[test]

@@ -25,11 +25,22 @@ async fn a_missing_pin_directory_exits_7() -> TestResult {
     let dir = tempfile::tempdir()?;
     let missing = dir.path().join("census");
     let missing = missing.to_str().ok_or("tempdir is not UTF-8")?;
+    // As with bpftool, every group lists with `list`, `show` or no verb at all.
     for verb in [
         &["bpf", "maps"][..],
+        &["bpf", "maps", "list"],
+        &["bpf", "maps", "show"],
+        &["bpf", "endpoints"],
         &["bpf", "endpoints", "list"],
+        &["bpf", "endpoints", "show"],
         &["bpf", "endpoints", "get", "198.18.0.2"],
+        &["bpf", "interfaces"],
+        &["bpf", "interfaces", "list"],
+        &["bpf", "interfaces", "show"],
+        &["bpf", "flows"],
+        &["bpf", "flows", "--sort", "bytes"],
         &["bpf", "flows", "list"],
+        &["bpf", "flows", "show", "--identity", "2"],
     ] {
         let mut args = verb.to_vec();
         args.extend(["--bpffs", missing]);
@@ -167,6 +178,8 @@ async fn usage_errors_exit_2() -> TestResult {
         &["identity", "list", "-o", "xml"],
         &["node", "list", "--operator", "https://operator:9460"],
         &["bpf", "flows", "list", "--sort", "age"],
+        &["bpf", "flows", "--sort", "bytes", "list"],
+        &["bpf", "maps", "dump"],
         &["identity", "lookup"],
         &["node", "list", "--timeout", "soon"],
     ] {

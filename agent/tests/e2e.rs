@@ -16,6 +16,9 @@ mod support;
 #[path = "e2e/harness.rs"]
 mod harness;
 
+#[path = "e2e/gaps.rs"]
+mod gaps;
+
 use std::{collections::BTreeMap, net::IpAddr, process::Command, time::Duration};
 
 use census_agent::bpf::{Inspector, identity};
@@ -57,13 +60,47 @@ fn endpoints_by_bpftool(world: &World) -> Fallible<BTreeMap<IpAddr, (u32, u32)>>
     Ok(entries)
 }
 
-/// The TCX links pinned in this test's pin directory, per bpftool.
+/// The TCX links pinned in this test's pin directory, per bpftool; in TC mode,
+/// the TC filters recorded there, per `tc` (a link id made of the filter's
+/// priority and handle).
 fn our_links(world: &World) -> Fallible<Vec<CensusLink>> {
+    if support::tc_mode() {
+        return our_tc_filters(world);
+    }
     let dir = world.pins.path().to_string_lossy().into_owned();
     Ok(census_tcx_links()?
         .into_iter()
         .filter(|l| l.pinned.iter().any(|p| p.starts_with(&dir)))
         .collect())
+}
+
+fn our_tc_filters(world: &World) -> Fallible<Vec<CensusLink>> {
+    let mut filters = Vec::new();
+    for entry in std::fs::read_dir(world.pins.join("links"))? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or("a record without a name")?;
+        let (hook, place) = name.rsplit_once(":tc:").ok_or("not a TC filter record")?;
+        let (interface, direction) = hook.rsplit_once('-').ok_or("no direction")?;
+        let place: Vec<u32> = place.split(':').map(str::parse).collect::<Result<_, _>>()?;
+        let (priority, handle) = (place[1], place[2]);
+        let program = format!("census_{direction}");
+        let listed = support::tc_filters(&world.lab, interface, direction)?;
+        if listed
+            .iter()
+            .any(|f| f.priority == u64::from(priority) && f.name == program)
+        {
+            filters.push(CensusLink {
+                link_id: (priority << 16) | (handle & 0xffff),
+                program,
+                pinned: vec![path.to_string_lossy().into_owned()],
+            });
+        }
+    }
+    filters.sort_by_key(|l| l.link_id);
+    Ok(filters)
 }
 
 /// Packets and bytes of one identity pair in FLOWS.
@@ -394,11 +431,14 @@ fn a_malformed_file_changes_nothing_and_uninstall_removes_everything() -> TestRe
         "SIGTERM leaves the datapath in place"
     );
     let (agent_bin, _) = harness::binaries()?;
-    let output = Command::new(&agent_bin)
-        .arg("uninstall")
-        .arg("--pin-dir")
-        .arg(world.pins.path())
-        .output()?;
+    // In the node's network namespace, as on a node: TC filters are found there.
+    let uninstall_args: [&std::ffi::OsStr; 3] = [
+        "uninstall".as_ref(),
+        "--pin-dir".as_ref(),
+        world.pins.path().as_os_str(),
+    ];
+    let agent_path = path_str(&agent_bin)?;
+    let output = world.lab.node().output(agent_path, &uninstall_args)?;
     assert!(output.status.success(), "{output:?}");
     let said = String::from_utf8_lossy(&output.stdout);
     assert!(said.contains("detached and unpinned"), "{said}");

@@ -5,8 +5,14 @@
 //! a time. Each uses its own pin directory (`/sys/fs/bpf/census-test-<pid>-<n>`)
 //! and its own namespaces, all removed by guards even when the test fails.
 
+#[path = "privileged/attach.rs"]
+mod attach;
 #[path = "privileged/cli.rs"]
 mod cli;
+#[path = "privileged/datapath_stats.rs"]
+mod datapath_stats;
+#[path = "privileged/metrics_lint.rs"]
+mod metrics_lint;
 #[path = "privileged/pin_lock.rs"]
 mod pin_lock;
 #[path = "privileged/pod_route.rs"]
@@ -227,7 +233,7 @@ fn restart_reuses_maps_and_links_and_still_counts_once() -> TestResult {
     let old_programs = lab.node().run(|| first.attachments())??;
     drop(first); // the agent exits
 
-    let mut second = Datapath::open(pins.path())?;
+    let mut second = open_datapath(pins.path())?;
     for pod in [&a, &b] {
         let attached = lab.node().run(|| second.attach(&pod.host_interface))??;
         assert_eq!(
@@ -369,7 +375,7 @@ fn interfaces_are_written_read_and_cleared_before_detaching() -> TestResult {
     let mut lab = Lab::new()?;
     let a = lab.add_pod()?;
     let b = lab.add_pod()?;
-    let mut datapath = Datapath::open(pins.path())?;
+    let mut datapath = open_datapath(pins.path())?;
     let mut ifindexes = Vec::new();
     for pod in [&a, &b] {
         let attached = lab.node().run(|| datapath.attach(&pod.host_interface))??;
@@ -533,9 +539,10 @@ fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
     assert_eq!(attached.len(), 2);
     drop(datapath);
 
-    let removed = uninstall(pins.path())?;
+    // In the agent's network namespace: TC filters are found there by ifindex.
+    let removed = lab.node().run(|| uninstall(pins.path()))??;
     assert_eq!(removed.links.len(), 2);
-    assert_eq!(removed.pins.len(), 4, "{removed:?}");
+    assert_eq!(removed.pins.len(), 5, "the five maps: {removed:?}");
     assert!(!pins.path().exists());
     assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
 
@@ -567,9 +574,10 @@ fn detach_and_prune_defunct_links() -> TestResult {
     let c = lab.add_pod()?;
     let mut datapath = open_attached(&pins, &lab, &[&a, &b, &c])?;
 
-    assert!(datapath.detach(&a.host_interface)?);
+    // In the interface's namespace, as the agent runs: TC filters are found there.
+    assert!(lab.node().run(|| datapath.detach(&a.host_interface))??);
     assert!(
-        !datapath.detach(&a.host_interface)?,
+        !lab.node().run(|| datapath.detach(&a.host_interface))??,
         "detaching twice finds nothing"
     );
     for (hook, programs) in hook_programs(&lab, &a.host_interface)? {

@@ -4,7 +4,8 @@
 //! (real operator and agent processes, network namespaces, traffic) test targets as
 //! the calling user would (`cargo test --no-run --message-format=json`), and the
 //! `census-operator` and `census-agent` binaries the end-to-end tests run, then runs
-//! the test executables with `--ignored --test-threads=1`. Only these tests need
+//! the test executables with `--ignored --test-threads=1`, once per attach mode
+//! (`CENSUS_TEST_ATTACH_MODE=tcx`, then `tc`). Only these tests need
 //! root: nothing sets a global `runner = "sudo -E"`.
 
 use std::{ffi::OsString, process::Command};
@@ -62,14 +63,21 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         "--test",
         "e2e",
     ])?;
-    for executable in executables {
-        cmd::run(
-            Command::new(&executable)
-                .args(["--ignored", "--test-threads=1"])
-                .args(&test_args)
-                .env("CENSUS_OPERATOR_BIN", &operator)
-                .env("CENSUS_AGENT_BIN", &agent),
-        )?;
+    // Every test in both attach modes: TCX, and TC filters forced (the path of
+    // kernels before 6.6), on this kernel.
+    for mode in ["tcx", "tc"] {
+        for executable in &executables {
+            cmd::run(
+                Command::new(executable)
+                    .args(["--ignored", "--test-threads=1"])
+                    // Devices this kernel may lack (ipvlan, netkit, wireguard).
+                    .args(["--skip", "needs_other_kernel::"])
+                    .args(&test_args)
+                    .env("CENSUS_TEST_ATTACH_MODE", mode)
+                    .env("CENSUS_OPERATOR_BIN", &operator)
+                    .env("CENSUS_AGENT_BIN", &agent),
+            )?;
+        }
     }
     Ok(())
 }

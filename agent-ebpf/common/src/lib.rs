@@ -17,7 +17,16 @@ use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// map that was created but not yet stamped.
 ///
 /// 2: [`INTERFACES_MAP`] (the endpoint behind each interface census counts on).
-pub const LAYOUT_VERSION: u32 = 2;
+/// 3: [`STATS_MAP`] (the program's own counters); FLOWS bytes under GSO are
+/// per-segment (see [`FlowValue`]). Layout 2's maps are taken over as they are
+/// (their shapes did not change; [`STATS_MAP`] is added beside them): see
+/// [`MIGRATES_FROM`].
+pub const LAYOUT_VERSION: u32 = 3;
+
+/// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over in
+/// place, keeping every entry and counter: every map they have keeps its shape, and
+/// the maps they lack are created beside them.
+pub const MIGRATES_FROM: [u32; 1] = [2];
 
 /// `endpoint address -> identity + flags`: [`EndpointKey`] -> [`EndpointValue`].
 pub const ENDPOINTS_MAP: &str = "ENDPOINTS";
@@ -30,6 +39,10 @@ pub const FLOWS_MAP: &str = "FLOWS";
 /// of its headers (the address), and saves the program one hash lookup per packet.
 /// Mmapable, so the agent and the CLI read every slot without a syscall each.
 pub const INTERFACES_MAP: &str = "INTERFACES";
+/// The program's own counters, per CPU: an array of `u64` indexed by the
+/// constants of [`stats`]. Slots past the last one a layout names read 0, so a
+/// counter can be added in a free slot without a new layout.
+pub const STATS_MAP: &str = "STATS";
 /// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
 /// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
 /// so any agent, older or newer, can read it before touching the other maps.
@@ -46,6 +59,8 @@ pub const FLOWS_MAX_ENTRIES: u32 = 65_536;
 pub const INTERFACES_MAX_ENTRIES: u32 = 65_536;
 /// [`INTERFACES_MAP`]'s map flags: `BPF_F_MMAPABLE`.
 pub const INTERFACES_MAP_FLAGS: u32 = 1 << 10;
+/// Slots of [`STATS_MAP`].
+pub const STATS_MAX_ENTRIES: u32 = 16;
 /// The meta map holds one entry, at index [`META_LAYOUT_INDEX`].
 pub const META_MAX_ENTRIES: u32 = 1;
 /// Index of the layout version in [`META_MAP`].
@@ -66,6 +81,35 @@ pub mod identity {
     pub const HOST: u32 = 1;
     /// Any address that is not in ENDPOINTS.
     pub const WORLD: u32 = 2;
+}
+
+/// The slots of [`STATS_MAP`]: events the program counts, summed over CPUs by
+/// the agent. FLOWS is an LRU map, which evicts without telling the program:
+/// the pairs evicted are the pairs inserted less the pairs present (the agent
+/// never deletes a pair).
+pub mod stats {
+    /// New identity pairs inserted into FLOWS.
+    pub const FLOW_INSERTS: u32 = 0;
+    /// Inserts into FLOWS the kernel refused (not counting the race in which
+    /// another CPU inserted the same pair first): that packet went uncounted.
+    pub const FLOW_INSERT_FAILURES: u32 = 1;
+    /// IPv4 or IPv6 frames whose addresses could not be read (truncated): not
+    /// counted.
+    pub const UNPARSABLE: u32 = 2;
+    /// Packets on an interface without an INTERFACES entry whose local side is
+    /// an address flagged LOCAL (its interface's entry is missing or not written
+    /// yet): counted by address.
+    pub const INTERFACE_MISSES: u32 = 3;
+    /// Datapath log events not sent because of the rate limit.
+    pub const LOG_SUPPRESSED: u32 = 4;
+    /// Every slot this layout uses.
+    pub const ALL: [u32; 5] = [
+        FLOW_INSERTS,
+        FLOW_INSERT_FAILURES,
+        UNPARSABLE,
+        INTERFACE_MISSES,
+        LOG_SUPPRESSED,
+    ];
 }
 
 /// Address family tag of an [`EndpointKey`].
@@ -244,8 +288,11 @@ pub struct FlowKey {
 
 /// Counters of one identity pair on one CPU, the value of [`FLOWS_MAP`].
 ///
-/// `packets` counts GSO segments (a GSO packet of 10 segments counts 10);
-/// `bytes` is the sum of `skb->len`, link-layer header included.
+/// `packets` counts GSO segments (a GSO packet of 10 segments counts 10).
+/// `bytes` counts the link-layer bytes of every segment: `skb->len`, Ethernet
+/// header included, plus, for a GSO packet, the headers each further segment
+/// repeats, `(gso_segs - 1) * (Ethernet + IP + TCP or UDP header)`, as the
+/// kernel's qdiscs and a NIC's counters count them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FlowValue {
@@ -261,6 +308,7 @@ const _: () = {
     assert!(size_of::<EndpointValue>() == 8);
     assert!(size_of::<InterfaceValue>() == 8);
     assert!(INTERFACES_MAX_ENTRIES.is_power_of_two());
+    assert!(stats::ALL.len() <= STATS_MAX_ENTRIES as usize);
     assert!(size_of::<FlowKey>() == 8);
     assert!(size_of::<FlowValue>() == 16);
     assert!(align_of::<FlowValue>() == 8);
@@ -323,6 +371,14 @@ mod tests {
             !InterfaceValue::EMPTY.is_for(0),
             "no packet matches an empty slot"
         );
+    }
+
+    #[test]
+    fn stats_slots_are_distinct_and_in_the_map() {
+        for (i, slot) in stats::ALL.iter().enumerate() {
+            assert!(*slot < STATS_MAX_ENTRIES, "{slot}");
+            assert!(!stats::ALL[..i].contains(slot), "{slot} twice");
+        }
     }
 
     #[test]

@@ -1,6 +1,10 @@
 //! The agent's admin HTTP port: `/metrics`, `/healthz`, `/readyz`, the JSON API
 //! the `census` CLI reads (`/v1/endpoints`, `/v1/version`, `/v1/flows`; see
 //! [`api`]), and `/debug/pprof/heap` (a heap profile with `--heap-profiling`).
+//! It is unauthenticated and listens on loopback by default (the CLI runs on the
+//! node); `--health-listen` adds a listener with only `/healthz`, `/readyz` and
+//! `/metrics` ([`health_router`]) for the kubelet's probes and Prometheus, which
+//! reach the node from outside.
 //!
 //! The agent is Ready once its datapath is loaded and its endpoint source has given
 //! a first full set. It stays Ready while the operator is away (fail-static) and
@@ -14,7 +18,7 @@ use std::{sync::Arc, time::Duration};
 use axum::{
     Json, Router,
     extract::State,
-    http::{StatusCode, header},
+    http::{HeaderMap, StatusCode},
     response::{IntoResponse, Response},
     routing::get,
 };
@@ -64,6 +68,25 @@ pub(crate) fn router(state: AdminState) -> Router {
         .merge(census_daemon::profiling::routes())
 }
 
+/// The second listener's routes: what the kubelet's probes and Prometheus need
+/// from outside the node, none of the `/v1` API or the heap profiles.
+pub(crate) fn health_router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+/// Binds a listener; its address (the port chosen for port 0).
+pub(crate) async fn bind(
+    addr: std::net::SocketAddr,
+) -> std::io::Result<(TcpListener, std::net::SocketAddr)> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    Ok((listener, local))
+}
+
 pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
@@ -76,24 +99,8 @@ pub(crate) async fn serve(
         .await
 }
 
-async fn metrics(State(state): State<AdminState>) -> Response {
-    let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
-        Ok(()) => (
-            StatusCode::OK,
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            body,
-        )
-            .into_response(),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "encoding the metrics failed\n",
-        )
-            .into_response(),
-    }
+async fn metrics(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    census_daemon::metrics::response(&state.registry, &headers)
 }
 
 async fn readyz(State(state): State<AdminState>) -> Response {
@@ -122,10 +129,29 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         "endpoints: {} programmed, {} waiting for identity, {} in error",
         core.programmed, core.waiting, core.errors
     );
-    if core.synced {
+    let mut datapath = String::new();
+    for p in &core.in_front {
+        datapath.push_str(&format!(
+            "datapath: {} ({}) runs {} (id {}) in front of census's classifier: a verdict it returns bypasses census\n",
+            p.interface, p.direction, p.program, p.program_id
+        ));
+    }
+    if core.unattached > 0 {
+        datapath.push_str(&format!(
+            "datapath: {} endpoints without census's classifier (counted where their traffic goes)\n",
+            core.unattached
+        ));
+    }
+    if let Some(error) = &core.datapath_error {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: the datapath is not whole: {error}\n{endpoints}\n{datapath}{source}\n{operator}\n"),
+        )
+            .into_response()
+    } else if core.synced {
         (
             StatusCode::OK,
-            format!("ready\n{endpoints}\n{source}\n{operator}\n"),
+            format!("ready\n{endpoints}\n{datapath}{source}\n{operator}\n"),
         )
             .into_response()
     } else {

@@ -1,5 +1,6 @@
-//! Attaching census's programs to interfaces with TCX, one pinned link per hook,
-//! adopted (not duplicated) when the agent restarts.
+//! Attaching census's programs to interfaces, one per hook, adopted (not
+//! duplicated) when the agent restarts: with TCX, one pinned link per hook; with
+//! TC filters ([`super::tc`]), one recorded filter per hook.
 //!
 //! Interface names are resolved in the calling thread's network namespace.
 
@@ -17,9 +18,10 @@ use census_common::{PROGRAM_EGRESS, PROGRAM_INGRESS};
 use nix::net::if_::if_nametoindex;
 
 use super::{
-    Datapath, Error,
+    AttachMode, Datapath, Error, netlink,
     pins::{detach_and_unpin, open_tcx_link, parse_link_name},
     sys,
+    tc::{self, TcRecord},
 };
 
 /// A hook on the host side of an endpoint's interface.
@@ -89,15 +91,29 @@ pub struct Attached {
     pub egress: AttachOutcome,
 }
 
-/// One pinned link, as found in the pin directory.
+/// One pinned link or recorded TC filter, as found in the pin directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attachment {
     pub interface: String,
     pub direction: Direction,
+    pub mode: AttachMode,
+    /// The link's pin, or the filter's record.
     pub pin: PathBuf,
+    /// The TCX link's id; 0 for a TC filter.
     pub link_id: u32,
+    /// The program it runs (0: a TC filter that is gone).
     pub program_id: u32,
     pub state: AttachmentState,
+}
+
+/// A program that runs before census's on one hook of an interface.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InFront {
+    pub direction: Direction,
+    /// Its name as the kernel knows it (at most 15 bytes), or the filter's kind.
+    pub program: String,
+    /// Its program id, 0 for a TC filter of another kind.
+    pub program_id: u32,
 }
 
 /// Whether a pinned link still runs on the interface its pin is named after.
@@ -148,20 +164,34 @@ fn ifindex(name: &str) -> Result<u32, Error> {
 
 impl Datapath {
     /// Attaches census to both hooks of `interface` (the host side of an
-    /// endpoint's interface, in this thread's network namespace) with TCX, ahead
-    /// of any other program there, and pins each link under `links/`.
+    /// endpoint's interface, in this thread's network namespace), ahead of any
+    /// other program there: with TCX, each link pinned under `links/`; in TC mode,
+    /// a filter before every other, recorded under `links/`.
     ///
-    /// Idempotent: a hook whose pinned link is already on this interface is
-    /// adopted (its program atomically replaced by this agent's), so exactly one
-    /// census program runs per hook.
+    /// Idempotent: a hook whose pinned link (or recorded filter) is already on
+    /// this interface is adopted (its program atomically replaced by this
+    /// agent's), so exactly one census program runs per hook; one of the other
+    /// mode goes.
+    ///
+    /// Only an endpoint's own device is accepted: a veth or netkit with an
+    /// Ethernet link type ([`Error::UnsupportedInterface`] otherwise).
     ///
     /// The interface's INTERFACES entry ([`Datapath::set_interface`]) is the
     /// caller's to write, once this has returned.
     pub fn attach(&mut self, interface: &str) -> Result<Attached, Error> {
         check_interface_name(interface)?;
         let ifindex = ifindex(interface)?;
-        let ingress = self.attach_one(interface, ifindex, Direction::Ingress)?;
-        let egress = self.attach_one(interface, ifindex, Direction::Egress)?;
+        check_endpoint_device(interface, ifindex)?;
+        let (ingress, egress) = match self.mode {
+            AttachMode::Tcx => (
+                self.attach_one(interface, ifindex, Direction::Ingress)?,
+                self.attach_one(interface, ifindex, Direction::Egress)?,
+            ),
+            AttachMode::Tc => (
+                self.attach_tc(interface, ifindex, Direction::Ingress)?,
+                self.attach_tc(interface, ifindex, Direction::Egress)?,
+            ),
+        };
         Ok(Attached {
             ifindex,
             ingress,
@@ -177,6 +207,13 @@ impl Datapath {
     ) -> Result<AttachOutcome, Error> {
         let path = self.pins.link(interface, direction);
         let mut outcome = AttachOutcome::Attached;
+        // A filter of an agent that ran in TC mode: one census program per hook.
+        for record in tc::records(&self.pins.links_dir())? {
+            if record.interface == interface && record.direction == direction {
+                record.remove()?;
+                outcome = AttachOutcome::ReplacedStale;
+            }
+        }
         if path.exists() {
             let info = pinned_link_info(&path)?;
             if info.tcx_ifindex == ifindex && info.tcx_attach_type == direction.tcx_attach_type() {
@@ -245,7 +282,10 @@ impl Datapath {
         Ok(())
     }
 
-    fn program_mut(&mut self, direction: Direction) -> Result<&mut SchedClassifier, Error> {
+    pub(super) fn program_mut(
+        &mut self,
+        direction: Direction,
+    ) -> Result<&mut SchedClassifier, Error> {
         let name = direction.program();
         let program = self
             .ebpf
@@ -278,6 +318,15 @@ impl Datapath {
                 detach_and_unpin(&path)?;
                 detached = true;
             }
+        }
+        if tc::records(&self.pins.links_dir())?
+            .iter()
+            .any(|r| r.interface == interface)
+        {
+            if let Ok(ifindex) = if_nametoindex(interface) {
+                self.delete_interface(ifindex)?;
+            }
+            detached |= self.detach_tc(interface)?;
         }
         Ok(detached)
     }
@@ -312,11 +361,15 @@ impl Datapath {
             attachments.push(Attachment {
                 interface: interface.to_owned(),
                 direction,
+                mode: AttachMode::Tcx,
                 link_id: info.id,
                 program_id: info.prog_id,
                 state,
                 pin,
             });
+        }
+        for record in tc::records(&dir)? {
+            attachments.push(tc_attachment(record));
         }
         attachments.sort_by(|a, b| (&a.interface, a.direction).cmp(&(&b.interface, b.direction)));
         Ok(attachments)
@@ -327,11 +380,153 @@ impl Datapath {
         let mut pruned = Vec::new();
         for attachment in self.attachments()? {
             if attachment.state == AttachmentState::Defunct {
-                detach_and_unpin(&attachment.pin)?;
+                match attachment.mode {
+                    AttachMode::Tcx => detach_and_unpin(&attachment.pin)?,
+                    AttachMode::Tc => {
+                        if let Some(record) = attachment
+                            .pin
+                            .file_name()
+                            .and_then(|n| n.to_str())
+                            .and_then(|n| TcRecord::parse(&self.pins.links_dir(), n))
+                        {
+                            record.remove()?;
+                        }
+                    }
+                }
                 pruned.push(attachment);
             }
         }
         Ok(pruned)
+    }
+}
+
+impl Datapath {
+    /// The programs that run before census's on the hooks of `interface` (none
+    /// where census is first): TCX programs ahead of census's link, or TC filters
+    /// of a lower priority (or the same priority, listed first).
+    pub fn in_front(&self, interface: &str) -> Result<Vec<InFront>, Error> {
+        check_interface_name(interface)?;
+        let mut found = Vec::new();
+        match self.mode {
+            AttachMode::Tcx => {
+                for direction in Direction::BOTH {
+                    let ours = self.program_id(direction)?;
+                    let (_, programs) =
+                        SchedClassifier::query_tcx(interface, direction.attach_type()).map_err(
+                            |source| Error::Program {
+                                program: direction.program(),
+                                source,
+                            },
+                        )?;
+                    if !programs.iter().any(|p| p.id() == ours) {
+                        continue;
+                    }
+                    found.extend(
+                        programs
+                            .iter()
+                            .take_while(|p| p.id() != ours)
+                            .map(|p| InFront {
+                                direction,
+                                program: p.name_as_str().unwrap_or("?").to_owned(),
+                                program_id: p.id(),
+                            }),
+                    );
+                }
+            }
+            AttachMode::Tc => {
+                let ifindex = ifindex(interface)?;
+                for record in tc::records(&self.pins.links_dir())? {
+                    if record.interface != interface || record.ifindex != ifindex {
+                        continue;
+                    }
+                    let filters =
+                        netlink::filters(ifindex, record.direction).map_err(|source| {
+                            Error::Netlink {
+                                operation: "listing the TC filters",
+                                interface: interface.to_owned(),
+                                source,
+                            }
+                        })?;
+                    found.extend(
+                        filters
+                            .iter()
+                            .take_while(|f| {
+                                (f.priority, f.handle) != (record.priority, record.handle)
+                            })
+                            .map(|f| InFront {
+                                direction: record.direction,
+                                program: f.program.clone().unwrap_or_else(|| f.kind.clone()),
+                                program_id: f.program_id.unwrap_or(0),
+                            }),
+                    );
+                }
+            }
+        }
+        found.sort();
+        Ok(found)
+    }
+
+    fn program_id(&self, direction: Direction) -> Result<u32, Error> {
+        let program = direction.program();
+        let classifier: &SchedClassifier = self
+            .ebpf
+            .program(program)
+            .ok_or(Error::MissingFromObject {
+                kind: "program",
+                name: program,
+            })?
+            .try_into()
+            .map_err(|source| Error::Program { program, source })?;
+        classifier
+            .info()
+            .map(|info| info.id())
+            .map_err(|source| Error::Program { program, source })
+    }
+}
+
+/// A recorded TC filter as an attachment: attached while its filter is there on
+/// the interface of that name, defunct once the filter or its interface is gone.
+fn tc_attachment(record: TcRecord) -> Attachment {
+    let filter = record.filter();
+    let state = match (filter.is_some(), if_nametoindex(record.interface.as_str())) {
+        (false, _) => AttachmentState::Defunct,
+        (true, Ok(current)) if current == record.ifindex => AttachmentState::Attached {
+            ifindex: record.ifindex,
+        },
+        (true, _) => AttachmentState::Elsewhere {
+            ifindex: record.ifindex,
+        },
+    };
+    Attachment {
+        interface: record.interface,
+        direction: record.direction,
+        mode: AttachMode::Tc,
+        pin: record.path,
+        link_id: 0,
+        program_id: filter.and_then(|f| f.program_id).unwrap_or(0),
+        state,
+    }
+}
+
+/// Refuses a device that is not an endpoint's own: census attaches to the host
+/// side of a veth or netkit pair, whose frames carry an Ethernet header (the
+/// classifier parses one). A NIC, a bridge, macvlan, ipvlan, wireguard or tun
+/// would give its whole traffic one endpoint's identity, or garbage.
+fn check_endpoint_device(interface: &str, ifindex: u32) -> Result<(), Error> {
+    let link = netlink::link_kind(ifindex).map_err(|source| Error::Netlink {
+        operation: "reading the link kind",
+        interface: interface.to_owned(),
+        source,
+    })?;
+    let own_device = matches!(link.kind.as_deref(), Some("veth" | "netkit"));
+    if own_device && link.ethernet {
+        Ok(())
+    } else {
+        Err(Error::UnsupportedInterface {
+            interface: interface.to_owned(),
+            kind: link.kind,
+            ethernet: link.ethernet,
+        })
     }
 }
 

@@ -24,8 +24,9 @@ pub enum Error {
     MissingCapabilities { missing: CapabilityList },
 
     #[error(
-        "{path} is not on a BPF file system (bpffs) and no bpffs can be mounted there \
-         (it is not an empty directory): mount one with `mount -t bpf bpf {path}`"
+        "{path} is not on a BPF file system (bpffs): bpffs is the host's to mount (`mount -t \
+         bpf bpf /sys/fs/bpf` on the node; the DaemonSet mounts the host's /sys/fs/bpf into \
+         the pod), so that pins outlive the agent's container"
     )]
     NotBpffs { path: PathBuf },
 
@@ -202,12 +203,89 @@ pub enum Error {
         source: io::Error,
     },
 
+    #[error(
+        "kernel {release} is too old: census needs Linux 5.15 or later (TC filters; TCX \
+         links from 6.6 are used where the kernel has them)"
+    )]
+    KernelTooOld { release: String },
+
+    #[error("cannot tell the kernel's version from its release {release:?}")]
+    UnknownKernel { release: String },
+
+    #[error(
+        "--attach-mode tcx: this kernel has no TCX links (Linux 6.6+); use --attach-mode \
+         auto or tc"
+    )]
+    TcxUnavailable {
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("{operation} on {interface} failed")]
+    Netlink {
+        operation: &'static str,
+        interface: String,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error(
+        "a TC filter with priority 1 is on {interface} ({direction}): census's filter \
+         cannot run before it, so it does not attach there"
+    )]
+    NoRoomInFront {
+        interface: String,
+        direction: Direction,
+    },
+
+    #[error(
+        "census attaches only to an endpoint's own veth or netkit device with an Ethernet \
+         link type; {interface} is {}", describe_link(kind.as_deref(), *ethernet)
+    )]
+    UnsupportedInterface {
+        interface: String,
+        kind: Option<String>,
+        ethernet: bool,
+    },
+
+    #[error("pinning map {map} again at {path} failed")]
+    Repin {
+        map: &'static str,
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+
+    #[error("reading the datapath's log (aya-log) failed")]
+    DatapathLog {
+        #[source]
+        source: aya_log::Error,
+    },
+
+    #[error("starting the thread that forwards the datapath's log failed")]
+    DatapathLogThread {
+        #[source]
+        source: io::Error,
+    },
+
     #[error("running program {program} with BPF_PROG_TEST_RUN failed")]
     TestRun {
         program: &'static str,
         #[source]
         source: aya::programs::ProgramError,
     },
+}
+
+fn describe_link(kind: Option<&str>, ethernet: bool) -> String {
+    let kind = kind.map_or_else(
+        || "a device without a kind (a NIC, loopback)".to_owned(),
+        |k| format!("a {k} device"),
+    );
+    if ethernet {
+        kind
+    } else {
+        format!("{kind} without an Ethernet header")
+    }
 }
 
 /// Names of missing capabilities, for [`Error::MissingCapabilities`].

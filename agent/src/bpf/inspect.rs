@@ -5,8 +5,13 @@
 //! map, and afterwards only looks entries up. It works while the agent is down, and
 //! says precisely why it cannot read (nothing pinned, no permission, another layout,
 //! a map of another shape), so the CLI can give each case its own exit code.
-//! (aya 0.14 opens pins read-write, with no way to ask for `BPF_F_RDONLY`; no
-//! update, delete or pin call is ever made on what it returns.)
+//! Every map is opened with `BPF_F_RDONLY` (aya 0.14's `MapData::from_pin` asks
+//! for read-write; `sys::obj_get_read_only` does not), so the kernel itself
+//! refuses any write through these descriptors.
+//!
+//! It reads the maps of this layout and of the older layouts an agent takes over in
+//! place ([`MIGRATES_FROM`]): what a newer census reads of an older map is what that
+//! map means, never a guess (STATS, new in layout 3, is absent from layout 2).
 #![forbid(unsafe_code)]
 
 use std::{
@@ -23,11 +28,15 @@ use aya::{
 };
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
-    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP,
+    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, STATS_MAP,
 };
 
 use super::{
-    Error, Flow, Interface, MapShape, maps::used_slots, pins, privileges, sys::MappedArray,
+    DatapathStats, Error, Flow, Interface, MapShape,
+    maps::{StatsMap, used_slots},
+    pins, privileges,
+    sys::{self, MappedArray},
+    tc,
 };
 
 /// Why the pinned maps cannot be read. Nothing was written in any case.
@@ -126,6 +135,8 @@ pub struct Inspector {
     /// INTERFACES' slots, mapped read-only.
     interfaces: MappedArray,
     flows: FlowsMap,
+    /// `None` in the maps of a layout before STATS existed.
+    stats: Option<StatsMap>,
 }
 
 impl fmt::Debug for Inspector {
@@ -179,7 +190,7 @@ impl Inspector {
         }
         let (meta, meta_info) = open_map(META_MAP, &meta_path)?;
         let layout = read_layout(meta, &meta_path)?;
-        if layout != LAYOUT_VERSION {
+        if layout != LAYOUT_VERSION && !MIGRATES_FROM.contains(&layout) {
             return Err(InspectError::LayoutMismatch {
                 pin_dir: dir,
                 found: layout,
@@ -202,18 +213,33 @@ impl Inspector {
         let interfaces_path = dir.join(INTERFACES_MAP);
         let (interfaces, interfaces_info) = open_map(INTERFACES_MAP, &interfaces_path)?;
         let interfaces = map_slots(&interfaces, &interfaces_info, &interfaces_path)?;
+        let mut infos = vec![
+            (META_MAP, meta_path, meta_info),
+            (ENDPOINTS_MAP, endpoints_path, endpoints_info),
+            (FLOWS_MAP, flows_path, flows_info),
+            (INTERFACES_MAP, interfaces_path, interfaces_info),
+        ];
+        let stats_path = dir.join(STATS_MAP);
+        // Layout 2 had no STATS; from layout 3 on it is part of the layout.
+        let stats = if layout == LAYOUT_VERSION || exists(&stats_path)? {
+            let (stats, stats_info) = open_map(STATS_MAP, &stats_path)?;
+            let stats = StatsMap::try_from(stats).map_err(|source| InspectError::Map {
+                path: stats_path.clone(),
+                source,
+            })?;
+            infos.push((STATS_MAP, stats_path, stats_info));
+            Some(stats)
+        } else {
+            None
+        };
         Ok(Self {
             dir,
             layout,
-            infos: vec![
-                (META_MAP, meta_path, meta_info),
-                (ENDPOINTS_MAP, endpoints_path, endpoints_info),
-                (FLOWS_MAP, flows_path, flows_info),
-                (INTERFACES_MAP, interfaces_path, interfaces_info),
-            ],
+            infos,
             endpoints,
             interfaces,
             flows,
+            stats,
         })
     }
 
@@ -222,10 +248,65 @@ impl Inspector {
         &self.dir
     }
 
-    /// The layout version recorded with the maps (always [`LAYOUT_VERSION`]: other
-    /// versions are refused).
+    /// The layout version recorded with the maps: [`LAYOUT_VERSION`], or an older
+    /// one of [`MIGRATES_FROM`] (other versions are refused).
     pub fn layout_version(&self) -> u32 {
         self.layout
+    }
+
+    /// The programs' own counters; `None` for maps of a layout without STATS.
+    pub fn stats(&self) -> Result<Option<DatapathStats>, InspectError> {
+        let Some(stats) = &self.stats else {
+            return Ok(None);
+        };
+        DatapathStats::read(stats)
+            .map(Some)
+            .map_err(|source| self.map_error(STATS_MAP, source))
+    }
+
+    /// FLOWS' size: the pairs it holds before it evicts.
+    pub fn flows_max_entries(&self) -> u32 {
+        self.infos
+            .iter()
+            .find(|(name, _, _)| *name == FLOWS_MAP)
+            .map_or(0, |(_, _, info)| info.max_entries())
+    }
+
+    /// The number of identity pairs in FLOWS.
+    pub fn flow_pairs(&self) -> Result<u64, InspectError> {
+        count(self.flows.keys(), &self.dir.join(FLOWS_MAP))
+    }
+
+    /// The names of the interfaces census is attached to, by ifindex, as the
+    /// agent named them (in its network namespace, which need not be the
+    /// caller's): from the link pins (a TCX link's interface, read from the
+    /// kernel) and the records of TC filters. An interface whose link outlived it
+    /// is left out.
+    pub fn interface_names(&self) -> BTreeMap<u32, String> {
+        let links = self.dir.join("links");
+        let mut names = BTreeMap::new();
+        for record in tc::records(&links).unwrap_or_default() {
+            names.insert(record.ifindex, record.interface);
+        }
+        for entry in fs::read_dir(&links).into_iter().flatten().flatten() {
+            let path = entry.path();
+            let Some((interface, _)) = path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .and_then(pins::parse_link_name)
+            else {
+                continue;
+            };
+            let interface = interface.to_owned();
+            if let Ok(fd) = sys::obj_get(&path)
+                && let Ok(info) = sys::link_info(fd.as_fd())
+                && info.link_type == sys::BPF_LINK_TYPE_TCX
+                && info.tcx_ifindex != 0
+            {
+                names.insert(info.tcx_ifindex, interface);
+            }
+        }
+        names
     }
 
     /// Every pinned map with its current number of entries (for INTERFACES, the
@@ -354,18 +435,16 @@ fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectEr
         path: path.to_owned(),
         source,
     };
-    let data = MapData::from_pin(path).map_err(|source| match source {
-        MapError::SyscallError(SyscallError { io_error, .. }) => {
-            // EPERM: this user may not use bpf(2) at all.
-            let io_error = if io_error.raw_os_error() == Some(libc::EPERM) {
-                io::Error::from(io::ErrorKind::PermissionDenied)
-            } else {
-                io_error
-            };
-            self::io_error("opening", path, io_error, Some(name))
-        }
-        source => map_error(source),
+    let fd = sys::obj_get_read_only(path).map_err(|io_error| {
+        // EPERM: this user may not use bpf(2) at all.
+        let io_error = if io_error.raw_os_error() == Some(libc::EPERM) {
+            io::Error::from(io::ErrorKind::PermissionDenied)
+        } else {
+            io_error
+        };
+        self::io_error("opening", path, io_error, Some(name))
     })?;
+    let data = MapData::from_fd(fd).map_err(map_error)?;
     let info = data.info().map_err(map_error)?;
     let found = pins::shape_of(&info);
     if let Some(expected) = pins::expected_shape(name) {
@@ -376,7 +455,7 @@ fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectEr
                 && found.value_size == expected.value_size
                 && found.max_entries >= 1
         } else {
-            found == expected
+            pins::shape_matches(name, &expected, &found)
         };
         if !matches {
             return Err(InspectError::ShapeMismatch {
@@ -392,8 +471,13 @@ fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectEr
 }
 
 /// Maps an opened INTERFACES' slots read-only.
+///
+/// The one descriptor opened read-write: the kernel maps a BPF map only shared,
+/// and `mmap` turns a shared mapping of a read-only descriptor into a private one,
+/// which BPF refuses. The mapping is `PROT_READ`, and the descriptor is closed as
+/// soon as it is made.
 fn map_slots(map: &Map, info: &MapInfo, path: &Path) -> Result<MappedArray, InspectError> {
-    let Map::Array(data) = map else {
+    let Map::Array(_) = map else {
         return Err(InspectError::ShapeMismatch {
             path: path.to_owned(),
             layout: LAYOUT_VERSION,
@@ -401,7 +485,9 @@ fn map_slots(map: &Map, info: &MapInfo, path: &Path) -> Result<MappedArray, Insp
             found: pins::shape_of(info),
         });
     };
-    MappedArray::new(data.fd().as_fd(), info.max_entries(), info.value_size())
+    let fd = sys::obj_get(path)
+        .map_err(|source| io_error("opening", path, source, Some(INTERFACES_MAP)))?;
+    MappedArray::new(fd.as_fd(), info.max_entries(), info.value_size())
         .map_err(|source| io_error("mapping", path, source, Some(INTERFACES_MAP)))
 }
 

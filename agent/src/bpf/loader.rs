@@ -13,12 +13,13 @@ use aya::{
     maps::{Array, Map, MapData},
     programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
-use census_common::{ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, META_MAP};
+use census_common::{ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, META_MAP, STATS_MAP};
 
+use super::log::{DatapathLog, LogForwarder};
 use super::{
-    Direction, Error,
+    AttachMode, AttachModeChoice, Direction, Error,
     lock::{LockHolder, PinLock},
-    maps::{EndpointsMap, FlowsMap, InterfacesMap},
+    maps::{self as datapath_maps, EndpointsMap, FlowsMap, InterfacesMap, StatsMap},
     object,
     pins::{self, Layout, Pins},
     privileges,
@@ -34,11 +35,18 @@ use super::{
 /// it lives, in this process or another.
 pub struct Datapath {
     pub(super) pins: Pins,
-    _lock: PinLock,
+    pub(super) lock: PinLock,
     pub(super) ebpf: Ebpf,
+    pub(super) mode: AttachMode,
+    /// Every pinned map, by name, to pin again if the pins are removed under the
+    /// running agent ([`Datapath::ensure_pinned`]).
+    pub(super) pinned: Vec<(&'static str, MapData)>,
     pub(super) endpoints: EndpointsMap,
     pub(super) interfaces: InterfacesMap,
     pub(super) flows: FlowsMap,
+    pub(super) stats: StatsMap,
+    /// Forwards the programs' aya-log records into `tracing` while logging is on.
+    _log: Option<LogForwarder>,
 }
 
 impl fmt::Debug for Datapath {
@@ -54,13 +62,18 @@ impl Datapath {
     /// [`DEFAULT_PIN_DIR`](super::DEFAULT_PIN_DIR)) or creating and pinning them.
     ///
     /// Fails clearly, before loading anything, without the needed capabilities,
-    /// without a BPF file system (one is mounted on an empty `/sys/fs/bpf`), or
+    /// on a kernel before 5.15, without a BPF file system (the host's to mount), or
     /// when the pinned maps are of another layout version; fails with the
     /// verifier's log when the kernel refuses a program. Already attached links
     /// are adopted by [`Datapath::attach`]. Fails with [`Error::PinDirLocked`]
     /// when another `Datapath` holds the pins (in another agent, or this process).
     pub fn open(pin_dir: impl AsRef<Path>) -> Result<Self, Error> {
-        Self::open_with(pin_dir.as_ref(), PinLock::acquire)
+        Self::open_with(pin_dir.as_ref(), &Options::default(), PinLock::acquire)
+    }
+
+    /// [`Datapath::open`] with `options` (attach mode, FLOWS' size).
+    pub fn open_with_options(pin_dir: impl AsRef<Path>, options: &Options) -> Result<Self, Error> {
+        Self::open_with(pin_dir.as_ref(), options, PinLock::acquire)
     }
 
     /// Like [`Datapath::open`], but when another agent holds the pins, tells
@@ -68,21 +81,25 @@ impl Datapath {
     /// one on the node takes over the moment the old agent is gone).
     pub fn open_waiting(
         pin_dir: impl AsRef<Path>,
+        options: &Options,
         on_busy: impl FnOnce(&LockHolder),
     ) -> Result<Self, Error> {
-        Self::open_with(pin_dir.as_ref(), |dir| {
+        Self::open_with(pin_dir.as_ref(), options, |dir| {
             PinLock::acquire_waiting(dir, on_busy)
         })
     }
 
     fn open_with(
         pin_dir: &Path,
+        options: &Options,
         lock: impl FnOnce(&Path) -> Result<PinLock, Error>,
     ) -> Result<Self, Error> {
         let pins = Pins::new(pin_dir);
         let bytes = object::bytes()?;
+        super::probe::check_kernel()?;
         privileges::check_capabilities()?;
         privileges::ensure_bpffs(pins.dir())?;
+        let mode = options.attach_mode.resolve()?;
         pins.create()?;
         // Before anything pinned is read: the holder may be migrating it.
         let lock = lock(pins.dir())?;
@@ -96,12 +113,33 @@ impl Datapath {
         for (name, path) in &map_pins {
             loader.map_pin_path(name, path.as_path());
         }
+        if let Some(entries) = options.flows_max_entries {
+            loader.map_max_entries(FLOWS_MAP, entries);
+        }
+        // aya-log-ebpf's default is every level on: always say which.
+        let log_level = options.datapath_log.aya_level();
+        loader.override_global(aya_log::LEVEL, &log_level, true);
         let mut ebpf = loader.load(bytes).map_err(Error::Load)?;
         for direction in Direction::BOTH {
             load_program(&mut ebpf, direction.program())?;
         }
 
         let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
+        let mut stats: StatsMap = take_map(&mut ebpf, STATS_MAP)?;
+        let flows: FlowsMap = take_map(&mut ebpf, FLOWS_MAP)?;
+        if let Layout::Older(from) = layout {
+            // Pairs inserted before STATS existed count as inserted, so evictions
+            // (inserts less pairs present) stay exact.
+            let present = datapath_maps::count_flows(&flows)?;
+            datapath_maps::seed_flow_inserts(&mut stats, present)?;
+            tracing::info!(
+                pin_dir = %pins.dir().display(),
+                from,
+                to = census_common::LAYOUT_VERSION,
+                flow_pairs = present,
+                "took over the maps of an older layout, entries and counters kept"
+            );
+        }
         pins::stamp_layout(&mut meta)?;
         let endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
         let interfaces = ebpf
@@ -111,25 +149,46 @@ impl Datapath {
                 name: INTERFACES_MAP,
             })
             .and_then(InterfacesMap::new)?;
-        let flows: FlowsMap = take_map(&mut ebpf, FLOWS_MAP)?;
+        let log = match options.datapath_log {
+            DatapathLog::Off => None,
+            level => Some(LogForwarder::start(&mut ebpf, level)?),
+        };
+        let mut pinned = Vec::new();
+        for (name, path) in &map_pins {
+            let data =
+                MapData::from_pin(path).map_err(|source| Error::Map { map: name, source })?;
+            pinned.push((*name, data));
+        }
+        pins::warn_flows_size(&pinned, options.flows_max_entries);
         tracing::info!(
             pin_dir = %pins.dir().display(),
-            reused = layout == Layout::Current,
+            reused = layout != Layout::Fresh,
+            attach_mode = %mode,
+            datapath_log = %options.datapath_log,
             "census datapath loaded"
         );
         Ok(Self {
             pins,
-            _lock: lock,
+            lock,
             ebpf,
+            mode,
+            pinned,
             endpoints,
             interfaces,
             flows,
+            stats,
+            _log: log,
         })
     }
 
     /// The directory everything is pinned in.
     pub fn pin_dir(&self) -> &Path {
         self.pins.dir()
+    }
+
+    /// How this datapath attaches to interfaces.
+    pub fn attach_mode(&self) -> AttachMode {
+        self.mode
     }
 
     /// The kernel's run statistics of the program of `direction`.
@@ -189,6 +248,19 @@ impl Datapath {
             mean_duration: result.duration,
         })
     }
+}
+
+/// How [`Datapath::open_with_options`] loads the datapath.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// TCX, TC filters, or TCX where the kernel has it (probed).
+    pub attach_mode: AttachModeChoice,
+    /// FLOWS' entries when it is created (the object's 65,536 if `None`); a FLOWS
+    /// map already pinned keeps its size (and its counters).
+    pub flows_max_entries: Option<u32>,
+    /// The least severe of the programs' aya-log events forwarded into `tracing`
+    /// (off by default).
+    pub datapath_log: DatapathLog,
 }
 
 /// Cumulative run statistics of one program, kept by the kernel while run-time

@@ -72,6 +72,16 @@ fn lock_error(pin_dir: &Path, errno: Errno) -> Error {
 }
 
 impl PinLock {
+    /// Whether this lock is on the directory now at `pin_dir` (not on one removed
+    /// since, with another created in its place).
+    pub(super) fn is_on(&self, pin_dir: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt as _;
+        match (self._dir.metadata(), fs::metadata(pin_dir)) {
+            (Ok(locked), Ok(now)) => (locked.dev(), locked.ino()) == (now.dev(), now.ino()),
+            _ => false,
+        }
+    }
+
     /// Takes the lock of `pin_dir` (which must exist), or says who holds it.
     pub(super) fn try_acquire(pin_dir: &Path) -> Result<Result<Self, LockHolder>, Error> {
         let dir = open_dir(pin_dir)?;

@@ -3,12 +3,15 @@
 use std::{collections::BTreeMap, fmt, io, net::IpAddr, ops::BitOr, os::fd::AsFd as _};
 
 use aya::{
-    maps::{Array, HashMap, Map, MapData, MapError, MapType, PerCpuHashMap},
+    maps::{
+        Array, HashMap, Map, MapData, MapError, MapType, PerCpuArray, PerCpuHashMap, PerCpuValues,
+    },
     sys::SyscallError,
+    util::nr_cpus,
 };
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
-    InterfaceValue, flags, identity, interface_slot,
+    InterfaceValue, STATS_MAP, flags, identity, interface_slot, stats,
 };
 
 use super::{Datapath, Error, sys::MappedArray};
@@ -214,6 +217,89 @@ impl fmt::Display for MapShape {
 
 pub(super) type EndpointsMap = HashMap<MapData, EndpointKey, EndpointValue>;
 pub(super) type FlowsMap = PerCpuHashMap<MapData, FlowKey, FlowValue>;
+pub(super) type StatsMap = PerCpuArray<MapData, u64>;
+
+/// The programs' own counters (STATS), summed over CPUs, since the maps were
+/// created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DatapathStats {
+    /// Identity pairs inserted into FLOWS.
+    pub flow_inserts: u64,
+    /// FLOWS inserts the kernel refused: those packets went uncounted.
+    pub flow_insert_failures: u64,
+    /// IPv4 or IPv6 frames too short to hold their addresses (not counted).
+    pub unparsable: u64,
+    /// Packets counted by address because their interface had no INTERFACES
+    /// entry although their endpoint is LOCAL.
+    pub interface_misses: u64,
+    /// Datapath log events the programs' rate limit held back.
+    pub log_suppressed: u64,
+}
+
+impl DatapathStats {
+    /// Pairs FLOWS evicted: an LRU map evicts without telling the program, and
+    /// nothing else removes pairs, so every pair inserted and no longer present
+    /// was evicted.
+    pub fn flow_evictions(&self, pairs_present: u64) -> u64 {
+        self.flow_inserts.saturating_sub(pairs_present)
+    }
+
+    /// Reads STATS.
+    pub(super) fn read(map: &StatsMap) -> Result<Self, MapError> {
+        let slot = |index| -> Result<u64, MapError> {
+            let values = map.get(&index, 0)?;
+            Ok(values.iter().fold(0u64, |sum, v| sum.wrapping_add(*v)))
+        };
+        Ok(Self {
+            flow_inserts: slot(stats::FLOW_INSERTS)?,
+            flow_insert_failures: slot(stats::FLOW_INSERT_FAILURES)?,
+            unparsable: slot(stats::UNPARSABLE)?,
+            interface_misses: slot(stats::INTERFACE_MISSES)?,
+            log_suppressed: slot(stats::LOG_SUPPRESSED)?,
+        })
+    }
+}
+
+/// The number of pairs in FLOWS.
+pub(super) fn count_flows(flows: &FlowsMap) -> Result<u64, Error> {
+    let mut pairs = 0;
+    for key in flows.keys() {
+        match key {
+            Ok(_) => pairs += 1,
+            Err(error) if is_not_found(&error) => {}
+            Err(error) => return Err(flows_error(error)),
+        }
+    }
+    Ok(pairs)
+}
+
+/// Counts `pairs` as inserted, on the first CPU, unless STATS already counted
+/// inserts: the pairs of maps that predate STATS.
+pub(super) fn seed_flow_inserts(map: &mut StatsMap, pairs: u64) -> Result<(), Error> {
+    let current = DatapathStats::read(map).map_err(stats_error)?;
+    if current.flow_inserts != 0 || pairs == 0 {
+        return Ok(());
+    }
+    let cpus_error = |source| Error::Io {
+        operation: "reading the possible CPUs",
+        path: "/sys/devices/system/cpu/possible".into(),
+        source,
+    };
+    let cpus = nr_cpus().map_err(|(_, source)| cpus_error(source))?;
+    let mut values = vec![0u64; cpus];
+    if let Some(first) = values.first_mut() {
+        *first = pairs;
+    }
+    let values = PerCpuValues::try_from(values).map_err(cpus_error)?;
+    map.set(stats::FLOW_INSERTS, values, 0).map_err(stats_error)
+}
+
+fn stats_error(source: MapError) -> Error {
+    Error::Map {
+        map: STATS_MAP,
+        source,
+    }
+}
 
 /// INTERFACES: written through `bpf(2)`, read through a mapping of its memory
 /// (every slot of a 65,536-slot array in microseconds, not one syscall each).
@@ -401,6 +487,11 @@ impl Datapath {
 
     fn interface_slot(&self, slot: u32) -> Option<Interface> {
         slot_of(&self.interfaces.slots, slot)
+    }
+
+    /// The programs' own counters, summed over CPUs.
+    pub fn stats(&self) -> Result<DatapathStats, Error> {
+        DatapathStats::read(&self.stats).map_err(stats_error)
     }
 
     /// The counters of one identity pair, summed over CPUs.

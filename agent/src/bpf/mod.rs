@@ -1,9 +1,10 @@
 //! census's datapath from the agent's side: loading the eBPF object, the pinned
-//! maps (ENDPOINTS, INTERFACES, FLOWS) and their layout version, TCX attachments
-//! with pinned links, and uninstall.
+//! maps (ENDPOINTS, INTERFACES, FLOWS) and their layout version, attachments (TCX
+//! links pinned, or TC filters recorded, as the kernel allows), and uninstall.
 //!
 //! This is the only module of the agent with `unsafe` code (in [`sys`], the raw
-//! `bpf(2)` calls aya does not wrap and the mapping of INTERFACES' memory).
+//! `bpf(2)` calls aya does not wrap and the mapping of INTERFACES' memory, and in
+//! [`probe`], the TCX probe).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), census_agent::bpf::Error> {
@@ -26,19 +27,30 @@ mod error;
 mod inspect;
 mod loader;
 mod lock;
+mod log;
 mod maps;
+mod netlink;
 mod object;
 mod pins;
 mod privileges;
+mod probe;
+mod repin;
 mod sys;
+mod tc;
 
-pub use attach::{AttachOutcome, Attached, Attachment, AttachmentState, Direction};
+pub use self::log::DatapathLog;
+pub use attach::{AttachOutcome, Attached, Attachment, AttachmentState, Direction, InFront};
 pub use census_common::{EndpointKey, LAYOUT_VERSION, identity, interface_slot};
 pub use error::{CapabilityList, Error};
 pub use inspect::{InspectError, Inspector, PinnedMapInfo, map_type_name};
-pub use loader::{Datapath, ProgramStats, TestContext, TestRunOutcome, enable_run_time_stats};
+pub use loader::{
+    Datapath, Options as DatapathOptions, ProgramStats, TestContext, TestRunOutcome,
+    enable_run_time_stats,
+};
 pub use lock::LockHolder;
-pub use maps::{Endpoint, EndpointFlags, Flow, Interface, MapShape};
+pub use maps::{DatapathStats, Endpoint, EndpointFlags, Flow, Interface, MapShape};
 pub use object::is_embedded as object_is_embedded;
 pub use pins::{DEFAULT_PIN_DIR, Uninstalled, uninstall};
 pub use privileges::check_capabilities;
+pub use probe::{AttachMode, AttachModeChoice, MINIMUM_KERNEL, check_kernel};
+pub use repin::Repinned;

@@ -6,8 +6,11 @@
 //! <pin dir>/ENDPOINTS              address -> identity + flags
 //! <pin dir>/INTERFACES             array[ifindex % 65536] of (ifindex, identity), mmapable
 //! <pin dir>/FLOWS                  (src identity, dst identity) -> packets, bytes
+//! <pin dir>/STATS                  per-CPU array of u64: the program's own counters
 //! <pin dir>/links/<if>-ingress     TCX link of census_ingress on interface <if>
 //! <pin dir>/links/<if>-egress      TCX link of census_egress on interface <if>
+//! <pin dir>/links/<if>-<direction>:tc:<ifindex>:<priority>:<handle>/
+//!                                  (a directory) census's TC filter on <if>, in TC mode
 //! ```
 
 use std::{
@@ -20,7 +23,8 @@ use aya::maps::{Array, MapData, MapError, MapInfo, MapType};
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES,
     FlowKey, FlowValue, INTERFACES_MAP, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES,
-    InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES,
+    InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES, MIGRATES_FROM,
+    STATS_MAP, STATS_MAX_ENTRIES,
 };
 
 use super::{Direction, Error, maps::MapShape, privileges, sys};
@@ -31,9 +35,15 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 const LINKS_DIR: &str = "links";
 
 /// Every map census pins, the layout version map first.
-pub(super) const MAPS: [&str; 4] = [META_MAP, ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP];
+pub(super) const MAPS: [&str; 5] = [
+    META_MAP,
+    ENDPOINTS_MAP,
+    FLOWS_MAP,
+    INTERFACES_MAP,
+    STATS_MAP,
+];
 /// The maps of [`MAPS`] that a layout version guards.
-pub(super) const DATA_MAPS: [&str; 3] = [ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP];
+pub(super) const DATA_MAPS: [&str; 4] = [ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, STATS_MAP];
 
 /// Paths under one pin directory.
 #[derive(Debug, Clone)]
@@ -109,6 +119,12 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             size_of::<FlowValue>(),
             FLOWS_MAX_ENTRIES,
         )),
+        STATS_MAP => Some(shape(
+            MapType::PerCpuArray,
+            size_of::<u32>(),
+            size_of::<u64>(),
+            STATS_MAX_ENTRIES,
+        )),
         INTERFACES_MAP => Some(MapShape {
             map_flags: INTERFACES_MAP_FLAGS,
             ..shape(
@@ -119,6 +135,39 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             )
         }),
         _ => None,
+    }
+}
+
+/// Whether a pinned map of shape `found` is `map` of this layout. FLOWS' size is
+/// the agent's to choose (`--flows-max-entries`), so any size is FLOWS.
+pub(super) fn shape_matches(map: &str, expected: &MapShape, found: &MapShape) -> bool {
+    if map == FLOWS_MAP {
+        return found.max_entries > 0
+            && MapShape {
+                max_entries: expected.max_entries,
+                ..*found
+            } == *expected;
+    }
+    found == expected
+}
+
+/// Says so when FLOWS is pinned with another size than asked for: the pinned map,
+/// and its counters, stay.
+pub(super) fn warn_flows_size(pinned: &[(&'static str, MapData)], wanted: Option<u32>) {
+    let Some(wanted) = wanted else { return };
+    let Some(info) = pinned
+        .iter()
+        .find(|(name, _)| *name == FLOWS_MAP)
+        .and_then(|(_, data)| data.info().ok())
+    else {
+        return;
+    };
+    if info.max_entries() != wanted {
+        tracing::warn!(
+            pinned = info.max_entries(),
+            wanted,
+            "FLOWS is pinned with another size; it keeps it (and its counters) until `census-agent uninstall`"
+        );
     }
 }
 
@@ -146,6 +195,9 @@ pub(super) enum Layout {
     Fresh,
     /// Maps of this layout (or a meta map not stamped yet): reuse them.
     Current,
+    /// Maps of an older layout this one takes over in place ([`MIGRATES_FROM`]):
+    /// reuse them, create the maps it lacks, then stamp this layout.
+    Older(u32),
 }
 
 /// Reads the layout version pinned in `pins` and checks every pinned map has
@@ -164,7 +216,12 @@ pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
     }
 
     let found = pinned_layout(&meta_path)?;
-    if found != 0 && found != LAYOUT_VERSION {
+    let layout = if MIGRATES_FROM.contains(&found) {
+        Layout::Older(found)
+    } else {
+        Layout::Current
+    };
+    if found != 0 && found != LAYOUT_VERSION && layout == Layout::Current {
         return Err(Error::LayoutMismatch {
             pin_dir: pins.dir().to_owned(),
             found,
@@ -179,7 +236,7 @@ pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
         let info = MapInfo::from_pin(&path).map_err(|source| Error::Map { map, source })?;
         let found = shape_of(&info);
         if let Some(expected) = expected_shape(map)
-            && found != expected
+            && !shape_matches(map, &expected, &found)
         {
             return Err(Error::PinnedMapMismatch {
                 path,
@@ -189,7 +246,7 @@ pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
             });
         }
     }
-    Ok(Layout::Current)
+    Ok(layout)
 }
 
 /// The layout version recorded in the meta map pinned at `path` (0: not stamped).
@@ -259,7 +316,15 @@ pub fn uninstall(pin_dir: impl AsRef<Path>) -> Result<Uninstalled, Error> {
     let links = pins.links_dir();
     if links.exists() {
         for path in read_dir(&links)? {
-            detach_and_unpin(&path)?;
+            let record = path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .and_then(|name| super::tc::TcRecord::parse(&links, name));
+            match record {
+                // Its filter is deleted if its interface is in this network namespace.
+                Some(record) => record.remove()?,
+                None => detach_and_unpin(&path)?,
+            }
             done.links.push(path);
         }
         remove_dir(&links)?;

@@ -6,10 +6,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use nix::{
-    mount::{MsFlags, mount},
-    sys::statfs::statfs,
-};
+use nix::sys::statfs::statfs;
 
 use super::{Error, error::CapabilityList};
 
@@ -81,34 +78,15 @@ pub(super) fn is_bpffs(path: &Path) -> Result<bool, Error> {
 }
 
 /// Makes sure `pin_dir` is, or can be created, on a BPF file system: its closest
-/// existing ancestor must be on one. When that is its parent (typically
-/// `/sys/fs/bpf`) and an empty directory on another file system, a bpffs is
-/// mounted on it, as systemd does at boot.
+/// existing ancestor must be on one. bpffs is the host's to mount: one mounted
+/// here, in the agent's container, would take the pins with it when the container
+/// goes, and the next agent could not adopt the programs.
 pub(super) fn ensure_bpffs(pin_dir: &Path) -> Result<(), Error> {
     let existing = closest_existing(pin_dir);
     if is_bpffs(&existing)? {
-        return Ok(());
-    }
-    let parent = parent_of(pin_dir);
-    if existing != parent || !is_empty_dir(&parent)? {
-        return Err(Error::NotBpffs { path: existing });
-    }
-    tracing::info!(path = %parent.display(), "mounting a BPF file system");
-    mount(
-        Some("bpf"),
-        &parent,
-        Some("bpf"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        None::<&str>,
-    )
-    .map_err(|source| Error::MountBpffs {
-        path: parent.clone(),
-        source,
-    })?;
-    if is_bpffs(&parent)? {
         Ok(())
     } else {
-        Err(Error::NotBpffs { path: parent })
+        Err(Error::NotBpffs { path: existing })
     }
 }
 
@@ -125,15 +103,6 @@ fn parent_of(path: &Path) -> PathBuf {
         Some(parent) if !parent.as_os_str().is_empty() => parent.to_owned(),
         _ => PathBuf::from("."),
     }
-}
-
-fn is_empty_dir(path: &Path) -> Result<bool, Error> {
-    let mut entries = fs::read_dir(path).map_err(|source| Error::Io {
-        operation: "reading directory",
-        path: path.to_owned(),
-        source,
-    })?;
-    Ok(entries.next().is_none())
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
-//! What aya 0.14 does not expose: two `bpf(2)` commands (the TCX part of a link's
-//! info, which interface it is attached to, and `BPF_LINK_DETACH`), and a
-//! read-only mapping of an mmapable array map.
+//! What aya 0.14 does not expose: three `bpf(2)` commands (the TCX part of a link's
+//! info, which interface it is attached to, `BPF_LINK_DETACH`, and
+//! `BPF_OBJ_GET` with `BPF_F_RDONLY`), and a read-only mapping of an mmapable
+//! array map.
 #![allow(unsafe_code)]
 
 use std::{
@@ -81,14 +82,28 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
     }
 }
 
+/// `BPF_F_RDONLY`: a descriptor through which the map can only be read.
+const BPF_F_RDONLY: u32 = 1 << 3;
+
 /// Opens the object pinned at `path`.
 pub(super) fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    obj_get_with_flags(path, 0)
+}
+
+/// Opens the map pinned at `path` for reading only (`BPF_F_RDONLY`): the kernel
+/// refuses every update and delete through the descriptor, whatever the caller
+/// does with it (aya's `MapData::from_pin` asks for read-write).
+pub(super) fn obj_get_read_only(path: &Path) -> io::Result<OwnedFd> {
+    obj_get_with_flags(path, BPF_F_RDONLY)
+}
+
+fn obj_get_with_flags(path: &Path, file_flags: u32) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut attr = ObjGetAttr {
         pathname: path.as_ptr() as u64,
         bpf_fd: 0,
-        file_flags: 0,
+        file_flags,
         path_fd: 0,
         _pad: 0,
     };

@@ -88,8 +88,34 @@ pub(crate) struct Reconciled {
     pub(crate) entry_failures: Vec<(IpAddr, DatapathError)>,
     pub(crate) interfaces: BTreeSet<String>,
     pub(crate) interface_failures: Vec<(String, DatapathError)>,
+    /// The interfaces of `interfaces` the classifier is attached to (both hooks)
+    /// now; the others of `interfaces` have none.
+    pub(crate) attached: BTreeSet<String>,
+    /// The datapath as a whole, as a full pass found it (`None`: not looked at).
+    pub(crate) datapath: Option<DatapathHealth>,
     /// ENDPOINTS entries this agent has written.
     pub(crate) map_entries: usize,
     /// Attached interfaces whose INTERFACES slot another interface holds.
     pub(crate) interfaces_by_address: usize,
+}
+
+/// What a full pass found of the datapath as a whole.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DatapathHealth {
+    /// Why it is not whole (its pins gone and not put back).
+    pub(crate) error: Option<DatapathError>,
+    /// Programs that run before census's classifier.
+    pub(crate) in_front: Vec<ProgramInFront>,
+}
+
+/// A program attached in front of census's classifier: a verdict it returns
+/// bypasses census.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ProgramInFront {
+    pub(crate) interface: String,
+    /// `ingress` or `egress`.
+    pub(crate) direction: &'static str,
+    /// Its name (or a TC filter's kind).
+    pub(crate) program: String,
+    pub(crate) program_id: u32,
 }

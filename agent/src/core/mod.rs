@@ -52,7 +52,8 @@ use tracing::{debug, info, warn};
 pub(crate) use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
 pub(crate) use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
 pub(crate) use events::{
-    AllocationEvent, LabelSettings, OperatorEvent, Reconciled, Verdict, VerdictScope,
+    AllocationEvent, DatapathHealth, LabelSettings, OperatorEvent, ProgramInFront, Reconciled,
+    Verdict, VerdictScope,
 };
 pub(crate) use identities::{AllocationId, AllocationRequest};
 use identities::{IdentityCache, Lookup, Release};
@@ -116,6 +117,11 @@ pub(crate) struct Core {
     operator_link: OperatorLink,
     map_entries: usize,
     interfaces_by_address: usize,
+    /// Interfaces the classifier is attached to, as reconcile last said: only
+    /// the addresses behind them are LOCAL.
+    attached: BTreeSet<String>,
+    /// The datapath as the last full pass found it.
+    health: DatapathHealth,
 }
 
 impl Core {
@@ -126,6 +132,13 @@ impl Core {
             adoptable: Some(adoptable),
             ..Self::default()
         }
+    }
+
+    /// The interfaces the classifier was found attached to at start (a previous
+    /// run's links): their addresses stay LOCAL while reconcile adopts them.
+    pub(crate) fn with_attached(mut self, attached: BTreeSet<String>) -> Self {
+        self.attached = attached;
+        self
     }
 
     /// Whether the source has given its first full set (and removing what it does
@@ -525,11 +538,33 @@ impl Core {
             entry_failures,
             interfaces,
             interface_failures,
+            attached,
+            datapath,
             map_entries,
             interfaces_by_address,
         } = reconciled;
         self.map_entries = map_entries;
         self.interfaces_by_address = interfaces_by_address;
+        if let Some(health) = datapath {
+            self.health = health;
+        }
+        for name in &interfaces {
+            let now = attached.contains(name);
+            let changed = if now {
+                self.attached.insert(name.clone())
+            } else {
+                self.attached.remove(name)
+            };
+            if changed {
+                // The entries behind it gain or lose LOCAL.
+                let ips = self
+                    .table
+                    .values()
+                    .filter(|m| m.source.interface.name() == Some(name.as_str()))
+                    .flat_map(|m| m.source.ips.iter().copied());
+                self.queue.ips.extend(ips);
+            }
+        }
         let failed: HashMap<IpAddr, DatapathError> = entry_failures.into_iter().collect();
         let keys: BTreeSet<EndpointKey> = entries
             .iter()
@@ -595,9 +630,9 @@ impl Core {
             .and_then(|owners| owners.first())
             .and_then(|key| self.table.get(key));
         match owner.and_then(|m| m.held.as_ref().map(|held| (m, held))) {
-            Some((m, held)) => Some(match m.source.interface {
-                HostInterface::Named(_) => Entry::Local(held.id),
-                HostInterface::Unknown(_) => Entry::Unattached(held.id),
+            Some((m, held)) => Some(match &m.source.interface {
+                HostInterface::Named(name) if self.attached.contains(name) => Entry::Local(held.id),
+                HostInterface::Named(_) | HostInterface::Unknown(_) => Entry::Unattached(held.id),
             }),
             None if self.host_ips.contains(&ip) => Some(Entry::Host),
             None => None,
@@ -692,8 +727,25 @@ impl Core {
             interfaces: self.interfaces.len() as u64,
             map_entries: self.map_entries as u64,
             interfaces_by_address: self.interfaces_by_address as u64,
+            unattached: self.unattached() as u64,
+            datapath_error: self.health.error.as_ref().map(ToString::to_string),
+            in_front: self.health.in_front.clone(),
             operator: self.operator_link.clone(),
         }
+    }
+
+    /// Endpoints holding an identity whose classifier is not attached.
+    fn unattached(&self) -> usize {
+        self.table
+            .values()
+            .filter(|m| m.held.is_some())
+            .filter(|m| {
+                m.source
+                    .interface
+                    .name()
+                    .is_none_or(|name| !self.attached.contains(name))
+            })
+            .count()
     }
 
     fn state_of(&self, key: &EndpointKey, m: &Managed) -> (EndpointState, Option<Problem>) {

@@ -43,6 +43,14 @@ pub(crate) struct Status {
     pub(crate) map_entries: u64,
     /// Attached interfaces whose INTERFACES slot another interface holds.
     pub(crate) interfaces_by_address: u64,
+    /// Endpoints with an identity whose entries are not LOCAL: the classifier is
+    /// not attached to their interface (none found, refused, or failing).
+    pub(crate) unattached: u64,
+    /// Why the datapath is not whole (its pins removed and not put back): the
+    /// agent is not Ready while this is set.
+    pub(crate) datapath_error: Option<String>,
+    /// Programs that run in front of census's classifier.
+    pub(crate) in_front: Vec<super::ProgramInFront>,
     pub(crate) operator: OperatorLink,
 }
 

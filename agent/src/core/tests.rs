@@ -205,7 +205,8 @@ fn rebind_moves_every_endpoint_of_the_label_set() {
 #[test]
 fn a_restarted_agent_keeps_the_identities_the_maps_held() {
     let found = HashMap::from([(ip("198.18.1.2"), 300), (ip("198.18.9.9"), 301)]);
-    let mut e = Core::new(found);
+    // Its interface still has the previous run's links.
+    let mut e = Core::new(found).with_attached(["vethweb-0".to_owned()].into());
     e.on_source(SourceEvent::Reset(vec![
         ep("web-0", "198.18.1.2", "web"),
         ep("db-0", "198.18.3.2", "db"),
@@ -446,7 +447,7 @@ fn effects_remove_nothing_before_the_first_full_set() {
     let fx = e.take_effects();
     assert_eq!(
         fx.entries,
-        BTreeMap::from([(ip("198.18.1.2"), Some(Entry::Local(id(300))))])
+        BTreeMap::from([(ip("198.18.1.2"), Some(Entry::Unattached(id(300))))])
     );
 
     e.on_source(SourceEvent::Delete(key("web-0")));
@@ -543,4 +544,106 @@ fn reconcile_failures_mark_their_endpoints_until_a_write_succeeds() {
     });
     assert_eq!(state(&e, "web-0"), Some((EndpointState::Programmed, None)));
     assert_eq!(e.status().map_entries, 1);
+}
+
+/// What reconcile says after attaching (or failing to attach) `interface`.
+fn attach_outcome(interface: &str, attached: bool) -> Reconciled {
+    let interfaces: BTreeSet<String> = [interface.to_owned()].into();
+    Reconciled {
+        attached: if attached {
+            interfaces.clone()
+        } else {
+            BTreeSet::new()
+        },
+        interface_failures: if attached {
+            Vec::new()
+        } else {
+            vec![(
+                interface.to_owned(),
+                DatapathError::new(std::io::Error::other("attach failed")),
+            )]
+        },
+        interfaces,
+        ..Reconciled::default()
+    }
+}
+
+#[test]
+fn an_address_is_local_only_while_its_interface_is_attached() {
+    let mut e = Core::new(HashMap::new());
+    e.on_source(SourceEvent::Reset(vec![ep("web-0", "198.18.1.2", "web")]));
+    allocated(&mut e, "web-0", 300);
+    let fx = e.take_effects();
+    assert_eq!(
+        fx.entries.get(&ip("198.18.1.2")),
+        Some(&Some(Entry::Unattached(id(300)))),
+        "not LOCAL before its classifier is attached: its packets are counted where they go"
+    );
+    assert!(matches!(
+        fx.interfaces.get("vethweb-0"),
+        Some(InterfaceChange::Attach { .. })
+    ));
+    assert_eq!(e.status().unattached, 1);
+
+    e.on_reconciled(attach_outcome("vethweb-0", true));
+    let fx = e.take_effects();
+    assert_eq!(
+        fx.entries,
+        BTreeMap::from([(ip("198.18.1.2"), Some(Entry::Local(id(300))))]),
+        "LOCAL once attached"
+    );
+    assert_eq!(
+        e.desired().entries[&ip("198.18.1.2")],
+        Entry::Local(id(300))
+    );
+    assert_eq!(e.status().unattached, 0);
+
+    // The link lost and attaching again failing: LOCAL goes.
+    e.on_reconciled(attach_outcome("vethweb-0", false));
+    let fx = e.take_effects();
+    assert_eq!(
+        fx.entries,
+        BTreeMap::from([(ip("198.18.1.2"), Some(Entry::Unattached(id(300))))])
+    );
+    assert_eq!(e.status().unattached, 1);
+    let view = e.view();
+    assert_eq!(view[0].state, EndpointState::Error);
+    assert!(
+        view[0]
+            .problem
+            .as_ref()
+            .is_some_and(|p| p.to_string().contains("attach failed"))
+    );
+    // Nothing changed: nothing to write.
+    e.on_reconciled(attach_outcome("vethweb-0", false));
+    assert!(e.take_effects().entries.is_empty());
+}
+
+#[test]
+fn the_datapath_health_of_a_full_pass_is_the_status() {
+    let mut e = Core::new(HashMap::new());
+    e.on_reconciled(Reconciled {
+        datapath: Some(DatapathHealth {
+            error: Some(DatapathError::new(std::io::Error::other("no bpffs"))),
+            in_front: vec![ProgramInFront {
+                interface: "veth0".to_owned(),
+                direction: "ingress",
+                program: "cni_policy".to_owned(),
+                program_id: 7,
+            }],
+        }),
+        ..Reconciled::default()
+    });
+    let status = e.status();
+    assert_eq!(status.datapath_error.as_deref(), Some("no bpffs"));
+    assert_eq!(status.in_front.len(), 1);
+    // A batch of effects says nothing about the whole: the health stays.
+    e.on_reconciled(Reconciled::default());
+    assert!(e.status().datapath_error.is_some());
+    e.on_reconciled(Reconciled {
+        datapath: Some(DatapathHealth::default()),
+        ..Reconciled::default()
+    });
+    assert_eq!(e.status().datapath_error, None);
+    assert!(e.status().in_front.is_empty());
 }

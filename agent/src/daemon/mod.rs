@@ -46,11 +46,15 @@ pub struct Options {
     /// The operator's gRPC URI (`http://host:port`).
     pub operator: String,
     pub admin_listen: SocketAddr,
+    /// A listener for probes and Prometheus only (admin::health_router).
+    pub health_listen: Option<SocketAddr>,
     pub reconcile_interval: Duration,
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
     pub session: SessionId,
     pub host_ips: HostIps,
+    /// Attach census first again when another program is found in front of it.
+    pub reassert_order: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +90,7 @@ pub fn new_session() -> SessionId {
 #[derive(Debug)]
 pub struct Running {
     pub admin_addr: SocketAddr,
+    pub health_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -121,14 +126,17 @@ where
         node,
         operator,
         admin_listen,
+        health_listen,
         reconcile_interval,
         initial_backoff,
         max_backoff,
         session,
         host_ips,
+        reassert_order,
     } = options;
     let channel = operator_channel(&operator)?;
     let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
+    let attached = reconcile::attached_at_start(&maps);
     info!(%node, %session, operator, entries = found.len(), "starting");
 
     let metrics = Metrics::default();
@@ -162,6 +170,14 @@ where
         addr: admin_listen,
         source,
     })?;
+    let health = match health_listen {
+        Some(addr) => Some(
+            admin::bind(addr)
+                .await
+                .map_err(|source| StartError::Listen { addr, source })?,
+        ),
+        None => None,
+    };
 
     let description = source.describe();
     let source_filter = source.label_filter();
@@ -186,8 +202,8 @@ where
     )));
 
     let wiring = Wiring {
-        core: Core::new(reconcile::adoptable(&found)),
-        reconciler: Reconciler::new(metrics.clone()),
+        core: Core::new(reconcile::adoptable(&found)).with_attached(attached),
+        reconciler: Reconciler::new(metrics.clone()).reassert_order(reassert_order),
         maps,
         allocate: AllocateClient::new(
             channel,
@@ -217,7 +233,7 @@ where
     };
     tasks.push(tokio::spawn(wiring.run(inputs).instrument(span)));
 
-    let router = admin::router(AdminState {
+    let admin_state = AdminState {
         registry: Arc::new(registry),
         node: node.to_string(),
         operator_address: operator,
@@ -226,7 +242,20 @@ where
         status: status_rx,
         queries: query_tx,
         maps: pinned,
-    });
+    };
+    let router = admin::router(admin_state.clone());
+    let mut health_addr = None;
+    if let Some((health, addr)) = health {
+        let router = admin::health_router(admin_state);
+        let health_stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = admin::serve(health, router, health_stop).await {
+                error!(error = %e, "the health and metrics server failed");
+            }
+        }));
+        info!(%addr, "health and metrics server listening");
+        health_addr = Some(addr);
+    }
     let admin_stop = stop.clone();
     tasks.push(tokio::spawn(async move {
         if let Err(e) = admin::serve(listener, router, admin_stop).await {
@@ -236,6 +265,7 @@ where
     info!(%admin_addr, "admin server listening");
     Ok(Running {
         admin_addr,
+        health_addr,
         shutdown,
         tasks,
     })
@@ -360,8 +390,7 @@ impl<M: DatapathPort> Wiring<M> {
                     full_pass = true;
                 }
             }
-            let fx = self.core.take_effects();
-            self.apply(fx);
+            self.apply_all();
             if !was_synced && self.core.synced() {
                 // The first full set: what it does not list can go now.
                 full_pass = true;
@@ -373,6 +402,7 @@ impl<M: DatapathPort> Wiring<M> {
             }
             if full_pass {
                 self.full_pass();
+                self.apply_all();
             }
             self.status.send_replace(self.core.status());
         }
@@ -391,6 +421,20 @@ impl<M: DatapathPort> Wiring<M> {
             }
             changed
         });
+    }
+
+    /// Carries the core's effects to the shells until there are none: what
+    /// reconcile did can change the desired entries (an address becomes LOCAL
+    /// once its interface is attached, and stops being LOCAL when that fails).
+    fn apply_all(&mut self) {
+        // Each round settles the interfaces it attached; a few rounds at most.
+        for _ in 0..4 {
+            let fx = self.core.take_effects();
+            if fx.is_empty() {
+                return;
+            }
+            self.apply(fx);
+        }
     }
 
     /// Carries the core's effects to the shells, and what reconcile did back.

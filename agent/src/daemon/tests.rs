@@ -42,11 +42,13 @@ async fn agent(dir: &Path, operator: SocketAddr, maps: Arc<Mutex<FakeMaps>>) -> 
         node: NodeName::new("n1")?,
         operator: format!("http://{operator}"),
         admin_listen: "127.0.0.1:0".parse()?,
+        health_listen: None,
         reconcile_interval: Duration::from_millis(200),
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(300),
         session: new_session(),
         host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
+        reassert_order: false,
     };
     let source = FileSource::new(dir.join("endpoints.yaml"), Duration::from_millis(200))?;
     let running = start(options, maps.clone(), None, Box::new(source)).await?;
@@ -419,5 +421,72 @@ async fn a_restarted_agent_keeps_identities_and_repairs_the_maps() -> TestResult
 
     second.running.shut_down().await;
     op.shut_down().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_health_listener_serves_probes_and_metrics_only_and_both_formats_lint() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
+    write(dir.path(), FOUR)?;
+    let options = Options {
+        node: NodeName::new("n1")?,
+        operator: format!("http://{}", op.grpc_addr),
+        admin_listen: "127.0.0.1:0".parse()?,
+        health_listen: Some("127.0.0.1:0".parse()?),
+        reconcile_interval: Duration::from_millis(200),
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(300),
+        session: new_session(),
+        host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
+        reassert_order: false,
+    };
+    let source = FileSource::new(
+        dir.path().join("endpoints.yaml"),
+        Duration::from_millis(200),
+    )?;
+    let running = start(options, fake_maps(), None, Box::new(source)).await?;
+    let admin = running.admin_addr;
+    let health = running.health_addr.ok_or("no health listener")?;
+    assert_ne!(health, admin);
+    until_some(WAIT, || all_programmed(admin, 4))
+        .await
+        .ok_or("the endpoints were not programmed")?;
+
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(
+            get(health, path).await?.0,
+            200,
+            "{path} on the health listener"
+        );
+        assert_eq!(
+            get(admin, path).await?.0,
+            200,
+            "{path} on the admin listener"
+        );
+    }
+    // The API the CLI reads, and the heap profiles, only on the admin listener.
+    for path in [
+        "/v1/endpoints",
+        "/v1/flows",
+        "/v1/version",
+        "/debug/pprof/heap",
+    ] {
+        assert_eq!(
+            get(health, path).await?.0,
+            404,
+            "{path} on the health listener"
+        );
+    }
+    assert_eq!(get(admin, "/v1/endpoints").await?.0, 200);
+
+    for addr in [admin, health] {
+        let (text, open) = census_testkit::promlint::check_both_formats(addr).await?;
+        let line = "census_agent_endpoints{state=\"programmed\"} 4";
+        for body in [&text, &open] {
+            assert!(body.lines().any(|l| l == line), "no {line:?} in\n{body}");
+        }
+    }
+    running.shut_down().await;
     Ok(())
 }

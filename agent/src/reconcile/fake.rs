@@ -22,6 +22,14 @@ pub(crate) struct FakeMaps {
     /// INTERFACES entries written for an interface the classifier is not
     /// attached to: must stay 0.
     pub(crate) unattached_entries: usize,
+    /// Why the pins cannot be put back, while they cannot.
+    pub(crate) unpinnable: Option<&'static str>,
+    /// Times the pins were put back.
+    pub(crate) repins: usize,
+    /// Whether the pins are there (`census-agent uninstall` clears it).
+    pub(crate) unpinned: bool,
+    /// Programs in front of census's, by interface.
+    pub(crate) in_front: BTreeMap<String, Vec<bpf::InFront>>,
 }
 
 impl FakeMaps {
@@ -148,6 +156,35 @@ impl DatapathPort for FakeMaps {
         self.links.retain(|_, s| *s != AttachmentState::Defunct);
         Ok((before - self.links.len()) * 2)
     }
+
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
+        if !self.unpinned {
+            return Ok(false);
+        }
+        if let Some(reason) = self.unpinnable {
+            return Err(bpf::Error::InvalidInterfaceName {
+                name: "pins".to_owned(),
+                reason,
+            });
+        }
+        self.unpinned = false;
+        self.repins += 1;
+        Ok(true)
+    }
+
+    fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
+        Ok(self.in_front.get(interface).cloned().unwrap_or_default())
+    }
+}
+
+impl FakeMaps {
+    /// What `census-agent uninstall` does under a running agent: every link
+    /// detached, every pin removed (the maps live on in the agent).
+    pub(crate) fn uninstall(&mut self) {
+        self.links.clear();
+        self.slots.clear();
+        self.unpinned = true;
+    }
 }
 
 /// A fake a test can look at while the daemon owns it.
@@ -194,5 +231,13 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn prune_defunct(&mut self) -> Result<usize, bpf::Error> {
         self.lock().prune_defunct()
+    }
+
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
+        self.lock().ensure_pinned()
+    }
+
+    fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
+        self.lock().in_front(interface)
     }
 }

@@ -18,6 +18,17 @@
 //! entries nobody wants, links of deleted interfaces, interfaces that lost their
 //! program.
 //!
+//! An address is LOCAL in ENDPOINTS only once the classifier is attached to its
+//! interface: until then (or when attaching fails) the core writes it without,
+//! as it is seen from outside, so the hook of whatever it talks to counts its
+//! packets. Each [`Reconciled`] says which of the interfaces it touched are
+//! attached.
+//!
+//! The full pass first puts back the pins if they were removed under the agent
+//! (`census-agent uninstall`), and reports the datapath broken while it cannot;
+//! it also looks for programs attached in front of census's and reports them
+//! (and, if asked, attaches census first again).
+//!
 //! Nothing is removed while `prune` is false: until the endpoint source has given
 //! its first full set the agent does not know what is unwanted, and what the maps
 //! hold (from a previous run of the agent) stays in force.
@@ -32,7 +43,10 @@ use tracing::{debug, info, warn};
 
 use crate::{
     bpf::{self, AttachmentState, Datapath, interface_slot},
-    core::{DatapathError, Desired, Effects, Entry, InterfaceChange, Reconciled},
+    core::{
+        DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, ProgramInFront,
+        Reconciled,
+    },
     metrics::{MapLabels, Metrics},
 };
 
@@ -58,6 +72,25 @@ pub(crate) fn adoptable(found: &BTreeMap<MapKey, bpf::Endpoint>) -> HashMap<IpAd
         .iter()
         .filter(|(_, e)| e.flags.contains(bpf::EndpointFlags::LOCAL))
         .filter_map(|(key, e)| Some((key.ip()?, e.identity)))
+        .collect()
+}
+
+/// The interfaces with both hooks attached at start (a previous run's links): the
+/// core keeps their addresses LOCAL while reconcile adopts them.
+pub(crate) fn attached_at_start<M: DatapathPort + ?Sized>(maps: &M) -> BTreeSet<String> {
+    let Ok(links) = maps.attachments() else {
+        return BTreeSet::new();
+    };
+    let mut hooks: BTreeMap<&str, usize> = BTreeMap::new();
+    for link in &links {
+        if matches!(link.state, AttachmentState::Attached { .. }) {
+            *hooks.entry(link.interface.as_str()).or_default() += 1;
+        }
+    }
+    hooks
+        .into_iter()
+        .filter(|(_, n)| *n >= 2)
+        .map(|(i, _)| i.to_owned())
         .collect()
 }
 
@@ -90,6 +123,10 @@ pub(crate) trait DatapathPort {
     fn attachments(&self) -> Result<Vec<Link>, bpf::Error>;
     /// Removes the pins of links whose interface is gone; how many.
     fn prune_defunct(&mut self) -> Result<usize, bpf::Error>;
+    /// Pins again what was removed under the agent; whether anything was.
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error>;
+    /// The programs that run before census's on `interface`.
+    fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error>;
 }
 
 impl DatapathPort for Datapath {
@@ -148,6 +185,14 @@ impl DatapathPort for Datapath {
     fn prune_defunct(&mut self) -> Result<usize, bpf::Error> {
         Ok(Datapath::prune_defunct(self)?.len())
     }
+
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
+        Ok(!Datapath::ensure_pinned(self)?.is_empty())
+    }
+
+    fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
+        Datapath::in_front(self, interface)
+    }
 }
 
 /// What one full pass did.
@@ -164,6 +209,12 @@ pub(crate) struct PassReport {
     pub(crate) pruned: usize,
     pub(crate) entry_errors: Vec<(IpAddr, bpf::Error)>,
     pub(crate) interface_errors: Vec<(String, bpf::Error)>,
+    /// Why the pins could not be put back (the pass did nothing else).
+    pub(crate) datapath_error: Option<bpf::Error>,
+    /// Whether the pins were put back.
+    pub(crate) repinned: bool,
+    /// Programs found in front of census's.
+    pub(crate) in_front: Vec<ProgramInFront>,
 }
 
 /// What this agent believes the datapath holds, and applies changes to it.
@@ -176,6 +227,10 @@ pub(crate) struct Reconciler {
     interface_entries: HashMap<u32, Option<u32>>,
     /// Attached interfaces whose slot another one holds: counted by address.
     crowded: BTreeSet<u32>,
+    /// Programs in front of census's already warned about.
+    warned_in_front: BTreeSet<ProgramInFront>,
+    /// Attach census first again when another program is found in front of it.
+    reassert_order: bool,
     metrics: Metrics,
 }
 
@@ -185,6 +240,12 @@ impl Reconciler {
             metrics,
             ..Self::default()
         }
+    }
+
+    /// Whether a program found in front of census's makes it attach first again.
+    pub(crate) fn reassert_order(mut self, reassert: bool) -> Self {
+        self.reassert_order = reassert;
+        self
     }
 
     /// ENDPOINTS entries written by this agent.
@@ -220,6 +281,7 @@ impl Reconciler {
             entry_failures,
             fx.interfaces.keys().cloned().collect(),
             interface_failures,
+            None,
         )
     }
 
@@ -250,8 +312,16 @@ impl Reconciler {
         entry_failures: Vec<(IpAddr, bpf::Error)>,
         interfaces: BTreeSet<String>,
         interface_failures: Vec<(String, bpf::Error)>,
+        datapath: Option<DatapathHealth>,
     ) -> Reconciled {
+        let attached = interfaces
+            .iter()
+            .filter(|i| self.attached.contains_key(*i))
+            .cloned()
+            .collect();
         Reconciled {
+            attached,
+            datapath,
             entries,
             entry_failures: entry_failures
                 .into_iter()
@@ -269,11 +339,16 @@ impl Reconciler {
 
     /// What the full pass that gave `report` did to `desired`, for the core.
     pub(crate) fn pass_outcome(&self, desired: &Desired, report: PassReport) -> Reconciled {
+        let health = DatapathHealth {
+            error: report.datapath_error.map(DatapathError::new),
+            in_front: report.in_front,
+        };
         self.reconciled(
             desired.entries.keys().copied().collect(),
             report.entry_errors,
             desired.interfaces.clone(),
             report.interface_errors,
+            Some(health),
         )
     }
 
@@ -428,6 +503,14 @@ impl Reconciler {
         prune: bool,
     ) -> PassReport {
         let mut report = PassReport::default();
+        match maps.ensure_pinned() {
+            Ok(repinned) => report.repinned = repinned,
+            Err(error) => {
+                warn!(%error, "census's pins are gone and cannot be put back; the datapath is not whole");
+                report.datapath_error = Some(error);
+                return report;
+            }
+        }
         match maps.read_endpoints() {
             Ok(actual) => self.repair_entries(maps, desired, prune, &actual, &mut report),
             Err(error) => {
@@ -439,8 +522,74 @@ impl Reconciler {
             }
         }
         self.repair_links(maps, desired, prune, &mut report);
+        self.check_order(maps, desired, &mut report);
         self.repair_interfaces(maps, desired, prune, &mut report);
         report
+    }
+
+    /// Finds programs attached in front of census's on the interfaces it is
+    /// attached to; warns once about each; attaches census first again if asked.
+    fn check_order<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        report: &mut PassReport,
+    ) {
+        let mut found = Vec::new();
+        for interface in self.attached.keys() {
+            match maps.in_front(interface) {
+                Ok(programs) => found.extend(programs.into_iter().map(|p| ProgramInFront {
+                    interface: interface.clone(),
+                    direction: match p.direction {
+                        bpf::Direction::Ingress => "ingress",
+                        bpf::Direction::Egress => "egress",
+                    },
+                    program: p.program,
+                    program_id: p.program_id,
+                })),
+                Err(error) => {
+                    debug!(interface, %error, "cannot list the programs on the interface");
+                }
+            }
+        }
+        for seen in &found {
+            if !self.warned_in_front.contains(seen) {
+                warn!(
+                    interface = seen.interface,
+                    direction = seen.direction,
+                    program = seen.program,
+                    program_id = seen.program_id,
+                    reassert = self.reassert_order,
+                    "another program runs in front of census's classifier: a verdict it returns bypasses census"
+                );
+            }
+        }
+        self.warned_in_front = found.iter().cloned().collect();
+        if self.reassert_order {
+            let interfaces: BTreeSet<String> = found.iter().map(|f| f.interface.clone()).collect();
+            for interface in interfaces {
+                let Some(ifindex) = self.attached.get(&interface).copied() else {
+                    continue;
+                };
+                // Its entry goes before the classifier is detached and attached first again.
+                if let Err(error) = self.delete_interface(maps, ifindex) {
+                    report.interface_errors.push((interface, error));
+                    continue;
+                }
+                if let Err(error) = maps.detach(&interface) {
+                    report.interface_errors.push((interface, error));
+                    continue;
+                }
+                self.attached.remove(&interface);
+                info!(interface, "attaching census's classifier first again");
+                let change = InterfaceChange::Attach {
+                    identity: desired.interface_identities.get(&interface).copied(),
+                };
+                let failures = self.apply_interfaces(maps, [(interface, change)], false);
+                report.interface_errors.extend(failures);
+            }
+        }
+        report.in_front = found;
     }
 
     fn repair_entries<M: DatapathPort + ?Sized>(

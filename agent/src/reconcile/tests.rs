@@ -330,3 +330,85 @@ fn a_lost_or_replaced_link_loses_its_entry_until_attached_again() {
     );
     assert_eq!(maps.unattached_entries, 0);
 }
+
+#[test]
+fn a_datapath_removed_under_the_agent_is_put_back_by_the_full_pass() {
+    let mut maps = maps_with(&["veth0"]);
+    let mut r = Reconciler::default();
+    let want = desired(&[("198.18.1.2", Entry::Local(id(300)))], &["veth0"]);
+    let _ = r.full_pass(&mut maps, &want, true);
+    assert_eq!(maps.attaches, 1);
+
+    // `census-agent uninstall` while the agent runs, and the pins cannot come back yet.
+    maps.uninstall();
+    maps.unpinnable = Some("not on a bpffs");
+    let report = r.full_pass(&mut maps, &want, true);
+    assert!(report.datapath_error.is_some());
+    let outcome = r.pass_outcome(&want, report);
+    let health = outcome.datapath.as_ref().map(|h| h.error.is_some());
+    assert_eq!(
+        health,
+        Some(true),
+        "the pass says the datapath is not whole"
+    );
+    assert_eq!(maps.attaches, 1, "nothing is attached without pins");
+
+    maps.unpinnable = None;
+    let report = r.full_pass(&mut maps, &want, true);
+    assert!(report.repinned && report.datapath_error.is_none());
+    assert_eq!(maps.repins, 1);
+    assert_eq!(maps.attaches, 2, "the classifier is attached again");
+    assert_eq!(
+        maps.links.get("veth0"),
+        Some(&AttachmentState::Attached { ifindex: 100 })
+    );
+    let outcome = r.pass_outcome(&want, report);
+    assert!(outcome.attached.contains("veth0"));
+    assert!(outcome.datapath.is_some_and(|h| h.error.is_none()));
+}
+
+#[test]
+fn a_program_in_front_is_reported_and_moved_behind_only_if_asked() {
+    let in_front = bpf::InFront {
+        direction: bpf::Direction::Ingress,
+        program: "cni_policy".to_owned(),
+        program_id: 42,
+    };
+    for reassert in [false, true] {
+        let mut maps = maps_with(&["veth0"]);
+        let mut r = Reconciler::default().reassert_order(reassert);
+        let want = with_identities(&[("veth0", Some(300))]);
+        let _ = r.full_pass(&mut maps, &want, true);
+        maps.in_front
+            .insert("veth0".to_owned(), vec![in_front.clone()]);
+        let report = r.full_pass(&mut maps, &want, true);
+        assert_eq!(report.in_front.len(), 1, "reassert: {reassert}");
+        assert_eq!(report.in_front[0].program, "cni_policy");
+        assert_eq!(report.in_front[0].direction, "ingress");
+        assert_eq!(
+            maps.attaches,
+            if reassert { 2 } else { 1 },
+            "attached first again only when asked (reassert: {reassert})"
+        );
+        assert_eq!(
+            entries_of(&maps),
+            vec![("veth0".to_owned(), Some(300))],
+            "its INTERFACES entry is back (reassert: {reassert})"
+        );
+    }
+}
+
+#[test]
+fn interfaces_attached_at_start_are_those_with_both_hooks() {
+    let mut maps = maps_with(&["veth0", "veth1"]);
+    maps.links.insert(
+        "veth0".to_owned(),
+        AttachmentState::Attached { ifindex: 100 },
+    );
+    maps.links
+        .insert("veth1".to_owned(), AttachmentState::Defunct);
+    assert_eq!(
+        attached_at_start(&maps),
+        BTreeSet::from(["veth0".to_owned()])
+    );
+}

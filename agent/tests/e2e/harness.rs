@@ -144,6 +144,7 @@ impl World {
             .args(["--admin-listen", &format!("127.0.0.1:{ADMIN_PORT}")])
             .arg("--endpoints-file")
             .arg(self.endpoints_file())
+            .args(["--attach-mode", crate::support::attach_mode_arg()])
             .args([
                 "--reconcile-interval",
                 "500ms",

@@ -168,6 +168,25 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     let mut expected = vec![(ia, Some(WEB)), (ib, None)];
     expected.sort_unstable();
     assert_eq!(listed, expected);
+    // Names come from census's link pins, as the agent named the interfaces in its
+    // network namespace (the node's, not this command's); an entry no link names
+    // has none.
+    datapath.set_interface(Interface {
+        ifindex: 4242,
+        identity: Some(DB),
+    })?;
+    let named = census_json(&["bpf", "interfaces", "-o", "json", "--bpffs", &bpffs])?;
+    let name_of = |ifindex: u32| -> Fallible<Value> {
+        named
+            .as_array()
+            .and_then(|entries| entries.iter().find(|e| e["ifindex"] == ifindex))
+            .map(|entry| entry["interface"].clone())
+            .ok_or_else(|| format!("no entry for {ifindex}: {named}").into())
+    };
+    assert_eq!(name_of(ia)?, Value::from(a.host_interface.as_str()));
+    assert_eq!(name_of(ib)?, Value::from(b.host_interface.as_str()));
+    assert_eq!(name_of(4242)?, Value::Null);
+    datapath.delete_interface(4242)?;
     for (ifindex, identity) in expected {
         assert_eq!(
             interface_entry_by_bpftool(pins.path(), ifindex)?,
@@ -270,6 +289,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("ENDPOINTS", "hash", 20, 8),
             ("FLOWS", "lru_percpu_hash", 8, 16),
             ("INTERFACES", "array", 4, 8),
+            ("STATS", "percpu_array", 4, 8),
         ]
     );
     for map in maps {
@@ -295,7 +315,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     let (code, table, _) = census(&["bpf", "maps", "--bpffs", &bpffs])?;
     assert_eq!(code, Some(0));
     assert!(table.starts_with("NAME "), "{table}");
-    assert_eq!(table.lines().count(), 5, "{table}");
+    assert_eq!(table.lines().count(), 6, "{table}");
     let one = census_json(&[
         "bpf",
         "endpoints",

@@ -43,6 +43,7 @@ fn spawn_agent(
         .args(["--admin-listen", "127.0.0.1:0"])
         .arg("--endpoints-file")
         .arg(&endpoints)
+        .args(["--attach-mode", super::support::attach_mode_arg()])
         .args(["--log", "info", "--log-format", "text"])
         .stdout(Stdio::null())
         .stderr(fs::File::create(&log)?);

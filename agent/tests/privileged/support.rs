@@ -8,7 +8,9 @@ use std::{
 };
 
 use aya::programs::{SchedClassifier, TcAttachType};
-use census_agent::bpf::{Datapath, Endpoint, interface_slot, uninstall};
+use census_agent::bpf::{
+    AttachModeChoice, Datapath, DatapathOptions, Endpoint, interface_slot, uninstall,
+};
 use census_netlab::{Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp, unique_name};
 use nix::net::if_::if_nametoindex;
 use serde_json::Value;
@@ -17,6 +19,35 @@ pub(crate) type Fallible<T> = Result<T, Box<dyn std::error::Error>>;
 pub(crate) type TestResult = Fallible<()>;
 /// Each hook's name and the names of the programs on it, in order.
 pub(crate) type Hooks = Vec<(String, Vec<String>)>;
+
+/// The attach mode the privileged suite runs in: `CENSUS_TEST_ATTACH_MODE` (`tcx`
+/// or `tc`; xtask runs the suite once in each), TCX by default.
+pub(crate) fn attach_mode() -> AttachModeChoice {
+    match std::env::var("CENSUS_TEST_ATTACH_MODE").as_deref() {
+        Ok("tc") => AttachModeChoice::Tc,
+        Ok("auto") => AttachModeChoice::Auto,
+        _ => AttachModeChoice::Tcx,
+    }
+}
+
+/// Whether the suite runs in TC mode.
+pub(crate) fn tc_mode() -> bool {
+    attach_mode() == AttachModeChoice::Tc
+}
+
+/// `--attach-mode` for an agent process of the suite.
+pub(crate) fn attach_mode_arg() -> &'static str {
+    if tc_mode() { "tc" } else { "tcx" }
+}
+
+/// Opens the datapath in `pins` in the suite's attach mode.
+pub(crate) fn open_datapath(pins: &Path) -> Fallible<Datapath> {
+    let options = DatapathOptions {
+        attach_mode: attach_mode(),
+        ..DatapathOptions::default()
+    };
+    Ok(Datapath::open_with_options(pins, &options)?)
+}
 
 /// A pin directory of its own, `/sys/fs/bpf/census-test-<pid>-<n>`, uninstalled
 /// on drop: links detached, pins and directory removed, also when a test fails.
@@ -138,9 +169,73 @@ pub(crate) fn census_tcx_links() -> Fallible<Vec<CensusLink>> {
     Ok(links)
 }
 
+/// The names of the programs on each hook of `interface` (in the node namespace),
+/// in order, as the kernel reports them: TCX programs (`BPF_PROG_QUERY`) and, in
+/// TC mode, the TC filters' programs (`tc -j filter show`) after them (a clsact
+/// hook runs TCX programs first).
+pub(crate) fn hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
+    let mut hooks = tcx_hook_programs(lab, interface)?;
+    for (hook, programs) in &mut hooks {
+        programs.extend(
+            tc_filters(lab, interface, hook)?
+                .into_iter()
+                .map(|f| f.name),
+        );
+    }
+    Ok(hooks)
+}
+
+/// A TC filter, as `tc -j filter show` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TcFilter {
+    pub(crate) priority: u64,
+    /// The bpf program's name, or the filter's kind.
+    pub(crate) name: String,
+}
+
+/// The TC filters on `hook` (`ingress`, `egress`) of `interface` in the node
+/// namespace, in the order they run, per iproute2's `tc` (independent of census's
+/// netlink code).
+pub(crate) fn tc_filters(lab: &Lab, interface: &str, hook: &str) -> Fallible<Vec<TcFilter>> {
+    let output = lab
+        .node()
+        .output("tc", &["-j", "filter", "show", "dev", interface, hook])?;
+    if !output.status.success() {
+        return Err(format!(
+            "tc filter show dev {interface} {hook}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+        .into());
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    if text.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    let filters: Value = serde_json::from_str(&text)?;
+    let mut found: Vec<TcFilter> = filters
+        .as_array()
+        .into_iter()
+        .flatten()
+        // A priority's classifier itself has no options; its filters do.
+        .filter(|f| f.get("options").is_some())
+        .map(|f| TcFilter {
+            priority: f["pref"].as_u64().unwrap_or(0),
+            name: f["options"]["prog"]["name"]
+                .as_str()
+                .or_else(|| f["options"]["bpf_name"].as_str())
+                .or_else(|| f["kind"].as_str())
+                .unwrap_or("?")
+                .to_owned(),
+        })
+        .collect();
+    // A u32 filter is listed with its hash tables: one filter.
+    found.dedup();
+    Ok(found)
+}
+
 /// The names of the programs on each TCX hook of `interface` (in the node
 /// namespace), in order, as the kernel reports them (`BPF_PROG_QUERY`).
-pub(crate) fn hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
+pub(crate) fn tcx_hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
     let query = || -> Result<Hooks, aya::programs::ProgramError> {
         let mut hooks = Vec::new();
         for (hook, attach_type) in [
@@ -162,7 +257,7 @@ pub(crate) fn hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
 /// Exactly one census program on each hook of each pod's host side: the kernel
 /// lists exactly census_ingress on ingress and census_egress on egress, and
 /// bpftool sees exactly one census link pinned for each hook, running that
-/// hook's program.
+/// hook's program (in TC mode: one filter, and one record of it).
 pub(crate) fn assert_one_census_program_per_hook(
     pins: &PinDir,
     lab: &Lab,
@@ -178,6 +273,15 @@ pub(crate) fn assert_one_census_program_per_hook(
                 "{} {hook}",
                 pod.host_interface
             );
+            if tc_mode() {
+                let prefix = format!("{}-{hook}:tc:", pod.host_interface);
+                let records = std::fs::read_dir(pins.join("links"))?
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .count();
+                assert_eq!(records, 1, "{prefix}*");
+                continue;
+            }
             let pin = pins
                 .join("links")
                 .join(format!("{}-{hook}", pod.host_interface));
@@ -267,7 +371,7 @@ pub(crate) fn eventually(
 /// Opens the datapath in `pins` and attaches it to both hooks of each pod's
 /// host-side interface, from inside the node namespace.
 pub(crate) fn open_attached(pins: &PinDir, lab: &Lab, pods: &[&Pod]) -> Fallible<Datapath> {
-    let mut datapath = Datapath::open(pins.path())?;
+    let mut datapath = open_datapath(pins.path())?;
     for pod in pods {
         lab.node().run(|| datapath.attach(&pod.host_interface))??;
     }

@@ -17,6 +17,13 @@
 //! (Cilium's `cilium_host`), or an address of the node itself does not name its
 //! own device: the lookup says so, and the endpoint is shown in error rather
 //! than having the classifier attached where it would count the wrong traffic.
+//!
+//! Only a veth or netkit device with an Ethernet link type is a pod's own
+//! (the classifier parses an Ethernet header): a pod address on a connected
+//! subnet of the node's NIC (macvlan and ipvlan CNIs) routes to the NIC, which
+//! would give the whole node's traffic that pod's identity. And never the
+//! node's uplink, the device of its default route, which holds the node's
+//! addresses, whatever its kind (a node in a container has a veth uplink).
 
 use std::{io, net::IpAddr};
 
@@ -79,6 +86,32 @@ pub enum RouteError {
     },
     #[error("interface {index} (the route to {ip}) has no name")]
     Unnamed { ip: IpAddr, index: u32 },
+    #[error(
+        "{ip} is routed to {interface}, {}: census counts only on a pod's own veth or netkit device",
+        describe(kind.as_deref(), *ethernet)
+    )]
+    NotPodDevice {
+        ip: IpAddr,
+        interface: String,
+        kind: Option<String>,
+        ethernet: bool,
+    },
+    #[error(
+        "{ip} is routed to {interface}, the node's uplink (its default route), which holds the node's addresses"
+    )]
+    Uplink { ip: IpAddr, interface: String },
+}
+
+fn describe(kind: Option<&str>, ethernet: bool) -> String {
+    let kind = kind.map_or_else(
+        || "a device without a kind (a NIC)".to_owned(),
+        |k| format!("a {k} device"),
+    );
+    if ethernet {
+        kind
+    } else {
+        format!("{kind} without an Ethernet link type")
+    }
 }
 
 /// Route lookups in the agent's own network namespace.
@@ -124,8 +157,41 @@ impl InterfaceLookup for RouteLookup {
                 kind,
             });
         }
+        let own = matches!(link.kind.as_deref(), Some("veth" | "netkit"));
+        if !own || !link.ethernet {
+            return Err(RouteError::NotPodDevice {
+                ip,
+                interface: link.name,
+                kind: link.kind,
+                ethernet: link.ethernet,
+            });
+        }
+        if uplink(&socket, ip) == Some(index) {
+            return Err(RouteError::Uplink {
+                ip,
+                interface: link.name,
+            });
+        }
         Ok(link.name)
     }
+}
+
+/// The output device of the node's default route for `ip`'s family (the route
+/// to an address no pod or node subnet holds), if it has one.
+fn uplink(socket: &Socket, ip: IpAddr) -> Option<u32> {
+    let outside: IpAddr = match ip {
+        // TEST-NET-3 and the IPv6 documentation prefix: only a default route leads there.
+        IpAddr::V4(_) => [203, 0, 113, 1].into(),
+        IpAddr::V6(_) => "2001:db8::1".parse().ok()?,
+    };
+    let route = route_to(socket, outside).ok()?;
+    if route.header.kind != RouteType::Unicast {
+        return None;
+    }
+    route.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Oif(oif) => Some(*oif),
+        _ => None,
+    })
 }
 
 fn unroutable(ip: IpAddr, kind: &'static str) -> RouteError {
@@ -175,6 +241,10 @@ struct Link {
     name: String,
     /// What kind of shared device it is, if it is one.
     shared: Option<&'static str>,
+    /// Its link kind (`veth`, `macvlan`, ...); `None` for a NIC.
+    kind: Option<String>,
+    /// Whether its link type is ARPHRD_ETHER.
+    ethernet: bool,
 }
 
 fn link(socket: &Socket, ip: IpAddr, index: u32) -> Result<Link, RouteError> {
@@ -193,21 +263,35 @@ fn link(socket: &Socket, ip: IpAddr, index: u32) -> Result<Link, RouteError> {
     let mut name = None;
     let mut shared =
         (message.header.link_layer_type == LinkLayerType::Loopback).then_some("loopback");
+    let ethernet = message.header.link_layer_type == LinkLayerType::Ether;
+    let mut kind = None;
     for attribute in message.attributes {
         match attribute {
             LinkAttribute::IfName(n) => name = Some(n),
-            LinkAttribute::LinkInfo(infos)
-                if infos
-                    .iter()
-                    .any(|info| matches!(info, LinkInfo::Kind(InfoKind::Bridge))) =>
-            {
-                shared = Some("bridge");
+            LinkAttribute::LinkInfo(infos) => {
+                for info in infos {
+                    if let LinkInfo::Kind(found) = info {
+                        if found == InfoKind::Bridge {
+                            shared = Some("bridge");
+                        }
+                        kind = Some(match found {
+                            InfoKind::Veth => "veth".to_owned(),
+                            InfoKind::Netkit => "netkit".to_owned(),
+                            other => other.to_string(),
+                        });
+                    }
+                }
             }
             _ => {}
         }
     }
     let name = name.ok_or(RouteError::Unnamed { ip, index })?;
-    Ok(Link { name, shared })
+    Ok(Link {
+        name,
+        shared,
+        kind,
+        ethernet,
+    })
 }
 
 enum Asked {

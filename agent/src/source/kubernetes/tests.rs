@@ -808,11 +808,13 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
         node: NodeName::new(NODE)?,
         operator: format!("http://{}", op.grpc_addr),
         admin_listen: "127.0.0.1:0".parse()?,
+        health_listen: None,
         reconcile_interval: quick,
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(300),
         session: daemon::new_session(),
         host_ips: HostIps::Fixed(Default::default()),
+        reassert_order: false,
     };
     let running = daemon::start(options, maps.clone(), None, Box::new(source)).await?;
     let admin = running.admin_addr;

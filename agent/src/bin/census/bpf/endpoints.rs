@@ -1,17 +1,25 @@
-//! `census bpf endpoints list | get <ip>`: the ENDPOINTS map, address -> identity and
-//! flags.
+//! `census bpf endpoints [list|show] | get <ip>`: the ENDPOINTS map, address ->
+//! identity and flags.
 
 use std::net::IpAddr;
 
 use census_common::{EndpointKey, EndpointValue, flags};
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use crate::{Ctx, args::parse_ip, error::CliError, operator::IdentityLabels, output::Table};
 
+/// `census bpf endpoints`: without a verb, the list.
+#[derive(Debug, Args)]
+pub(crate) struct EndpointsArgs {
+    #[command(subcommand)]
+    command: Option<EndpointsCommand>,
+}
+
 #[derive(Debug, Subcommand)]
-pub(crate) enum EndpointsCommand {
+enum EndpointsCommand {
     /// Every entry, by address.
+    #[command(visible_alias = "show")]
     List,
     /// The entry of one address.
     Get {
@@ -74,8 +82,9 @@ fn raw_key(key: &EndpointKey) -> String {
     hex
 }
 
-pub(super) async fn run(command: EndpointsCommand, ctx: &mut Ctx) -> Result<String, CliError> {
-    match command {
+pub(super) async fn run(args: EndpointsArgs, ctx: &mut Ctx) -> Result<String, CliError> {
+    let EndpointsArgs { command } = args;
+    match command.unwrap_or(EndpointsCommand::List) {
         EndpointsCommand::List => {
             let maps = ctx.maps()?;
             let mut views: Vec<EndpointView> = maps

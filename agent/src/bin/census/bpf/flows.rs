@@ -1,4 +1,4 @@
-//! `census bpf flows list`: the FLOWS map, packets and bytes per (source identity,
+//! `census bpf flows [list|show]`: the FLOWS map, packets and bytes per (source identity,
 //! destination identity), summed over CPUs.
 
 use census_agent::bpf::Flow;
@@ -7,9 +7,20 @@ use serde::Serialize;
 
 use crate::{Ctx, args::parse_identity, error::CliError, operator::IdentityLabels, output::Table};
 
+/// `census bpf flows`: without a verb, the list.
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub(crate) struct FlowsArgs {
+    #[command(subcommand)]
+    command: Option<FlowsCommand>,
+    #[command(flatten)]
+    list: ListArgs,
+}
+
 #[derive(Debug, Subcommand)]
-pub(crate) enum FlowsCommand {
+enum FlowsCommand {
     /// Every identity pair's counters, summed over CPUs.
+    #[command(visible_alias = "show")]
     List(ListArgs),
 }
 
@@ -36,7 +47,8 @@ pub(crate) struct FlowView {
     pub(crate) dst_identity: u32,
     /// Packets, GSO segments counted one by one.
     pub(crate) packets: u64,
-    /// Bytes, link-layer headers included.
+    /// Bytes: every segment's link-layer bytes (a GSO packet's repeated headers
+    /// included).
     pub(crate) bytes: u64,
 }
 
@@ -57,8 +69,12 @@ impl From<Flow> for FlowView {
     }
 }
 
-pub(super) async fn run(command: FlowsCommand, ctx: &mut Ctx) -> Result<String, CliError> {
-    let FlowsCommand::List(ListArgs { sort, identity }) = command;
+pub(super) async fn run(args: FlowsArgs, ctx: &mut Ctx) -> Result<String, CliError> {
+    let FlowsArgs { command, list } = args;
+    let ListArgs { sort, identity } = match command {
+        Some(FlowsCommand::List(list)) => list,
+        None => list,
+    };
     let identity = identity.as_deref().map(parse_identity).transpose()?;
     let maps = ctx.maps()?;
     let mut flows: Vec<FlowView> = maps

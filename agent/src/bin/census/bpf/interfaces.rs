@@ -1,18 +1,30 @@
-//! `census bpf interfaces list`: the INTERFACES map, the interfaces census counts on
-//! and the identity of the endpoint behind each.
+//! `census bpf interfaces [list|show]`: the INTERFACES map, the interfaces census
+//! counts on and the identity of the endpoint behind each.
+//!
+//! Interface names are the agent's, read from its link pins (the interface a TCX
+//! link is attached to, the record of a TC filter), never looked up in this
+//! command's network namespace: the agent's interfaces need not be there, and an
+//! index there may name another interface.
 
 use std::collections::BTreeMap;
 
 use census_agent::bpf::Interface;
-use clap::Subcommand;
-use nix::net::if_::if_indextoname;
+use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use crate::{Ctx, error::CliError, operator::IdentityLabels, output::Table};
 
+/// `census bpf interfaces`: without a verb, the list.
+#[derive(Debug, Args)]
+pub(crate) struct InterfacesArgs {
+    #[command(subcommand)]
+    command: Option<InterfacesCommand>,
+}
+
 #[derive(Debug, Subcommand)]
-pub(crate) enum InterfacesCommand {
+enum InterfacesCommand {
     /// Every interface with an entry, by ifindex.
+    #[command(visible_alias = "show")]
     List,
 }
 
@@ -20,8 +32,8 @@ pub(crate) enum InterfacesCommand {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct InterfaceView {
     pub(crate) ifindex: u32,
-    /// Its name in this command's network namespace, `null` when no interface
-    /// has that index here.
+    /// Its name where the agent attached to it (from census's link pins), `null`
+    /// when no pinned link names it.
     pub(crate) interface: Option<String>,
     /// The identity of the endpoint behind it; `null`: no single identity (the
     /// classifier looks the packet's address up).
@@ -42,14 +54,12 @@ impl InterfaceView {
     }
 }
 
-pub(super) async fn run(command: InterfacesCommand, ctx: &mut Ctx) -> Result<String, CliError> {
-    let InterfacesCommand::List = command;
+pub(super) async fn run(args: InterfacesArgs, ctx: &mut Ctx) -> Result<String, CliError> {
+    let InterfacesArgs { command } = args;
+    let (Some(InterfacesCommand::List) | None) = command;
     let maps = ctx.maps()?;
-    let views = views(&maps.interfaces(), |ifindex| {
-        if_indextoname(ifindex)
-            .ok()
-            .and_then(|name| name.into_string().ok())
-    });
+    let names = maps.interface_names();
+    let views = views(&maps.interfaces(), |ifindex| names.get(&ifindex).cloned());
     let labels = ctx
         .labels(views.iter().filter_map(|view| view.identity))
         .await;

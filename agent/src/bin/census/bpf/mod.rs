@@ -1,5 +1,8 @@
 //! `census bpf`: the maps pinned on this node, read straight from bpffs (read-only,
 //! nothing loaded), so these verbs work while the agent and the operator are down.
+//!
+//! As with bpftool, every group takes `list` and its synonym `show`, and the bare
+//! group is its list: `census bpf flows` is `census bpf flows list`.
 
 mod endpoints;
 mod flows;
@@ -13,26 +16,23 @@ use super::{Ctx, error::CliError};
 #[derive(Debug, Subcommand)]
 pub(crate) enum BpfCommand {
     /// The pinned maps: name, type, key and value size, max and current entries,
-    /// layout version, pin path.
-    Maps,
+    /// layout version, pin path; FLOWS' inserts, evictions and refused inserts.
+    Maps(maps::MapsArgs),
     /// The ENDPOINTS map: address -> identity, flags.
-    #[command(subcommand)]
-    Endpoints(endpoints::EndpointsCommand),
+    Endpoints(endpoints::EndpointsArgs),
     /// The INTERFACES map: the interfaces census counts on -> the identity of the
     /// endpoint behind each.
-    #[command(subcommand)]
-    Interfaces(interfaces::InterfacesCommand),
+    Interfaces(interfaces::InterfacesArgs),
     /// The FLOWS map: packets and bytes per (source, destination) identity pair,
     /// summed over CPUs.
-    #[command(subcommand)]
-    Flows(flows::FlowsCommand),
+    Flows(flows::FlowsArgs),
 }
 
 pub(crate) async fn run(command: BpfCommand, ctx: &mut Ctx) -> Result<String, CliError> {
     match command {
-        BpfCommand::Maps => maps::run(ctx),
-        BpfCommand::Endpoints(command) => endpoints::run(command, ctx).await,
-        BpfCommand::Interfaces(command) => interfaces::run(command, ctx).await,
-        BpfCommand::Flows(command) => flows::run(command, ctx).await,
+        BpfCommand::Maps(args) => maps::run(args, ctx),
+        BpfCommand::Endpoints(args) => endpoints::run(args, ctx).await,
+        BpfCommand::Interfaces(args) => interfaces::run(args, ctx).await,
+        BpfCommand::Flows(args) => flows::run(args, ctx).await,
     }
 }

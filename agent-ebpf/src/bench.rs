@@ -1,0 +1,97 @@
+//! Programs for `cargo xtask bench-classifier`, never loaded by the agent.
+//!
+//! `BPF_PROG_TEST_RUN` runs a program many times on one packet, so a packet's
+//! addresses, and the map entries they look up, stay in the CPU's caches and hide
+//! the cost of a large ENDPOINTS. The cyclers give every run another peer: each
+//! rewrites one address word of the packet with the next of `peers` consecutive
+//! values (a per-CPU cursor), then tail-calls the program in slot 0 of
+//! `BENCH_TARGET` (census's classifier, or `bench_empty` to measure the floor:
+//! the cycler and an empty program).
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::TC_ACT_UNSPEC,
+    macros::{classifier, map},
+    maps::{Array, PerCpuArray, ProgramArray},
+    programs::TcContext,
+};
+
+#[map(name = "BENCH_TARGET")]
+static TARGET: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// Slot 0: how many peers to cycle through; slot 1: the first peer's address
+/// word, in host order (consecutive peers are consecutive words).
+#[map(name = "BENCH_CONFIG")]
+static CONFIG: Array<u32> = Array::with_max_entries(2, 0);
+
+#[map(name = "BENCH_CURSOR")]
+static CURSOR: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "license")]
+static LICENSE: [u8; 11] = *b"Apache-2.0\0";
+
+/// Ethernet (14) + the IPv4 source address's offset (12).
+const IPV4_SRC: usize = 26;
+const IPV4_DST: usize = IPV4_SRC + 4;
+/// Ethernet (14) + the IPv6 source address's offset (8) + its first 12 bytes.
+const IPV6_SRC_LAST: usize = 34;
+const IPV6_DST_LAST: usize = IPV6_SRC_LAST + 16;
+
+/// Does nothing: the floor every measurement is compared with.
+#[classifier]
+fn bench_empty(_ctx: TcContext) -> i32 {
+    TC_ACT_UNSPEC
+}
+
+#[classifier]
+fn bench_cycle_v4_src(ctx: TcContext) -> i32 {
+    cycle::<IPV4_SRC>(&ctx)
+}
+
+#[classifier]
+fn bench_cycle_v4_dst(ctx: TcContext) -> i32 {
+    cycle::<IPV4_DST>(&ctx)
+}
+
+#[classifier]
+fn bench_cycle_v6_src(ctx: TcContext) -> i32 {
+    cycle::<IPV6_SRC_LAST>(&ctx)
+}
+
+#[classifier]
+fn bench_cycle_v6_dst(ctx: TcContext) -> i32 {
+    cycle::<IPV6_DST_LAST>(&ctx)
+}
+
+#[inline(always)]
+fn cycle<const OFFSET: usize>(ctx: &TcContext) -> i32 {
+    let (Some(&peers), Some(&base), Some(cursor)) =
+        (CONFIG.get(0), CONFIG.get(1), CURSOR.get_ptr_mut(0))
+    else {
+        return TC_ACT_UNSPEC;
+    };
+    // SAFETY: this CPU's slot; runs on one CPU do not interleave.
+    let peer = unsafe {
+        let peer = *cursor;
+        *cursor = if peer + 1 >= peers { 0 } else { peer + 1 };
+        peer
+    };
+    let word = base.wrapping_add(peer).to_be();
+    let (start, end) = (ctx.data(), ctx.data_end());
+    if start + OFFSET + 4 <= end {
+        // SAFETY: bounds checked above, as the verifier requires for direct
+        // packet access; a TC program may write its packet.
+        unsafe { core::ptr::write_unaligned((start + OFFSET) as *mut u32, word) };
+    }
+    // SAFETY: the context is the program's own; on success this does not return.
+    unsafe { TARGET.tail_call(ctx, 0) };
+    TC_ACT_UNSPEC
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    loop {}
+}
