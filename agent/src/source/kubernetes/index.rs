@@ -124,7 +124,7 @@ impl PodIndex {
                     let kept = key.as_ref().and_then(|k| self.pods.get(k)).cloned();
                     warn!(
                         pod = %pod.display_name(),
-                        problem,
+                        problem = problem.to_string(),
                         kept = kept.is_some(),
                         "skipping a pod that cannot be read"
                     );
@@ -164,7 +164,7 @@ impl PodIndex {
             Read::Unreadable { problem, .. } => {
                 warn!(
                     pod = %pod.display_name(),
-                    problem,
+                    problem = problem.to_string(),
                     "skipping a change to a pod that cannot be read; what the agent had for it stays"
                 );
                 None
@@ -177,7 +177,7 @@ impl PodIndex {
         match pod.key() {
             Ok(key) => self.remove(&key),
             Err(problem) => {
-                warn!(pod = %pod.display_name(), problem, "a deleted pod without a usable name");
+                warn!(pod = %pod.display_name(), problem = problem.to_string(), "a deleted pod without a usable name");
                 None
             }
         }

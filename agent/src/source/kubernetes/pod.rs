@@ -11,7 +11,7 @@
 
 use std::{borrow::Cow, collections::BTreeMap, net::IpAddr};
 
-use census_proto::domain::{EndpointKey, canonical_ips};
+use census_proto::domain::{EndpointKey, NameError, canonical_ips};
 use k8s_openapi::{NamespaceResourceScope, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
@@ -25,7 +25,28 @@ pub struct PodObject {
     /// Name, namespace, resourceVersion and labels; nothing else.
     metadata: ObjectMeta,
     /// The fields the source reads, or what is wrong with them.
-    fields: Result<Fields, String>,
+    fields: Result<Fields, PodProblem>,
+}
+
+/// Why a pod cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum PodProblem {
+    /// A part of the object is not what the API says (in the decoder's words).
+    #[error("{part}: {reason}")]
+    Undecodable { part: &'static str, reason: String },
+    #[error("status.podIPs: {0:?} is not an IP address")]
+    PodIp(String),
+    #[error("its namespace/name: {0}")]
+    Name(#[from] NameError),
+}
+
+impl PodProblem {
+    fn undecodable(part: &'static str, error: &serde_json::Error) -> Self {
+        Self::Undecodable {
+            part,
+            reason: error.to_string(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -45,10 +66,11 @@ struct Fields {
 
 impl Fields {
     /// Each part on its own, so that the problem says which one is wrong.
-    fn read(value: &Value) -> Result<Self, String> {
-        let spec = Option::<Spec>::deserialize(&value["spec"]).map_err(|e| format!("spec: {e}"))?;
-        let status =
-            Option::<Status>::deserialize(&value["status"]).map_err(|e| format!("status: {e}"))?;
+    fn read(value: &Value) -> Result<Self, PodProblem> {
+        let spec = Option::<Spec>::deserialize(&value["spec"])
+            .map_err(|e| PodProblem::undecodable("spec", &e))?;
+        let status = Option::<Status>::deserialize(&value["status"])
+            .map_err(|e| PodProblem::undecodable("status", &e))?;
         Ok(Self { spec, status })
     }
 }
@@ -91,7 +113,10 @@ impl PodObject {
     fn from_value(value: &Value) -> Self {
         let (meta, meta_problem) = match Meta::deserialize(&value["metadata"]) {
             Ok(meta) => (meta, None),
-            Err(error) => (lenient_meta(value), Some(format!("metadata: {error}"))),
+            Err(error) => (
+                lenient_meta(value),
+                Some(PodProblem::undecodable("metadata", &error)),
+            ),
         };
         let fields = match meta_problem {
             Some(problem) => Err(problem),
@@ -120,13 +145,12 @@ impl PodObject {
     }
 
     /// Its endpoint key, or why it has none.
-    pub(crate) fn key(&self) -> Result<EndpointKey, String> {
+    pub(crate) fn key(&self) -> Result<EndpointKey, PodProblem> {
         let meta = &self.metadata;
-        EndpointKey::new(
+        Ok(EndpointKey::new(
             meta.namespace.as_deref().unwrap_or_default(),
             meta.name.as_deref().unwrap_or_default(),
-        )
-        .map_err(|e| e.to_string())
+        )?)
     }
 
     /// What the source makes of this pod on `node`, with all its labels (the
@@ -188,7 +212,7 @@ impl PodObject {
                 Err(_) => {
                     return Read::Unreadable {
                         key: Some(key),
-                        problem: format!("status.podIPs: {text:?} is not an IP address"),
+                        problem: PodProblem::PodIp(text.clone()),
                     };
                 }
             }
@@ -266,7 +290,7 @@ pub(crate) enum Read {
     /// Its fields are not what the API says: skipped with a warning.
     Unreadable {
         key: Option<EndpointKey>,
-        problem: String,
+        problem: PodProblem,
     },
 }
 
@@ -398,14 +422,14 @@ mod tests {
         assert_eq!(object.display_name(), "shop/web-0");
         assert!(matches!(
             object.read("n1"),
-            Read::Unreadable { key: Some(k), problem } if k == key("shop", "web-0") && problem.starts_with("status: invalid type")
+            Read::Unreadable { key: Some(k), problem } if k == key("shop", "web-0") && problem.to_string().starts_with("status: invalid type")
         ));
 
         let mut bad_ip = web("n1", "Running");
         bad_ip["status"]["podIP"] = json!("10.1.0.500");
         assert!(matches!(
             pod(bad_ip).read("n1"),
-            Read::Unreadable { problem, .. } if problem.contains("\"10.1.0.500\" is not an IP address")
+            Read::Unreadable { problem, .. } if problem.to_string().contains("\"10.1.0.500\" is not an IP address")
         ));
 
         let mut bad_labels = web("n1", "Running");
@@ -414,7 +438,7 @@ mod tests {
         assert_eq!(object.metadata.resource_version.as_deref(), Some("7"));
         assert!(matches!(
             object.read("n1"),
-            Read::Unreadable { key: Some(_), problem } if problem.starts_with("metadata: ")
+            Read::Unreadable { key: Some(_), problem } if problem.to_string().starts_with("metadata: ")
         ));
 
         let nameless = pod(json!({"metadata": 5}));
