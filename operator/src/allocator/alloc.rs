@@ -6,9 +6,9 @@ use census_proto::{
 };
 
 use super::{
-    AgentMsg, AllocError, Allocator, Effect, Priority, RequestId, StoreError, StoreOp, SyncError,
-    Timestamp, Tombstone, WatchChange, bump,
-    identities::{Blocked, Phase, Tomb, Waiter},
+    AgentMsg, AllocError, Allocator, Core, Effect, Priority, RequestId, StoreError, StoreOp,
+    SyncError, Timestamp, Tombstone, WatchChange, bump,
+    identities::{Blocked, Entry, Phase, Tomb, Waiter},
     nodes::Persisted,
 };
 
@@ -192,6 +192,7 @@ impl Allocator {
             Ok(()) => {
                 // Watch is told at the drain, with the holds added below.
                 entry.phase = Phase::Live;
+                entry.ended_tomb = None;
                 let waiters = std::mem::take(&mut entry.waiters);
                 for waiter in waiters {
                     match waiter {
@@ -244,7 +245,13 @@ impl Allocator {
                     .into_iter()
                     .partition(|w| matches!(w, Waiter::Request { .. }));
                 entry.waiters = rest;
-                core.gc.create_retries.insert((retry_at, id));
+                // Refused for labels bound elsewhere, nothing was written: with no one
+                // left to wait for it, the binding goes (a retry could only meet the
+                // same binding, for as long as the store keeps it).
+                let forget = matches!(e, StoreError::LabelsBound { .. }) && !entry.wanted();
+                if !forget {
+                    core.gc.create_retries.insert((retry_at, id));
+                }
                 for waiter in requests {
                     if let Waiter::Request { req, node } = waiter {
                         if let Some(n) = self.nodes.get_mut(&node) {
@@ -255,6 +262,9 @@ impl Allocator {
                             result: Err(AllocError::StoreUnavailable { cause }),
                         });
                     }
+                }
+                if forget {
+                    core.forget_unwritten(id);
                 }
             }
         }
@@ -453,20 +463,12 @@ impl Allocator {
     /// The store binds the labels that `from` was being created for to `to` already
     /// (the caller checked the core can take `to`): `to` becomes their identity, as
     /// persisted, and whatever used `from` moves to it, answered and rebound at once.
-    /// `from` was never written and is free again.
+    /// `from` was never written and is free again (or quarantined as it was).
     fn take_over(&mut self, from: IdentityId, to: IdentityId, now: Timestamp) {
         let core = &mut self.core;
-        let Some(old) = core.ids.remove(from) else {
+        let Some(old) = core.forget_unwritten(from) else {
             return;
         };
-        // `from` was shown if it was a binding being written again (someone deleted
-        // it from the store) when the store turned out to bind its labels to `to`.
-        if old.announced {
-            core.fx.push(Effect::Watch(WatchChange::Removed {
-                id: from,
-                labels: old.labels.clone(),
-            }));
-        }
         core.ids.insert(to, old.labels, Phase::Live);
         core.counters.bindings_taken += 1;
         core.announce(to);
@@ -658,5 +660,24 @@ impl Allocator {
         core.gc.inflight += 1;
         core.gc.tokens -= 1.0;
         core.store(op, Priority::Gc);
+    }
+}
+
+impl Core {
+    /// Unbinds `id`, whose create wrote nothing: a quarantine the create would have
+    /// ended goes on (and ends as usual, its tombstone with it), and Watch is told if
+    /// it showed the binding (one being written again after someone deleted it).
+    fn forget_unwritten(&mut self, id: IdentityId) -> Option<Entry> {
+        let old = self.ids.remove(id)?;
+        if let Some(tomb) = old.ended_tomb {
+            self.ids.add_tomb(id, tomb);
+        }
+        if old.announced {
+            self.fx.push(Effect::Watch(WatchChange::Removed {
+                id,
+                labels: old.labels.clone(),
+            }));
+        }
+        Some(old)
     }
 }

@@ -59,6 +59,10 @@ pub(crate) struct Entry {
     /// Loaded at start: kept while a node known then has not reported (an agent may
     /// be partitioned away, still using it).
     pub(crate) loaded: bool,
+    /// The quarantine this binding ended when it was made (its own label set taking
+    /// the id back), until the store has it: if the create writes nothing (the store
+    /// binds the labels elsewhere), the quarantine and its tombstone go on.
+    pub(crate) ended_tomb: Option<Tomb>,
 }
 
 impl Entry {
@@ -224,7 +228,8 @@ impl Identities {
     /// Binds `id` to `labels`. The caller has checked that both are free.
     pub(crate) fn insert(&mut self, id: IdentityId, labels: LabelSet, phase: Phase) {
         debug_assert!(!self.entries.contains_key(&id) && !self.by_labels.contains_key(&labels));
-        if self.quarantine.remove(&id).is_none() {
+        let ended_tomb = self.quarantine.remove(&id);
+        if ended_tomb.is_none() {
             self.occupy(id);
         }
         self.by_labels.insert(labels.clone(), id);
@@ -239,6 +244,7 @@ impl Identities {
                 waiters: Vec::new(),
                 announced: false,
                 loaded: false,
+                ended_tomb,
             },
         );
     }

@@ -1451,3 +1451,92 @@ fn the_restart_fence_is_shown_as_protected_and_counted() {
     );
     assert_eq!(h.alloc.stats(h.now).protected, 0);
 }
+
+#[test]
+fn a_quarantine_outlives_an_adoption_that_meets_a_foreign_binding() {
+    let mut h = Harness::new(range_256_300());
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=web"));
+    // Released, deleted and quarantined for app=web.
+    for seq in 1..=8 {
+        h.advance(ms(1_000));
+        h.settle_store();
+        ok(h.snapshot(N1, c, seq, vec![]));
+    }
+    assert!(h.store.tombstones.contains_key(&x));
+    // Someone binds app=web at 280; before the watch reports it, an agent that kept
+    // x claims it for app=web: its own labels may take it back, but the create meets
+    // the stray and the endpoint moves to 280. Nothing was written at x.
+    stray_web(&mut h);
+    ok(h.snapshot(N1, c, 9, vec![mk_endpoint("web-0", x.get(), "app=web")]));
+    h.settle_store();
+    assert_eq!(h.rebinds().last(), Some(&("web-0".to_owned(), 280)));
+    assert!(
+        matches!(h.state(x.get()), Some(IdentityState::Quarantined { .. })),
+        "x is still quarantined for app=web: {:?}",
+        h.state(x.get())
+    );
+    // So a new label set does not get x inside the quarantine (the model store fails
+    // the run if it did)...
+    let other = ok(h.allocate_now(N1, s, "app=db"));
+    assert_ne!(other, x);
+    // ...and when the quarantine ends, its tombstone goes from the store too.
+    for seq in 10..=22 {
+        h.advance(ms(1_000));
+        h.settle_store();
+        ok(h.snapshot(
+            N1,
+            c,
+            seq,
+            vec![
+                mk_endpoint("web-0", 280, "app=web"),
+                mk_endpoint("db-0", other.get(), "app=db"),
+            ],
+        ));
+    }
+    assert_eq!(h.state(x.get()), None);
+    assert!(
+        !h.store.tombstones.contains_key(&x),
+        "tombstones left: {:?}",
+        h.store.tombstones
+    );
+}
+
+#[test]
+fn a_create_refused_for_labels_bound_at_an_id_it_cannot_take_leaves_nothing_behind() {
+    let mut h = Harness::new(Config {
+        range: match IdRange::new(256, 257) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    });
+    let (s, c) = connected(&mut h, N1, 10);
+    // app=web is created at 256 and app=db at 257, while someone binds app=web at
+    // 257: web's create finds its labels bound at the id the core is creating db at,
+    // so it cannot take it; db's create finds 257 taken, which blocks 257 for good.
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    assert_eq!(h.allocate(N1, s, "app=db"), Ok(None));
+    h.store.identities.insert(id(257), labels("app=web"));
+    h.store.foreign.insert(id(257));
+    h.settle_store();
+    assert!(h.alloc.core.ids.blocked().contains_key(&id(257)));
+    // Nothing was written at 256 and nothing waits for it: the id is free again for
+    // db, not kept (and written again and again) for a label set the store binds
+    // elsewhere.
+    let answers: Vec<_> = h.replies.drain(..).map(|(_, r)| r).collect();
+    assert!(
+        matches!(answers[..], [Err(AllocError::StoreUnavailable { .. }), Ok(x)] if x == id(256)),
+        "web refused, db rehomed to 256: {answers:?}"
+    );
+    h.alloc.binding_found(id(257), &labels("app=web"));
+    h.route();
+    for seq in 1..=10 {
+        h.advance(ms(1_000));
+        h.settle_store();
+        ok(h.snapshot(N1, c, seq, vec![mk_endpoint("db-0", 256, "app=db")]));
+    }
+    assert_eq!(h.alloc.core.ids.id_of(&labels("app=web")), None);
+    assert_eq!(h.store.identities.get(&id(256)), Some(&labels("app=db")));
+    assert_eq!(h.refs(256), 1);
+}

@@ -58,6 +58,10 @@ pub(super) struct Start {
     pub(super) claims: BTreeSet<(IdentityId, LabelSet)>,
     /// Ids the core wrote a binding for since the start.
     pub(super) created: BTreeSet<IdentityId>,
+    /// Ids the store's watch showed the core a binding at since the start (one it
+    /// takes in is its own from then on: deleting it, it is in use until its delete
+    /// lands, also after someone else deleted the object).
+    pub(super) taken: BTreeSet<IdentityId>,
 }
 
 #[derive(Debug)]
@@ -353,8 +357,8 @@ impl Truth {
     }
 
     /// The core said the range is exhausted; `used` are the ids of the range the store
-    /// model holds, quarantines or blocks, plus every id loaded or created since the
-    /// start.
+    /// model holds, quarantines or blocks, plus every id loaded, created or taken
+    /// from the store since the start.
     pub(super) fn check_exhausted(
         &self,
         range: IdRange,
@@ -363,6 +367,7 @@ impl Truth {
         let used = used
             .iter()
             .chain(&self.start.created)
+            .chain(&self.start.taken)
             .chain(self.start.loaded.iter().map(|(id, _)| id))
             .filter(|id| range.contains(**id))
             .collect::<BTreeSet<_>>()

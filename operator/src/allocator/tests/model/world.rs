@@ -189,6 +189,7 @@ impl Sim {
                 empty: true,
                 claims: BTreeSet::new(),
                 created: BTreeSet::new(),
+                taken: BTreeSet::new(),
             },
         );
         Self {
@@ -595,6 +596,7 @@ impl Sim {
             StoreEvent::BindingInvalid { id, found } => alloc.binding_invalid(id, found, now),
             StoreEvent::BindingFound { id, labels } => {
                 alloc.binding_found(id, &labels);
+                self.truth.start.taken.insert(id);
                 self.truth.start.claims.insert((id, labels));
             }
             StoreEvent::TombstoneLost { tombstone, labels } => {
@@ -690,6 +692,7 @@ impl Sim {
             empty: store.identities.is_empty(),
             claims: BTreeSet::new(),
             created: BTreeSet::new(),
+            taken: BTreeSet::new(),
         };
         self.truth.restart(cfg.clone(), start);
         self.h = Harness::with_store(cfg, store, now);
