@@ -147,11 +147,23 @@ pub fn expect_status<T: Debug>(
 /// A minimal HTTP/1.0 GET (the connection closes after the answer, so the body is
 /// everything after the headers): status code, headers, body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> TestResult<(u16, String, String)> {
+    http_get_with(addr, path, &[]).await
+}
+
+/// [`http_get`] with extra request headers (`name`, `value`).
+pub async fn http_get_with(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> TestResult<(u16, String, String)> {
+    let mut request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
     let exchange = async {
         let mut stream = TcpStream::connect(addr).await?;
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .await?;
+        stream.write_all(request.as_bytes()).await?;
         let mut raw = Vec::new();
         stream.read_to_end(&mut raw).await?;
         Ok::<_, std::io::Error>(raw)

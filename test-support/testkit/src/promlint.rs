@@ -22,12 +22,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::TcpStream,
-};
-
-use crate::{ANSWER_TIMEOUT, TestResult};
+use crate::{TestResult, http_get_with};
 
 /// The `Accept` Prometheus sends for the text format only.
 pub const ACCEPT_TEXT: &str = "text/plain;version=0.0.4;q=0.3,*/*;q=0.2";
@@ -43,30 +38,7 @@ pub async fn scrape(
     path: &str,
     accept: &str,
 ) -> TestResult<(u16, String, String)> {
-    let exchange = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        stream
-            .write_all(
-                format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept: {accept}\r\n\r\n")
-                    .as_bytes(),
-            )
-            .await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        Ok::<_, std::io::Error>(raw)
-    };
-    let raw = tokio::time::timeout(ANSWER_TIMEOUT, exchange)
-        .await
-        .map_err(|_| format!("GET {path}: no answer within {ANSWER_TIMEOUT:?}"))??;
-    let text = String::from_utf8(raw)?;
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("GET {path}: no end of headers in {text:?}"))?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .ok_or_else(|| format!("GET {path}: no status line in {head:?}"))?;
+    let (status, head, body) = http_get_with(addr, path, &[("Accept", accept)]).await?;
     let content_type = head
         .lines()
         .find_map(|l| {
@@ -75,7 +47,7 @@ pub async fn scrape(
                 .then(|| v.trim().to_owned())
         })
         .unwrap_or_default();
-    Ok((status, content_type, body.to_owned()))
+    Ok((status, content_type, body))
 }
 
 fn on_path(tool: &str) -> Option<PathBuf> {
