@@ -468,15 +468,7 @@ impl Datapath {
 
     fn program_id(&self, direction: Direction) -> Result<u32, Error> {
         let program = direction.program();
-        let classifier: &SchedClassifier = self
-            .ebpf
-            .program(program)
-            .ok_or(Error::MissingFromObject {
-                kind: "program",
-                name: program,
-            })?
-            .try_into()
-            .map_err(|source| Error::Program { program, source })?;
+        let classifier = self.classifier(direction)?;
         classifier
             .info()
             .map(|info| info.id())

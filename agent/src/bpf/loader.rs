@@ -191,18 +191,23 @@ impl Datapath {
         self.mode
     }
 
-    /// The kernel's run statistics of the program of `direction`.
-    pub fn program_stats(&self, direction: Direction) -> Result<ProgramStats, Error> {
+    /// The loaded classifier of `direction`.
+    pub(super) fn classifier(&self, direction: Direction) -> Result<&SchedClassifier, Error> {
         let program = direction.program();
-        let classifier: &SchedClassifier = self
-            .ebpf
+        self.ebpf
             .program(program)
             .ok_or(Error::MissingFromObject {
                 kind: "program",
                 name: program,
             })?
             .try_into()
-            .map_err(|source| Error::Program { program, source })?;
+            .map_err(|source| Error::Program { program, source })
+    }
+
+    /// The kernel's run statistics of the program of `direction`.
+    pub fn program_stats(&self, direction: Direction) -> Result<ProgramStats, Error> {
+        let program = direction.program();
+        let classifier = self.classifier(direction)?;
         let info = classifier
             .info()
             .map_err(|source| Error::Program { program, source })?;
@@ -224,15 +229,7 @@ impl Datapath {
         repeat: u32,
     ) -> Result<TestRunOutcome, Error> {
         let program = direction.program();
-        let classifier: &SchedClassifier = self
-            .ebpf
-            .program(program)
-            .ok_or(Error::MissingFromObject {
-                kind: "program",
-                name: program,
-            })?
-            .try_into()
-            .map_err(|source| Error::Program { program, source })?;
+        let classifier = self.classifier(direction)?;
         let ctx = context.to_sk_buff();
         let result = classifier
             .test_run(TestRunOptions {
