@@ -26,6 +26,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use census_daemon::metrics::gauge;
 use tokio::sync::watch;
 
 use crate::{
@@ -390,16 +391,6 @@ fn encode_stats(
 
 fn as_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-fn gauge(
-    encoder: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    value: u64,
-) -> Result<(), fmt::Error> {
-    let g = ConstGauge::new(as_i64(value));
-    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
 }
 
 #[cfg(test)]

@@ -141,7 +141,9 @@ impl ProcessCollector {
     }
 }
 
-fn gauge(
+/// Encodes one gauge read at scrape time (a `Collector`'s building block); a value
+/// beyond `i64` reads as `i64::MAX`.
+pub fn gauge(
     encoder: &mut DescriptorEncoder<'_>,
     name: &str,
     help: &str,

@@ -9,6 +9,8 @@ use prometheus_client::{
     metrics::{counter::ConstCounter, gauge::ConstGauge},
 };
 
+use census_daemon::metrics::gauge;
+
 use super::Runtime;
 
 /// Reads the core at scrape time.
@@ -21,16 +23,6 @@ impl CoreCollector {
     pub fn new(runtime: Arc<Runtime>) -> Self {
         Self { runtime }
     }
-}
-
-fn gauge(
-    encoder: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    value: u64,
-) -> Result<(), fmt::Error> {
-    let g = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
-    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
 }
 
 fn ratio(
