@@ -122,6 +122,35 @@ pub fn session_from_wire(
     })
 }
 
+/// Addresses a Hello may report (`Hello.addresses`).
+pub const MAX_HELLO_ADDRESSES: usize = 16;
+
+/// A node's own addresses as its Hello reports them: at most
+/// [`MAX_HELLO_ADDRESSES`], each an IPv4 or IPv6 address (IPv4-mapped IPv6 read as
+/// IPv4), each once, sorted.
+pub fn addresses_from_wire(addresses: &[String], field: &str) -> Result<Vec<IpAddr>, FieldError> {
+    if addresses.len() > MAX_HELLO_ADDRESSES {
+        return Err(FieldError::new(
+            field,
+            Problem::TooMany {
+                count: addresses.len(),
+                max: MAX_HELLO_ADDRESSES,
+            },
+        ));
+    }
+    let mut ips = Vec::with_capacity(addresses.len());
+    for (i, text) in addresses.iter().enumerate() {
+        let ip: IpAddr = text.parse().map_err(|_| {
+            FieldError::new(
+                format_args!("{field}[{i}]"),
+                Problem::Ip(text.chars().take(64).collect()),
+            )
+        })?;
+        ips.push(ip.to_canonical());
+    }
+    Ok(canonical_ips(ips).into_vec())
+}
+
 pub fn session_to_wire(session: SessionId) -> pb::Session {
     pb::Session {
         start_time_ns: session.start_time_ns,
@@ -411,6 +440,31 @@ pub fn filter_from_wire(filter: Option<&pb::LabelFilter>) -> Result<LabelFilter,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hello_addresses_are_checked_and_named() {
+        let text = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let ok = addresses_from_wire(
+            &text(&["10.0.0.2", "fd00::1", "10.0.0.2", "::ffff:10.0.0.3"]),
+            "hello.addresses",
+        );
+        let want: Vec<IpAddr> = ["10.0.0.2", "10.0.0.3", "fd00::1"]
+            .iter()
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        assert_eq!(ok, Ok(want));
+        assert_eq!(addresses_from_wire(&[], "hello.addresses"), Ok(Vec::new()));
+        let bad = addresses_from_wire(&text(&["10.0.0.1", "node-a"]), "hello.addresses");
+        assert_eq!(
+            bad.map_err(|e| e.to_string()),
+            Err("hello.addresses[1]: \"node-a\" is not an IPv4 or IPv6 address".to_owned())
+        );
+        let many: Vec<String> = (0..17).map(|i| format!("10.0.0.{i}")).collect();
+        assert_eq!(
+            addresses_from_wire(&many, "hello.addresses").map_err(|e| e.to_string()),
+            Err("hello.addresses: has 17 entries, over the limit of 16".to_owned())
+        );
+    }
 
     fn ep(ns: &str, name: &str, ips: &[&str], id: u32, labels: &[&str]) -> pb::Endpoint {
         pb::Endpoint {

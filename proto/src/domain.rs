@@ -22,6 +22,8 @@ impl IdentityId {
     pub const UNMANAGED: Self = Self(3);
     /// Health-check endpoints.
     pub const HEALTH: Self = Self(4);
+    /// The addresses of other nodes of the cluster.
+    pub const REMOTE_NODE: Self = Self(6);
     /// The highest reserved id.
     pub const RESERVED_MAX: u32 = 255;
 
@@ -45,6 +47,7 @@ impl IdentityId {
             2 => Some("world"),
             3 => Some("unmanaged"),
             4 => Some("health"),
+            6 => Some("remote-node"),
             _ => None,
         }
     }

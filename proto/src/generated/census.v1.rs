@@ -202,6 +202,11 @@ pub struct Hello {
     pub session: ::core::option::Option<Session>,
     #[prost(string, tag = "4")]
     pub agent_version: ::prost::alloc::string::String,
+    /// The node's own addresses, text form (embedded mode: they map to the
+    /// `remote-node` identity in the cluster-wide endpoint map; in a cluster the
+    /// operator takes them from the Node object instead). At most 16.
+    #[prost(string, repeated, tag = "5")]
+    pub addresses: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 /// One endpoint as the agent holds it.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -350,6 +355,118 @@ pub struct Rebind {
 /// Send a full snapshot now.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct SnapshotRequest {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndpointMapWatchRequest {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+    /// The watching agent's node and session (its current EndpointSync session).
+    #[prost(string, tag = "2")]
+    pub node: ::prost::alloc::string::String,
+    #[prost(message, optional, tag = "3")]
+    pub session: ::core::option::Option<Session>,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct EndpointMapBatch {
+    /// Forget every entry and node received so far: the full map follows, up to and
+    /// including the batch with `resync_end`.
+    #[prost(bool, tag = "1")]
+    pub resync_start: bool,
+    #[prost(bool, tag = "2")]
+    pub resync_end: bool,
+    /// Nodes referred to by `upserts`, sent before (or in the same batch as) their
+    /// first use; an index is not reused while a watcher may hold an entry naming it.
+    #[prost(message, repeated, tag = "3")]
+    pub nodes: ::prost::alloc::vec::Vec<MapNode>,
+    /// Set, or replace, the entry of each address.
+    #[prost(message, repeated, tag = "4")]
+    pub upserts: ::prost::alloc::vec::Vec<MapEntry>,
+    /// Addresses no longer in the map: 4 or 16 bytes, network order.
+    #[prost(bytes = "vec", repeated, tag = "5")]
+    pub removes: ::prost::alloc::vec::Vec<::prost::alloc::vec::Vec<u8>>,
+    /// Node indexes no longer used by any entry.
+    #[prost(uint32, repeated, tag = "6")]
+    pub removed_nodes: ::prost::alloc::vec::Vec<u32>,
+    /// When the operator built this batch, ms since the Unix epoch (for propagation
+    /// latency).
+    #[prost(uint64, tag = "7")]
+    pub built_at_ms: u64,
+    /// Increases by one with every batch of changes the operator builds (a full map
+    /// carries the version it is current to); for diagnostics.
+    #[prost(uint64, tag = "8")]
+    pub version: u64,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct MapNode {
+    /// Never 0.
+    #[prost(uint32, tag = "1")]
+    pub index: u32,
+    #[prost(string, tag = "2")]
+    pub name: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct MapEntry {
+    /// 4 or 16 bytes, network order.
+    #[prost(bytes = "vec", tag = "1")]
+    pub ip: ::prost::alloc::vec::Vec<u8>,
+    #[prost(uint32, tag = "2")]
+    pub identity: u32,
+    /// A `MapNode.index`: the node the endpoint runs on, or whose address this is.
+    #[prost(uint32, tag = "3")]
+    pub node: u32,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndpointMapLookupRequest {
+    #[prost(uint32, tag = "1")]
+    pub protocol_version: u32,
+    /// IPv4 or IPv6, text form.
+    #[prost(string, tag = "2")]
+    pub ip: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndpointClaim {
+    #[prost(string, tag = "1")]
+    pub node: ::prost::alloc::string::String,
+    /// Empty for a node address.
+    #[prost(string, tag = "2")]
+    pub namespace: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "4")]
+    pub identity: u32,
+    /// When the operator learned of this claim, ms since the Unix epoch.
+    #[prost(uint64, tag = "5")]
+    pub claimed_at_ms: u64,
+    /// The claim the map holds for the address.
+    #[prost(bool, tag = "6")]
+    pub winner: bool,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct EndpointMapLookupResponse {
+    #[prost(string, tag = "1")]
+    pub ip: ::prost::alloc::string::String,
+    /// The winner first, then the other claims, most recent first. Empty when no
+    /// endpoint or node claims the address.
+    #[prost(message, repeated, tag = "2")]
+    pub claims: ::prost::alloc::vec::Vec<EndpointClaim>,
+    /// Times a claim met another claimant's for this address, counted while the
+    /// address is claimed (it starts over once nothing claims it, so the index stays
+    /// bounded); `census_map_conflicts_total` counts every conflict since start.
+    #[prost(uint64, tag = "3")]
+    pub conflicts: u64,
+    /// The most recent conflicts for this address (bounded), most recent first.
+    #[prost(message, repeated, tag = "4")]
+    pub history: ::prost::alloc::vec::Vec<EndpointConflict>,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndpointConflict {
+    #[prost(uint64, tag = "1")]
+    pub at_ms: u64,
+    /// The claim that won (the newer one) and the one it displaced.
+    #[prost(message, optional, tag = "2")]
+    pub won: ::core::option::Option<EndpointClaim>,
+    #[prost(message, optional, tag = "3")]
+    pub displaced: ::core::option::Option<EndpointClaim>,
+}
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct GetVersionRequest {
     #[prost(uint32, tag = "1")]
@@ -1413,6 +1530,408 @@ pub mod endpoint_sync_server {
     /// Generated gRPC service name
     pub const SERVICE_NAME: &str = "census.v1.EndpointSync";
     impl<T> tonic::server::NamedService for EndpointSyncServer<T> {
+        const NAME: &'static str = SERVICE_NAME;
+    }
+}
+/// Generated client implementations.
+pub mod endpoint_map_client {
+    #![allow(
+        unused_variables,
+        dead_code,
+        missing_docs,
+        clippy::wildcard_imports,
+        clippy::let_unit_value,
+    )]
+    use tonic::codegen::*;
+    use tonic::codegen::http::Uri;
+    /// The cluster-wide map `IP -> (identity, node)`: every endpoint of every node, and
+    /// every node's own addresses (identity 6, `remote-node`). Apart from EndpointSync,
+    /// so map pushes never delay its acks.
+    #[derive(Debug, Clone)]
+    pub struct EndpointMapClient<T> {
+        inner: tonic::client::Grpc<T>,
+    }
+    impl EndpointMapClient<tonic::transport::Channel> {
+        /// Attempt to create a new client by connecting to a given endpoint.
+        pub async fn connect<D>(dst: D) -> Result<Self, tonic::transport::Error>
+        where
+            D: TryInto<tonic::transport::Endpoint>,
+            D::Error: Into<StdError>,
+        {
+            let conn = tonic::transport::Endpoint::new(dst)?.connect().await?;
+            Ok(Self::new(conn))
+        }
+    }
+    impl<T> EndpointMapClient<T>
+    where
+        T: tonic::client::GrpcService<tonic::body::Body>,
+        T::Error: Into<StdError>,
+        T::ResponseBody: Body<Data = Bytes> + std::marker::Send + 'static,
+        <T::ResponseBody as Body>::Error: Into<StdError> + std::marker::Send,
+    {
+        pub fn new(inner: T) -> Self {
+            let inner = tonic::client::Grpc::new(inner);
+            Self { inner }
+        }
+        pub fn with_origin(inner: T, origin: Uri) -> Self {
+            let inner = tonic::client::Grpc::with_origin(inner, origin);
+            Self { inner }
+        }
+        pub fn with_interceptor<F>(
+            inner: T,
+            interceptor: F,
+        ) -> EndpointMapClient<InterceptedService<T, F>>
+        where
+            F: tonic::service::Interceptor,
+            T::ResponseBody: Default,
+            T: tonic::codegen::Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<
+                    <T as tonic::client::GrpcService<tonic::body::Body>>::ResponseBody,
+                >,
+            >,
+            <T as tonic::codegen::Service<
+                http::Request<tonic::body::Body>,
+            >>::Error: Into<StdError> + std::marker::Send + std::marker::Sync,
+        {
+            EndpointMapClient::new(InterceptedService::new(inner, interceptor))
+        }
+        /// Compress requests with the given encoding.
+        ///
+        /// This requires the server to support it otherwise it might respond with an
+        /// error.
+        #[must_use]
+        pub fn send_compressed(mut self, encoding: CompressionEncoding) -> Self {
+            self.inner = self.inner.send_compressed(encoding);
+            self
+        }
+        /// Enable decompressing responses.
+        #[must_use]
+        pub fn accept_compressed(mut self, encoding: CompressionEncoding) -> Self {
+            self.inner = self.inner.accept_compressed(encoding);
+            self
+        }
+        /// Limits the maximum size of a decoded message.
+        ///
+        /// Default: `4MB`
+        #[must_use]
+        pub fn max_decoding_message_size(mut self, limit: usize) -> Self {
+            self.inner = self.inner.max_decoding_message_size(limit);
+            self
+        }
+        /// Limits the maximum size of an encoded message.
+        ///
+        /// Default: `usize::MAX`
+        #[must_use]
+        pub fn max_encoding_message_size(mut self, limit: usize) -> Self {
+            self.inner = self.inner.max_encoding_message_size(limit);
+            self
+        }
+        /// The full map between a batch with `resync_start` and one with `resync_end`
+        /// (one batch may be both), then the changes, batched per short tick. Every
+        /// watcher gets the same batches (each is encoded once for all). A watcher that
+        /// falls behind is sent the full map again, never queued without bound; the
+        /// operator bounds how many full maps it sends at once, so a watcher may wait for
+        /// its first batch. Bound to the caller's node like EndpointSync.
+        pub async fn watch(
+            &mut self,
+            request: impl tonic::IntoRequest<super::EndpointMapWatchRequest>,
+        ) -> std::result::Result<
+            tonic::Response<tonic::codec::Streaming<super::EndpointMapBatch>>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/census.v1.EndpointMap/Watch",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("census.v1.EndpointMap", "Watch"));
+            self.inner.server_streaming(req, path, codec).await
+        }
+        /// The operator's view of one address: every endpoint claiming it, the one that
+        /// wins, and the conflicts seen for it. For people (`census endpoint map`).
+        pub async fn lookup(
+            &mut self,
+            request: impl tonic::IntoRequest<super::EndpointMapLookupRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::EndpointMapLookupResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/census.v1.EndpointMap/Lookup",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("census.v1.EndpointMap", "Lookup"));
+            self.inner.unary(req, path, codec).await
+        }
+    }
+}
+/// Generated server implementations.
+pub mod endpoint_map_server {
+    #![allow(
+        unused_variables,
+        dead_code,
+        missing_docs,
+        clippy::wildcard_imports,
+        clippy::let_unit_value,
+    )]
+    use tonic::codegen::*;
+    /// Generated trait containing gRPC methods that should be implemented for use with EndpointMapServer.
+    #[async_trait]
+    pub trait EndpointMap: std::marker::Send + std::marker::Sync + 'static {
+        /// Server streaming response type for the Watch method.
+        type WatchStream: tonic::codegen::tokio_stream::Stream<
+                Item = std::result::Result<super::EndpointMapBatch, tonic::Status>,
+            >
+            + std::marker::Send
+            + 'static;
+        /// The full map between a batch with `resync_start` and one with `resync_end`
+        /// (one batch may be both), then the changes, batched per short tick. Every
+        /// watcher gets the same batches (each is encoded once for all). A watcher that
+        /// falls behind is sent the full map again, never queued without bound; the
+        /// operator bounds how many full maps it sends at once, so a watcher may wait for
+        /// its first batch. Bound to the caller's node like EndpointSync.
+        async fn watch(
+            &self,
+            request: tonic::Request<super::EndpointMapWatchRequest>,
+        ) -> std::result::Result<tonic::Response<Self::WatchStream>, tonic::Status>;
+        /// The operator's view of one address: every endpoint claiming it, the one that
+        /// wins, and the conflicts seen for it. For people (`census endpoint map`).
+        async fn lookup(
+            &self,
+            request: tonic::Request<super::EndpointMapLookupRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::EndpointMapLookupResponse>,
+            tonic::Status,
+        >;
+    }
+    /// The cluster-wide map `IP -> (identity, node)`: every endpoint of every node, and
+    /// every node's own addresses (identity 6, `remote-node`). Apart from EndpointSync,
+    /// so map pushes never delay its acks.
+    #[derive(Debug)]
+    pub struct EndpointMapServer<T> {
+        inner: Arc<T>,
+        accept_compression_encodings: EnabledCompressionEncodings,
+        send_compression_encodings: EnabledCompressionEncodings,
+        max_decoding_message_size: Option<usize>,
+        max_encoding_message_size: Option<usize>,
+    }
+    impl<T> EndpointMapServer<T> {
+        pub fn new(inner: T) -> Self {
+            Self::from_arc(Arc::new(inner))
+        }
+        pub fn from_arc(inner: Arc<T>) -> Self {
+            Self {
+                inner,
+                accept_compression_encodings: Default::default(),
+                send_compression_encodings: Default::default(),
+                max_decoding_message_size: None,
+                max_encoding_message_size: None,
+            }
+        }
+        pub fn with_interceptor<F>(
+            inner: T,
+            interceptor: F,
+        ) -> InterceptedService<Self, F>
+        where
+            F: tonic::service::Interceptor,
+        {
+            InterceptedService::new(Self::new(inner), interceptor)
+        }
+        /// Enable decompressing requests with the given encoding.
+        #[must_use]
+        pub fn accept_compressed(mut self, encoding: CompressionEncoding) -> Self {
+            self.accept_compression_encodings.enable(encoding);
+            self
+        }
+        /// Compress responses with the given encoding, if the client supports it.
+        #[must_use]
+        pub fn send_compressed(mut self, encoding: CompressionEncoding) -> Self {
+            self.send_compression_encodings.enable(encoding);
+            self
+        }
+        /// Limits the maximum size of a decoded message.
+        ///
+        /// Default: `4MB`
+        #[must_use]
+        pub fn max_decoding_message_size(mut self, limit: usize) -> Self {
+            self.max_decoding_message_size = Some(limit);
+            self
+        }
+        /// Limits the maximum size of an encoded message.
+        ///
+        /// Default: `usize::MAX`
+        #[must_use]
+        pub fn max_encoding_message_size(mut self, limit: usize) -> Self {
+            self.max_encoding_message_size = Some(limit);
+            self
+        }
+    }
+    impl<T, B> tonic::codegen::Service<http::Request<B>> for EndpointMapServer<T>
+    where
+        T: EndpointMap,
+        B: Body + std::marker::Send + 'static,
+        B::Error: Into<StdError> + std::marker::Send + 'static,
+    {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = BoxFuture<Self::Response, Self::Error>;
+        fn poll_ready(
+            &mut self,
+            _cx: &mut Context<'_>,
+        ) -> Poll<std::result::Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, req: http::Request<B>) -> Self::Future {
+            match req.uri().path() {
+                "/census.v1.EndpointMap/Watch" => {
+                    #[allow(non_camel_case_types)]
+                    struct WatchSvc<T: EndpointMap>(pub Arc<T>);
+                    impl<
+                        T: EndpointMap,
+                    > tonic::server::ServerStreamingService<
+                        super::EndpointMapWatchRequest,
+                    > for WatchSvc<T> {
+                        type Response = super::EndpointMapBatch;
+                        type ResponseStream = T::WatchStream;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::ResponseStream>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::EndpointMapWatchRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EndpointMap>::watch(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = WatchSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.server_streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/census.v1.EndpointMap/Lookup" => {
+                    #[allow(non_camel_case_types)]
+                    struct LookupSvc<T: EndpointMap>(pub Arc<T>);
+                    impl<
+                        T: EndpointMap,
+                    > tonic::server::UnaryService<super::EndpointMapLookupRequest>
+                    for LookupSvc<T> {
+                        type Response = super::EndpointMapLookupResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::EndpointMapLookupRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EndpointMap>::lookup(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = LookupSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                _ => {
+                    Box::pin(async move {
+                        let mut response = http::Response::new(
+                            tonic::body::Body::default(),
+                        );
+                        let headers = response.headers_mut();
+                        headers
+                            .insert(
+                                tonic::Status::GRPC_STATUS,
+                                (tonic::Code::Unimplemented as i32).into(),
+                            );
+                        headers
+                            .insert(
+                                http::header::CONTENT_TYPE,
+                                tonic::metadata::GRPC_CONTENT_TYPE,
+                            );
+                        Ok(response)
+                    })
+                }
+            }
+        }
+    }
+    impl<T> Clone for EndpointMapServer<T> {
+        fn clone(&self) -> Self {
+            let inner = self.inner.clone();
+            Self {
+                inner,
+                accept_compression_encodings: self.accept_compression_encodings,
+                send_compression_encodings: self.send_compression_encodings,
+                max_decoding_message_size: self.max_decoding_message_size,
+                max_encoding_message_size: self.max_encoding_message_size,
+            }
+        }
+    }
+    /// Generated gRPC service name
+    pub const SERVICE_NAME: &str = "census.v1.EndpointMap";
+    impl<T> tonic::server::NamedService for EndpointMapServer<T> {
         const NAME: &'static str = SERVICE_NAME;
     }
 }
