@@ -504,31 +504,32 @@ impl Allocator {
         let (mut refs, mut holds) = (0, 0);
         let mut queued = Vec::new();
         for (name, node) in self.nodes.iter_mut() {
-            for (key, v) in node.view.iter_mut().filter(|(_, v)| v.id == from) {
-                v.id = to;
-                refs += 1;
-                if let Some(conn) = node.conn {
-                    node.counters.rebinds += 1;
-                    core.counters.rebinds += 1;
-                    if persisted {
-                        let msg = AgentMsg::Rebind {
-                            key: key.clone(),
-                            identity: to,
-                        };
-                        core.fx.push(Effect::Agent {
-                            node: name.clone(),
-                            conn,
-                            msg,
-                        });
-                    } else {
-                        queued.push(Waiter::Rebind {
-                            node: name.clone(),
-                            conn,
-                            key: key.clone(),
-                        });
-                    }
+            let conn = node.conn;
+            let (fx, counters) = (&mut core.fx, &mut core.counters);
+            let mut rebound = 0;
+            refs += node.view.reidentify(&mut core.map, name, from, to, |key| {
+                let Some(conn) = conn else { return };
+                rebound += 1;
+                if persisted {
+                    let msg = AgentMsg::Rebind {
+                        key: key.clone(),
+                        identity: to,
+                    };
+                    fx.push(Effect::Agent {
+                        node: name.clone(),
+                        conn,
+                        msg,
+                    });
+                } else {
+                    queued.push(Waiter::Rebind {
+                        node: name.clone(),
+                        conn,
+                        key: key.clone(),
+                    });
                 }
-            }
+            });
+            node.counters.rebinds += rebound;
+            counters.rebinds += rebound;
             if let Some(expires) = node.holds.remove(&from) {
                 node.holds.insert(to, expires);
                 holds += 1;
@@ -584,7 +585,7 @@ impl Allocator {
             // or, in the window, until it ends and their nodes snapshot again.
             for (name, node) in self.nodes.iter_mut() {
                 let before = node.view.len();
-                node.view.retain(|_, v| v.id != id);
+                node.view.retain(&mut core.map, name, |_, v| v.id != id);
                 if window && node.view.len() != before {
                     core.deferred.insert(name.clone());
                 }

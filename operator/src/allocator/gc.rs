@@ -75,7 +75,10 @@ impl Allocator {
     }
 
     /// The Node object of `name` is gone: its view, holds and stream go with it.
+    /// Its addresses leave the endpoint map too, whether or not its agent ever said
+    /// Hello.
     pub fn node_gone(&mut self, name: &NodeName) {
+        self.core.map.clear_addresses(name);
         self.drop_node(name, CloseReason::NodeGone);
     }
 
@@ -133,13 +136,18 @@ impl Allocator {
     }
 
     fn drop_node(&mut self, name: &NodeName, reason: CloseReason) {
-        let Some(node) = self.nodes.remove(name) else {
+        let Some(mut node) = self.nodes.remove(name) else {
             return;
         };
         let core = &mut self.core;
         core.counters.nodes_dropped += 1;
-        for (_, entry) in node.view {
+        for (_, entry) in node.view.drain(&mut core.map, name) {
             core.dec(entry.id);
+        }
+        if core.cfg.liveness == Liveness::Embedded {
+            // Embedded, the addresses came with the agent's Hello: they go with its
+            // view. In a cluster they are the Node object's, and stay while it does.
+            core.map.clear_addresses(name);
         }
         for (id, _) in node.holds {
             core.hold_gone(id);

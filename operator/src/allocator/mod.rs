@@ -15,6 +15,7 @@ mod config;
 mod effects;
 mod gc;
 mod identities;
+mod map;
 mod nodes;
 mod ops;
 mod read;
@@ -34,6 +35,10 @@ pub use self::{
     effects::{
         Accepted, AgentMsg, AllocError, Applied, CloseReason, ConnId, Effect, Priority, RequestId,
         SyncError, WatchChange,
+    },
+    map::{
+        ClaimSource, MapChange, MapClaim, MapConflict, MapDelta, MapEntry, MapLookup, MapNode,
+        MapNodeIndex, MapStats,
     },
     ops::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone},
     read::{Counters, IdentityInfo, IdentityState, NodeInfo, Stats},
@@ -69,6 +74,9 @@ struct Core {
     /// snapshot when it ends, which resolves them. Bounded by the nodes.
     deferred: BTreeSet<NodeName>,
     next_conn: u64,
+    /// The cluster-wide endpoint map, kept in step with the views (see
+    /// [`map::view::View`]).
+    map: map::EndpointIndex,
 }
 
 #[derive(Debug)]
@@ -176,6 +184,7 @@ impl Allocator {
                 fx,
                 counters: Counters::default(),
                 next_conn: 1,
+                map: map::EndpointIndex::default(),
             },
         }
     }

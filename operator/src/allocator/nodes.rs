@@ -3,9 +3,9 @@
 
 use std::{collections::HashMap, net::IpAddr};
 
-use census_proto::domain::{EndpointKey, IdentityId, SessionId};
+use census_proto::domain::{IdentityId, SessionId};
 
-use super::{ConnId, Timestamp};
+use super::{ConnId, Timestamp, map::view::View};
 
 /// One endpoint in a node's view: the identity the agent holds (corrected by
 /// Rebind) and its addresses. Labels are not kept: the identity has them.
@@ -52,7 +52,8 @@ pub(crate) struct Node {
     /// Since when the node has been silent longer than the node TTL.
     pub(crate) stale_since: Option<Timestamp>,
     pub(crate) persisted: Persisted,
-    pub(crate) view: HashMap<EndpointKey, ViewEntry>,
+    /// Changed only through [`View`]'s methods, which keep the endpoint map in step.
+    pub(crate) view: View,
     /// Identity -> when the hold expires.
     pub(crate) holds: HashMap<IdentityId, Timestamp>,
     /// Allocations of this node waiting for the store.
@@ -80,7 +81,7 @@ impl Node {
             last_snapshot: None,
             stale_since: None,
             persisted,
-            view: HashMap::new(),
+            view: View::default(),
             holds: HashMap::new(),
             pending: 0,
             snapshots: 0,

@@ -11,7 +11,7 @@ use census_proto::{
 use super::{
     Accepted, AgentMsg, Allocator, Applied, CloseReason, ConnId, Core, Effect, Priority, StoreOp,
     SyncError, Timestamp,
-    identities::{Phase, Waiter, settle_map, shrink_map},
+    identities::{Phase, Waiter},
     nodes::{Node, Persisted, ViewEntry},
 };
 
@@ -118,7 +118,8 @@ impl Allocator {
                 // A hold ends when an endpoint takes the id up, not when one that had
                 // it already is seen again (a sibling pod must not end a fresh pod's
                 // hold before the fresh pod is in the view).
-                match node.view.insert(key, ViewEntry { id, seen: 0, ips }) {
+                let entry = ViewEntry { id, seen: 0, ips };
+                match node.view.insert(&mut self.core.map, name, key, entry, now) {
                     Some(prev) if prev.id == id => {}
                     Some(prev) => {
                         self.core.inc(id);
@@ -137,11 +138,12 @@ impl Allocator {
                 } else {
                     applied.unresolved += 1;
                 }
-                if let Some(prev) = node.view.remove(&key) {
+                if let Some(prev) = node.view.remove(&mut self.core.map, name, &key) {
                     self.core.dec(prev.id);
                 }
             }
         }
+        self.name_conflicts();
         Ok(applied)
     }
 
@@ -159,9 +161,9 @@ impl Allocator {
             return Ok(ignored);
         }
         self.core.counters.deltas += 1;
-        if let Some(prev) = node.view.remove(key) {
+        if let Some(prev) = node.view.remove(&mut self.core.map, name, key) {
             self.core.dec(prev.id);
-            shrink_map(&mut node.view);
+            node.view.shrink();
         }
         Ok(Applied::default())
     }
@@ -193,22 +195,21 @@ impl Allocator {
         let mark = node.snapshots;
         let unchanged = endpoints.len() == node.view.len()
             && endpoints.iter().all(|ep| {
-                node.view.get_mut(&ep.key).is_some_and(|v| {
-                    let first = std::mem::replace(&mut v.seen, mark) != mark;
-                    first && v.id == ep.identity && v.ips == ep.ips
-                }) && core.ids.is_bound(ep.identity, &ep.labels)
+                node.view
+                    .mark_seen(&ep.key, mark)
+                    .is_some_and(|(first, v)| first && v.id == ep.identity && v.ips == ep.ips)
+                    && core.ids.is_bound(ep.identity, &ep.labels)
             });
         if unchanged {
             // At rest: the view gives back what a burst of deltas grew it to, so it
             // holds what a changed snapshot would have rebuilt it with.
             // No endpoint took an id up, so no hold ends (see `upsert`).
-            settle_map(&mut node.view);
+            node.view.settle();
             return Ok(Applied::default());
         }
 
         let mut applied = Applied::default();
         let mut changes = 0;
-        let mut old = std::mem::take(&mut node.view);
         let mut view = HashMap::with_capacity(endpoints.len());
         for Endpoint {
             key,
@@ -237,11 +238,11 @@ impl Allocator {
                 }
                 continue;
             };
-            match old.remove(&key) {
-                Some(prev) if prev.id == id => {}
+            match node.view.get(&key).map(|prev| prev.id) {
+                Some(prev) if prev == id => {}
                 Some(prev) => {
                     core.inc(id);
-                    core.dec(prev.id);
+                    core.dec(prev);
                     core.end_hold(node, id);
                     changes += 2;
                 }
@@ -253,11 +254,12 @@ impl Allocator {
             }
             view.insert(key, ViewEntry { id, seen: 0, ips });
         }
-        for (_, prev) in old {
-            core.dec(prev.id);
-            changes += 1;
+        for (key, prev) in node.view.replace(&mut core.map, name, view, now) {
+            if !node.view.contains_key(&key) {
+                core.dec(prev.id);
+                changes += 1;
+            }
         }
-        node.view = view;
         if first {
             applied.adoptions = changes;
             node.counters.adoptions += changes;
@@ -267,6 +269,7 @@ impl Allocator {
             node.counters.corrections += changes;
             core.counters.corrections += changes;
         }
+        self.name_conflicts();
         Ok(applied)
     }
 }

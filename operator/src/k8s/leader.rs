@@ -210,6 +210,11 @@ impl Leadership {
         let lost = self.store.lost_since_load(&identities);
         let invalid = self.store.invalid_objects();
         self.runtime.with(|alloc, now| {
+            // Read under the core's lock, so a Node update the watch makes meanwhile
+            // is either read here or applied to this core after.
+            for (name, ips) in self.nodes.all_addresses() {
+                alloc.set_node_addresses(&name, ips, now);
+            }
             for (id, labels) in &lost {
                 alloc.binding_lost(*id, labels, now);
             }

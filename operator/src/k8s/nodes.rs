@@ -177,6 +177,16 @@ impl NodeIndex {
         self.inner.read().addresses.get(node).map(|a| a.to_vec())
     }
 
+    /// Every Node's addresses.
+    pub fn all_addresses(&self) -> Vec<(NodeName, Vec<IpAddr>)> {
+        let inner = self.inner.read();
+        inner
+            .addresses
+            .iter()
+            .map(|(name, ips)| (name.clone(), ips.to_vec()))
+            .collect()
+    }
+
     /// Bytes the index holds for its entries (names and addresses, not the map's
     /// overhead): it grows with the Nodes, never with other objects.
     pub fn approx_bytes(&self) -> usize {
@@ -280,9 +290,12 @@ pub async fn run(index: Arc<NodeIndex>, client: Client, runtime: Arc<Runtime>) {
                 for name in index.reset(listed) {
                     gone(&runtime, &name);
                 }
+                feed_addresses(&index, &runtime);
             }
             Ok(watcher::Event::Apply(node)) => {
-                index.upsert(&node);
+                if let Some(name) = index.upsert(&node) {
+                    runtime.with(|alloc, now| alloc.set_node_addresses(&name, node.addresses, now));
+                }
             }
             Ok(watcher::Event::Delete(node)) => {
                 if let Some(name) = index.remove(&node) {
@@ -292,6 +305,17 @@ pub async fn run(index: Arc<NodeIndex>, client: Client, runtime: Arc<Runtime>) {
             Err(e) => warn!(error = %e, "the watch of Nodes failed; it resumes with backoff"),
         }
     }
+}
+
+/// Gives the core every Node's addresses (the endpoint map's `remote-node`
+/// entries): after a list, and when a core is built (a new leader's starts empty).
+/// The core takes a list equal to what it holds as no change.
+fn feed_addresses(index: &NodeIndex, runtime: &Runtime) {
+    runtime.with(|alloc, now| {
+        for (name, ips) in index.all_addresses() {
+            alloc.set_node_addresses(&name, ips, now);
+        }
+    });
 }
 
 fn gone(runtime: &Runtime, name: &NodeName) {

@@ -14,7 +14,7 @@ pub(in crate::allocator) fn check(a: &Allocator) {
     let mut refs: HashMap<IdentityId, u32> = HashMap::new();
     let mut holds: HashMap<IdentityId, u32> = HashMap::new();
     for (name, node) in &a.nodes {
-        for (key, v) in &node.view {
+        for (key, v) in node.view.iter() {
             assert!(
                 ids.get(v.id).is_some(),
                 "node {name} endpoint {key} references unknown identity {}",

@@ -3,6 +3,7 @@
 
 mod accounting;
 mod invariants;
+mod map;
 mod model;
 mod unit;
 
@@ -255,6 +256,9 @@ pub(super) struct Harness {
     /// DeleteIdentity of an unbound id writes a lost tombstone again), for the
     /// model test's checks; whoever reads it empties it.
     pub(super) emitted: Vec<(StoreOp, bool)>,
+    /// What an endpoint map watcher holds, if every event's delta is taken (and
+    /// checked against the map) as it is routed; `None` for tests that take them.
+    pub(super) replay: Option<map::Replayed>,
     next_req: RequestId,
 }
 
@@ -305,6 +309,7 @@ impl Harness {
             watched,
             deletes_issued: Vec::new(),
             emitted: Vec::new(),
+            replay: Some(map::Replayed::default()),
             next_req: 1,
         };
         h.route();
@@ -356,6 +361,15 @@ impl Harness {
             }
         }
         invariants::check(&self.alloc);
+        map::check(&self.alloc);
+        if let Some(replay) = &mut self.replay {
+            replay.apply(self.alloc.take_map_delta());
+            assert_eq!(
+                *replay,
+                map::Replayed::of(&self.alloc),
+                "what the map's deltas told differs from the map"
+            );
+        }
         // Watch tells the truth: after every event, a subscriber that got the full
         // list once and every change since holds every binding exactly as it is.
         let truth: BTreeMap<IdentityId, IdentityInfo> = self
