@@ -374,3 +374,53 @@ async fn completions_for_every_shell() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_map_shows_the_operators_claims_of_an_address() -> TestResult {
+    let operator = Operator::start(&[]).await?;
+    let mut agent = hello(&operator, "node-a").await?;
+    let web = operator.allocate_ok("node-a", cli_session(), WEB).await?;
+    agent
+        .snapshot(vec![endpoint("web-0", "198.18.0.2", &web)])
+        .await?;
+    let op = &operator.url();
+
+    let shown = census(
+        &[
+            "endpoint",
+            "map",
+            "198.18.0.2",
+            "-o",
+            "json",
+            "--operator",
+            op,
+        ],
+        &[],
+    )
+    .await?
+    .json()?;
+    assert_eq!(shown["ip"], "198.18.0.2", "{shown}");
+    let claim = &shown["claims"][0];
+    assert_eq!(claim["node"], "node-a", "{shown}");
+    assert_eq!(claim["name"], "web-0", "{shown}");
+    assert_eq!(claim["kind"], "endpoint", "{shown}");
+    assert_eq!(claim["identity"], web.id, "{shown}");
+    assert_eq!(claim["winner"], true, "{shown}");
+    assert_eq!(shown["conflicts"], 0, "{shown}");
+
+    let table = census(&["endpoint", "map", "198.18.0.2", "--operator", op], &[]).await?;
+    let table = table.expect_success()?;
+    assert!(
+        table.starts_with("198.18.0.2: 1 claim, 0 conflicts\n"),
+        "{table}"
+    );
+    assert!(table.contains("web-0"), "{table}");
+
+    census(&["endpoint", "map", "198.18.0.9", "--operator", op], &[])
+        .await?
+        .expect_failure(4, &["no endpoint or node claims 198.18.0.9"])?;
+    census(&["endpoint", "map", "web-0", "--operator", op], &[])
+        .await?
+        .expect_failure(3, &["\"web-0\" is not an IPv4 or IPv6 address"])?;
+    Ok(())
+}

@@ -420,6 +420,7 @@ impl Agent {
                 node: self.node.clone(),
                 session: Some(self.session),
                 agent_version: "census-bench".into(),
+                addresses: Vec::new(),
             })),
         };
         tx.send(hello).await.ok()?;

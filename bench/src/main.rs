@@ -17,6 +17,7 @@ mod alloc;
 mod churn;
 mod cmd;
 mod gc;
+mod map;
 mod operator;
 mod plot;
 mod presets;
@@ -56,7 +57,7 @@ struct Options {
     /// churn presets: Job pods per drop rate (overrides the preset).
     #[arg(long)]
     pods: Option<usize>,
-    /// scale presets: simulated nodes (overrides the preset).
+    /// scale and map presets: simulated nodes (overrides the preset).
     #[arg(long)]
     nodes: Option<usize>,
     /// gc preset: released identities to delete (overrides the preset's 50,000).
@@ -122,6 +123,13 @@ async fn run(options: Options) -> anyhow::Result<()> {
                 params.nodes = nodes;
             }
             scale::run(&binary, &results, params).await?
+        }
+        Preset::Map1k | Preset::Map5k => {
+            let mut params = presets::map(preset);
+            if let Some(nodes) = nodes {
+                params.nodes = nodes;
+            }
+            map::run(&binary, &results, params).await?
         }
         Preset::Alloc => alloc::run(&binary, &results, presets::alloc()).await?,
         Preset::Gc => {

@@ -19,6 +19,13 @@ pub(crate) enum Preset {
     /// 5,000 simulated nodes x 110 endpoints, 30 s snapshots.
     #[value(name = "scale-5k")]
     Scale5k,
+    /// The endpoint map: 1,000 simulated nodes x 110 pods, each watching the map, 100
+    /// pod changes/s.
+    #[value(name = "map-1k")]
+    Map1k,
+    /// The same with 5,000 nodes.
+    #[value(name = "map-5k")]
+    Map5k,
     /// Allocate throughput and latency: 1, 16, 256 clients, known and new label sets,
     /// with and without a GC storm.
     Alloc,
@@ -35,6 +42,8 @@ impl Preset {
             Self::ChurnLong => "churn-long",
             Self::Scale1k => "scale-1k",
             Self::Scale5k => "scale-5k",
+            Self::Map1k => "map-1k",
+            Self::Map5k => "map-5k",
             Self::Alloc => "alloc",
             Self::Gc => "gc",
             Self::Restart => "restart",
@@ -156,6 +165,43 @@ pub(crate) fn scale(preset: Preset) -> Scale {
         intervals: 3,
         nodes_per_connection: 100,
         ramp_concurrency: 64,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Map {
+    pub(crate) preset: &'static str,
+    pub(crate) nodes: usize,
+    pub(crate) pods_per_node: usize,
+    pub(crate) label_sets_per_node: usize,
+    /// Pod changes (a create or a delete) per second, cluster-wide.
+    pub(crate) changes_per_second: f64,
+    #[serde(with = "millis", rename = "tick_ms")]
+    pub(crate) tick: Duration,
+    pub(crate) max_resyncs: usize,
+    /// Watchers that decode batches of changes fully, to time propagation.
+    pub(crate) probes: usize,
+    #[serde(with = "millis", rename = "steady_ms")]
+    pub(crate) steady: Duration,
+    pub(crate) nodes_per_connection: usize,
+}
+
+pub(crate) fn map(preset: Preset) -> Map {
+    Map {
+        preset: preset.name(),
+        nodes: if preset == Preset::Map5k {
+            5_000
+        } else {
+            1_000
+        },
+        pods_per_node: 110,
+        label_sets_per_node: 10,
+        changes_per_second: 100.0,
+        tick: Duration::from_millis(100),
+        max_resyncs: 32,
+        probes: 8,
+        steady: Duration::from_secs(20),
+        nodes_per_connection: 100,
     }
 }
 

@@ -55,6 +55,7 @@ async fn main() -> BenchResult {
             node: "bench-node".into(),
             session: Some(session),
             agent_version: "bench".into(),
+            addresses: Vec::new(),
         })),
     })
     .await?;

@@ -13,22 +13,31 @@
 //!
 //! A server stream fed by the runtime is a [`Feed`]: the term (so a change of role
 //! starts the stream over), the changes from now on, and the full state read after
-//! subscribing, so no change falls between the two. IdentityService.Watch is one; a
-//! cluster-wide endpoint map would be another method returning its own `Feed`.
+//! subscribing, so no change falls between the two. IdentityService.Watch is one.
+//!
+//! EndpointMap.Watch is fed differently, because its full state is large and every
+//! watcher gets the same bytes: batches are encoded once ([`MapEncoder`], which the
+//! gRPC layer provides) and shared as [`MapBatch`]es; a watcher subscribes with
+//! [`Api::map_watch`] (checked like Allocate), waits its turn on the shared
+//! semaphore, and takes a [`MapResync`] (the full map, shared by every watcher
+//! resyncing at its version, and the batches after it).
 
-use std::{fmt, net::IpAddr, time::Duration};
+use std::{fmt, net::IpAddr, sync::Arc, time::Duration};
+
+use bytes::Bytes;
 
 use census_proto::{
     convert::WireLimits,
     domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
     labels::{LabelFilter, LabelSet},
 };
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
 
 pub use crate::{
     allocator::{
-        AllocError, Applied, CloseReason, ConnId, IdentityInfo, IdentityState, NodeInfo, SyncError,
-        WatchChange,
+        AllocError, Applied, ClaimSource, CloseReason, ConnId, IdentityInfo, IdentityState,
+        MapClaim, MapConflict, MapEntry, MapLookup, MapNode, MapNodeIndex, NodeInfo, SyncError,
+        Timestamp, WatchChange,
     },
     replica::{AdmissionError, Leader, NotLeader, Role},
 };
@@ -66,6 +75,10 @@ pub enum Refused {
     Sync(#[from] SyncError),
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    #[error("this operator does not serve the endpoint map")]
+    MapNotServed,
+    #[error("the endpoint map changed faster than a full copy could be built; retry")]
+    MapBusy,
 }
 
 /// An identity handed out by Allocate, as it was when it was handed out.
@@ -132,6 +145,71 @@ pub struct Feed<C, S> {
     pub full: Vec<S>,
 }
 
+/// One batch of the endpoint map as the wire carries it (an encoded
+/// `EndpointMapBatch`), shared by every watcher: cloning it copies no bytes.
+#[derive(Debug, Clone)]
+pub struct MapBatch {
+    pub version: u64,
+    pub bytes: Bytes,
+}
+
+/// What one batch says, for the [`MapEncoder`]. Within a batch every address is
+/// named once, nodes come before the entries naming them, and removed nodes are
+/// named by no entry.
+#[derive(Debug, Clone, Copy)]
+pub struct MapBatchParts<'a> {
+    pub resync_start: bool,
+    pub resync_end: bool,
+    pub nodes: &'a [MapNode],
+    pub upserts: &'a [MapEntry],
+    pub removes: &'a [IpAddr],
+    pub removed_nodes: &'a [MapNodeIndex],
+    pub built_at_ms: u64,
+    pub version: u64,
+}
+
+impl MapBatchParts<'_> {
+    /// Nodes, entries and addresses in the batch.
+    pub fn items(&self) -> usize {
+        self.nodes.len() + self.upserts.len() + self.removes.len() + self.removed_nodes.len()
+    }
+}
+
+/// Encodes map batches for the wire; the gRPC layer provides it, so the runtime
+/// never names the wire types.
+pub trait MapEncoder: Send + Sync + fmt::Debug + 'static {
+    fn encode(&self, batch: &MapBatchParts<'_>) -> Bytes;
+}
+
+/// The whole map at `version`, encoded in chunks (the first with `resync_start`, the
+/// last with `resync_end`), shared by every watcher that resyncs from it.
+#[derive(Debug)]
+pub struct FullMap {
+    pub version: u64,
+    pub chunks: Vec<Bytes>,
+    pub entries: usize,
+    pub bytes: usize,
+}
+
+/// An accepted EndpointMap.Watch: the term it was accepted in (a change of term
+/// ends or restarts it), and the semaphore every full map is sent under.
+#[derive(Debug)]
+pub struct MapWatch {
+    pub term: Term,
+    pub terms: watch::Receiver<Term>,
+    pub resyncs: Arc<Semaphore>,
+}
+
+/// What a watcher sends to be equal to the operator's map: `full`, then the batches
+/// of `catch_up` (built after `full`, before the subscription), then those of
+/// `changes` with a version above the last one sent.
+#[derive(Debug)]
+pub struct MapResync {
+    pub full: Arc<FullMap>,
+    pub catch_up: Vec<MapBatch>,
+    pub changes: broadcast::Receiver<MapBatch>,
+}
+
 /// The operator as the gRPC services see it.
 pub trait Api: Send + Sync + fmt::Debug + 'static {
     fn settings(&self) -> &Settings;
@@ -172,9 +250,16 @@ pub trait Api: Send + Sync + fmt::Debug + 'static {
     ) -> Result<Allocation, Refused>;
 
     /// Hello: the stream is accepted in the current term, and what the operator has
-    /// to say to the agent goes to `tx` from now on.
-    fn hello(&self, caller: &Caller, session: SessionId, tx: AgentTx)
-    -> Result<Connected, Refused>;
+    /// to say to the agent goes to `tx` from now on. `addresses` are the node's own
+    /// (the endpoint map's `remote-node` entries in embedded mode; in a cluster the
+    /// Node object's are used instead).
+    fn hello(
+        &self,
+        caller: &Caller,
+        session: SessionId,
+        addresses: Vec<IpAddr>,
+        tx: AgentTx,
+    ) -> Result<Connected, Refused>;
 
     fn upsert(&self, stream: &Connected, seq: u64, endpoint: Endpoint) -> Result<Applied, Refused>;
 
@@ -189,4 +274,16 @@ pub trait Api: Send + Sync + fmt::Debug + 'static {
 
     /// The stream ended.
     fn disconnect(&self, stream: &Connected);
+
+    /// EndpointMap.Watch for `caller`'s current session: refused on a follower, or
+    /// when the node has no such session.
+    fn map_watch(&self, caller: &Caller, session: SessionId) -> Result<MapWatch, Refused>;
+
+    /// The full map and the subscription to what follows, for a watch of `term`
+    /// holding a permit of its semaphore. May encode the full map: call it where
+    /// blocking is allowed.
+    fn map_resync(&self, term: Term) -> Result<MapResync, Refused>;
+
+    /// EndpointMap.Lookup: the claims of `ip` (`None`: nothing is known of it).
+    fn map_lookup(&self, ip: IpAddr) -> Result<Option<MapLookup>, Refused>;
 }

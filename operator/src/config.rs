@@ -34,6 +34,8 @@ pub struct Cli {
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
+    pub map: MapArgs,
+    #[command(flatten)]
     pub log: census_daemon::LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
@@ -298,6 +300,35 @@ pub struct LimitArgs {
     /// Addresses of one endpoint.
     #[arg(long, env = "CENSUS_MAX_IPS_PER_ENDPOINT", default_value_t = 16)]
     pub max_ips_per_endpoint: usize,
+}
+
+/// How the cluster-wide endpoint map is served (EndpointMap.Watch).
+#[derive(Debug, Clone, Args)]
+pub struct MapArgs {
+    /// How often map changes are sent to watchers, as one batch.
+    #[arg(long, env = "CENSUS_MAP_TICK_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub map_tick_interval: Duration,
+    /// Entries (addresses, nodes) in one map message at most; a full map is sent in
+    /// chunks of this size.
+    #[arg(long, env = "CENSUS_MAP_BATCH_ENTRIES", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub map_batch_entries: u32,
+    /// Batches a watcher may fall behind before it is sent the full map again.
+    #[arg(long, env = "CENSUS_MAP_WATCH_BUFFER", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub map_watch_buffer: u32,
+    /// Full maps sent at once; other watchers wait for their turn.
+    #[arg(long, env = "CENSUS_MAP_MAX_RESYNCS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub map_max_resyncs: u32,
+}
+
+impl MapArgs {
+    pub fn config(&self) -> crate::runtime::MapConfig {
+        crate::runtime::MapConfig {
+            tick: self.map_tick_interval,
+            batch_entries: self.map_batch_entries as usize,
+            buffer: self.map_watch_buffer as usize,
+            resyncs: self.map_max_resyncs as usize,
+        }
+    }
 }
 
 /// Bytes one endpoint may take in a snapshot at most, generously: key, addresses and

@@ -71,6 +71,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         allocator,
         labels,
         limits,
+        map,
         log: _,
         profiling,
         kubernetes,
@@ -178,6 +179,8 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
 
     let (shutdown, stop) = watch::channel(false);
     let mut servers = Vec::new();
+    let map = map.config();
+    servers.push(runtime.serve_map(map, Arc::new(grpc::WireMap), stop.clone()));
     {
         let runtime = runtime.clone();
         let mut stop = stop.clone();
@@ -224,7 +227,15 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
                 interval: listen.keepalive_interval,
                 timeout: listen.keepalive_timeout,
             };
-            if let Err(e) = grpc::serve(grpc_listener, operator, metrics, keepalive, stop).await {
+            let served = grpc::serve(
+                grpc_listener,
+                operator,
+                metrics,
+                keepalive,
+                map.batch_entries,
+                stop,
+            );
+            if let Err(e) = served.await {
                 tracing::error!(error = %e, "the gRPC server failed");
             }
         }));

@@ -8,6 +8,7 @@ use prometheus_client::{
     metrics::{
         counter::Counter,
         family::Family,
+        gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
@@ -60,6 +61,24 @@ pub struct Metrics {
     pub invalid_messages: Family<KindLabels, Counter>,
     /// Entries of EndpointSync messages rejected alone, by the kind of problem.
     pub rejected_entries: Family<ReasonLabels, Counter>,
+    /// Endpoint map batches of changes built (each encoded once for every watcher).
+    pub map_batches_built: Counter,
+    /// Full copies of the endpoint map built (each shared by the watchers resyncing).
+    pub map_full_maps_built: Counter,
+    /// Bytes encoded for the endpoint map, `batch` or `full`.
+    pub map_bytes_encoded: Family<KindLabels, Counter>,
+    /// Messages sent to watchers (one per watcher per batch or chunk), `batch` or `full`.
+    pub map_messages_sent: Family<KindLabels, Counter>,
+    /// Bytes sent to watchers, all watchers together.
+    pub map_bytes_sent: Counter,
+    /// Open EndpointMap.Watch streams.
+    pub map_watchers: Gauge,
+    /// Full maps sent (or to be sent) to a watcher, by reason: `new_watcher`, `lagged`, `term`.
+    pub map_resyncs: Family<ReasonLabels, Counter>,
+    /// Resyncs waiting for their turn or being sent, by reason.
+    pub map_resyncs_in_progress: Family<ReasonLabels, Gauge>,
+    /// Batches a watcher was behind the latest when it was sent one.
+    pub map_watcher_lag: Histogram,
 }
 
 impl Default for Metrics {
@@ -75,6 +94,15 @@ impl Default for Metrics {
             agent_messages_dropped: Counter::default(),
             invalid_messages: Family::default(),
             rejected_entries: Family::default(),
+            map_batches_built: Counter::default(),
+            map_full_maps_built: Counter::default(),
+            map_bytes_encoded: Family::default(),
+            map_messages_sent: Family::default(),
+            map_bytes_sent: Counter::default(),
+            map_watchers: Gauge::default(),
+            map_resyncs: Family::default(),
+            map_resyncs_in_progress: Family::default(),
+            map_watcher_lag: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
         }
     }
 }
@@ -131,6 +159,51 @@ impl Metrics {
             "rejected_entries",
             "Entries of EndpointSync snapshots and deltas rejected alone (the rest of the message was applied), by reason",
             self.rejected_entries.clone(),
+        );
+        r.register(
+            "map_batches_built",
+            "Endpoint map batches of changes built, each encoded once for every watcher",
+            self.map_batches_built.clone(),
+        );
+        r.register(
+            "map_full_maps_built",
+            "Full copies of the endpoint map built, each shared by every watcher resyncing from it",
+            self.map_full_maps_built.clone(),
+        );
+        r.register(
+            "map_encoded_bytes",
+            "Bytes encoded for the endpoint map, by kind (batch of changes, full map)",
+            self.map_bytes_encoded.clone(),
+        );
+        r.register(
+            "map_messages_sent",
+            "Endpoint map messages sent to watchers (one per watcher and message), by kind",
+            self.map_messages_sent.clone(),
+        );
+        r.register(
+            "map_sent_bytes",
+            "Endpoint map bytes sent to watchers, all watchers together",
+            self.map_bytes_sent.clone(),
+        );
+        r.register(
+            "map_watchers",
+            "Open EndpointMap.Watch streams",
+            self.map_watchers.clone(),
+        );
+        r.register(
+            "map_resyncs",
+            "Full endpoint maps sent to watchers, by reason (new_watcher, lagged, term)",
+            self.map_resyncs.clone(),
+        );
+        r.register(
+            "map_resyncs_in_progress",
+            "Full endpoint maps waiting for their turn or being sent, by reason",
+            self.map_resyncs_in_progress.clone(),
+        );
+        r.register(
+            "map_watcher_lag_batches",
+            "Batches a watcher was behind the latest when it was sent one",
+            self.map_watcher_lag.clone(),
         );
     }
 }

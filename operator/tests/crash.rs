@@ -1,6 +1,6 @@
 //! A crash at any point between "persisted" and "returned" never yields two ids for
-//! one label set: a real operator process is SIGKILLed at random moments during
-//! bursts of allocations, restarted on the same redb file, and checked.
+//! one label set: a real operator process is SIGKILLed at a different moment of each
+//! burst of allocations, restarted on the same redb file, and checked.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -8,7 +8,10 @@ use std::{
     net::SocketAddr,
     path::Path,
     process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -122,6 +125,7 @@ async fn hello(
             node: NODE.into(),
             session: Some(session(start)),
             agent_version: "crash-test".into(),
+            addresses: Vec::new(),
         })),
     })
     .await?;
@@ -184,14 +188,16 @@ async fn killing_the_operator_during_allocations_never_binds_a_label_set_twice()
             );
         }
 
-        // A burst: new label sets from 4 concurrent callers, killed at a random moment.
+        // A burst: new label sets from 4 concurrent callers, killed mid-burst.
         let names: Vec<String> = (0..400).map(|i| format!("burst-{round}-{i}")).collect();
         attempted.extend(names.iter().cloned());
+        let answered_in_round = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
         for chunk in names.chunks(100) {
             let mut client = client.clone();
             let chunk = chunk.to_vec();
             let answered = answered.clone();
+            let answered_in_round = answered_in_round.clone();
             tasks.push(tokio::spawn(async move {
                 for name in chunk {
                     match allocate(&mut client, start, &name).await {
@@ -199,14 +205,22 @@ async fn killing_the_operator_during_allocations_never_binds_a_label_set_twice()
                             if let Ok(mut a) = answered.lock() {
                                 a.insert(name, id);
                             }
+                            answered_in_round.fetch_add(1, Ordering::Relaxed);
                         }
                         Err(_) => return,
                     }
                 }
             }));
         }
-        let kill_after = Duration::from_millis(20 + (round as u64 * 37) % 180);
-        tokio::time::sleep(kill_after).await;
+        // The kill lands after a number of answers that differs per round, not after a
+        // time: however loaded the machine, every round answers some and leaves the
+        // rest of its burst in flight.
+        let kill_after = 15 + (round * 37) % 180;
+        while answered_in_round.load(Ordering::Relaxed) < kill_after
+            && !tasks.iter().all(|t| t.is_finished())
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let done_before_kill = tasks.iter().all(|t| t.is_finished());
         op.kill()?;
         for t in tasks {

@@ -914,6 +914,43 @@ async fn a_message_before_hello_is_failed_precondition() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_with_bad_addresses_is_invalid_argument_naming_the_address() -> TestResult {
+    let op = Operator::start(&[]).await?;
+    let before = op.observe().await?;
+    let with = |addresses: Vec<String>| {
+        let mut h = hello("node-a", session(100));
+        if let Some(Body::Hello(h)) = &mut h.body {
+            h.addresses = addresses;
+        }
+        h
+    };
+    let answer = open_stream(&op, vec![with(vec!["10.0.0.1".into(), "node-a".into()])]).await?;
+    expect_status(
+        answer,
+        Code::InvalidArgument,
+        &[
+            "hello.addresses[1]",
+            "\"node-a\"",
+            "not an IPv4 or IPv6 address",
+        ],
+    )?;
+    let many = (0..17).map(|i| format!("10.0.0.{i}")).collect();
+    let answer = open_stream(&op, vec![with(many)]).await?;
+    expect_status(
+        answer,
+        Code::InvalidArgument,
+        &["hello.addresses", "17", "16"],
+    )?;
+    assert_eq!(
+        op.observe().await?,
+        before,
+        "a refused Hello changes nothing"
+    );
+    assert!(before.nodes.is_empty());
+    op.shut_down().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_hello_on_a_stream_is_failed_precondition() -> TestResult {
     let op = Operator::start(&[]).await?;
     let s = session(100);

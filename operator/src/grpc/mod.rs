@@ -1,4 +1,4 @@
-//! The gRPC server: IdentityService, EndpointSync, NodeService, gRPC health and
+//! The gRPC server: IdentityService, EndpointSync, EndpointMap, NodeService, gRPC health and
 //! reflection (v1 and v1alpha), with explicit message size limits and a metrics layer.
 //!
 //! The services reach the operator only through [`Api`], in domain types. This is
@@ -7,6 +7,7 @@
 //! precise statuses, a follower's naming the leader (`status`).
 
 mod convert;
+mod endpoint_map;
 mod identity;
 mod node;
 mod status;
@@ -27,7 +28,10 @@ use census_proto::pb::{
 use tokio::{net::TcpListener, sync::watch};
 use tower::{Layer, Service};
 
-pub(crate) use self::{identity::Identities, node::Nodes, sync::EndpointStreams};
+use self::endpoint_map::{EndpointMapServer, EndpointMapService};
+pub(crate) use self::{
+    endpoint_map::WireMap, identity::Identities, node::Nodes, sync::EndpointStreams,
+};
 use crate::{
     api::Api,
     metrics::{GrpcLabels, MethodLabels, Metrics},
@@ -61,9 +65,17 @@ pub(crate) async fn serve(
     operator: Operator,
     metrics: Metrics,
     keepalive: Keepalive,
+    map_batch_entries: usize,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let max = operator.settings().max_message_bytes;
+    // Map messages are chunks of at most `map_batch_entries` items.
+    let map = EndpointMapServer::new(EndpointMapService::new(
+        operator.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+        endpoint_map::max_batch_bytes(map_batch_entries),
+    ));
     let identities = IdentityServiceServer::new(Identities::new(
         operator.clone(),
         metrics.clone(),
@@ -92,6 +104,7 @@ pub(crate) async fn serve(
     health_reporter
         .set_serving::<NodeServiceServer<Nodes>>()
         .await;
+    health_reporter.set_serving::<EndpointMapServer>().await;
 
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
@@ -112,6 +125,7 @@ pub(crate) async fn serve(
         .layer(GrpcMetricsLayer { metrics })
         .add_service(identities)
         .add_service(sync)
+        .add_service(map)
         .add_service(nodes)
         .add_service(health)
         .add_service(reflection_v1)
@@ -204,6 +218,8 @@ fn method_name(path: &str) -> &'static str {
         "/census.v1.IdentityService/List" => "IdentityService/List",
         "/census.v1.IdentityService/Watch" => "IdentityService/Watch",
         "/census.v1.EndpointSync/Sync" => "EndpointSync/Sync",
+        "/census.v1.EndpointMap/Watch" => "EndpointMap/Watch",
+        "/census.v1.EndpointMap/Lookup" => "EndpointMap/Lookup",
         "/census.v1.NodeService/ListNodes" => "NodeService/ListNodes",
         "/census.v1.NodeService/GetNode" => "NodeService/GetNode",
         "/census.v1.NodeService/GetVersion" => "NodeService/GetVersion",

@@ -50,6 +50,8 @@ pub(super) fn refused(e: Refused) -> Status {
         Refused::Admission(e) => admission(e),
         Refused::Sync(e) => sync(e),
         Refused::Alloc(e) => alloc(e),
+        e @ Refused::MapNotServed => Status::unimplemented(e.to_string()),
+        e @ Refused::MapBusy => Status::unavailable(e.to_string()),
     }
 }
 

@@ -21,8 +21,8 @@ use std::{
 use census_proto::{
     PROTOCOL_VERSION,
     convert::{
-        Rejected, SentKey, check_version, delete_from_wire, filter_to_wire, node_from_wire,
-        pending_to_wire, session_from_wire, snapshot_from_wire, upsert_from_wire,
+        Rejected, SentKey, addresses_from_wire, check_version, delete_from_wire, filter_to_wire,
+        node_from_wire, pending_to_wire, session_from_wire, snapshot_from_wire, upsert_from_wire,
     },
     pb::{self, agent_message::Body, endpoint_sync_server::EndpointSync},
 };
@@ -157,6 +157,10 @@ impl EndpointSync for EndpointStreams {
             node_from_wire(&hello.node, "hello.node").map_err(|e| refuse(&caller, field(e)))?;
         let session = session_from_wire(hello.session.as_ref(), "hello.session")
             .map_err(|e| refuse(&who, field(e)))?;
+        // The node's own addresses (the endpoint map's `remote-node` entries in
+        // embedded mode): checked here, so a bad list refuses the Hello as a whole.
+        let addresses = addresses_from_wire(&hello.addresses, "hello.addresses")
+            .map_err(|e| refuse(&who, field(e)))?;
 
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let settings = self.operator.settings();
@@ -185,13 +189,13 @@ impl EndpointSync for EndpointStreams {
         let (to_agent_tx, from_operator) = mpsc::channel(OUTBOUND);
         let connected = self
             .operator
-            .hello(&caller, session, to_agent_tx)
+            .hello(&caller, session, addresses.clone(), to_agent_tx)
             .map_err(|e| refuse(&who, refused(e)))?;
         self.refusals.accepted(&who);
         let span =
             info_span!("sync", node = %connected.node, %session, conn = connected.conn.get());
         span.in_scope(
-            || info!(agent_version = %hello.agent_version, peer = ?peer, "agent connected"),
+            || info!(agent_version = %hello.agent_version, peer = ?peer, ?addresses, "agent connected"),
         );
         let stream = Stream {
             operator: self.operator.clone(),

@@ -77,7 +77,9 @@ where
 impl Collector for CoreCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
         let now = self.runtime.now();
-        let (stats, c) = self.runtime.read(|a| (a.stats(now), a.counters().clone()));
+        let (stats, c, map) = self
+            .runtime
+            .read(|a| (a.stats(now), a.counters().clone(), a.map_stats()));
         labelled(
             &mut e,
             "census_identities",
@@ -156,6 +158,41 @@ impl Collector for CoreCollector {
             stats.gc_inflight,
         )?;
 
+        labelled(
+            &mut e,
+            "census_map_entries",
+            "Addresses in the cluster-wide endpoint map, by the kind of their winning claim",
+            "kind",
+            [
+                ("endpoint", map.endpoint_entries),
+                ("node_address", map.node_address_entries),
+            ],
+            false,
+        )?;
+        gauge(
+            &mut e,
+            "census_map_claims",
+            "Claims of addresses in the endpoint map, winners and losers",
+            map.claims,
+        )?;
+        gauge(
+            &mut e,
+            "census_map_contested_addresses",
+            "Addresses of the endpoint map claimed more than once now",
+            map.contested,
+        )?;
+        gauge(
+            &mut e,
+            "census_map_nodes",
+            "Nodes named by the endpoint map",
+            map.nodes,
+        )?;
+        counter(
+            &mut e,
+            "census_map_conflicts",
+            "Claims of an address that met an existing claim (the newer wins)",
+            map.conflicts_total,
+        )?;
         labelled(
             &mut e,
             "census_allocations",

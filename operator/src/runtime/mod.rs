@@ -15,13 +15,14 @@
 //!
 //! The code is split by concept: `term` (role and term), `dispatch` (effects),
 //! `reads` (the leader's core or the follower's read model), `service` (the calls of
-//! the gRPC layer), `feed` (what comes back from the store), `collector` (scrape-time
-//! metrics) and `clock`.
+//! the gRPC layer), `feed` (what comes back from the store), `map` (the cluster-wide
+//! endpoint map for watchers), `collector` (scrape-time metrics) and `clock`.
 
 mod clock;
 mod collector;
 mod dispatch;
 mod feed;
+mod map;
 mod reads;
 mod service;
 mod term;
@@ -33,7 +34,7 @@ use std::{collections::HashMap, sync::Arc};
 use parking_lot::Mutex;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
-pub use self::{clock::Clock, collector::CoreCollector, feed::feed_store_events};
+pub use self::{clock::Clock, collector::CoreCollector, feed::feed_store_events, map::MapConfig};
 use crate::{
     allocator::{AllocError, Allocator, Config, ConnId, RequestId, Timestamp, WatchChange},
     api::{AgentTx, Allocated, Settings, StreamEnd, Term, ToAgent},
@@ -55,6 +56,8 @@ struct Inner {
     streams: HashMap<ConnId, AgentTx>,
     writers: Option<Writers>,
     next_req: RequestId,
+    /// The endpoint map's last batch version, taken with the core's delta.
+    map_version: u64,
 }
 
 /// The sending ends of the current term's writer queues.
@@ -75,6 +78,8 @@ pub struct Runtime {
     replica: Option<Replica>,
     settings: Settings,
     pub metrics: Metrics,
+    /// The endpoint map's watchers: set once it is served.
+    map: map::Hub,
 }
 
 impl Runtime {
@@ -144,6 +149,7 @@ impl Runtime {
                 streams: HashMap::new(),
                 writers: None,
                 next_req: 1,
+                map_version: 0,
             }),
             clock,
             watch,
@@ -151,6 +157,7 @@ impl Runtime {
             replica,
             settings,
             metrics,
+            map: map::Hub::new(),
         }
     }
 

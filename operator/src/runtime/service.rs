@@ -1,7 +1,7 @@
 //! The calls of the gRPC layer ([`Api`]): reads, Allocate, and the messages of an
 //! EndpointSync stream, each under one lock, refused by a follower naming the leader.
 
-use std::time::Instant;
+use std::{net::IpAddr, time::Instant};
 
 use census_proto::{
     domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
@@ -12,7 +12,10 @@ use tokio::sync::oneshot;
 use super::{Runtime, term};
 use crate::{
     allocator::{Allocator, Applied, IdentityInfo, NodeInfo, SyncError, Timestamp, WatchChange},
-    api::{AgentTx, Allocated, Allocation, Api, Caller, Connected, Feed, Refused, Settings},
+    api::{
+        AgentTx, Allocated, Allocation, Api, Caller, Connected, Feed, MapLookup, MapResync,
+        MapWatch, Refused, Settings, Term,
+    },
     replica::Role,
 };
 
@@ -116,6 +119,7 @@ impl Api for Runtime {
         &self,
         caller: &Caller,
         session: SessionId,
+        addresses: Vec<IpAddr>,
         tx: AgentTx,
     ) -> Result<Connected, Refused> {
         if let Some(replica) = &self.replica {
@@ -129,6 +133,9 @@ impl Api for Runtime {
         let accepted = inner.alloc.hello(&caller.node, session, now);
         if let Ok(acc) = &accepted {
             inner.streams.insert(acc.conn, tx);
+            inner
+                .alloc
+                .hello_addresses(&caller.node, acc.conn, addresses, now);
         }
         self.dispatch(&mut inner, now);
         Ok(Connected {
@@ -176,5 +183,17 @@ impl Api for Runtime {
         inner.alloc.disconnect(&stream.node, stream.conn);
         let now = self.clock.now();
         self.dispatch(&mut inner, now);
+    }
+
+    fn map_watch(&self, caller: &Caller, session: SessionId) -> Result<MapWatch, Refused> {
+        Runtime::map_watch(self, caller, session)
+    }
+
+    fn map_resync(&self, term: Term) -> Result<MapResync, Refused> {
+        Runtime::map_resync(self, term)
+    }
+
+    fn map_lookup(&self, ip: IpAddr) -> Result<Option<MapLookup>, Refused> {
+        Runtime::map_lookup(self, ip)
     }
 }

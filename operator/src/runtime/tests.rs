@@ -6,15 +6,16 @@ use std::{
 
 use census_proto::{
     convert::WireLimits,
-    domain::{EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
     labels::{LabelFilter, LabelSet},
 };
 use tokio::sync::{broadcast, mpsc};
 
 use super::*;
 use crate::{
+    allocator::SyncError,
     allocator::{IdentityInfo, IdentityState},
-    api::{Allocation, Api, Caller, Refused},
+    api::{Allocation, Api, Caller, MapResync, Refused},
     replica::{Admission, AdmissionError, Leader, NotLeader, ReadModel},
     store::StoreError,
 };
@@ -119,7 +120,7 @@ async fn roles_change_in_terms_and_followers_refuse_writes()
     };
     runtime.set_leader(Some(leader.clone()));
     let (tx, _rx) = mpsc::channel(8);
-    match runtime.hello(&caller, SESSION, tx) {
+    match runtime.hello(&caller, SESSION, Vec::new(), tx) {
         Err(Refused::NotLeader(NotLeader { leader: Some(l) })) => assert_eq!(l, leader),
         other => return Err(format!("expected NotLeader, got {other:?}").into()),
     }
@@ -134,7 +135,7 @@ async fn roles_change_in_terms_and_followers_refuse_writes()
     assert!(terms.has_changed()?);
     let _ = terms.borrow_and_update();
     let (tx, mut rx) = mpsc::channel(8);
-    let stream = runtime.hello(&caller, SESSION, tx)?;
+    let stream = runtime.hello(&caller, SESSION, Vec::new(), tx)?;
     assert!(runtime.lookup(&web).is_none());
     assert!(runtime.identity_feed().full.is_empty());
     assert!(runtime.node(&caller.node).is_some());
@@ -221,7 +222,7 @@ async fn a_known_label_set_is_answered_at_once_with_its_identity()
     );
     let caller = caller()?;
     let (tx, _rx) = mpsc::channel(8);
-    runtime.hello(&caller, SESSION, tx)?;
+    runtime.hello(&caller, SESSION, Vec::new(), tx)?;
     let Allocation::New(pending) = runtime.allocate(&caller, SESSION, web.clone())? else {
         return Err("a new label set is persisted first".into());
     };
@@ -240,5 +241,213 @@ async fn a_known_label_set_is_answered_at_once_with_its_identity()
         }
         Allocation::New(_) => return Err("a known label set is answered at once".into()),
     }
+    Ok(())
+}
+
+/// Records what it encodes; the bytes name the batch's version.
+#[derive(Debug, Default)]
+struct Recorder(Mutex<Vec<RecordedBatch>>);
+
+#[derive(Debug, Clone)]
+struct RecordedBatch {
+    version: u64,
+    resync: (bool, bool),
+    upserts: Vec<IpAddr>,
+    removes: Vec<IpAddr>,
+}
+
+impl crate::api::MapEncoder for Recorder {
+    fn encode(&self, batch: &crate::api::MapBatchParts<'_>) -> bytes::Bytes {
+        self.0.lock().push(RecordedBatch {
+            version: batch.version,
+            resync: (batch.resync_start, batch.resync_end),
+            upserts: batch.upserts.iter().map(|e| e.ip).collect(),
+            removes: batch.removes.to_vec(),
+        });
+        bytes::Bytes::copy_from_slice(&batch.version.to_be_bytes())
+    }
+}
+
+impl Recorder {
+    /// The batch (not a full-map chunk) of `version`.
+    fn batch(&self, version: u64) -> Option<RecordedBatch> {
+        self.0
+            .lock()
+            .iter()
+            .find(|b| b.version == version && b.resync == (false, false))
+            .cloned()
+    }
+
+    /// The addresses of the full map of `version`.
+    fn full(&self, version: u64) -> Vec<IpAddr> {
+        let all = self.0.lock();
+        let mut ips: Vec<IpAddr> = all
+            .iter()
+            .filter(|b| b.version == version && b.resync != (false, false))
+            .flat_map(|b| b.upserts.clone())
+            .collect();
+        ips.sort();
+        ips
+    }
+}
+
+fn web(name: &str, ip: [u8; 4], id: u32) -> Result<Endpoint, Box<dyn std::error::Error>> {
+    Ok(Endpoint {
+        key: EndpointKey::new("shop", name)?,
+        ips: vec![IpAddr::from(ip)].into(),
+        identity: IdentityId::new(id).ok_or("id")?,
+        labels: "k8s:app=web".parse()?,
+    })
+}
+
+/// What a watcher holds after `resync` and the batches up to `upto`.
+fn watcher_state(rec: &Recorder, resync: &MapResync, upto: u64) -> Vec<IpAddr> {
+    let mut ips = rec.full(resync.full.version);
+    for version in resync.full.version + 1..=upto {
+        if let Some(batch) = rec.batch(version) {
+            ips.retain(|ip| !batch.removes.contains(ip));
+            ips.extend(batch.upserts);
+        }
+    }
+    ips.sort();
+    ips.dedup();
+    ips
+}
+
+#[tokio::test]
+async fn a_full_map_is_exact_at_its_version_so_no_later_change_is_lost()
+-> Result<(), Box<dyn std::error::Error>> {
+    let (runtime, _queues) = Runtime::new(
+        Allocator::new(cfg()?, Loaded::default(), Clock::new().now()),
+        Clock::new(),
+        settings(),
+        Metrics::default(),
+    );
+    let rec = Arc::new(Recorder::default());
+    let (_stop_tx, stop) = watch::channel(false);
+    let cfg = MapConfig {
+        // Ticks only when the test calls them.
+        tick: Duration::from_secs(3600),
+        ..MapConfig::default()
+    };
+    let _ticker = runtime.serve_map(cfg, rec.clone(), stop);
+    let caller = caller()?;
+    let (tx, _rx) = mpsc::channel(8);
+    let stream = runtime.hello(&caller, SESSION, Vec::new(), tx)?;
+    let watch = runtime.map_watch(&caller, SESSION)?;
+    runtime.snapshot(&stream, 1, vec![web("web-0", [198, 18, 0, 2], 300)?])?;
+    runtime.map_tick();
+    // Added after the last tick, then read by a full map, then removed again before
+    // the next tick: the watcher must still hear of the removal.
+    runtime.snapshot(
+        &stream,
+        2,
+        vec![
+            web("web-0", [198, 18, 0, 2], 300)?,
+            web("web-1", [198, 18, 0, 3], 300)?,
+        ],
+    )?;
+    let mut resync = runtime.map_resync(watch.term)?;
+    assert_eq!(
+        rec.full(resync.full.version),
+        [IpAddr::from([198, 18, 0, 2]), IpAddr::from([198, 18, 0, 3])]
+    );
+    runtime.snapshot(&stream, 3, vec![web("web-0", [198, 18, 0, 2], 300)?])?;
+    runtime.map_tick();
+    let mut last = resync.full.version;
+    while let Ok(batch) = resync.changes.try_recv() {
+        last = last.max(batch.version);
+    }
+    assert!(last > resync.full.version, "the removal came as a batch");
+    assert_eq!(
+        watcher_state(&rec, &resync, last),
+        runtime.read(|a| {
+            let mut ips: Vec<IpAddr> = a.map_full().1.iter().map(|e| e.ip).collect();
+            ips.sort();
+            ips
+        }),
+        "the watcher equals the operator's map"
+    );
+
+    // A second resync at the same version shares the full map: built once.
+    let again = runtime.map_resync(watch.term)?;
+    assert!(Arc::ptr_eq(&again.full, &resync.full) || again.full.version > resync.full.version);
+    assert!(
+        again
+            .catch_up
+            .iter()
+            .all(|b| b.version > again.full.version),
+        "{:?}",
+        again.catch_up
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_follower_refuses_map_watches_and_a_change_of_term_ends_them()
+-> Result<(), Box<dyn std::error::Error>> {
+    let replica = Replica {
+        reads: Arc::new(Fixed(
+            IdentityId::new(4000).ok_or("id")?,
+            "k8s:app=web".parse()?,
+            broadcast::channel(4).0,
+        )),
+        admission: Arc::new(Anyone),
+    };
+    let runtime = Runtime::new_replica(
+        cfg()?,
+        Clock::new(),
+        settings(),
+        Metrics::default(),
+        replica,
+    );
+    let caller = caller()?;
+    // Not served yet: refused as such (the gRPC layer answers UNIMPLEMENTED).
+    assert!(matches!(
+        runtime.map_watch(&caller, SESSION),
+        Err(Refused::MapNotServed)
+    ));
+    let (_stop_tx, stop) = watch::channel(false);
+    let _ticker = runtime.serve_map(MapConfig::default(), Arc::new(Recorder::default()), stop);
+    let leader = Leader {
+        name: "op-b".into(),
+        address: Some("10.0.0.2:9460".into()),
+    };
+    runtime.set_leader(Some(leader.clone()));
+    match runtime.map_watch(&caller, SESSION) {
+        Err(Refused::NotLeader(NotLeader { leader: Some(l) })) => assert_eq!(l, leader),
+        other => return Err(format!("expected NotLeader, got {other:?}").into()),
+    }
+    assert!(matches!(
+        runtime.map_lookup(IpAddr::from([198, 18, 0, 2])),
+        Err(Refused::NotLeader(_))
+    ));
+
+    let _queues = runtime.lead(Allocator::new(cfg()?, Loaded::default(), runtime.now()));
+    // Leading, but the node has not said Hello in this term.
+    assert!(matches!(
+        runtime.map_watch(&caller, SESSION),
+        Err(Refused::Sync(SyncError::NoSession { .. }))
+    ));
+    let (tx, _rx) = mpsc::channel(8);
+    runtime.hello(&caller, SESSION, Vec::new(), tx)?;
+    let mut watch = runtime.map_watch(&caller, SESSION)?;
+    let resync = runtime.map_resync(watch.term)?;
+    assert_eq!(resync.full.chunks.len(), 1, "an empty map is one batch");
+
+    runtime.follow(Some(leader));
+    assert!(
+        watch.terms.has_changed()?,
+        "the watch hears of the new term"
+    );
+    assert!(matches!(
+        runtime.map_resync(watch.term),
+        Err(Refused::NotLeader(_))
+    ));
+    assert!(matches!(
+        runtime.map_watch(&caller, SESSION),
+        Err(Refused::NotLeader(_))
+    ));
+    let _ = watch.terms.borrow_and_update();
     Ok(())
 }

@@ -180,6 +180,7 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
             start_time_ns: 1,
             nonce: 1,
         },
+        Vec::new(),
         tx,
     )?;
     let endpoints: Vec<Endpoint> = regained

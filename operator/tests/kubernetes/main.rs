@@ -12,6 +12,7 @@ mod kubectl;
 mod leader_slice;
 mod leadership;
 mod manifests;
+mod node_addresses;
 mod operator;
 mod real;
 mod store;

@@ -181,6 +181,7 @@ impl Agent {
                 node: node.into(),
                 session: Some(session),
                 agent_version: "test".into(),
+                addresses: Vec::new(),
             })),
         })
         .await?;
@@ -503,6 +504,39 @@ async fn a_follower_serves_reads_and_points_writes_at_the_leader() -> TestResult
     );
     let refused = Agent::connect(follower.grpc_addr, "node-1", session(1)).await?;
     expect_code(refused.map(|_| ()), Code::Unavailable, "follower")?;
+    // So is a watch of the endpoint map (the views are the leader's), and a look-up.
+    let mut map =
+        pb::endpoint_map_client::EndpointMapClient::new(channel(follower.grpc_addr).await?);
+    let refused = map
+        .watch(pb::EndpointMapWatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node: "node-1".into(),
+            session: Some(session(1)),
+        })
+        .await
+        .map(|_| ());
+    let status = expect_code(refused, Code::Unavailable, &leader.grpc_addr.to_string())?;
+    assert!(
+        status.metadata().get("census-leader").is_some(),
+        "{status:?}"
+    );
+    let refused = map
+        .lookup(pb::EndpointMapLookupRequest {
+            protocol_version: PROTOCOL_VERSION,
+            ip: "127.0.0.1".into(),
+        })
+        .await
+        .map(|_| ());
+    expect_code(refused, Code::Unavailable, "follower")?;
+    let mut map = pb::endpoint_map_client::EndpointMapClient::new(channel(leader.grpc_addr).await?);
+    let watching = map
+        .watch(pb::EndpointMapWatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node: "node-1".into(),
+            session: Some(session(1)),
+        })
+        .await;
+    assert!(watching.is_ok(), "the leader serves the map: {watching:?}");
 
     // Reads on the follower come from its watch of the Identity objects.
     let mut ids = IdentityServiceClient::new(channel(follower.grpc_addr).await?);

@@ -65,6 +65,7 @@ pub fn hello(node: &str, session: pb::Session) -> pb::AgentMessage {
             node: node.into(),
             session: Some(session),
             agent_version: "test".into(),
+            addresses: Vec::new(),
         })),
     }
 }
@@ -142,21 +143,43 @@ impl Agent {
         node: &str,
         session: pb::Session,
     ) -> TestResult<(Self, pb::HelloReply)> {
-        Self::connect_at(op, node, session, 0).await
+        Self::connect_at(op, hello(node, session), node, session, 0).await
+    }
+
+    /// Like [`Agent::connect`], with the node's own addresses in Hello.
+    pub async fn connect_with_addresses(
+        op: &impl Target,
+        node: &str,
+        session: pb::Session,
+        addresses: &[&str],
+    ) -> TestResult<(Self, pb::HelloReply)> {
+        let mut message = hello(node, session);
+        if let Some(Body::Hello(hello)) = &mut message.body {
+            hello.addresses = strings(addresses);
+        }
+        Self::connect_at(op, message, node, session, 0).await
     }
 
     /// Connects again in the same session (a reconnect): `seq` goes on from here.
     pub async fn reconnect(self, op: &impl Target) -> TestResult<(Self, pb::HelloReply)> {
-        Self::connect_at(op, &self.node, self.session, self.seq).await
+        Self::connect_at(
+            op,
+            hello(&self.node, self.session),
+            &self.node,
+            self.session,
+            self.seq,
+        )
+        .await
     }
 
     async fn connect_at(
         op: &impl Target,
+        first: pb::AgentMessage,
         node: &str,
         session: pb::Session,
         seq: u64,
     ) -> TestResult<(Self, pb::HelloReply)> {
-        let (tx, rx) = match open_stream(op, vec![hello(node, session)]).await? {
+        let (tx, rx) = match open_stream(op, vec![first]).await? {
             Ok(stream) => stream,
             Err(status) => return fail(format!("Hello of {node} refused: {status:?}")),
         };

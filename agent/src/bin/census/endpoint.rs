@@ -1,19 +1,190 @@
 //! `census endpoint list`: the endpoints the local agent manages, from its admin port
-//! (`GET /v1/endpoints`).
+//! (`GET /v1/endpoints`). `census endpoint map <ip>`: the operator's view of one
+//! address of the cluster-wide endpoint map (EndpointMap.Lookup): every claim, the
+//! one that wins, and its conflicts.
+
+use std::time::SystemTime;
 
 use census_agent::admin::api::{EndpointState, EndpointsResponse, OperatorStatus, SourceStatus};
+use census_proto::pb;
 use clap::Subcommand;
+use serde::Serialize;
 
-use super::{Ctx, error::CliError, output::Table};
+use super::{
+    Ctx,
+    args::parse_ip,
+    error::CliError,
+    operator::IdentityLabels,
+    output::{Table, ago, nonzero},
+};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum EndpointCommand {
     /// Every endpoint on this node: addresses, interface, identity, labels, state.
     List,
+    /// One address in the operator's cluster-wide endpoint map: the endpoints and
+    /// nodes claiming it, the winner, and the conflicts seen for it.
+    Map {
+        /// An IPv4 or IPv6 address.
+        ip: String,
+    },
 }
 
 pub(crate) async fn run(command: EndpointCommand, ctx: &mut Ctx) -> Result<String, CliError> {
-    let EndpointCommand::List = command;
+    let ip = match command {
+        EndpointCommand::List => return list(ctx).await,
+        EndpointCommand::Map { ip } => parse_ip(&ip)?,
+    };
+    let operator = ctx.operator().await?;
+    let Some(found) = operator.map_lookup(ip).await? else {
+        return Err(CliError::UnmappedAddress {
+            ip,
+            addr: operator.addr().clone(),
+        });
+    };
+    let view = MapView::from(found);
+    let labels = ctx.labels(view.claims.iter().map(|c| c.identity)).await;
+    ctx.render(&view, || map_table(&view, &labels, ctx.now))
+}
+
+/// One claim of an address, as `-o json` prints it (docs/cli.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct ClaimView {
+    pub(crate) node: String,
+    /// `endpoint`, or `node_address` for one of the node's own addresses.
+    pub(crate) kind: &'static str,
+    /// The endpoint's namespace and name (none for a node address, or an endpoint
+    /// the operator no longer names).
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: Option<String>,
+    pub(crate) identity: u32,
+    pub(crate) claimed_at_ms: Option<u64>,
+    pub(crate) winner: bool,
+}
+
+/// A conflict: the claim that won the address, and the one it displaced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct ConflictView {
+    pub(crate) at_ms: u64,
+    pub(crate) won: Option<ClaimView>,
+    pub(crate) displaced: Option<ClaimView>,
+}
+
+/// `census endpoint map <ip> -o json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct MapView {
+    pub(crate) ip: String,
+    /// The winner first, then the other claims, most recent first.
+    pub(crate) claims: Vec<ClaimView>,
+    /// Conflicts counted for the address.
+    pub(crate) conflicts: u64,
+    /// The most recent conflicts, most recent first.
+    pub(crate) history: Vec<ConflictView>,
+}
+
+fn claim_view(claim: pb::EndpointClaim) -> ClaimView {
+    let pb::EndpointClaim {
+        node,
+        namespace,
+        name,
+        identity,
+        claimed_at_ms,
+        winner,
+    } = claim;
+    let some = |s: String| (!s.is_empty()).then_some(s);
+    ClaimView {
+        kind: if namespace.is_empty() && identity == 6 {
+            "node_address"
+        } else {
+            "endpoint"
+        },
+        node,
+        namespace: some(namespace),
+        name: some(name),
+        identity,
+        claimed_at_ms: nonzero(claimed_at_ms),
+        winner,
+    }
+}
+
+impl From<pb::EndpointMapLookupResponse> for MapView {
+    fn from(found: pb::EndpointMapLookupResponse) -> Self {
+        let pb::EndpointMapLookupResponse {
+            ip,
+            claims,
+            conflicts,
+            history,
+        } = found;
+        Self {
+            ip,
+            claims: claims.into_iter().map(claim_view).collect(),
+            conflicts,
+            history: history
+                .into_iter()
+                .map(|c| ConflictView {
+                    at_ms: c.at_ms,
+                    won: c.won.map(claim_view),
+                    displaced: c.displaced.map(claim_view),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// `shop/web-0`, `node address`, or `-`.
+fn claimant(claim: &ClaimView) -> String {
+    match (&claim.namespace, &claim.name) {
+        (Some(ns), Some(name)) => format!("{ns}/{name}"),
+        _ if claim.kind == "node_address" => "node address".to_owned(),
+        _ => "-".to_owned(),
+    }
+}
+
+fn map_table(view: &MapView, labels: &IdentityLabels, now: SystemTime) -> Table {
+    let mut header = vec!["WINNER", "NODE", "CLAIMANT", "IDENTITY", "CLAIMED"];
+    if labels.shown() {
+        header.push("LABELS");
+    }
+    let mut table = Table::new(header);
+    table.preamble(format!(
+        "{}: {} claim{}, {} conflict{}",
+        view.ip,
+        view.claims.len(),
+        if view.claims.len() == 1 { "" } else { "s" },
+        view.conflicts,
+        if view.conflicts == 1 { "" } else { "s" },
+    ));
+    for conflict in &view.history {
+        let side = |c: &Option<ClaimView>| {
+            c.as_ref().map_or_else(
+                || "?".to_owned(),
+                |c| format!("{} on {} (identity {})", claimant(c), c.node, c.identity),
+            )
+        };
+        table.preamble(format!(
+            "conflict {}: {} took it from {}",
+            ago(now, conflict.at_ms),
+            side(&conflict.won),
+            side(&conflict.displaced)
+        ));
+    }
+    for claim in &view.claims {
+        let mut row = vec![
+            if claim.winner { "*" } else { "" }.to_owned(),
+            claim.node.clone(),
+            claimant(claim),
+            claim.identity.to_string(),
+            ago(now, claim.claimed_at_ms.unwrap_or(0)),
+        ];
+        if labels.shown() {
+            row.push(labels.cell(claim.identity));
+        }
+        table.row(row);
+    }
+    table
+}
+
+async fn list(ctx: &mut Ctx) -> Result<String, CliError> {
     let mut answer = ctx.agent().endpoints().await?;
     answer
         .endpoints
@@ -115,7 +286,79 @@ mod tests {
     use census_agent::admin::api::Extra;
 
     use super::*;
-    use crate::output::{Format, render};
+    use crate::output::{Format, from_millis, render};
+
+    fn lookup_fixture() -> MapView {
+        let claim = |node: &str, ns: &str, name: &str, identity, at, winner| pb::EndpointClaim {
+            node: node.into(),
+            namespace: ns.into(),
+            name: name.into(),
+            identity,
+            claimed_at_ms: at,
+            winner,
+        };
+        MapView::from(pb::EndpointMapLookupResponse {
+            ip: "198.18.0.2".into(),
+            claims: vec![
+                claim("node-b", "shop", "db-0", 257, 88_000, true),
+                claim("node-a", "shop", "web-0", 256, 40_000, false),
+            ],
+            conflicts: 1,
+            history: vec![pb::EndpointConflict {
+                at_ms: 88_000,
+                won: Some(claim("node-b", "shop", "db-0", 257, 0, true)),
+                displaced: Some(claim("node-a", "", "", 256, 0, false)),
+            }],
+        })
+    }
+
+    #[test]
+    fn a_map_lookup_shows_the_claims_winner_first_and_the_conflicts()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let view = lookup_fixture();
+        let labels = IdentityLabels::fixed(&[(256, &["k8s:app=web"]), (257, &["k8s:app=db"])]);
+        let now = from_millis(100_000);
+        let out = render(Format::Table, false, &view, || {
+            map_table(&view, &labels, now)
+        })?;
+        assert_eq!(
+            out,
+            "\
+198.18.0.2: 2 claims, 1 conflict
+conflict 12s ago: shop/db-0 on node-b (identity 257) took it from - on node-a (identity 256)
+WINNER  NODE    CLAIMANT    IDENTITY  CLAIMED   LABELS
+*       node-b  shop/db-0   257       12s ago   k8s:app=db
+        node-a  shop/web-0  256       1m0s ago  k8s:app=web
+"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&render(Format::Json, false, &view, || unreachable!())?)?;
+        assert_eq!(json["claims"][0]["winner"], true);
+        assert_eq!(json["claims"][0]["kind"], "endpoint");
+        assert_eq!(json["claims"][1]["name"], "web-0");
+        assert_eq!(
+            json["history"][0]["displaced"]["namespace"],
+            serde_json::Value::Null
+        );
+        assert_eq!(json["conflicts"], 1);
+        Ok(())
+    }
+
+    #[test]
+    fn a_node_address_is_named_as_such() {
+        let view = MapView::from(pb::EndpointMapLookupResponse {
+            ip: "10.0.0.7".into(),
+            claims: vec![pb::EndpointClaim {
+                node: "node-a".into(),
+                identity: 6,
+                winner: true,
+                ..pb::EndpointClaim::default()
+            }],
+            ..pb::EndpointMapLookupResponse::default()
+        });
+        assert_eq!(view.claims[0].kind, "node_address");
+        assert_eq!(claimant(&view.claims[0]), "node address");
+    }
 
     /// What the agent's `GET /v1/endpoints` answers (docs/cli.md).
     const AGENT_JSON: &str = r#"{

@@ -111,6 +111,9 @@ pub(crate) enum CliError {
     )]
     UnknownAddress { ip: IpAddr, dir: PathBuf },
 
+    #[error("no endpoint or node claims {ip} in the endpoint map of the operator at {addr}")]
+    UnmappedAddress { ip: IpAddr, addr: ServerAddr },
+
     #[error(
         "cannot reach the operator at {addr}: {reason}; is census-operator running? Point --operator (CENSUS_OPERATOR) at its gRPC address"
     )]
@@ -188,7 +191,8 @@ impl CliError {
             Self::UnknownIdentity { .. }
             | Self::UnknownLabels { .. }
             | Self::UnknownNode { .. }
-            | Self::UnknownAddress { .. } => Exit::NotFound,
+            | Self::UnknownAddress { .. }
+            | Self::UnmappedAddress { .. } => Exit::NotFound,
             Self::OperatorUnreachable { .. } => Exit::OperatorUnreachable,
             Self::AgentUnreachable { .. } => Exit::AgentUnreachable,
             Self::Pins { source } => pins_exit(source),

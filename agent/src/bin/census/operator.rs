@@ -8,8 +8,8 @@ use census_proto::{
     PROTOCOL_VERSION,
     domain::IdentityId,
     pb::{
-        self, identity_service_client::IdentityServiceClient,
-        node_service_client::NodeServiceClient,
+        self, endpoint_map_client::EndpointMapClient,
+        identity_service_client::IdentityServiceClient, node_service_client::NodeServiceClient,
     },
 };
 use futures::{StreamExt as _, stream};
@@ -164,6 +164,24 @@ impl Operator {
         };
         match self.call(self.identities().lookup(request)).await? {
             Ok(identity) => Ok(Some(identity)),
+            Err(status) if status.code() == Code::NotFound => Ok(None),
+            Err(status) => Err(self.refusal(&status)),
+        }
+    }
+
+    /// The claims of `ip` in the cluster-wide endpoint map: `Ok(None)` if nothing is
+    /// known of it.
+    pub(crate) async fn map_lookup(
+        &self,
+        ip: std::net::IpAddr,
+    ) -> Result<Option<pb::EndpointMapLookupResponse>, CliError> {
+        let request = pb::EndpointMapLookupRequest {
+            protocol_version: PROTOCOL_VERSION,
+            ip: ip.to_string(),
+        };
+        let mut client = EndpointMapClient::new(self.channel.clone());
+        match self.call(client.lookup(request)).await? {
+            Ok(found) => Ok(Some(found)),
             Err(status) if status.code() == Code::NotFound => Ok(None),
             Err(status) => Err(self.refusal(&status)),
         }
