@@ -16,7 +16,10 @@
 //! - `census_egress` (host-side egress: the packet enters the endpoint) counts only
 //!   packets that did not arrive through an interface census counts on
 //!   (`skb->ingress_ifindex` has no INTERFACES entry): the others were counted when
-//!   they left it. The destination is the interface's endpoint.
+//!   they left it. Nor does it count packets from a pod on another node (an
+//!   ENDPOINTS entry flagged REMOTE, other than a node address): census on that
+//!   node counted them when they left the pod. The destination is the interface's
+//!   endpoint.
 //!
 //! INTERFACES only ever speeds counting up and pins the local side: without an
 //! entry for an interface (not written yet, or its slot taken by another), both
@@ -57,14 +60,24 @@ use aya_log_ebpf::{
     warn,
 };
 use census_common::{
-    ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES, FlowKey, FlowValue,
-    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, META_MAX_ENTRIES,
-    STATS_MAX_ENTRIES, flags, identity, interface_slot, stats,
+    ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES,
+    FlowKey, FlowValue, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue,
+    META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue, STATS_MAX_ENTRIES, flags,
+    identity, interface_slot, stats,
 };
 
+/// Not preallocated: sized for the cluster, it costs memory only for the entries
+/// written.
 #[map(name = "ENDPOINTS")]
 static ENDPOINTS: HashMap<EndpointKey, EndpointValue> =
-    HashMap::with_max_entries(ENDPOINTS_MAX_ENTRIES, 0);
+    HashMap::with_max_entries(ENDPOINTS_MAX_ENTRIES, ENDPOINTS_MAP_FLAGS);
+
+/// The nodes remote ENDPOINTS entries name; written and read by the agent and
+/// the CLI only. It lives in the object so that every map census pins comes from
+/// one declaration site.
+#[map(name = "NODES")]
+static NODES: HashMap<u32, NodeValue> =
+    HashMap::with_max_entries(NODES_MAX_ENTRIES, NODES_MAP_FLAGS);
 
 #[map(name = "FLOWS")]
 static FLOWS: LruPerCpuHashMap<FlowKey, FlowValue> =
@@ -186,6 +199,10 @@ fn count(ctx: &TcContext, hook: Hook) {
             if src.is_some_and(|ep| ep.is_local()) {
                 // From an endpoint whose interface has no entry (yet): it was
                 // counted when it left, by address.
+                return;
+            }
+            if src.is_some_and(|ep| is_remote_pod(&ep)) {
+                // From a pod on another node: counted when it left the pod, there.
                 return;
             }
             FlowKey {
@@ -310,6 +327,13 @@ fn endpoint(key: &EndpointKey) -> Option<EndpointValue> {
     // SAFETY: the value is copied out at once; an entry the agent rewrites
     // concurrently can at worst yield one stale identity for this packet.
     unsafe { ENDPOINTS.get(key) }.copied()
+}
+
+/// Whether an entry is a pod on another node: REMOTE, and not one of that node's
+/// addresses (`remote-node`), whose traffic no census hook counts yet but this one.
+#[inline(always)]
+fn is_remote_pod(ep: &EndpointValue) -> bool {
+    ep.is_remote() && ep.identity != identity::REMOTE_NODE
 }
 
 #[inline(always)]

@@ -21,15 +21,25 @@ use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// per-segment (see [`FlowValue`]). Layout 2's maps are taken over as they are
 /// (their shapes did not change; [`STATS_MAP`] is added beside them): see
 /// [`MIGRATES_FROM`].
-pub const LAYOUT_VERSION: u32 = 3;
+/// 4: [`EndpointValue`] carries the node of a remote endpoint (`flags` is a
+/// `u16`, `node` the other half of the old `u32` flags); ENDPOINTS is sized for
+/// the cluster and not preallocated ([`ENDPOINTS_MAP_FLAGS`]); [`NODES_MAP`]
+/// names the nodes. Layouts 2 and 3 are migrated: ENDPOINTS is created anew and
+/// every entry copied into it (see [`EndpointValue::from_layout3`]), the other
+/// maps are taken over as they are.
+pub const LAYOUT_VERSION: u32 = 4;
 
-/// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over in
-/// place, keeping every entry and counter: every map they have keeps its shape, and
-/// the maps they lack are created beside them.
-pub const MIGRATES_FROM: [u32; 1] = [2];
+/// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over,
+/// keeping every entry and counter: the maps whose shape did not change are
+/// reused in place, ENDPOINTS is copied into a map of this layout, and the maps
+/// they lack are created beside them.
+pub const MIGRATES_FROM: [u32; 2] = [2, 3];
 
-/// `endpoint address -> identity + flags`: [`EndpointKey`] -> [`EndpointValue`].
+/// `endpoint address -> identity + flags + node`: [`EndpointKey`] -> [`EndpointValue`].
 pub const ENDPOINTS_MAP: &str = "ENDPOINTS";
+/// `node index -> name + addresses`: `u32` (a node index, never 0) ->
+/// [`NodeValue`]. The node of a remote [`EndpointValue`] is a key of this map.
+pub const NODES_MAP: &str = "NODES";
 /// `(source identity, destination identity) -> packets, bytes`, per CPU, least
 /// recently used pairs evicted first: [`FlowKey`] -> [`FlowValue`].
 pub const FLOWS_MAP: &str = "FLOWS";
@@ -48,8 +58,25 @@ pub const STATS_MAP: &str = "STATS";
 /// so any agent, older or newer, can read it before touching the other maps.
 pub const META_MAP: &str = "CENSUS_META";
 
-/// Maximum number of endpoints (local and, later, remote) per node.
-pub const ENDPOINTS_MAX_ENTRIES: u32 = 65_536;
+/// Entries of ENDPOINTS when it is created, unless the agent is told otherwise
+/// (`census-agent --endpoints-max-entries`): every endpoint of the cluster, local
+/// and remote, and every node address.
+pub const ENDPOINTS_MAX_ENTRIES: u32 = 524_288;
+/// ENDPOINTS' map flags: `BPF_F_NO_PREALLOC`, so the kernel allocates an entry
+/// when it is written, not every entry when the map is created.
+pub const ENDPOINTS_MAP_FLAGS: u32 = BPF_F_NO_PREALLOC;
+/// Entries of NODES when it is created, unless the agent is told otherwise
+/// (`census-agent --nodes-max-entries`): node indexes are `u16`.
+pub const NODES_MAX_ENTRIES: u32 = 65_535;
+/// NODES' map flags: `BPF_F_NO_PREALLOC`.
+pub const NODES_MAP_FLAGS: u32 = BPF_F_NO_PREALLOC;
+/// `BPF_F_NO_PREALLOC` (uapi `linux/bpf.h`).
+pub const BPF_F_NO_PREALLOC: u32 = 1 << 0;
+/// Bytes of a node name a [`NodeValue`] holds: a Kubernetes node name is a DNS
+/// subdomain, at most 253 bytes.
+pub const NODE_NAME_MAX: usize = 253;
+/// Addresses a [`NodeValue`] holds (Hello carries at most 16).
+pub const NODE_ADDRESSES_MAX: usize = 16;
 /// Maximum number of identity pairs counted at once; the least recently used
 /// pair is evicted when the map is full.
 pub const FLOWS_MAX_ENTRIES: u32 = 65_536;
@@ -81,6 +108,8 @@ pub mod identity {
     pub const HOST: u32 = 1;
     /// Any address that is not in ENDPOINTS.
     pub const WORLD: u32 = 2;
+    /// The addresses of the other nodes of the cluster (REMOTE entries).
+    pub const REMOTE_NODE: u32 = 6;
 }
 
 /// The slots of [`STATS_MAP`]: events the program counts, summed over CPUs by
@@ -215,22 +244,28 @@ impl From<IpAddr> for EndpointKey {
 pub mod flags {
     /// The endpoint runs on this node and census's program is attached to the
     /// host side of its interface: its packets are counted when they leave it.
-    pub const LOCAL: u32 = 1 << 0;
-    /// The endpoint runs on another node (reserved for the cluster-wide map).
-    pub const REMOTE: u32 = 1 << 1;
+    pub const LOCAL: u16 = 1 << 0;
+    /// The endpoint runs on another node, [`EndpointValue::node`] (a pod, or the
+    /// node's own address): its packets were counted when they left it, on that
+    /// node.
+    pub const REMOTE: u16 = 1 << 1;
     /// The address is one of this node's own; its identity is
     /// [`identity::HOST`](super::identity::HOST).
-    pub const HOST: u32 = 1 << 2;
+    pub const HOST: u16 = 1 << 2;
     /// Every flag this layout defines.
-    pub const ALL: u32 = LOCAL | REMOTE | HOST;
+    pub const ALL: u16 = LOCAL | REMOTE | HOST;
 }
 
 /// What census knows about an address, the value of [`ENDPOINTS_MAP`].
+///
+/// `node` is the index of the node a [`flags::REMOTE`] endpoint is on (a key of
+/// [`NODES_MAP`]), 0 for every other entry.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EndpointValue {
     pub identity: u32,
-    pub flags: u32,
+    pub flags: u16,
+    pub node: u16,
 }
 
 impl EndpointValue {
@@ -238,6 +273,61 @@ impl EndpointValue {
     #[inline(always)]
     pub const fn is_local(&self) -> bool {
         self.flags & flags::LOCAL != 0
+    }
+
+    /// Whether the endpoint is on another node.
+    #[inline(always)]
+    pub const fn is_remote(&self) -> bool {
+        self.flags & flags::REMOTE != 0
+    }
+
+    /// The value of layouts 2 and 3 (`identity: u32, flags: u32`) in this
+    /// layout: the same identity and flags (layout 3 defined only the low three
+    /// bits), no node (those layouts had none).
+    pub const fn from_layout3(identity: u32, flags: u32) -> Self {
+        Self {
+            identity,
+            flags: (flags & 0xffff) as u16,
+            node: 0,
+        }
+    }
+}
+
+/// One node of the cluster, the value of [`NODES_MAP`]: its name (the first
+/// `name_len` bytes of `name`, UTF-8) and its addresses (the first
+/// `address_count` of `addresses`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NodeValue {
+    pub name_len: u16,
+    pub address_count: u16,
+    /// [`NODE_NAME_MAX`] bytes and 3 of padding, zeroed.
+    pub name: [u8; NODE_NAME_MAX + 3],
+    pub addresses: [EndpointKey; NODE_ADDRESSES_MAX],
+}
+
+impl NodeValue {
+    /// A node without name or address (every byte zero).
+    pub const EMPTY: Self = Self {
+        name_len: 0,
+        address_count: 0,
+        name: [0; NODE_NAME_MAX + 3],
+        addresses: [EndpointKey {
+            family: 0,
+            addr: [0; 4],
+        }; NODE_ADDRESSES_MAX],
+    };
+
+    /// The name's bytes (clamped to the array).
+    pub fn name_bytes(&self) -> &[u8] {
+        let len = usize::from(self.name_len).min(NODE_NAME_MAX);
+        &self.name[..len]
+    }
+
+    /// The addresses' keys (clamped to the array).
+    pub fn address_keys(&self) -> &[EndpointKey] {
+        let count = usize::from(self.address_count).min(NODE_ADDRESSES_MAX);
+        &self.addresses[..count]
     }
 }
 
@@ -306,6 +396,13 @@ const _: () = {
     assert!(core::mem::offset_of!(EndpointKey, addr) == 4);
     assert!(size_of::<[u32; 4]>() == 16);
     assert!(size_of::<EndpointValue>() == 8);
+    assert!(core::mem::offset_of!(EndpointValue, flags) == 4);
+    assert!(core::mem::offset_of!(EndpointValue, node) == 6);
+    assert!(size_of::<NodeValue>() == 4 + 256 + 16 * 20);
+    assert!(align_of::<NodeValue>() == 4);
+    assert!(core::mem::offset_of!(NodeValue, name) == 4);
+    assert!(core::mem::offset_of!(NodeValue, addresses) == 260);
+    assert!(NODES_MAX_ENTRIES <= u16::MAX as u32);
     assert!(size_of::<InterfaceValue>() == 8);
     assert!(INTERFACES_MAX_ENTRIES.is_power_of_two());
     assert!(stats::ALL.len() <= STATS_MAX_ENTRIES as usize);
@@ -316,7 +413,7 @@ const _: () = {
 
 #[cfg(feature = "user")]
 mod user {
-    use super::{EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue};
+    use super::{EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue};
 
     // SAFETY: `#[repr(C)]`, only integer fields, no implicit padding (the sizes are
     // asserted above), so every bit pattern is a valid value and every byte is
@@ -330,6 +427,8 @@ mod user {
     unsafe impl aya::Pod for FlowValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for InterfaceValue {}
+    // SAFETY: as above (the name's padding is part of the array).
+    unsafe impl aya::Pod for NodeValue {}
 }
 
 #[cfg(test)]
@@ -379,6 +478,36 @@ mod tests {
             assert!(*slot < STATS_MAX_ENTRIES, "{slot}");
             assert!(!stats::ALL[..i].contains(slot), "{slot} twice");
         }
+    }
+
+    #[test]
+    fn layout3_values_keep_identity_and_flags_without_a_node() {
+        let value = EndpointValue::from_layout3(4711, u32::from(flags::LOCAL));
+        assert_eq!(
+            value,
+            EndpointValue {
+                identity: 4711,
+                flags: flags::LOCAL,
+                node: 0
+            }
+        );
+        // On a little-endian machine the old bytes read as the new value.
+        let old = [4711u32.to_le_bytes(), u32::from(flags::HOST).to_le_bytes()].concat();
+        let new = EndpointValue::from_layout3(4711, u32::from(flags::HOST));
+        assert_eq!(&old[4..6], &new.flags.to_le_bytes());
+        assert_eq!(&old[6..8], &new.node.to_le_bytes());
+    }
+
+    #[test]
+    fn node_values_clamp_their_lengths() {
+        let mut node = NodeValue::EMPTY;
+        node.name[..2].copy_from_slice(b"n1");
+        node.name_len = 2;
+        assert_eq!(node.name_bytes(), b"n1");
+        node.name_len = u16::MAX;
+        assert_eq!(node.name_bytes().len(), NODE_NAME_MAX);
+        node.address_count = u16::MAX;
+        assert_eq!(node.address_keys().len(), NODE_ADDRESSES_MAX);
     }
 
     #[test]

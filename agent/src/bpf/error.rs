@@ -180,6 +180,35 @@ pub enum Error {
     #[error("invalid INTERFACES entry for interface {ifindex}: {reason}")]
     InvalidInterface { ifindex: u32, reason: &'static str },
 
+    #[error("invalid NODES entry for node {index}: {reason}")]
+    InvalidNode { index: u16, reason: &'static str },
+
+    #[error(
+        "{map} is full ({max_entries} entries): the entry of {key} was not written; \
+         raise `census-agent --{flag}`"
+    )]
+    MapFull {
+        map: &'static str,
+        max_entries: u32,
+        /// The entry not written (an address, a node index).
+        key: String,
+        /// The `census-agent` flag that sizes the map.
+        flag: &'static str,
+    },
+
+    #[error(
+        "migrating {map} in {pin_dir} from layout {from} failed ({step}); the next start \
+         of the agent finishes or redoes the migration"
+    )]
+    Migration {
+        map: &'static str,
+        pin_dir: PathBuf,
+        from: u32,
+        step: &'static str,
+        #[source]
+        source: Box<Error>,
+    },
+
     #[error(
         "interface {ifindex} cannot have an INTERFACES entry: its slot {slot} holds interface \
          {holder}'s"

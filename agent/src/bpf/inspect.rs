@@ -9,9 +9,12 @@
 //! for read-write; `sys::obj_get_read_only` does not), so the kernel itself
 //! refuses any write through these descriptors.
 //!
-//! It reads the maps of this layout and of the older layouts an agent takes over in
-//! place ([`MIGRATES_FROM`]): what a newer census reads of an older map is what that
-//! map means, never a guess (STATS, new in layout 3, is absent from layout 2).
+//! It reads the maps of this layout and of the older layouts an agent takes over
+//! ([`MIGRATES_FROM`]): what a newer census reads of an older map is what that
+//! map means, never a guess (STATS, new in layout 3, is absent from layout 2;
+//! NODES, new in layout 4, from both; their ENDPOINTS values have no node). While
+//! an agent migrates ENDPOINTS, the old map set aside is read: it is complete, the
+//! new one may not be yet.
 #![forbid(unsafe_code)]
 
 use std::{
@@ -28,13 +31,16 @@ use aya::{
 };
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
-    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, STATS_MAP,
+    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, STATS_MAP,
 };
 
 use super::{
     DatapathStats, Error, Flow, Interface, MapShape,
     maps::{StatsMap, used_slots},
-    pins, privileges,
+    migrate,
+    nodes::{self, NodeRecord, NodesMap},
+    pins::{self, Pins},
+    privileges,
     sys::{self, MappedArray},
     tc,
 };
@@ -123,6 +129,46 @@ pub struct PinnedMapInfo {
 }
 
 type EndpointsMap = HashMap<MapData, EndpointKey, EndpointValue>;
+/// ENDPOINTS of layouts 2 and 3: `identity: u32, flags: u32`.
+type OldEndpointsMap = HashMap<MapData, EndpointKey, [u32; 2]>;
+
+/// ENDPOINTS, of this layout or an older one.
+enum Endpoints {
+    Current(EndpointsMap),
+    Old(OldEndpointsMap),
+}
+
+impl Endpoints {
+    fn keys(&self) -> Box<dyn Iterator<Item = Result<EndpointKey, MapError>> + '_> {
+        match self {
+            Self::Current(map) => Box::new(map.keys()),
+            Self::Old(map) => Box::new(map.keys()),
+        }
+    }
+
+    fn iter(
+        &self,
+    ) -> Box<dyn Iterator<Item = Result<(EndpointKey, EndpointValue), MapError>> + '_> {
+        match self {
+            Self::Current(map) => Box::new(map.iter()),
+            Self::Old(map) => Box::new(map.iter().map(|entry| {
+                entry.map(|(key, [identity, flags])| {
+                    (key, EndpointValue::from_layout3(identity, flags))
+                })
+            })),
+        }
+    }
+
+    fn get(&self, key: &EndpointKey) -> Result<EndpointValue, MapError> {
+        match self {
+            Self::Current(map) => map.get(key, 0),
+            Self::Old(map) => map
+                .get(key, 0)
+                .map(|[identity, flags]| EndpointValue::from_layout3(identity, flags)),
+        }
+    }
+}
+
 type FlowsMap = PerCpuHashMap<MapData, FlowKey, FlowValue>;
 
 /// The maps pinned in one directory, opened for reading after their layout version
@@ -131,7 +177,9 @@ pub struct Inspector {
     dir: PathBuf,
     layout: u32,
     infos: Vec<(&'static str, PathBuf, MapInfo)>,
-    endpoints: EndpointsMap,
+    endpoints: Endpoints,
+    /// `None` in the maps of a layout before NODES existed.
+    nodes: Option<NodesMap>,
     /// INTERFACES' slots, mapped read-only.
     interfaces: MappedArray,
     flows: FlowsMap,
@@ -198,12 +246,23 @@ impl Inspector {
             });
         }
 
-        let endpoints_path = dir.join(ENDPOINTS_MAP);
-        let (endpoints, endpoints_info) = open_map(ENDPOINTS_MAP, &endpoints_path)?;
-        let endpoints = EndpointsMap::try_from(endpoints).map_err(|source| InspectError::Map {
+        // Mid-migration, the old map set aside is the complete one.
+        let aside = migrate::source_pin(&Pins::new(&dir), layout);
+        let endpoints_path = if layout != LAYOUT_VERSION && exists(&aside)? {
+            aside
+        } else {
+            dir.join(ENDPOINTS_MAP)
+        };
+        let (endpoints, endpoints_info) = open_map_in(layout, ENDPOINTS_MAP, &endpoints_path)?;
+        let endpoints_error = |source| InspectError::Map {
             path: endpoints_path.clone(),
             source,
-        })?;
+        };
+        let endpoints = if pins::shape_of(&endpoints_info) == pins::old_endpoints_shape() {
+            Endpoints::Old(OldEndpointsMap::try_from(endpoints).map_err(endpoints_error)?)
+        } else {
+            Endpoints::Current(EndpointsMap::try_from(endpoints).map_err(endpoints_error)?)
+        };
         let flows_path = dir.join(FLOWS_MAP);
         let (flows, flows_info) = open_map(FLOWS_MAP, &flows_path)?;
         let flows = FlowsMap::try_from(flows).map_err(|source| InspectError::Map {
@@ -232,11 +291,25 @@ impl Inspector {
         } else {
             None
         };
+        let nodes_path = dir.join(NODES_MAP);
+        // Layouts before 4 had no NODES.
+        let nodes = if layout == LAYOUT_VERSION || exists(&nodes_path)? {
+            let (nodes, nodes_info) = open_map(NODES_MAP, &nodes_path)?;
+            let nodes = NodesMap::try_from(nodes).map_err(|source| InspectError::Map {
+                path: nodes_path.clone(),
+                source,
+            })?;
+            infos.push((NODES_MAP, nodes_path, nodes_info));
+            Some(nodes)
+        } else {
+            None
+        };
         Ok(Self {
             dir,
             layout,
             infos,
             endpoints,
+            nodes,
             interfaces,
             flows,
             stats,
@@ -318,6 +391,10 @@ impl Inspector {
             let entries = match *name {
                 ENDPOINTS_MAP => count(self.endpoints.keys(), pin)?,
                 FLOWS_MAP => count(self.flows.keys(), pin)?,
+                NODES_MAP => match &self.nodes {
+                    Some(nodes) => count(nodes.keys(), pin)?,
+                    None => 0,
+                },
                 INTERFACES_MAP => used_slots(&self.interfaces).len() as u64,
                 _ => u64::from(shape.max_entries),
             };
@@ -351,11 +428,25 @@ impl Inspector {
 
     /// The ENDPOINTS entry of `ip`, if any.
     pub fn endpoint(&self, ip: IpAddr) -> Result<Option<EndpointValue>, InspectError> {
-        match self.endpoints.get(&EndpointKey::from(ip), 0) {
+        match self.endpoints.get(&EndpointKey::from(ip)) {
             Ok(value) => Ok(Some(value)),
             Err(error) if is_not_found(&error) => Ok(None),
             Err(source) => Err(self.map_error(ENDPOINTS_MAP, source)),
         }
+    }
+
+    /// Every NODES entry, by index; empty in the maps of a layout without NODES.
+    pub fn nodes(&self) -> Result<BTreeMap<u16, NodeRecord>, InspectError> {
+        let Some(map) = &self.nodes else {
+            return Ok(BTreeMap::new());
+        };
+        nodes::read_all(map).map_err(|error| match error {
+            Error::Map { source, .. } => self.map_error(NODES_MAP, source),
+            other => InspectError::Check {
+                path: self.dir.join(NODES_MAP),
+                source: Box::new(other),
+            },
+        })
     }
 
     /// Every used slot of INTERFACES, by slot: the interfaces census counts on
@@ -431,6 +522,17 @@ fn io_error(
 
 /// Opens the pin of `name`, checking the map's kind and sizes against this layout.
 fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectError> {
+    open_map_in(LAYOUT_VERSION, name, path)
+}
+
+/// Opens the pin of `name`, checking the map's kind and sizes against `layout`'s
+/// or this one's (a migration killed midway leaves a map of this layout beside
+/// the maps of the older one).
+fn open_map_in(
+    layout: u32,
+    name: &'static str,
+    path: &Path,
+) -> Result<(Map, MapInfo), InspectError> {
     let map_error = |source| InspectError::Map {
         path: path.to_owned(),
         source,
@@ -456,6 +558,7 @@ fn open_map(name: &'static str, path: &Path) -> Result<(Map, MapInfo), InspectEr
                 && found.max_entries >= 1
         } else {
             pins::shape_matches(name, &expected, &found)
+                || pins::expected_shape_in(layout, name) == Some(found)
         };
         if !matches {
             return Err(InspectError::ShapeMismatch {

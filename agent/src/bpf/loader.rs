@@ -10,16 +10,21 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, Map, MapData},
+    maps::{Array, IterableMap as _, Map, MapData},
     programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
-use census_common::{ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, META_MAP, STATS_MAP};
+use census_common::{
+    ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, META_MAP, NODES_MAP,
+    NODES_MAX_ENTRIES, STATS_MAP,
+};
 
 use super::log::{DatapathLog, LogForwarder};
 use super::{
     AttachMode, AttachModeChoice, Direction, Error,
     lock::{LockHolder, PinLock},
     maps::{self as datapath_maps, EndpointsMap, FlowsMap, InterfacesMap, StatsMap},
+    migrate,
+    nodes::NodesMap,
     object,
     pins::{self, Layout, Pins},
     privileges,
@@ -45,6 +50,14 @@ pub struct Datapath {
     pub(super) interfaces: InterfacesMap,
     pub(super) flows: FlowsMap,
     pub(super) stats: StatsMap,
+    pub(super) nodes: NodesMap,
+    /// ENDPOINTS' and NODES' sizes, as created (for the errors of a full map).
+    pub(super) endpoints_max_entries: u32,
+    pub(super) nodes_max_entries: u32,
+    /// Whether the last write of a new ENDPOINTS entry failed because the map was
+    /// full: the first such failure is logged as a warning, the others not until a
+    /// write succeeds again.
+    pub(super) endpoints_full: bool,
     /// Forwards the programs' aya-log records into `tracing` while logging is on.
     _log: Option<LogForwarder>,
 }
@@ -104,6 +117,7 @@ impl Datapath {
         // Before anything pinned is read: the holder may be migrating it.
         let lock = lock(pins.dir())?;
         let layout = pins::check_layout(&pins)?;
+        let migration = migrate::prepare(&pins, layout)?;
 
         let map_pins: Vec<(&'static str, PathBuf)> = pins::MAPS
             .into_iter()
@@ -116,6 +130,16 @@ impl Datapath {
         if let Some(entries) = options.flows_max_entries {
             loader.map_max_entries(FLOWS_MAP, entries);
         }
+        loader.map_max_entries(
+            ENDPOINTS_MAP,
+            options
+                .endpoints_max_entries
+                .unwrap_or(ENDPOINTS_MAX_ENTRIES),
+        );
+        loader.map_max_entries(
+            NODES_MAP,
+            options.nodes_max_entries.unwrap_or(NODES_MAX_ENTRIES),
+        );
         // aya-log-ebpf's default is every level on: always say which.
         let log_level = options.datapath_log.aya_level();
         loader.override_global(aya_log::LEVEL, &log_level, true);
@@ -140,8 +164,28 @@ impl Datapath {
                 "took over the maps of an older layout, entries and counters kept"
             );
         }
+        let mut endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
+        let nodes: NodesMap = take_map(&mut ebpf, NODES_MAP)?;
+        let max_entries = |map: &'static str, data: &MapData| {
+            data.info()
+                .map(|info| info.max_entries())
+                .map_err(|source| Error::Map { map, source })
+        };
+        let endpoints_max_entries = max_entries(ENDPOINTS_MAP, endpoints.map())?;
+        let nodes_max_entries = max_entries(NODES_MAP, nodes.map())?;
+        if let Some(migration) = &migration {
+            let copied = migration.copy_into(&mut endpoints, endpoints_max_entries)?;
+            tracing::info!(
+                pin_dir = %pins.dir().display(),
+                from = migration.from,
+                entries = copied,
+                "copied ENDPOINTS into a map of this layout"
+            );
+        }
         pins::stamp_layout(&mut meta)?;
-        let endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
+        if let Some(migration) = migration {
+            migration.finish()?;
+        }
         let interfaces = ebpf
             .take_map(INTERFACES_MAP)
             .ok_or(Error::MissingFromObject {
@@ -159,7 +203,9 @@ impl Datapath {
                 MapData::from_pin(path).map_err(|source| Error::Map { map: name, source })?;
             pinned.push((*name, data));
         }
-        pins::warn_flows_size(&pinned, options.flows_max_entries);
+        pins::warn_size(&pinned, FLOWS_MAP, options.flows_max_entries);
+        pins::warn_size(&pinned, ENDPOINTS_MAP, options.endpoints_max_entries);
+        pins::warn_size(&pinned, NODES_MAP, options.nodes_max_entries);
         tracing::info!(
             pin_dir = %pins.dir().display(),
             reused = layout != Layout::Fresh,
@@ -177,6 +223,10 @@ impl Datapath {
             interfaces,
             flows,
             stats,
+            nodes,
+            endpoints_max_entries,
+            nodes_max_entries,
+            endpoints_full: false,
             _log: log,
         })
     }
@@ -255,6 +305,12 @@ pub struct Options {
     /// FLOWS' entries when it is created (the object's 65,536 if `None`); a FLOWS
     /// map already pinned keeps its size (and its counters).
     pub flows_max_entries: Option<u32>,
+    /// ENDPOINTS' entries when it is created
+    /// ([`ENDPOINTS_MAX_ENTRIES`](census_common::ENDPOINTS_MAX_ENTRIES) if `None`).
+    pub endpoints_max_entries: Option<u32>,
+    /// NODES' entries when it is created
+    /// ([`NODES_MAX_ENTRIES`](census_common::NODES_MAX_ENTRIES) if `None`).
+    pub nodes_max_entries: Option<u32>,
     /// The least severe of the programs' aya-log events forwarded into `tracing`
     /// (off by default).
     pub datapath_log: DatapathLog,

@@ -1,6 +1,8 @@
 //! The ENDPOINTS, INTERFACES and FLOWS maps, in domain terms.
 
-use std::{collections::BTreeMap, fmt, io, net::IpAddr, ops::BitOr, os::fd::AsFd as _};
+use std::{
+    collections::BTreeMap, fmt, io, net::IpAddr, num::NonZeroU16, ops::BitOr, os::fd::AsFd as _,
+};
 
 use aya::{
     maps::{
@@ -21,6 +23,9 @@ use super::{Datapath, Error, sys::MappedArray};
 pub struct Endpoint {
     pub identity: u32,
     pub flags: EndpointFlags,
+    /// The index of the node a REMOTE endpoint is on (a NODES key); 0 for every
+    /// other entry.
+    pub node: u16,
 }
 
 impl Endpoint {
@@ -29,6 +34,7 @@ impl Endpoint {
         Self {
             identity,
             flags: EndpointFlags::LOCAL,
+            node: 0,
         }
     }
 
@@ -39,14 +45,17 @@ impl Endpoint {
         Self {
             identity,
             flags: EndpointFlags(0),
+            node: 0,
         }
     }
 
-    /// An endpoint on another node.
-    pub const fn remote(identity: u32) -> Self {
+    /// An endpoint on another node, `node` (its NODES index): a pod there, or one
+    /// of that node's addresses (identity `remote-node`).
+    pub const fn remote(identity: u32, node: NonZeroU16) -> Self {
         Self {
             identity,
             flags: EndpointFlags::REMOTE,
+            node: node.get(),
         }
     }
 
@@ -55,10 +64,23 @@ impl Endpoint {
         Self {
             identity: identity::HOST,
             flags: EndpointFlags::HOST,
+            node: 0,
         }
     }
 
-    fn check(self, ip: IpAddr) -> Result<(), Error> {
+    /// The node of a REMOTE endpoint.
+    pub const fn remote_node(&self) -> Option<NonZeroU16> {
+        if self.flags.contains(EndpointFlags::REMOTE) {
+            NonZeroU16::new(self.node)
+        } else {
+            None
+        }
+    }
+
+    /// Whether this is an entry ENDPOINTS may hold for `ip`
+    /// ([`Error::InvalidEndpoint`] says why not): at most one of LOCAL, REMOTE and
+    /// HOST; the host identity with HOST only; a node with REMOTE only.
+    pub fn check(self, ip: IpAddr) -> Result<(), Error> {
         let invalid = |reason| Err(Error::InvalidEndpoint { ip, reason });
         let flags = self.flags;
         if self.identity == identity::INVALID {
@@ -81,34 +103,39 @@ impl Endpoint {
         if flags.contains(EndpointFlags::HOST) != (self.identity == identity::HOST) {
             return invalid("the host identity (1) goes with the HOST flag, and only with it");
         }
+        if flags.contains(EndpointFlags::REMOTE) != (self.node != 0) {
+            return invalid("a REMOTE endpoint names its node (index 1 or more), and only it");
+        }
         Ok(())
     }
 
-    fn to_value(self) -> EndpointValue {
+    pub(super) fn to_value(self) -> EndpointValue {
         EndpointValue {
             identity: self.identity,
             flags: self.flags.bits(),
+            node: self.node,
         }
     }
 
-    const fn from_value(value: EndpointValue) -> Self {
+    pub(super) const fn from_value(value: EndpointValue) -> Self {
         Self {
             identity: value.identity,
             flags: EndpointFlags(value.flags),
+            node: value.node,
         }
     }
 }
 
 /// The flags of an [`Endpoint`]; unknown bits read from a map are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct EndpointFlags(u32);
+pub struct EndpointFlags(u16);
 
 impl EndpointFlags {
     pub const LOCAL: Self = Self(flags::LOCAL);
     pub const REMOTE: Self = Self(flags::REMOTE);
     pub const HOST: Self = Self(flags::HOST);
 
-    pub const fn bits(self) -> u32 {
+    pub const fn bits(self) -> u16 {
         self.0
     }
 
@@ -340,13 +367,46 @@ pub(super) fn slot_of(slots: &MappedArray, slot: u32) -> Option<Interface> {
     Interface::from_value(InterfaceValue { ifindex, identity })
 }
 
-fn is_not_found(error: &MapError) -> bool {
+pub(super) fn is_not_found(error: &MapError) -> bool {
     match error {
         MapError::KeyNotFound | MapError::ElementNotFound => true,
         MapError::SyscallError(SyscallError { io_error, .. }) => {
             io_error.kind() == io::ErrorKind::NotFound
         }
         _ => false,
+    }
+}
+
+/// Whether a failed write was refused because the map is full: a hash map holding
+/// `max_entries` answers `E2BIG` (and `ENOSPC` is what some map kinds answer).
+pub(super) fn is_full(error: &MapError) -> bool {
+    match error {
+        MapError::SyscallError(SyscallError { io_error, .. }) => matches!(
+            io_error.raw_os_error(),
+            Some(code) if code == libc::E2BIG || code == libc::ENOSPC
+        ),
+        _ => false,
+    }
+}
+
+/// [`Error::MapFull`] if the write failed because the map is full, else the
+/// map's error.
+pub(super) fn full_or(
+    source: MapError,
+    map: &'static str,
+    max_entries: u32,
+    flag: &'static str,
+    key: impl FnOnce() -> String,
+) -> Error {
+    if is_full(&source) {
+        Error::MapFull {
+            map,
+            max_entries,
+            key: key(),
+            flag,
+        }
+    } else {
+        Error::Map { map, source }
     }
 }
 
@@ -373,11 +433,44 @@ fn flows_error(source: MapError) -> Error {
 
 impl Datapath {
     /// Writes (creates or replaces) the entry of `ip`.
+    /// [`Error::MapFull`] when ENDPOINTS holds its maximum and `ip` has no entry
+    /// yet (nothing changes; replacing an entry never fails so).
     pub fn upsert_endpoint(&mut self, ip: IpAddr, endpoint: Endpoint) -> Result<(), Error> {
         endpoint.check(ip)?;
-        self.endpoints
+        let max_entries = self.endpoints_max_entries;
+        let result = self
+            .endpoints
             .insert(EndpointKey::from(ip), endpoint.to_value(), 0)
-            .map_err(endpoints_error)
+            .map_err(|source| {
+                full_or(
+                    source,
+                    ENDPOINTS_MAP,
+                    max_entries,
+                    "endpoints-max-entries",
+                    || ip.to_string(),
+                )
+            });
+        let full = matches!(result, Err(Error::MapFull { .. }));
+        if full && !self.endpoints_full {
+            tracing::warn!(
+                max_entries,
+                %ip,
+                "ENDPOINTS is full: new addresses are not written (their packets count as \
+                 world) until entries are removed or the agent runs with a larger \
+                 --endpoints-max-entries"
+            );
+        } else if !full && self.endpoints_full && result.is_ok() {
+            tracing::info!(max_entries, "ENDPOINTS takes new entries again");
+        }
+        if full || result.is_ok() {
+            self.endpoints_full = full;
+        }
+        result
+    }
+
+    /// The number of entries ENDPOINTS can hold.
+    pub fn endpoints_max_entries(&self) -> u32 {
+        self.endpoints_max_entries
     }
 
     /// Removes the entry of `ip`; `false` if there was none.
@@ -548,12 +641,14 @@ mod tests {
     use super::*;
 
     const IP: IpAddr = IpAddr::V4(Ipv4Addr::new(198, 18, 0, 2));
+    const NODE: NonZeroU16 = NonZeroU16::new(3).unwrap();
 
     #[test]
     fn constructors_make_valid_endpoints() {
         for endpoint in [
             Endpoint::local(256),
-            Endpoint::remote(300),
+            Endpoint::remote(300, NODE),
+            Endpoint::remote(identity::REMOTE_NODE, NODE),
             Endpoint::host(),
         ] {
             assert!(endpoint.check(IP).is_ok(), "{endpoint:?}");
@@ -568,16 +663,37 @@ mod tests {
             Endpoint {
                 identity: 256,
                 flags: EndpointFlags::HOST,
+                node: 0,
             },
             Endpoint {
                 identity: 256,
                 flags: EndpointFlags::LOCAL | EndpointFlags::REMOTE,
+                node: 3,
             },
             Endpoint {
                 identity: 256,
                 flags: EndpointFlags(1 << 7) | EndpointFlags::LOCAL,
+                node: 0,
             },
             Endpoint::unattached(identity::HOST),
+            // A remote endpoint without its node, and a node without REMOTE.
+            Endpoint {
+                identity: 256,
+                flags: EndpointFlags::REMOTE,
+                node: 0,
+            },
+            Endpoint {
+                node: 3,
+                ..Endpoint::local(256)
+            },
+            Endpoint {
+                node: 3,
+                ..Endpoint::unattached(256)
+            },
+            Endpoint {
+                node: 3,
+                ..Endpoint::host()
+            },
         ];
         for endpoint in bad {
             assert!(

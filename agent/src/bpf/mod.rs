@@ -29,7 +29,9 @@ mod loader;
 mod lock;
 mod log;
 mod maps;
+mod migrate;
 mod netlink;
+mod nodes;
 mod object;
 mod pins;
 mod privileges;
@@ -49,6 +51,7 @@ pub use loader::{
 };
 pub use lock::LockHolder;
 pub use maps::{DatapathStats, Endpoint, EndpointFlags, Flow, Interface, MapShape};
+pub use nodes::NodeRecord;
 pub use object::is_embedded as object_is_embedded;
 pub use pins::{DEFAULT_PIN_DIR, Uninstalled, uninstall};
 pub use privileges::check_capabilities;

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! <pin dir>/CENSUS_META            array[1] of u32: the layout version
-//! <pin dir>/ENDPOINTS              address -> identity + flags
+//! <pin dir>/ENDPOINTS              address -> identity + flags + node, not preallocated
+//! <pin dir>/NODES                  node index -> name + addresses, not preallocated
 //! <pin dir>/INTERFACES             array[ifindex % 65536] of (ifindex, identity), mmapable
 //! <pin dir>/FLOWS                  (src identity, dst identity) -> packets, bytes
 //! <pin dir>/STATS                  per-CPU array of u64: the program's own counters
@@ -11,6 +12,7 @@
 //! <pin dir>/links/<if>-egress      TCX link of census_egress on interface <if>
 //! <pin dir>/links/<if>-<direction>:tc:<ifindex>:<priority>:<handle>/
 //!                                  (a directory) census's TC filter on <if>, in TC mode
+//! <pin dir>/ENDPOINTS-layout<N>    only while an older layout's ENDPOINTS is migrated
 //! ```
 
 use std::{
@@ -21,9 +23,10 @@ use std::{
 
 use aya::maps::{Array, MapData, MapError, MapInfo, MapType};
 use census_common::{
-    ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES,
-    FlowKey, FlowValue, INTERFACES_MAP, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES,
-    InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES, MIGRATES_FROM,
+    ENDPOINTS_MAP, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue,
+    FLOWS_MAP, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP, INTERFACES_MAP_FLAGS,
+    INTERFACES_MAX_ENTRIES, InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP,
+    META_MAX_ENTRIES, MIGRATES_FROM, NODES_MAP, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
     STATS_MAP, STATS_MAX_ENTRIES,
 };
 
@@ -35,15 +38,25 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 const LINKS_DIR: &str = "links";
 
 /// Every map census pins, the layout version map first.
-pub(super) const MAPS: [&str; 5] = [
+pub(super) const MAPS: [&str; 6] = [
     META_MAP,
     ENDPOINTS_MAP,
     FLOWS_MAP,
     INTERFACES_MAP,
     STATS_MAP,
+    NODES_MAP,
 ];
 /// The maps of [`MAPS`] that a layout version guards.
-pub(super) const DATA_MAPS: [&str; 4] = [ENDPOINTS_MAP, FLOWS_MAP, INTERFACES_MAP, STATS_MAP];
+pub(super) const DATA_MAPS: [&str; 5] = [
+    ENDPOINTS_MAP,
+    FLOWS_MAP,
+    INTERFACES_MAP,
+    STATS_MAP,
+    NODES_MAP,
+];
+/// The maps a layout sizes as the agent is told (`--*-max-entries`): any size is
+/// that map.
+const SIZED_MAPS: [&str; 3] = [ENDPOINTS_MAP, FLOWS_MAP, NODES_MAP];
 
 /// Paths under one pin directory.
 #[derive(Debug, Clone)]
@@ -107,12 +120,24 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
     };
     match map {
         META_MAP => Some(shape(MapType::Array, 4, 4, META_MAX_ENTRIES)),
-        ENDPOINTS_MAP => Some(shape(
-            MapType::Hash,
-            size_of::<EndpointKey>(),
-            size_of::<EndpointValue>(),
-            ENDPOINTS_MAX_ENTRIES,
-        )),
+        ENDPOINTS_MAP => Some(MapShape {
+            map_flags: ENDPOINTS_MAP_FLAGS,
+            ..shape(
+                MapType::Hash,
+                size_of::<EndpointKey>(),
+                size_of::<EndpointValue>(),
+                ENDPOINTS_MAX_ENTRIES,
+            )
+        }),
+        NODES_MAP => Some(MapShape {
+            map_flags: NODES_MAP_FLAGS,
+            ..shape(
+                MapType::Hash,
+                size_of::<u32>(),
+                size_of::<NodeValue>(),
+                NODES_MAX_ENTRIES,
+            )
+        }),
         FLOWS_MAP => Some(shape(
             MapType::LruPerCpuHash,
             size_of::<FlowKey>(),
@@ -138,10 +163,32 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
     }
 }
 
-/// Whether a pinned map of shape `found` is `map` of this layout. FLOWS' size is
-/// the agent's to choose (`--flows-max-entries`), so any size is FLOWS.
+/// ENDPOINTS as layouts 2 and 3 made it: a preallocated hash of 65,536 entries,
+/// `identity: u32, flags: u32`.
+pub(super) fn old_endpoints_shape() -> MapShape {
+    MapShape {
+        map_type: Some(MapType::Hash),
+        key_size: size_of::<EndpointKey>() as u32,
+        value_size: 8,
+        max_entries: 65_536,
+        map_flags: 0,
+    }
+}
+
+/// The shape `map` has in the maps of layout `layout` (this one or one of
+/// [`MIGRATES_FROM`]).
+pub(super) fn expected_shape_in(layout: u32, map: &str) -> Option<MapShape> {
+    if map == ENDPOINTS_MAP && MIGRATES_FROM.contains(&layout) {
+        return Some(old_endpoints_shape());
+    }
+    expected_shape(map)
+}
+
+/// Whether a pinned map of shape `found` is `map` of this layout. The sizes of
+/// FLOWS, ENDPOINTS and NODES are the agent's to choose (`--flows-max-entries`,
+/// ...), so any size is that map.
 pub(super) fn shape_matches(map: &str, expected: &MapShape, found: &MapShape) -> bool {
-    if map == FLOWS_MAP {
+    if SIZED_MAPS.contains(&map) {
         return found.max_entries > 0
             && MapShape {
                 max_entries: expected.max_entries,
@@ -151,22 +198,27 @@ pub(super) fn shape_matches(map: &str, expected: &MapShape, found: &MapShape) ->
     found == expected
 }
 
-/// Says so when FLOWS is pinned with another size than asked for: the pinned map,
-/// and its counters, stay.
-pub(super) fn warn_flows_size(pinned: &[(&'static str, MapData)], wanted: Option<u32>) {
+/// Says so when `map` is pinned with another size than asked for: the pinned map,
+/// and its content, stay.
+pub(super) fn warn_size(
+    pinned: &[(&'static str, MapData)],
+    map: &'static str,
+    wanted: Option<u32>,
+) {
     let Some(wanted) = wanted else { return };
     let Some(info) = pinned
         .iter()
-        .find(|(name, _)| *name == FLOWS_MAP)
+        .find(|(name, _)| *name == map)
         .and_then(|(_, data)| data.info().ok())
     else {
         return;
     };
     if info.max_entries() != wanted {
         tracing::warn!(
+            map,
             pinned = info.max_entries(),
             wanted,
-            "FLOWS is pinned with another size; it keeps it (and its counters) until `census-agent uninstall`"
+            "{map} is pinned with another size; it keeps it (and its content) until `census-agent uninstall`"
         );
     }
 }
@@ -195,8 +247,9 @@ pub(super) enum Layout {
     Fresh,
     /// Maps of this layout (or a meta map not stamped yet): reuse them.
     Current,
-    /// Maps of an older layout this one takes over in place ([`MIGRATES_FROM`]):
-    /// reuse them, create the maps it lacks, then stamp this layout.
+    /// Maps of an older layout this one takes over ([`MIGRATES_FROM`]): reuse
+    /// them (ENDPOINTS is copied into a new map, see `migrate`), create the maps
+    /// it lacks, then stamp this layout.
     Older(u32),
 }
 
@@ -235,6 +288,14 @@ pub(super) fn check_layout(pins: &Pins) -> Result<Layout, Error> {
         }
         let info = MapInfo::from_pin(&path).map_err(|source| Error::Map { map, source })?;
         let found = shape_of(&info);
+        // An older layout's ENDPOINTS is copied into one of this layout; a migration
+        // killed midway left one of this layout beside it.
+        if map == ENDPOINTS_MAP
+            && let Layout::Older(from) = layout
+            && expected_shape_in(from, map) == Some(found)
+        {
+            continue;
+        }
         if let Some(expected) = expected_shape(map)
             && !shape_matches(map, &expected, &found)
         {
@@ -435,6 +496,43 @@ mod tests {
         for name in ["eth0", "eth0-sideways", "-ingress", ""] {
             assert_eq!(parse_link_name(name), None, "{name}");
         }
+    }
+
+    #[test]
+    fn endpoints_has_one_shape_per_layout_and_any_size() -> Result<(), &'static str> {
+        let current = expected_shape(ENDPOINTS_MAP).ok_or("no shape")?;
+        assert_eq!(current.map_flags, 1, "BPF_F_NO_PREALLOC");
+        for older in MIGRATES_FROM {
+            assert_eq!(
+                expected_shape_in(older, ENDPOINTS_MAP),
+                Some(old_endpoints_shape())
+            );
+        }
+        assert_eq!(
+            expected_shape_in(LAYOUT_VERSION, ENDPOINTS_MAP),
+            Some(current)
+        );
+        assert!(!shape_matches(
+            ENDPOINTS_MAP,
+            &current,
+            &old_endpoints_shape()
+        ));
+        let bigger = MapShape {
+            max_entries: 1 << 20,
+            ..current
+        };
+        assert!(shape_matches(ENDPOINTS_MAP, &current, &bigger));
+        let preallocated = MapShape {
+            map_flags: 0,
+            ..current
+        };
+        assert!(!shape_matches(ENDPOINTS_MAP, &current, &preallocated));
+        let nodes = expected_shape(NODES_MAP).ok_or("no shape")?;
+        assert_eq!(
+            (nodes.key_size, nodes.value_size, nodes.map_flags),
+            (4, 580, 1)
+        );
+        Ok(())
     }
 
     #[test]

@@ -290,6 +290,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("FLOWS", "lru_percpu_hash", 8, 16),
             ("INTERFACES", "array", 4, 8),
             ("STATS", "percpu_array", 4, 8),
+            ("NODES", "hash", 4, 580),
         ]
     );
     for map in maps {
@@ -315,7 +316,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     let (code, table, _) = census(&["bpf", "maps", "--bpffs", &bpffs])?;
     assert_eq!(code, Some(0));
     assert!(table.starts_with("NAME "), "{table}");
-    assert_eq!(table.lines().count(), 6, "{table}");
+    assert_eq!(table.lines().count(), 7, "{table}");
     let one = census_json(&[
         "bpf",
         "endpoints",
@@ -521,7 +522,7 @@ fn maps_census_cannot_read_get_their_own_exit_codes_and_are_left_alone() -> Test
         10,
         &[
             path_str(&odd.join("ENDPOINTS"))?,
-            "expected Hash map, key 20 B, value 8 B, 65536 entries",
+            "expected Hash map, key 20 B, value 8 B, 524288 entries, flags 0x1",
             "found Hash map, key 16 B, value 8 B, 16 entries",
         ],
     )?;

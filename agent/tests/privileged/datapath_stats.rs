@@ -23,6 +23,8 @@ use super::support::*;
 const POD_A: u32 = 1000;
 const POD_B: u32 = 1001;
 const LOOPBACK: u32 = 1;
+/// The node the remote destinations are on.
+const NODE: std::num::NonZeroU16 = std::num::NonZeroU16::new(2).unwrap();
 
 fn open_with(pins: &Path, options: DatapathOptions) -> Fallible<census_agent::bpf::Datapath> {
     let options = DatapathOptions {
@@ -55,7 +57,7 @@ fn a_full_flows_counts_inserts_and_evictions() -> TestResult {
     let mut frames = Vec::new();
     for d in 0..DESTINATIONS {
         let dst: IpAddr = [198, 18, 2, u8::try_from(d)?].into();
-        datapath.upsert_endpoint(dst, Endpoint::remote(5000 + d))?;
+        datapath.upsert_endpoint(dst, Endpoint::remote(5000 + d, NODE))?;
         frames.push(packet::udp_frame(src, dst, 10).ok_or("frame")?);
     }
     // Each pair once: 1,600 pairs into a map of 1,024.
@@ -424,7 +426,7 @@ fn layout_2_maps_are_taken_over_with_their_counters() -> TestResult {
     })?;
     for d in 0..3u8 {
         let dst: IpAddr = [198, 18, 2, d].into();
-        datapath.upsert_endpoint(dst, Endpoint::remote(5000 + u32::from(d)))?;
+        datapath.upsert_endpoint(dst, Endpoint::remote(5000 + u32::from(d), NODE))?;
         let frame = packet::udp_frame(a, dst, 10).ok_or("frame")?;
         datapath.test_run(Direction::Ingress, &frame, TestContext::default(), 4)?;
     }
@@ -458,6 +460,6 @@ fn layout_2_maps_are_taken_over_with_their_counters() -> TestResult {
         ],
     )?;
     assert_eq!(u32_at(&meta[0]["value"], 0)?, LAYOUT_VERSION, "{meta}");
-    assert_eq!(LAYOUT_VERSION, 3);
+    assert_eq!(LAYOUT_VERSION, 4);
     Ok(())
 }

@@ -1,8 +1,10 @@
-//! `census bpf endpoints [list|show] | get <ip>`: the ENDPOINTS map, address ->
-//! identity and flags.
+//! `census bpf endpoints [list|show] [--local|--remote] | get <ip>`: the ENDPOINTS
+//! map, address -> identity, flags and, for an endpoint on another node, that node
+//! (named from NODES).
 
-use std::net::IpAddr;
+use std::{collections::BTreeMap, net::IpAddr};
 
+use census_agent::bpf::NodeRecord;
 use census_common::{EndpointKey, EndpointValue, flags};
 use clap::{Args, Subcommand};
 use serde::Serialize;
@@ -20,12 +22,35 @@ pub(crate) struct EndpointsArgs {
 enum EndpointsCommand {
     /// Every entry, by address.
     #[command(visible_alias = "show")]
-    List,
+    List(ListArgs),
     /// The entry of one address.
     Get {
         /// An IPv4 or IPv6 address.
         ip: String,
     },
+}
+
+/// Which entries `list` shows.
+#[derive(Debug, Default, Args)]
+struct ListArgs {
+    /// Only this node's entries: its endpoints and its own addresses (every
+    /// entry without the `remote` flag).
+    #[arg(long, conflicts_with = "remote")]
+    local: bool,
+    /// Only the entries of other nodes' endpoints and addresses (`remote`).
+    #[arg(long)]
+    remote: bool,
+}
+
+impl ListArgs {
+    fn shows(&self, view: &EndpointView) -> bool {
+        let remote = view.flag_bits & flags::REMOTE != 0;
+        match (self.local, self.remote) {
+            (true, _) => !remote,
+            (_, true) => remote,
+            _ => true,
+        }
+    }
 }
 
 /// One ENDPOINTS entry, as `-o json` prints it (docs/cli.md).
@@ -36,19 +61,34 @@ pub(crate) struct EndpointView {
     pub(crate) identity: u32,
     /// `local`, `remote`, `host`, and unknown bits in hex.
     pub(crate) flags: Vec<String>,
-    pub(crate) flag_bits: u32,
+    pub(crate) flag_bits: u16,
+    /// The index of the node a remote endpoint is on (NODES' key); `null` for
+    /// the others.
+    pub(crate) node: Option<u16>,
+    /// That node's name, from NODES; `null` when NODES has no such node.
+    pub(crate) node_name: Option<String>,
     /// The key's 20 bytes in hex, only when it holds no address census writes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) raw_key: Option<String>,
 }
 
 impl EndpointView {
-    fn new(key: Option<&EndpointKey>, ip: Option<IpAddr>, value: EndpointValue) -> Self {
+    fn new(
+        key: Option<&EndpointKey>,
+        ip: Option<IpAddr>,
+        value: EndpointValue,
+        nodes: &BTreeMap<u16, NodeRecord>,
+    ) -> Self {
+        let node = (value.node != 0).then_some(value.node);
         Self {
             address: ip,
             identity: value.identity,
             flags: flag_names(value.flags),
             flag_bits: value.flags,
+            node,
+            node_name: node
+                .and_then(|index| nodes.get(&index))
+                .map(|record| record.name.clone()),
             raw_key: match (ip, key) {
                 (None, Some(key)) => Some(raw_key(key)),
                 _ => None,
@@ -57,7 +97,7 @@ impl EndpointView {
     }
 }
 
-fn flag_names(bits: u32) -> Vec<String> {
+fn flag_names(bits: u16) -> Vec<String> {
     let mut names: Vec<String> = [
         (flags::LOCAL, "local"),
         (flags::REMOTE, "remote"),
@@ -84,13 +124,15 @@ fn raw_key(key: &EndpointKey) -> String {
 
 pub(super) async fn run(args: EndpointsArgs, ctx: &mut Ctx) -> Result<String, CliError> {
     let EndpointsArgs { command } = args;
-    match command.unwrap_or(EndpointsCommand::List) {
-        EndpointsCommand::List => {
+    match command.unwrap_or(EndpointsCommand::List(ListArgs::default())) {
+        EndpointsCommand::List(filter) => {
             let maps = ctx.maps()?;
+            let nodes = maps.nodes()?;
             let mut views: Vec<EndpointView> = maps
                 .endpoints()?
                 .iter()
-                .map(|(key, value)| EndpointView::new(Some(key), key.ip(), *value))
+                .map(|(key, value)| EndpointView::new(Some(key), key.ip(), *value, &nodes))
+                .filter(|view| filter.shows(view))
                 .collect();
             // Addresses in order (IPv4 first); keys without one last.
             views.sort_by(|a, b| {
@@ -110,7 +152,7 @@ pub(super) async fn run(args: EndpointsArgs, ctx: &mut Ctx) -> Result<String, Cl
                 ip,
                 dir: maps.dir().to_owned(),
             })?;
-            let view = EndpointView::new(None, Some(ip), value);
+            let view = EndpointView::new(None, Some(ip), value, &maps.nodes()?);
             let labels = ctx.labels([view.identity]).await;
             ctx.render(&view, || table(std::slice::from_ref(&view), &labels))
         }
@@ -118,7 +160,12 @@ pub(super) async fn run(args: EndpointsArgs, ctx: &mut Ctx) -> Result<String, Cl
 }
 
 fn table(endpoints: &[EndpointView], labels: &IdentityLabels) -> Table {
+    // The NODE column only when some entry is on another node.
+    let nodes = endpoints.iter().any(|endpoint| endpoint.node.is_some());
     let mut header = vec!["ADDRESS", "IDENTITY", "FLAGS"];
+    if nodes {
+        header.push("NODE");
+    }
     if labels.shown() {
         header.push("LABELS");
     }
@@ -134,6 +181,9 @@ fn table(endpoints: &[EndpointView], labels: &IdentityLabels) -> Table {
             endpoint.identity.to_string(),
             endpoint.flags.join(","),
         ];
+        if nodes {
+            row.push(node_cell(endpoint));
+        }
         if labels.shown() {
             row.push(labels.cell(endpoint.identity));
         }
@@ -142,25 +192,74 @@ fn table(endpoints: &[EndpointView], labels: &IdentityLabels) -> Table {
     table
 }
 
+/// The node's name, or its index when NODES does not name it; empty for this
+/// node's entries.
+fn node_cell(endpoint: &EndpointView) -> String {
+    match (&endpoint.node_name, endpoint.node) {
+        (Some(name), _) => name.clone(),
+        (None, Some(index)) => format!("#{index}"),
+        (None, None) => String::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::output::{Format, render};
 
     fn fixture() -> Result<Vec<EndpointView>, std::net::AddrParseError> {
-        let value = |identity, flags| EndpointValue { identity, flags };
+        let value = |identity, flags, node| EndpointValue {
+            identity,
+            flags,
+            node,
+        };
+        let nodes = BTreeMap::from([(
+            3,
+            NodeRecord {
+                name: "node-b".to_owned(),
+                addresses: vec!["198.19.0.1".parse()?],
+            },
+        )]);
         let mut odd = EndpointKey::v4([10, 0, 0, 1]);
         odd.family = 9;
+        let view = |ip: &str, value| -> Result<_, std::net::AddrParseError> {
+            Ok(EndpointView::new(None, Some(ip.parse()?), value, &nodes))
+        };
         Ok(vec![
-            EndpointView::new(None, Some("198.18.0.1".parse()?), value(1, flags::HOST)),
-            EndpointView::new(None, Some("198.18.0.2".parse()?), value(4711, flags::LOCAL)),
-            EndpointView::new(
-                None,
-                Some("2001:db8::2".parse()?),
-                value(4712, flags::REMOTE | 1 << 7),
-            ),
-            EndpointView::new(Some(&odd), None, value(5, flags::LOCAL)),
+            view("198.18.0.1", value(1, flags::HOST, 0))?,
+            view("198.18.0.2", value(4711, flags::LOCAL, 0))?,
+            view("2001:db8::2", value(4712, flags::REMOTE | 1 << 7, 3))?,
+            EndpointView::new(Some(&odd), None, value(5, flags::LOCAL, 0), &nodes),
+            // A node NODES does not name (yet).
+            view("198.19.0.9", value(6, flags::REMOTE, 9))?,
         ])
+    }
+
+    #[test]
+    fn filters_split_local_and_remote() -> Result<(), Box<dyn std::error::Error>> {
+        let endpoints = fixture()?;
+        let shown = |local, remote| -> Vec<Option<IpAddr>> {
+            let filter = ListArgs { local, remote };
+            endpoints
+                .iter()
+                .filter(|view| filter.shows(view))
+                .map(|view| view.address)
+                .collect()
+        };
+        assert_eq!(shown(false, false).len(), 5);
+        assert_eq!(
+            shown(true, false),
+            [
+                Some("198.18.0.1".parse()?),
+                Some("198.18.0.2".parse()?),
+                None
+            ]
+        );
+        assert_eq!(
+            shown(false, true),
+            [Some("2001:db8::2".parse()?), Some("198.19.0.9".parse()?)]
+        );
+        Ok(())
     }
 
     #[test]
@@ -179,11 +278,12 @@ mod tests {
         assert_eq!(
             out,
             "\
-ADDRESS                                         IDENTITY  FLAGS        LABELS
-198.18.0.1                                      1         host         reserved:host=
-198.18.0.2                                      4711      local        k8s:app=web,k8s:io.kubernetes.pod.namespace=shop
-2001:db8::2                                     4712      remote,0x80  (unknown)
-(key 090000000a000001000000000000000000000000)  5         local        (unknown)
+ADDRESS                                         IDENTITY  FLAGS        NODE    LABELS
+198.18.0.1                                      1         host                 reserved:host=
+198.18.0.2                                      4711      local                k8s:app=web,k8s:io.kubernetes.pod.namespace=shop
+2001:db8::2                                     4712      remote,0x80  node-b  (unknown)
+(key 090000000a000001000000000000000000000000)  5         local                (unknown)
+198.19.0.9                                      6         remote       #9      (unknown)
 "
         );
         Ok(())
@@ -202,7 +302,7 @@ ADDRESS                                         IDENTITY  FLAGS        LABELS
     #[test]
     fn json_and_yaml() -> Result<(), Box<dyn std::error::Error>> {
         let endpoints = fixture()?;
-        let json = render(Format::Json, false, &endpoints[1..], || unreachable!())?;
+        let json = render(Format::Json, false, &endpoints[1..4], || unreachable!())?;
         assert_eq!(
             json,
             r#"[
@@ -212,7 +312,9 @@ ADDRESS                                         IDENTITY  FLAGS        LABELS
     "flags": [
       "local"
     ],
-    "flag_bits": 1
+    "flag_bits": 1,
+    "node": null,
+    "node_name": null
   },
   {
     "address": "2001:db8::2",
@@ -221,7 +323,9 @@ ADDRESS                                         IDENTITY  FLAGS        LABELS
       "remote",
       "0x80"
     ],
-    "flag_bits": 130
+    "flag_bits": 130,
+    "node": 3,
+    "node_name": "node-b"
   },
   {
     "address": null,
@@ -230,6 +334,8 @@ ADDRESS                                         IDENTITY  FLAGS        LABELS
       "local"
     ],
     "flag_bits": 1,
+    "node": null,
+    "node_name": null,
     "raw_key": "090000000a000001000000000000000000000000"
   }
 ]
@@ -238,7 +344,7 @@ ADDRESS                                         IDENTITY  FLAGS        LABELS
         let yaml = render(Format::Yaml, false, &endpoints[1], || unreachable!())?;
         assert_eq!(
             yaml,
-            "address: 198.18.0.2\nidentity: 4711\nflags:\n- local\nflag_bits: 1\n"
+            "address: 198.18.0.2\nidentity: 4711\nflags:\n- local\nflag_bits: 1\nnode: null\nnode_name: null\n"
         );
         Ok(())
     }

@@ -8,6 +8,7 @@ mod endpoints;
 mod flows;
 mod interfaces;
 mod maps;
+mod nodes;
 
 use clap::Subcommand;
 
@@ -18,8 +19,11 @@ pub(crate) enum BpfCommand {
     /// The pinned maps: name, type, key and value size, max and current entries,
     /// layout version, pin path; FLOWS' inserts, evictions and refused inserts.
     Maps(maps::MapsArgs),
-    /// The ENDPOINTS map: address -> identity, flags.
+    /// The ENDPOINTS map: address -> identity, flags, and the node of a remote
+    /// endpoint.
     Endpoints(endpoints::EndpointsArgs),
+    /// The NODES map: the other nodes remote endpoints are on -> name, addresses.
+    Nodes(nodes::NodesArgs),
     /// The INTERFACES map: the interfaces census counts on -> the identity of the
     /// endpoint behind each.
     Interfaces(interfaces::InterfacesArgs),
@@ -32,6 +36,7 @@ pub(crate) async fn run(command: BpfCommand, ctx: &mut Ctx) -> Result<String, Cl
     match command {
         BpfCommand::Maps(args) => maps::run(args, ctx),
         BpfCommand::Endpoints(args) => endpoints::run(args, ctx).await,
+        BpfCommand::Nodes(args) => nodes::run(args, ctx),
         BpfCommand::Interfaces(args) => interfaces::run(args, ctx).await,
         BpfCommand::Flows(args) => flows::run(args, ctx).await,
     }
