@@ -339,6 +339,7 @@ async fn latency(samples: usize) -> Fallible<()> {
         session: daemon::new_session(),
         host_ips: HostIps::Fixed(Default::default()),
         reassert_order: false,
+        endpoint_map: true,
     };
     let source = FileSource::new(&file, Duration::from_secs(10))?;
     let agent = daemon::start(

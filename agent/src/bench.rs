@@ -1,15 +1,23 @@
 //! The core and reconcile on a real datapath, without the daemon's tasks: what the
 //! reconcile-throughput benchmark (`benches/agent.rs`) drives, and all of the core
-//! it sees.
+//! it sees; and the cluster-wide endpoint map in the core and reconcile, for the
+//! memory measurement (`tests/map_memory.rs`).
 
-use std::collections::HashMap;
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+    num::{NonZeroU16, NonZeroU32},
+};
 
-use census_proto::{domain::IdentityId, labels::LabelSet};
+use census_proto::{
+    domain::{IdentityId, NodeName},
+    labels::LabelSet,
+};
 
 use crate::{
     bpf::{self, Datapath},
-    core::{AllocationEvent, AllocationId, Core, Effects},
-    reconcile::Reconciler,
+    core::{AllocationEvent, AllocationId, Core, Effects, MapBatch, MapEntry, MapEvent, MapNode},
+    reconcile::{DatapathPort, Link, MapKey, Reconciler},
     source::SourceEvent,
 };
 
@@ -107,5 +115,150 @@ impl Reconcile {
     fn take(&mut self) {
         let later = self.core.take_effects();
         self.pending.merge(later);
+    }
+}
+
+/// The cluster-wide endpoint map in the agent's core and reconcile, on a datapath
+/// that keeps nothing: what the agent's userspace holds per remote entry
+/// (`tests/map_memory.rs` measures it).
+#[derive(Debug)]
+pub struct RemoteMap {
+    core: Core,
+    reconciler: Reconciler,
+    datapath: Discard,
+}
+
+impl Default for RemoteMap {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RemoteMap {
+    /// An agent on node `bench-own`.
+    pub fn new() -> Self {
+        let own = NodeName::new("bench-own").ok();
+        let core = Core::new(HashMap::new());
+        Self {
+            core: match own {
+                Some(own) => core.with_node(own, []),
+                None => core,
+            },
+            reconciler: Reconciler::default(),
+            datapath: Discard,
+        }
+    }
+
+    /// One full map, as one resync batch carried to the datapath: `nodes` nodes
+    /// (operator indexes `1..=nodes`, named `node-<index>`) and `entries`
+    /// (address, identity, operator node index).
+    pub fn resync(&mut self, nodes: u32, entries: impl IntoIterator<Item = (IpAddr, u32, u32)>) {
+        let nodes = (1..=nodes)
+            .filter_map(|i| {
+                Some(MapNode {
+                    index: NonZeroU32::new(i)?,
+                    name: NodeName::new(&format!("node-{i}")).ok()?,
+                })
+            })
+            .collect();
+        let upserts = entries
+            .into_iter()
+            .filter_map(|(ip, identity, node)| {
+                Some(MapEntry {
+                    ip,
+                    identity: IdentityId::new(identity)?,
+                    node: NonZeroU32::new(node)?,
+                })
+            })
+            .collect();
+        self.core.on_map(MapEvent::Batch(MapBatch {
+            resync_start: true,
+            resync_end: true,
+            nodes,
+            upserts,
+            ..MapBatch::default()
+        }));
+        let fx = self.core.take_effects();
+        let done = self.reconciler.apply(&mut self.datapath, &fx);
+        self.core.on_reconciled(done);
+    }
+
+    /// The remote entries in force, and the ENDPOINTS entries reconcile wrote.
+    pub fn entries(&self) -> (u64, u64) {
+        let status = self.core.status();
+        (
+            status.map.remote + status.map.remote_node,
+            status.map_entries,
+        )
+    }
+}
+
+/// A datapath that takes every write and keeps nothing.
+#[derive(Debug)]
+struct Discard;
+
+impl DatapathPort for Discard {
+    fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
+        Ok(BTreeMap::new())
+    }
+
+    fn write_endpoint(&mut self, _: IpAddr, _: bpf::Endpoint) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn delete_endpoint(&mut self, _: &MapKey) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+
+    fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
+        BTreeMap::new()
+    }
+
+    fn write_interface(&mut self, _: bpf::Interface) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn delete_interface(&mut self, _: u32) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+
+    fn clear_interface_slot(&mut self, _: u32) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn attach(&mut self, _: &str) -> Result<u32, bpf::Error> {
+        Ok(1)
+    }
+
+    fn detach(&mut self, _: &str) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+
+    fn attachments(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(Vec::new())
+    }
+
+    fn prune_defunct(&mut self) -> Result<usize, bpf::Error> {
+        Ok(0)
+    }
+
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
+        Ok(false)
+    }
+
+    fn in_front(&self, _: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
+        Ok(Vec::new())
+    }
+
+    fn write_node(&mut self, _: NonZeroU16, _: &str, _: &[IpAddr]) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn delete_node(&mut self, _: NonZeroU16) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        Ok(BTreeMap::new())
     }
 }

@@ -5,7 +5,7 @@ use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 use census_proto::domain::NodeName;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use census_common::FLOWS_MAX_ENTRIES;
+use census_common::{ENDPOINTS_MAX_ENTRIES, FLOWS_MAX_ENTRIES, NODES_MAX_ENTRIES};
 
 use crate::bpf::{AttachModeChoice, DEFAULT_PIN_DIR, DatapathLog};
 
@@ -70,6 +70,11 @@ pub struct AgentArgs {
     /// exponentially, jittered, up to this).
     #[arg(long, env = "CENSUS_RECONNECT_MAX_BACKOFF", default_value = "30s", value_parser = humantime::parse_duration)]
     pub reconnect_max_backoff: Duration,
+    /// Do not watch the operator's cluster-wide endpoint map: ENDPOINTS holds this
+    /// node's endpoints and addresses only (remote entries a previous run wrote are
+    /// removed), so traffic with other nodes' pods counts as `world`.
+    #[arg(long, env = "CENSUS_NO_ENDPOINT_MAP")]
+    pub no_endpoint_map: bool,
     #[command(flatten)]
     pub log: census_daemon::LogArgs,
     #[command(flatten)]
@@ -88,6 +93,15 @@ pub struct DatapathArgs {
     /// its size (and its counters) until `census-agent uninstall`.
     #[arg(long, env = "CENSUS_FLOWS_MAX_ENTRIES", default_value_t = FLOWS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub flows_max_entries: u32,
+    /// ENDPOINTS' entries (every endpoint of the cluster, local and remote, and
+    /// every node address) when the map is created; not preallocated, so an entry
+    /// costs kernel memory only once written. A pinned ENDPOINTS keeps its size.
+    #[arg(long, env = "CENSUS_ENDPOINTS_MAX_ENTRIES", default_value_t = ENDPOINTS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
+    pub endpoints_max_entries: u32,
+    /// NODES' entries (the nodes remote endpoints are on) when the map is created;
+    /// not preallocated. A pinned NODES keeps its size.
+    #[arg(long, env = "CENSUS_NODES_MAX_ENTRIES", default_value_t = NODES_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=65_535))]
+    pub nodes_max_entries: u32,
     /// Attach the classifier again, first, when another program is found in front
     /// of it (off: it is reported only; two programs that both insist on being
     /// first would take turns).
@@ -265,7 +279,15 @@ mod tests {
         assert_eq!(cli.agent.reconcile_interval, Duration::from_secs(10));
         assert_eq!(cli.agent.datapath.attach_mode, AttachModeArg::Auto);
         assert_eq!(cli.agent.datapath.flows_max_entries, 65_536);
+        assert_eq!(cli.agent.datapath.endpoints_max_entries, 524_288);
+        assert_eq!(cli.agent.datapath.nodes_max_entries, 65_535);
         assert!(!cli.agent.datapath.reassert_order);
+        assert!(
+            !cli.agent.no_endpoint_map,
+            "the endpoint map is watched by default"
+        );
+        let cli = Cli::try_parse_from(["census-agent", "--no-endpoint-map"])?;
+        assert!(cli.agent.no_endpoint_map);
         Ok(())
     }
 
@@ -277,12 +299,24 @@ mod tests {
             "tc",
             "--flows-max-entries",
             "1024",
+            "--endpoints-max-entries",
+            "600000",
+            "--nodes-max-entries",
+            "5000",
             "--reassert-order",
         ])?;
         assert_eq!(cli.agent.datapath.attach_mode, AttachModeArg::Tc);
         assert_eq!(cli.agent.datapath.flows_max_entries, 1024);
+        assert_eq!(cli.agent.datapath.endpoints_max_entries, 600_000);
+        assert_eq!(cli.agent.datapath.nodes_max_entries, 5000);
         assert!(cli.agent.datapath.reassert_order);
-        for bad in [["--attach-mode", "xdp"], ["--flows-max-entries", "0"]] {
+        for bad in [
+            ["--attach-mode", "xdp"],
+            ["--flows-max-entries", "0"],
+            ["--endpoints-max-entries", "0"],
+            ["--nodes-max-entries", "0"],
+            ["--nodes-max-entries", "65536"],
+        ] {
             assert!(Cli::try_parse_from([&["census-agent"][..], &bad[..]].concat()).is_err());
         }
         Ok(())

@@ -2,8 +2,9 @@
 //! (`core`: the endpoints, the identity cache, the datapath state they want and the
 //! agent's status) with shells around it that know the core and never each other:
 //! the endpoint [`source`]s, the allocate client (`allocate`), the EndpointSync
-//! client (`sync`), reconcile against the datapath (`reconcile` over [`bpf`]) and
-//! [`admin`] (metrics, health and the JSON API). The [`daemon`] wires them.
+//! client (`sync`), the EndpointMap client (`map`: other nodes' endpoints),
+//! reconcile against the datapath (`reconcile` over [`bpf`]) and [`admin`]
+//! (metrics, health and the JSON API). The [`daemon`] wires them.
 //!
 //! The public API is what the two binaries and the benchmarks use: the datapath and
 //! its pinned maps ([`bpf`]), the admin API's types ([`admin::api`], which the `census`
@@ -23,6 +24,7 @@ pub mod daemon;
 pub mod host;
 #[cfg(test)]
 mod layering;
+mod map;
 mod metrics;
 mod reconcile;
 mod shutdown;

@@ -79,6 +79,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         source,
         reconcile_interval,
         reconnect_max_backoff,
+        no_endpoint_map,
         log: _,
         profiling,
     } = args;
@@ -104,12 +105,16 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
     let DatapathArgs {
         attach_mode,
         flows_max_entries,
+        endpoints_max_entries,
+        nodes_max_entries,
         reassert_order,
         datapath_log,
     } = datapath;
     let datapath_options = bpf::DatapathOptions {
         attach_mode: attach_mode.into(),
         flows_max_entries: Some(flows_max_entries),
+        endpoints_max_entries: Some(endpoints_max_entries),
+        nodes_max_entries: Some(nodes_max_entries),
         datapath_log,
     };
     let datapath = Datapath::open_waiting(&pin_dir, &datapath_options, |holder| {
@@ -162,6 +167,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             session: daemon::new_session(),
             host_ips: HostIps::Discover,
             reassert_order,
+            endpoint_map: !no_endpoint_map,
         };
         let running = daemon::start(options, datapath, Some(pinned), source).await?;
         census_daemon::signal::shutdown().await;

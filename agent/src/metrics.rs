@@ -31,7 +31,7 @@ use tokio::sync::watch;
 
 use crate::{
     bpf::{DatapathStats, Flow, Inspector},
-    core::Status,
+    core::{MapState, Status},
 };
 
 /// Identity pairs exported with their own labels.
@@ -64,6 +64,9 @@ pub(crate) struct Metrics {
     /// Entries the operator's Acks rejected, counted in every Ack that names one.
     pub(crate) rejected_entries: Counter,
     pub(crate) map_write_errors: Family<MapLabels, Counter>,
+    /// Writes of a new entry refused because the map held its maximum (also
+    /// counted in `map_write_errors`).
+    pub(crate) map_full: Family<MapLabels, Counter>,
     pub(crate) attach_errors: Counter,
     /// Entries the periodic full pass found wrong or missing and rewrote.
     pub(crate) map_repairs: Counter,
@@ -72,6 +75,17 @@ pub(crate) struct Metrics {
     pub(crate) source_errors: Family<KindLabels, Counter>,
     allocations: Family<OutcomeLabels, Counter>,
     pub(crate) full_pass_duration: Histogram,
+    /// EndpointMap batches received.
+    pub(crate) map_batches: Counter,
+    /// Full maps received (resync ends).
+    pub(crate) map_resyncs: Counter,
+    /// Map entries, nodes and removes skipped because they did not decode or named
+    /// a node the stream never announced.
+    pub(crate) map_malformed: Counter,
+    /// EndpointMap streams opened after the first.
+    pub(crate) map_reconnects: Counter,
+    /// From the operator building a batch to its entries written in ENDPOINTS.
+    pub(crate) map_propagation: Histogram,
 }
 
 impl Default for Metrics {
@@ -84,6 +98,7 @@ impl Default for Metrics {
             rebinds: Counter::default(),
             rejected_entries: Counter::default(),
             map_write_errors: Family::default(),
+            map_full: Family::default(),
             attach_errors: Counter::default(),
             map_repairs: Counter::default(),
             map_removals: Counter::default(),
@@ -91,6 +106,12 @@ impl Default for Metrics {
             allocations: Family::default(),
             // 10 µs .. ~40 s.
             full_pass_duration: Histogram::new(exponential_buckets(0.000_01, 2.5, 17)),
+            map_batches: Counter::default(),
+            map_resyncs: Counter::default(),
+            map_malformed: Counter::default(),
+            map_reconnects: Counter::default(),
+            // 1 ms .. ~65 s.
+            map_propagation: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
         }
     }
 }
@@ -140,6 +161,12 @@ impl Metrics {
             self.map_write_errors.clone(),
         );
         r.register(
+            "map_full_errors",
+            "Writes of a new entry refused because the map was full (ENDPOINTS: raise \
+             --endpoints-max-entries; NODES: --nodes-max-entries)",
+            self.map_full.clone(),
+        );
+        r.register(
             "attach_errors",
             "Failed attachments of the classifier to an interface",
             self.attach_errors.clone(),
@@ -168,6 +195,33 @@ impl Metrics {
             "full_pass_duration_seconds",
             "Time of one full reconcile pass",
             self.full_pass_duration.clone(),
+        );
+        r.register(
+            "endpoint_map_batches",
+            "Batches of the cluster-wide endpoint map received from the operator",
+            self.map_batches.clone(),
+        );
+        r.register(
+            "endpoint_map_resyncs",
+            "Full endpoint maps received (each replaces the remote entries)",
+            self.map_resyncs.clone(),
+        );
+        r.register(
+            "endpoint_map_malformed",
+            "Endpoint map entries, nodes and removes skipped: not decodable, or naming a node the \
+             stream never announced",
+            self.map_malformed.clone(),
+        );
+        r.register(
+            "endpoint_map_reconnects",
+            "EndpointMap streams opened after the first",
+            self.map_reconnects.clone(),
+        );
+        r.register(
+            "endpoint_map_propagation_seconds",
+            "From the operator building an endpoint map batch (its clock) to its entries written \
+             in ENDPOINTS (this node's)",
+            self.map_propagation.clone(),
         );
     }
 }
@@ -228,6 +282,47 @@ impl Collector for AgentCollector {
             "census_agent_map_entries",
             "ENDPOINTS entries written by this agent",
             g.map_entries,
+        )?;
+        let map = &g.map;
+        let mut family = e.encode_descriptor(
+            "census_agent_endpoint_map_entries",
+            "ENDPOINTS entries the agent wants, by kind: this node's endpoints (local) and \
+             addresses (host), other nodes' endpoints (remote) and addresses (remote-node)",
+            None,
+            kind,
+        )?;
+        for (what, n) in [
+            ("local", map.local),
+            ("host", map.host),
+            ("remote", map.remote),
+            ("remote-node", map.remote_node),
+        ] {
+            let labels = [("kind", what)];
+            ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
+        }
+        gauge(
+            &mut e,
+            "census_agent_endpoint_map_shadowed",
+            "Remote claims not written because an endpoint or address of this node holds the address",
+            map.shadowed,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_endpoint_map_nodes",
+            "Other nodes the remote entries name (NODES)",
+            map.nodes,
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_endpoint_map_connected",
+            "1 while the EndpointMap watch is up (when it is not, the remote entries stay in force)",
+            u64::from(map.link.state == MapState::Connected),
+        )?;
+        gauge(
+            &mut e,
+            "census_agent_endpoint_map_unsupported",
+            "1 while the operator has no EndpointMap (an older operator): the agent is local-only",
+            u64::from(map.link.state == MapState::Unsupported),
         )?;
         gauge(
             &mut e,
@@ -465,6 +560,9 @@ mod tests {
             ..Status::default()
         };
         status.operator.connected = true;
+        status.map.remote = 40;
+        status.map.remote_node = 2;
+        status.map.link.state = MapState::Connected;
         let (_publish, status) = watch::channel(status);
         let mut registry = Registry::default();
         Metrics::default().register(&mut registry);
@@ -476,6 +574,15 @@ mod tests {
             text.contains("census_agent_endpoints{state=\"programmed\"} 3"),
             "{text}"
         );
+        for line in [
+            "census_agent_endpoint_map_entries{kind=\"remote\"} 40",
+            "census_agent_endpoint_map_entries{kind=\"remote-node\"} 2",
+            "census_agent_endpoint_map_connected 1",
+            "census_agent_endpoint_map_unsupported 0",
+            "census_agent_endpoint_map_resyncs_total 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in {text}");
+        }
         Ok(())
     }
 }

@@ -8,8 +8,9 @@
 //!
 //! The agent is Ready once its datapath is loaded and its endpoint source has given
 //! a first full set. It stays Ready while the operator is away (fail-static) and
-//! while the source's input is broken (the last good set stays in force); `/readyz`
-//! says both in its detail.
+//! while the source's input is broken (the last good set stays in force), and
+//! while the cluster-wide endpoint map is away (its remote entries stay in force);
+//! `/readyz` says each in its detail.
 
 pub mod api;
 
@@ -30,7 +31,7 @@ use tokio::{
 
 use crate::{
     bpf::Inspector,
-    core::{EndpointState, EndpointView, Status},
+    core::{EndpointState, EndpointView, MapState, MapStatus, Status},
 };
 
 /// A question for the core, answered on its task.
@@ -129,6 +130,7 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         "endpoints: {} programmed, {} waiting for identity, {} in error",
         core.programmed, core.waiting, core.errors
     );
+    let operator = format!("{operator}\n{}", map_detail(&core.map));
     let mut datapath = String::new();
     for p in &core.in_front {
         datapath.push_str(&format!(
@@ -162,6 +164,36 @@ async fn readyz(State(state): State<AdminState>) -> Response {
             ),
         )
             .into_response()
+    }
+}
+
+/// The cluster-wide endpoint map's line of `/readyz`: being away from it never
+/// makes the agent unready (the remote entries stay in force).
+fn map_detail(map: &MapStatus) -> String {
+    let entries = format!(
+        "{} remote entries, {} node addresses, {} nodes",
+        map.remote, map.remote_node, map.nodes
+    );
+    match map.link.state {
+        MapState::Connected if map.complete => format!("endpoint map: connected; {entries}"),
+        MapState::Connected => {
+            format!("endpoint map: connected, waiting for the full map; {entries}")
+        }
+        MapState::Connecting | MapState::Disconnected => {
+            let why = map
+                .link
+                .last_error
+                .as_ref()
+                .map_or_else(|| "not connected yet".to_owned(), ToString::to_string);
+            format!(
+                "endpoint map: {} ({why}); the remote entries stay in force: {entries}",
+                map.link.state.label()
+            )
+        }
+        MapState::Unsupported => {
+            "endpoint map: the operator has none (an older operator); local-only".to_owned()
+        }
+        MapState::Disabled => "endpoint map: off (--no-endpoint-map); local-only".to_owned(),
     }
 }
 

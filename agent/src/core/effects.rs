@@ -5,11 +5,12 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    num::NonZeroU16,
 };
 
 use census_proto::domain::{Endpoint, EndpointKey, IdentityId};
 
-use super::{AllocationId, AllocationRequest};
+use super::{AllocationId, AllocationRequest, NodeEntry};
 
 /// The ENDPOINTS entry an address should have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -22,6 +23,9 @@ pub(crate) enum Entry {
     Unattached(IdentityId),
     /// One of the node's own addresses.
     Host,
+    /// An endpoint of another node (or its address, identity `remote-node`), from
+    /// the cluster-wide map; `node` is its NODES index.
+    Remote { id: IdentityId, node: NonZeroU16 },
 }
 
 /// What an interface needs.
@@ -64,6 +68,13 @@ pub(crate) struct Effects {
     /// before the source's first full set, when the agent does not know yet what is
     /// unwanted (a previous run's entries stay in force).
     pub(crate) prune: bool,
+    /// The NODES entries that may have changed, as they should be now (`None`: no
+    /// entry). Written before the entries, removed after them.
+    pub(crate) nodes: BTreeMap<NonZeroU16, Option<NodeEntry>>,
+    /// Whether a `None` entry removes a REMOTE entry: once the cluster-wide map
+    /// has completed a resync since start (or the agent is local-only). Until then
+    /// the remote entries and nodes pinned by a previous run stay in force.
+    pub(crate) prune_remote: bool,
 }
 
 impl Effects {
@@ -72,6 +83,7 @@ impl Effects {
             && self.reports.is_empty()
             && self.entries.is_empty()
             && self.interfaces.is_empty()
+            && self.nodes.is_empty()
     }
 
     /// `later`'s effects after these: a change of the same address or interface is
@@ -83,12 +95,16 @@ impl Effects {
             entries,
             interfaces,
             prune,
+            nodes,
+            prune_remote,
         } = later;
         self.allocations.extend(allocations);
         self.reports.extend(reports);
         self.entries.extend(entries);
         self.interfaces.extend(interfaces);
+        self.nodes.extend(nodes);
         self.prune = prune;
+        self.prune_remote = prune_remote;
     }
 
     /// The label sets whose allocation starts.
@@ -109,4 +125,9 @@ pub(crate) struct Desired {
     /// identity, and that identity: their INTERFACES entries carry it. The others'
     /// entries carry none (the program looks addresses up).
     pub(crate) interface_identities: HashMap<String, IdentityId>,
+    /// The NODES entries the REMOTE entries name.
+    pub(crate) nodes: BTreeMap<NonZeroU16, NodeEntry>,
+    /// Whether the remote part is the whole truth (see [`Effects::prune_remote`]):
+    /// only then are REMOTE entries and nodes it lacks removed.
+    pub(crate) remote_complete: bool,
 }

@@ -4,10 +4,11 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    num::NonZeroU32,
 };
 
 use census_proto::{
-    domain::{EndpointKey, IdentityId},
+    domain::{EndpointKey, IdentityId, NodeName},
     labels::{LabelFilter, LabelLimits, LabelSet},
 };
 
@@ -118,4 +119,48 @@ pub(crate) struct ProgramInFront {
     /// Its name (or a TC filter's kind).
     pub(crate) program: String,
     pub(crate) program_id: u32,
+}
+
+/// What the EndpointMap client tells the core.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum MapEvent {
+    /// One batch of the cluster-wide map, decoded (its malformed entries left out).
+    Batch(MapBatch),
+    /// There is no map to watch (the watch is off, or the operator has none): the
+    /// agent is local-only, and remote entries go.
+    LocalOnly,
+}
+
+/// One batch of the cluster-wide map (`EndpointMapBatch`), in domain terms.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct MapBatch {
+    /// Forget everything received so far: the full map follows, up to the batch
+    /// with `resync_end`.
+    pub(crate) resync_start: bool,
+    pub(crate) resync_end: bool,
+    pub(crate) nodes: Vec<MapNode>,
+    pub(crate) upserts: Vec<MapEntry>,
+    pub(crate) removes: Vec<IpAddr>,
+    pub(crate) removed_nodes: Vec<NonZeroU32>,
+    /// When the operator built it, ms since the Unix epoch (0: unknown); the core
+    /// has no clock and does not read it.
+    pub(crate) built_at_ms: u64,
+    pub(crate) version: u64,
+}
+
+/// A node of the map, by the operator's index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MapNode {
+    pub(crate) index: NonZeroU32,
+    pub(crate) name: NodeName,
+}
+
+/// One address of the map: an endpoint of `node`, or `node`'s own address
+/// (identity `remote-node`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MapEntry {
+    pub(crate) ip: IpAddr,
+    pub(crate) identity: IdentityId,
+    /// The operator's index of the node.
+    pub(crate) node: NonZeroU32,
 }

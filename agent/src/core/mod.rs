@@ -33,6 +33,9 @@ mod effects;
 mod error;
 mod events;
 mod identities;
+#[cfg(test)]
+pub(crate) mod map_tests;
+mod remote;
 mod status;
 #[cfg(test)]
 mod tests;
@@ -41,10 +44,11 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     mem,
     net::IpAddr,
+    num::NonZeroU16,
 };
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdentityId},
+    domain::{Endpoint, EndpointKey, IdentityId, NodeName},
     labels::{LabelFilter, LabelSet},
 };
 use tracing::{debug, info, warn};
@@ -52,12 +56,16 @@ use tracing::{debug, info, warn};
 pub(crate) use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
 pub(crate) use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
 pub(crate) use events::{
-    AllocationEvent, DatapathHealth, LabelSettings, OperatorEvent, ProgramInFront, Reconciled,
-    Verdict, VerdictScope,
+    AllocationEvent, DatapathHealth, LabelSettings, MapBatch, MapEntry, MapEvent, MapNode,
+    OperatorEvent, ProgramInFront, Reconciled, Verdict, VerdictScope,
 };
 pub(crate) use identities::{AllocationId, AllocationRequest};
 use identities::{IdentityCache, Lookup, Release};
-pub(crate) use status::{EndpointState, EndpointView, OperatorLink, Status};
+use remote::RemoteMap;
+pub(crate) use remote::{MapApplied, NodeEntry};
+pub(crate) use status::{
+    EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, Status,
+};
 
 use crate::source::{HostInterface, SourceEndpoint, SourceEvent, SourceFailure};
 
@@ -95,6 +103,7 @@ struct Queue {
     reports: Vec<Report>,
     ips: BTreeSet<IpAddr>,
     interfaces: BTreeSet<String>,
+    nodes: BTreeSet<NonZeroU16>,
 }
 
 /// See the module documentation.
@@ -122,6 +131,9 @@ pub(crate) struct Core {
     attached: BTreeSet<String>,
     /// The datapath as the last full pass found it.
     health: DatapathHealth,
+    /// The cluster-wide map: other nodes' endpoints and addresses.
+    remote: RemoteMap,
+    map_link: MapLink,
 }
 
 impl Core {
@@ -139,6 +151,24 @@ impl Core {
     pub(crate) fn with_attached(mut self, attached: BTreeSet<String>) -> Self {
         self.attached = attached;
         self
+    }
+
+    /// This node's name (the cluster-wide map's entries of this node are not kept),
+    /// and the nodes NODES held at start (they keep their index).
+    pub(crate) fn with_node(
+        mut self,
+        node: NodeName,
+        pinned: impl IntoIterator<Item = (NonZeroU16, NodeName)>,
+    ) -> Self {
+        self.remote = RemoteMap::new(Some(node));
+        self.remote.seed_nodes(pinned);
+        self
+    }
+
+    /// Whether the cluster-wide map has completed a resync since start (or the
+    /// agent is local-only): remote entries it lacks may go.
+    pub(crate) fn map_complete(&self) -> bool {
+        self.remote.complete()
     }
 
     /// Whether the source has given its first full set (and removing what it does
@@ -190,7 +220,13 @@ impl Core {
                 info!(adopted, "endpoints keep the identities the maps held");
             }
         }
-        self.adoptable = None;
+        // The addresses a previous run held locally no longer keep a remote claim out.
+        if let Some(adoptable) = self.adoptable.take() {
+            let claimed = adoptable
+                .into_keys()
+                .filter(|ip| self.remote.get(*ip).is_some());
+            self.queue.ips.extend(claimed);
+        }
     }
 
     fn upsert(&mut self, source: SourceEndpoint) {
@@ -531,6 +567,23 @@ impl Core {
         self.operator_link = link;
     }
 
+    /// A batch of the cluster-wide map, or word that there is none.
+    pub(crate) fn on_map(&mut self, event: MapEvent) -> MapApplied {
+        let Queue { ips, nodes, .. } = &mut self.queue;
+        match event {
+            MapEvent::Batch(batch) => self.remote.apply(batch, ips, nodes),
+            MapEvent::LocalOnly => MapApplied {
+                changed: self.remote.local_only(ips, nodes),
+                skipped: 0,
+            },
+        }
+    }
+
+    /// The EndpointMap watch's state, for the status.
+    pub(crate) fn set_map_link(&mut self, link: MapLink) {
+        self.map_link = link;
+    }
+
     /// What reconcile did with the effects, or in a full pass.
     pub(crate) fn on_reconciled(&mut self, reconciled: Reconciled) {
         let Reconciled {
@@ -599,12 +652,18 @@ impl Core {
             reports,
             ips,
             interfaces,
+            nodes,
         } = mem::take(&mut self.queue);
         let identities = self.interface_identities();
         Effects {
             allocations,
             reports,
             entries: ips.into_iter().map(|ip| (ip, self.entry(ip))).collect(),
+            nodes: nodes
+                .into_iter()
+                .map(|index| (index, self.remote.node(index)))
+                .collect(),
+            prune_remote: self.remote.complete(),
             interfaces: interfaces
                 .into_iter()
                 .map(|name| {
@@ -622,7 +681,9 @@ impl Core {
         }
     }
 
-    /// The ENDPOINTS entry `ip` should have.
+    /// The ENDPOINTS entry `ip` should have. This node's endpoints and addresses
+    /// come first: a remote claim is written only for an address neither holds
+    /// (nor, until the source's first full set, a LOCAL entry of a previous run).
     fn entry(&self, ip: IpAddr) -> Option<Entry> {
         let owner = self
             .owners
@@ -635,8 +696,22 @@ impl Core {
                 HostInterface::Named(_) | HostInterface::Unknown(_) => Entry::Unattached(held.id),
             }),
             None if self.host_ips.contains(&ip) => Some(Entry::Host),
-            None => None,
+            None if self.held_locally(ip) => None,
+            None => self
+                .remote
+                .get(ip)
+                .map(|(id, node)| Entry::Remote { id, node }),
         }
+    }
+
+    /// Whether a local endpoint (with an identity or not) claims `ip`, or, until
+    /// the source's first full set, a previous run's LOCAL entry held it.
+    fn held_locally(&self, ip: IpAddr) -> bool {
+        self.owners.contains_key(&ip)
+            || self
+                .adoptable
+                .as_ref()
+                .is_some_and(|found| found.contains_key(&ip))
     }
 
     /// The whole desired datapath state.
@@ -648,7 +723,15 @@ impl Core {
                 entries.insert(*ip, entry);
             }
         }
+        entries.reserve(self.remote.len());
+        for (ip, id, node) in self.remote.iter() {
+            if !self.host_ips.contains(&ip) && !self.held_locally(ip) {
+                entries.insert(ip, Entry::Remote { id, node });
+            }
+        }
         Desired {
+            nodes: self.remote.nodes().collect(),
+            remote_complete: self.remote.complete(),
             entries,
             interfaces: self.interfaces.keys().cloned().collect(),
             interface_identities: self
@@ -731,6 +814,58 @@ impl Core {
             datapath_error: self.health.error.as_ref().map(ToString::to_string),
             in_front: self.health.in_front.clone(),
             operator: self.operator_link.clone(),
+            map: self.map_status(),
+        }
+    }
+
+    /// The map's entries by kind. Costs the local addresses, not the remote ones.
+    fn map_status(&self) -> MapStatus {
+        let (mut local, mut host, mut shadowed, mut shadowed_nodes) = (0, 0, 0, 0);
+        let mut shadow = |ip: IpAddr| {
+            if let Some((id, _)) = self.remote.get(ip) {
+                shadowed += 1;
+                if id == IdentityId::REMOTE_NODE {
+                    shadowed_nodes += 1;
+                }
+            }
+        };
+        for ip in self.owners.keys() {
+            match self.entry(*ip) {
+                Some(Entry::Local(_) | Entry::Unattached(_)) => local += 1,
+                Some(Entry::Host) => host += 1,
+                Some(Entry::Remote { .. }) | None => {}
+            }
+            shadow(*ip);
+        }
+        for ip in self
+            .host_ips
+            .iter()
+            .filter(|ip| !self.owners.contains_key(ip))
+        {
+            host += 1;
+            shadow(*ip);
+        }
+        if let Some(found) = &self.adoptable {
+            let pinned = found
+                .keys()
+                .filter(|ip| !self.owners.contains_key(ip) && !self.host_ips.contains(ip));
+            for ip in pinned {
+                shadow(*ip);
+            }
+        }
+        let remote_node = self.remote.node_addresses() as u64;
+        let all = self.remote.len() as u64;
+        MapStatus {
+            link: self.map_link.clone(),
+            complete: self.remote.complete(),
+            resyncs: self.remote.resyncs(),
+            version: self.remote.version(),
+            local,
+            host,
+            remote: (all - remote_node).saturating_sub(shadowed - shadowed_nodes),
+            remote_node: remote_node.saturating_sub(shadowed_nodes),
+            shadowed,
+            nodes: self.remote.node_count() as u64,
         }
     }
 

@@ -52,6 +52,71 @@ pub(crate) struct Status {
     /// Programs that run in front of census's classifier.
     pub(crate) in_front: Vec<super::ProgramInFront>,
     pub(crate) operator: OperatorLink,
+    /// The cluster-wide endpoint map.
+    pub(crate) map: MapStatus,
+}
+
+/// Where the EndpointMap watch stands, as its client reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum MapState {
+    /// Not connected yet since start.
+    #[default]
+    Connecting,
+    Connected,
+    /// The stream was lost: the remote entries stay in force (fail-static).
+    Disconnected,
+    /// The operator has no EndpointMap (an older operator): local-only, retried
+    /// now and then.
+    Unsupported,
+    /// The watch is off (`--no-endpoint-map`): local-only.
+    Disabled,
+}
+
+impl MapState {
+    /// The `state` label of the metrics and the word of `/readyz`.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::Connecting => "connecting",
+            Self::Connected => "connected",
+            Self::Disconnected => "disconnected",
+            Self::Unsupported => "unsupported",
+            Self::Disabled => "disabled",
+        }
+    }
+}
+
+/// The EndpointMap watch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct MapLink {
+    pub(crate) state: MapState,
+    /// Why the last stream ended or could not start.
+    pub(crate) last_error: Option<StreamError>,
+}
+
+/// The cluster-wide endpoint map as the agent holds it: the desired ENDPOINTS
+/// entries by kind, and the watch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct MapStatus {
+    pub(crate) link: MapLink,
+    /// A resync has completed since start (or the agent is local-only).
+    pub(crate) complete: bool,
+    /// Resyncs completed since start.
+    pub(crate) resyncs: u64,
+    /// The version of the last batch (the operator's count of batches).
+    pub(crate) version: u64,
+    /// Entries of this node's endpoints.
+    pub(crate) local: u64,
+    /// This node's own addresses.
+    pub(crate) host: u64,
+    /// Entries of other nodes' endpoints.
+    pub(crate) remote: u64,
+    /// Other nodes' addresses.
+    pub(crate) remote_node: u64,
+    /// Remote claims not written because a local endpoint or a node address of
+    /// this node holds the address.
+    pub(crate) shadowed: u64,
+    /// Nodes the remote entries name (NODES).
+    pub(crate) nodes: u64,
 }
 
 /// Where an endpoint stands.

@@ -70,7 +70,7 @@ impl Maps {
             .iter()
             .map(|(ip, entry)| {
                 let identity = match entry {
-                    Entry::Local(id) | Entry::Unattached(id) => id.get(),
+                    Entry::Local(id) | Entry::Unattached(id) | Entry::Remote { id, .. } => id.get(),
                     Entry::Host => 1,
                 };
                 (ip.to_string(), identity)

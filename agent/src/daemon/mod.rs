@@ -1,6 +1,6 @@
 //! Assembles the agent: the endpoint source, the [core](crate::core) and the shells
-//! around it — the allocate client, the EndpointSync client, reconcile against the
-//! datapath and the admin server — and stops it. The shells know the core, never
+//! around it — the allocate client, the EndpointSync client, the EndpointMap
+//! client, reconcile against the datapath and the admin server — and stops it. The shells know the core, never
 //! each other: this module carries events to the core and its effects to them.
 //!
 //! Stopping never touches the datapath: maps, links and counters stay as they are
@@ -30,8 +30,12 @@ use crate::{
     admin::{self, AdminState, Query},
     allocate::AllocateClient,
     bpf::{self, Inspector},
-    core::{AllocationEvent, Core, Effects, OperatorEvent, OperatorLink, Status},
+    core::{
+        AllocationEvent, Core, Effects, MapEvent, MapLink, MapState, OperatorEvent, OperatorLink,
+        Status,
+    },
     host::HostIps,
+    map::MapClient,
     metrics::{AgentCollector, KindLabels, Metrics},
     reconcile::{self, DatapathPort, Reconciler},
     shutdown::stopped,
@@ -55,7 +59,12 @@ pub struct Options {
     pub host_ips: HostIps,
     /// Attach census first again when another program is found in front of it.
     pub reassert_order: bool,
+    /// Watch the operator's cluster-wide endpoint map (off: local-only).
+    pub endpoint_map: bool,
 }
+
+/// How long an operator without EndpointMap is left alone before it is asked again.
+const UNSUPPORTED_RETRY: Duration = Duration::from_secs(600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -133,10 +142,12 @@ where
         session,
         host_ips,
         reassert_order,
+        endpoint_map,
     } = options;
     let channel = operator_channel(&operator)?;
     let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
     let attached = reconcile::attached_at_start(&maps);
+    let pinned_nodes = reconcile::pinned_nodes(&maps);
     info!(%node, %session, operator, entries = found.len(), "starting");
 
     let metrics = Metrics::default();
@@ -159,6 +170,8 @@ where
     let (ready_tx, ready_rx) = watch::channel(false);
     let (query_tx, query_rx) = mpsc::channel(16);
     let (connected_tx, connected_rx) = watch::channel(false);
+    let (map_tx, map_rx) = mpsc::channel(16);
+    let (map_link_tx, map_link_rx) = watch::channel(MapLink::default());
 
     let listener = TcpListener::bind(admin_listen)
         .await
@@ -193,6 +206,7 @@ where
         metrics: metrics.clone(),
         status: link_tx,
         connected: connected_tx,
+        host_ips: host_ips.clone(),
     };
     tasks.push(tokio::spawn(sync.run(
         reports_rx,
@@ -201,8 +215,37 @@ where
         stop.clone(),
     )));
 
+    let mut core = Core::new(reconcile::adoptable(&found))
+        .with_attached(attached)
+        .with_node(node.clone(), pinned_nodes);
+    if endpoint_map {
+        let map = MapClient {
+            channel: channel.clone(),
+            node: node.clone(),
+            session,
+            initial_backoff,
+            max_backoff,
+            unsupported_retry: UNSUPPORTED_RETRY,
+            metrics: metrics.clone(),
+            status: map_link_tx,
+        };
+        tasks.push(tokio::spawn(map.run(
+            map_tx,
+            connected_rx.clone(),
+            stop.clone(),
+        )));
+    } else {
+        info!("the endpoint map watch is off (--no-endpoint-map): this agent is local-only");
+        core.on_map(MapEvent::LocalOnly);
+        core.set_map_link(MapLink {
+            state: MapState::Disabled,
+            last_error: None,
+        });
+        drop((map_tx, map_link_tx));
+    }
+
     let wiring = Wiring {
-        core: Core::new(reconcile::adoptable(&found)).with_attached(attached),
+        core,
         reconciler: Reconciler::new(metrics.clone()).reassert_order(reassert_order),
         maps,
         allocate: AllocateClient::new(
@@ -228,6 +271,8 @@ where
         allocations: alloc_rx,
         operator: operator_rx,
         link: link_rx,
+        map: map_rx,
+        map_link: map_link_rx,
         queries: query_rx,
         stop: stop.clone(),
     };
@@ -288,12 +333,23 @@ fn operator_channel(address: &str) -> Result<Channel, StartError> {
         .connect_lazy())
 }
 
+/// Seconds from `ms` since the Unix epoch (another host's clock) to now; 0 for a
+/// time ahead of this host's clock.
+fn since_ms(ms: u64) -> f64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    Duration::from_millis(now.saturating_sub(ms)).as_secs_f64()
+}
+
 /// What woke the core.
 enum Step {
     Source(Option<SourceEvent>),
     Allocation(AllocationEvent),
     Operator(OperatorEvent),
     Link,
+    Map(MapEvent),
+    MapLink,
     Query(Query),
     Tick,
 }
@@ -304,6 +360,8 @@ struct Inputs {
     allocations: mpsc::Receiver<AllocationEvent>,
     operator: mpsc::Receiver<OperatorEvent>,
     link: watch::Receiver<OperatorLink>,
+    map: mpsc::Receiver<MapEvent>,
+    map_link: watch::Receiver<MapLink>,
     queries: mpsc::Receiver<Query>,
     stop: watch::Receiver<bool>,
 }
@@ -332,6 +390,8 @@ impl<M: DatapathPort> Wiring<M> {
             mut allocations,
             mut operator,
             mut link,
+            mut map,
+            mut map_link,
             mut queries,
             mut stop,
         } = inputs;
@@ -339,16 +399,21 @@ impl<M: DatapathPort> Wiring<M> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let was_synced = self.core.synced();
+            let was_complete = self.core.map_complete();
             let step = tokio::select! {
                 event = source.recv() => Step::Source(event),
                 Some(event) = allocations.recv() => Step::Allocation(event),
                 Some(event) = operator.recv() => Step::Operator(event),
                 Ok(()) = link.changed() => Step::Link,
+                Some(event) = map.recv() => Step::Map(event),
+                Ok(()) = map_link.changed() => Step::MapLink,
                 Some(query) = queries.recv() => Step::Query(query),
                 _ = tick.tick() => Step::Tick,
                 () = stopped(&mut stop) => return,
             };
             let mut full_pass = false;
+            // When the operator built the batch whose entries this step writes.
+            let mut built_at_ms = None;
             match step {
                 Step::Source(Some(event)) => {
                     if let SourceEvent::Failed(failure) = &event {
@@ -379,6 +444,27 @@ impl<M: DatapathPort> Wiring<M> {
                     let link = link.borrow_and_update().clone();
                     self.core.set_operator_link(link);
                 }
+                Step::Map(event) => {
+                    let built = match &event {
+                        MapEvent::Batch(batch) => batch.built_at_ms,
+                        MapEvent::LocalOnly => 0,
+                    };
+                    let applied = self.core.on_map(event);
+                    if applied.skipped > 0 {
+                        self.metrics.map_malformed.inc_by(applied.skipped as u64);
+                        warn!(
+                            skipped = applied.skipped,
+                            "skipped endpoint map entries naming a node the operator never announced"
+                        );
+                    }
+                    if applied.changed > 0 && built > 0 {
+                        built_at_ms = Some(built);
+                    }
+                }
+                Step::MapLink => {
+                    let link = map_link.borrow_and_update().clone();
+                    self.core.set_map_link(link);
+                }
                 Step::Query(Query::Endpoints(reply)) => {
                     let _ = reply.send(self.core.view());
                 }
@@ -391,6 +477,9 @@ impl<M: DatapathPort> Wiring<M> {
                 }
             }
             self.apply_all();
+            if let Some(built) = built_at_ms {
+                self.metrics.map_propagation.observe(since_ms(built));
+            }
             if !was_synced && self.core.synced() {
                 // The first full set: what it does not list can go now.
                 full_pass = true;
@@ -398,6 +487,14 @@ impl<M: DatapathPort> Wiring<M> {
                 info!(
                     endpoints = self.core.len(),
                     "the first full set of endpoints is in place"
+                );
+            }
+            if !was_complete && self.core.map_complete() {
+                // The first whole map: what a previous run pinned and it lacks goes now.
+                full_pass = true;
+                info!(
+                    nodes = self.core.status().map.nodes,
+                    "the first full endpoint map is in place"
                 );
             }
             if full_pass {

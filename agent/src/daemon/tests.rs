@@ -38,8 +38,21 @@ struct Agent {
 }
 
 async fn agent(dir: &Path, operator: SocketAddr, maps: Arc<Mutex<FakeMaps>>) -> Fallible<Agent> {
+    agent_on("n1", "198.18.0.1", dir, operator, maps, true).await
+}
+
+/// An agent on node `node` whose own address is `host`, with the endpoints file in
+/// `dir`, watching the endpoint map or not.
+async fn agent_on(
+    node: &str,
+    host: &str,
+    dir: &Path,
+    operator: SocketAddr,
+    maps: Arc<Mutex<FakeMaps>>,
+    endpoint_map: bool,
+) -> Fallible<Agent> {
     let options = Options {
-        node: NodeName::new("n1")?,
+        node: NodeName::new(node)?,
         operator: format!("http://{operator}"),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: None,
@@ -47,8 +60,9 @@ async fn agent(dir: &Path, operator: SocketAddr, maps: Arc<Mutex<FakeMaps>>) -> 
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(300),
         session: new_session(),
-        host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
+        host_ips: HostIps::Fixed([host.parse()?].into()),
         reassert_order: false,
+        endpoint_map,
     };
     let source = FileSource::new(dir.join("endpoints.yaml"), Duration::from_millis(200))?;
     let running = start(options, maps.clone(), None, Box::new(source)).await?;
@@ -440,6 +454,7 @@ async fn the_health_listener_serves_probes_and_metrics_only_and_both_formats_lin
         session: new_session(),
         host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
         reassert_order: false,
+        endpoint_map: true,
     };
     let source = FileSource::new(
         dir.path().join("endpoints.yaml"),
@@ -488,5 +503,106 @@ async fn the_health_listener_serves_probes_and_metrics_only_and_both_formats_lin
         }
     }
     running.shut_down().await;
+    Ok(())
+}
+
+fn remote_entry(maps: &Arc<Mutex<FakeMaps>>, ip: &str) -> Option<bpf::Endpoint> {
+    entry(maps, ip).filter(|e| e.remote_node().is_some())
+}
+
+/// Two agents on one operator: each writes the other node's endpoints REMOTE,
+/// with the identity the other writes LOCAL and a node NODES names, keeps its own
+/// LOCAL, and loses a remote endpoint once the other node deletes it.
+#[tokio::test]
+async fn each_agent_holds_the_other_nodes_endpoints() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
+    let (d1, d2) = (dir.path().join("n1"), dir.path().join("n2"));
+    std::fs::create_dir_all(&d1)?;
+    std::fs::create_dir_all(&d2)?;
+    write(
+        &d1,
+        "- {namespace: default, name: web-0, ips: [198.18.1.2], labels: {app: web}, interface: veth1}\n",
+    )?;
+    write(
+        &d2,
+        "- {namespace: default, name: db-0, ips: [198.18.2.2], labels: {app: db}, interface: veth2}\n",
+    )?;
+    let a1 = agent_on("n1", "198.18.0.1", &d1, op.grpc_addr, fake_maps(), true).await?;
+    let a2 = agent_on("n2", "198.18.0.2", &d2, op.grpc_addr, fake_maps(), true).await?;
+
+    let db = until_some(WAIT, || async { remote_entry(&a1.maps, "198.18.2.2") })
+        .await
+        .ok_or("n1 never wrote n2's db-0")?;
+    let web = until_some(WAIT, || async { remote_entry(&a2.maps, "198.18.1.2") })
+        .await
+        .ok_or("n2 never wrote n1's web-0")?;
+    let local_db = entry(&a2.maps, "198.18.2.2").ok_or("n2 has no entry for db-0")?;
+    let local_web = entry(&a1.maps, "198.18.1.2").ok_or("n1 has no entry for web-0")?;
+    assert_eq!(db.identity, local_db.identity);
+    assert_eq!(web.identity, local_web.identity);
+    assert_eq!(
+        local_web.remote_node(),
+        None,
+        "its own endpoint stays local"
+    );
+    assert_ne!(db.identity, web.identity);
+    let named = |maps: &Arc<Mutex<FakeMaps>>, e: bpf::Endpoint| {
+        maps.lock()
+            .nodes
+            .get(&e.node)
+            .map(|n| n.name.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(named(&a1.maps, db), "n2");
+    assert_eq!(named(&a2.maps, web), "n1");
+    let (status, body) = get(a1.running.admin_addr, "/readyz").await?;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("endpoint map: connected"), "{body}");
+
+    write(&d2, "[]\n")?;
+    until_some(WAIT, || async {
+        entry(&a1.maps, "198.18.2.2").is_none().then_some(())
+    })
+    .await
+    .ok_or("n2's deleted endpoint stayed in n1's map")?;
+    a1.running.shut_down().await;
+    a2.running.shut_down().await;
+    Ok(())
+}
+
+/// Checked: failing when the daemon does not tell the core it is local-only.
+#[tokio::test]
+async fn without_the_map_the_agent_is_local_only_and_says_so() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
+    write(dir.path(), FOUR)?;
+    let maps = fake_maps();
+    // A previous run's remote entry and its node.
+    maps.lock().entries.insert(
+        MapKey::from("198.18.9.9".parse::<IpAddr>()?),
+        bpf::Endpoint::remote(300, std::num::NonZeroU16::MIN),
+    );
+    maps.lock().nodes.insert(
+        1,
+        bpf::NodeRecord {
+            name: "n9".to_owned(),
+            addresses: Vec::new(),
+        },
+    );
+    let a = agent_on("n1", "198.18.0.1", dir.path(), op.grpc_addr, maps, false).await?;
+    until_some(WAIT, || async {
+        let maps = a.maps.lock();
+        (!maps
+            .entries
+            .contains_key(&MapKey::from(IpAddr::from([198, 18, 9, 9])))
+            && maps.nodes.is_empty())
+        .then_some(())
+    })
+    .await
+    .ok_or("the previous run's remote entry stayed")?;
+    let (_, body) = get(a.running.admin_addr, "/readyz").await?;
+    assert!(body.contains("endpoint map: off"), "{body}");
+    a.running.shut_down().await;
     Ok(())
 }

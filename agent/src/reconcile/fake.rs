@@ -30,6 +30,14 @@ pub(crate) struct FakeMaps {
     pub(crate) unpinned: bool,
     /// Programs in front of census's, by interface.
     pub(crate) in_front: BTreeMap<String, Vec<bpf::InFront>>,
+    /// NODES, by index.
+    pub(crate) nodes: BTreeMap<u16, bpf::NodeRecord>,
+    /// NODES writes and deletes.
+    pub(crate) node_writes: usize,
+    /// ENDPOINTS' size: a write of a new address into a map holding this many
+    /// entries fails with [`bpf::Error::MapFull`], as the kernel's does (`None`:
+    /// no limit).
+    pub(crate) endpoints_max_entries: Option<usize>,
 }
 
 impl FakeMaps {
@@ -62,8 +70,22 @@ impl DatapathPort for FakeMaps {
     }
 
     fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error> {
+        // As the datapath does: an inconsistent entry is refused, not written.
+        endpoint.check(ip)?;
+        let key = MapKey::from(ip);
+        if let Some(max) = self.endpoints_max_entries
+            && self.entries.len() >= max
+            && !self.entries.contains_key(&key)
+        {
+            return Err(bpf::Error::MapFull {
+                map: ENDPOINTS,
+                max_entries: u32::try_from(max).unwrap_or(u32::MAX),
+                key: ip.to_string(),
+                flag: "endpoints-max-entries",
+            });
+        }
         self.writes += 1;
-        self.entries.insert(MapKey::from(ip), endpoint);
+        self.entries.insert(key, endpoint);
         Ok(())
     }
 
@@ -175,6 +197,28 @@ impl DatapathPort for FakeMaps {
     fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
         Ok(self.in_front.get(interface).cloned().unwrap_or_default())
     }
+
+    fn write_node(
+        &mut self,
+        index: NonZeroU16,
+        name: &str,
+        addresses: &[IpAddr],
+    ) -> Result<(), bpf::Error> {
+        // As the datapath does: a node that does not fit is refused.
+        let record = bpf::NodeRecord::checked(index, name, addresses)?;
+        self.node_writes += 1;
+        self.nodes.insert(index.get(), record);
+        Ok(())
+    }
+
+    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
+        self.node_writes += 1;
+        Ok(self.nodes.remove(&index.get()).is_some())
+    }
+
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        Ok(self.nodes.clone())
+    }
 }
 
 impl FakeMaps {
@@ -239,5 +283,22 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
         self.lock().in_front(interface)
+    }
+
+    fn write_node(
+        &mut self,
+        index: NonZeroU16,
+        name: &str,
+        addresses: &[IpAddr],
+    ) -> Result<(), bpf::Error> {
+        self.lock().write_node(index, name, addresses)
+    }
+
+    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
+        self.lock().delete_node(index)
+    }
+
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        self.lock().read_nodes()
     }
 }

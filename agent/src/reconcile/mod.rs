@@ -36,22 +36,26 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    num::NonZeroU16,
 };
 
 use census_proto::domain::IdentityId;
 use tracing::{debug, info, warn};
 
+use written::Written;
+
 use crate::{
     bpf::{self, AttachmentState, Datapath, interface_slot},
     core::{
-        DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, ProgramInFront,
-        Reconciled,
+        DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, NodeEntry,
+        ProgramInFront, Reconciled,
     },
     metrics::{MapLabels, Metrics},
 };
 
 const ENDPOINTS: &str = "ENDPOINTS";
 const INTERFACES: &str = "INTERFACES";
+const NODES: &str = "NODES";
 
 /// A raw ENDPOINTS key, as the map holds it.
 pub(crate) type MapKey = bpf::EndpointKey;
@@ -62,7 +66,30 @@ fn to_map(entry: Entry) -> bpf::Endpoint {
         Entry::Local(id) => bpf::Endpoint::local(id.get()),
         Entry::Unattached(id) => bpf::Endpoint::unattached(id.get()),
         Entry::Host => bpf::Endpoint::host(),
+        Entry::Remote { id, node } => bpf::Endpoint::remote(id.get(), node),
     }
+}
+
+/// The nodes NODES holds (a previous run's, at start), for the core to keep
+/// their indexes; entries whose name is not a node name are left out.
+pub(crate) fn pinned_nodes<M: DatapathPort + ?Sized>(
+    maps: &M,
+) -> Vec<(NonZeroU16, census_proto::domain::NodeName)> {
+    let Ok(nodes) = maps.read_nodes() else {
+        return Vec::new();
+    };
+    nodes
+        .into_iter()
+        .filter_map(|(index, record)| {
+            let name = census_proto::domain::NodeName::new(&record.name).ok()?;
+            Some((NonZeroU16::new(index)?, name))
+        })
+        .collect()
+}
+
+/// Whether NODES' `record` is `want`.
+fn same_node(record: &bpf::NodeRecord, want: &NodeEntry) -> bool {
+    record.name == want.name.as_str() && record.addresses == want.addresses
 }
 
 /// The identities of the LOCAL entries of `found` (ENDPOINTS at start), which the
@@ -127,6 +154,18 @@ pub(crate) trait DatapathPort {
     fn ensure_pinned(&mut self) -> Result<bool, bpf::Error>;
     /// The programs that run before census's on `interface`.
     fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error>;
+    /// Writes (creates or replaces) NODES' entry of node `index`: its name (at
+    /// most 253 bytes) and addresses (at most 16).
+    fn write_node(
+        &mut self,
+        index: NonZeroU16,
+        name: &str,
+        addresses: &[IpAddr],
+    ) -> Result<(), bpf::Error>;
+    /// Removes NODES' entry of node `index`; `false` if there was none.
+    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error>;
+    /// Every NODES entry, by index.
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error>;
 }
 
 impl DatapathPort for Datapath {
@@ -193,6 +232,23 @@ impl DatapathPort for Datapath {
     fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
         Datapath::in_front(self, interface)
     }
+
+    fn write_node(
+        &mut self,
+        index: NonZeroU16,
+        name: &str,
+        addresses: &[IpAddr],
+    ) -> Result<(), bpf::Error> {
+        Datapath::write_node(self, index, name, addresses)
+    }
+
+    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
+        Datapath::delete_node(self, index)
+    }
+
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        self.nodes()
+    }
 }
 
 /// What one full pass did.
@@ -220,7 +276,9 @@ pub(crate) struct PassReport {
 /// What this agent believes the datapath holds, and applies changes to it.
 #[derive(Debug, Default)]
 pub(crate) struct Reconciler {
-    written: HashMap<IpAddr, bpf::Endpoint>,
+    written: Written,
+    /// NODES entries written by this agent.
+    nodes: BTreeMap<NonZeroU16, NodeEntry>,
     /// Interfaces attached (or adopted) by this process, and their ifindex.
     attached: BTreeMap<String, u32>,
     /// INTERFACES entries written by this agent: ifindex -> identity.
@@ -291,8 +349,60 @@ impl Reconciler {
         maps: &mut M,
         fx: &Effects,
     ) -> Vec<(IpAddr, bpf::Error)> {
+        // A node is written before the entries naming it, removed after them.
+        let upserts = fx.nodes.iter().filter_map(|(i, n)| Some((*i, n.as_ref()?)));
+        self.write_nodes(maps, upserts);
         let entries = fx.entries.iter().map(|(ip, e)| (*ip, e.map(to_map)));
-        self.write_entries(maps, entries, fx.prune)
+        let failures = self.write_entries(maps, entries, fx.prune, fx.prune_remote);
+        if fx.prune_remote {
+            let gone = fx
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.is_none())
+                .map(|(i, _)| *i);
+            self.delete_nodes(maps, gone);
+        }
+        failures
+    }
+
+    /// Writes the NODES entries that differ from what this agent wrote.
+    fn write_nodes<'a, M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        nodes: impl IntoIterator<Item = (NonZeroU16, &'a NodeEntry)>,
+    ) {
+        for (index, want) in nodes {
+            if self.nodes.get(&index) == Some(want) {
+                continue;
+            }
+            match maps.write_node(index, want.name.as_str(), &want.addresses) {
+                Ok(()) => {
+                    self.nodes.insert(index, want.clone());
+                }
+                Err(error) => {
+                    let error = self.write_failed(NODES, error);
+                    warn!(index, node = %want.name, %error, "writing NODES failed; the full pass retries");
+                }
+            }
+        }
+    }
+
+    fn delete_nodes<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        nodes: impl IntoIterator<Item = NonZeroU16>,
+    ) {
+        for index in nodes {
+            match maps.delete_node(index) {
+                Ok(_) => {
+                    self.nodes.remove(&index);
+                }
+                Err(error) => {
+                    let error = self.write_failed(NODES, error);
+                    warn!(index, %error, "removing a NODES entry failed; the full pass retries");
+                }
+            }
+        }
     }
 
     /// The attachments and INTERFACES changes of `fx`; the failures.
@@ -353,18 +463,24 @@ impl Reconciler {
     }
 
     /// Brings each entry to what it should be (`None`: no entry); the failures.
-    /// Entries are removed only if `prune`.
+    /// Entries are removed only if `prune` (REMOTE ones: if `prune_remote`).
     fn write_entries<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
         entries: impl IntoIterator<Item = (IpAddr, Option<bpf::Endpoint>)>,
         prune: bool,
+        prune_remote: bool,
     ) -> Vec<(IpAddr, bpf::Error)> {
         let mut failures = Vec::new();
         for (ip, want) in entries {
-            if self.written.get(&ip) == want.as_ref() {
+            if self.written.holds(ip, want) {
                 continue;
             }
+            let prune = if self.written.is_remote(ip) {
+                prune_remote
+            } else {
+                prune
+            };
             match want {
                 Some(endpoint) => match maps.write_endpoint(ip, endpoint) {
                     Ok(()) => {
@@ -374,7 +490,7 @@ impl Reconciler {
                 },
                 None if prune => match maps.delete_endpoint(&MapKey::from(ip)) {
                     Ok(_) => {
-                        self.written.remove(&ip);
+                        self.written.remove(ip);
                     }
                     Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
                 },
@@ -511,6 +627,8 @@ impl Reconciler {
                 return report;
             }
         }
+        // Nodes first: an entry never names a node NODES lacks.
+        let nodes = self.repair_nodes(maps, desired, &mut report);
         match maps.read_endpoints() {
             Ok(actual) => self.repair_entries(maps, desired, prune, &actual, &mut report),
             Err(error) => {
@@ -520,6 +638,9 @@ impl Reconciler {
                     .get_or_create(&MapLabels { map: ENDPOINTS })
                     .inc();
             }
+        }
+        if let Some(actual) = nodes {
+            self.prune_nodes(maps, desired, &actual, &mut report);
         }
         self.repair_links(maps, desired, prune, &mut report);
         self.check_order(maps, desired, &mut report);
@@ -607,7 +728,7 @@ impl Reconciler {
                 self.written.insert(*ip, *want);
                 continue;
             }
-            let repair = self.written.get(ip) == Some(want);
+            let repair = self.written.wrote(*ip, *want);
             match maps.write_endpoint(*ip, *want) {
                 Ok(()) => {
                     if repair {
@@ -625,12 +746,16 @@ impl Reconciler {
                 }
             }
         }
-        if !prune {
-            return;
-        }
-        for key in actual.keys() {
+        for (key, have) in actual {
             let wanted = key.ip().is_some_and(|ip| desired.entries.contains_key(&ip));
-            if wanted {
+            // A REMOTE entry goes once the map is whole, the others once the
+            // source has given its first full set.
+            let may_go = if have.remote_node().is_some() {
+                desired.remote_complete
+            } else {
+                prune
+            };
+            if wanted || !may_go {
                 continue;
             }
             match maps.delete_endpoint(key) {
@@ -639,7 +764,7 @@ impl Reconciler {
                     report.removed += 1;
                     self.metrics.map_removals.inc();
                     if let Some(ip) = key.ip() {
-                        self.written.remove(&ip);
+                        self.written.remove(ip);
                     }
                 }
                 Err(error) => {
@@ -650,8 +775,86 @@ impl Reconciler {
                 }
             }
         }
-        self.written
-            .retain(|ip, _| desired.entries.contains_key(ip));
+        // What was neither wanted nor removed is still there.
+        self.written.retain(|ip| {
+            desired.entries.contains_key(&ip) || actual.contains_key(&MapKey::from(ip))
+        });
+    }
+
+    /// Writes the NODES entries `desired` names that NODES lacks or holds
+    /// otherwise; what NODES held, if it could be read.
+    fn repair_nodes<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        report: &mut PassReport,
+    ) -> Option<BTreeMap<u16, bpf::NodeRecord>> {
+        let actual = match maps.read_nodes() {
+            Ok(actual) => actual,
+            Err(error) => {
+                warn!(%error, "cannot read NODES; the full pass skips the nodes");
+                self.write_failed(NODES, error);
+                return None;
+            }
+        };
+        for (index, want) in &desired.nodes {
+            let have = actual.get(&index.get());
+            if have.is_some_and(|record| same_node(record, want)) {
+                self.nodes.insert(*index, want.clone());
+                continue;
+            }
+            let repair = self.nodes.get(index) == Some(want);
+            match maps.write_node(*index, want.name.as_str(), &want.addresses) {
+                Ok(()) => {
+                    if repair {
+                        warn!(index, node = %want.name, found = ?have, "repaired a NODES entry changed behind the agent's back");
+                        report.repaired += 1;
+                        self.metrics.map_repairs.inc();
+                    } else {
+                        report.written += 1;
+                    }
+                    self.nodes.insert(*index, want.clone());
+                }
+                Err(error) => {
+                    let error = self.write_failed(NODES, error);
+                    warn!(index, node = %want.name, %error, "writing NODES failed");
+                }
+            }
+        }
+        Some(actual)
+    }
+
+    /// Removes the NODES entries `desired` does not name, once the map is whole.
+    fn prune_nodes<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        actual: &BTreeMap<u16, bpf::NodeRecord>,
+        report: &mut PassReport,
+    ) {
+        if !desired.remote_complete {
+            return;
+        }
+        let unwanted = actual
+            .keys()
+            .filter_map(|index| NonZeroU16::new(*index))
+            .filter(|index| !desired.nodes.contains_key(index));
+        for index in unwanted {
+            match maps.delete_node(index) {
+                Ok(_) => {
+                    debug!(index, "removed a NODES entry nothing wants");
+                    report.removed += 1;
+                    self.metrics.map_removals.inc();
+                    self.nodes.remove(&index);
+                }
+                Err(error) => {
+                    let error = self.write_failed(NODES, error);
+                    warn!(index, %error, "cannot remove a NODES entry nothing wants");
+                }
+            }
+        }
+        self.nodes
+            .retain(|index, _| desired.nodes.contains_key(index));
     }
 
     fn repair_links<M: DatapathPort + ?Sized>(
@@ -803,11 +1006,21 @@ impl Reconciler {
             .map_write_errors
             .get_or_create(&MapLabels { map })
             .inc();
+        if let bpf::Error::MapFull { map, .. } = &error {
+            self.metrics
+                .map_full
+                .get_or_create(&MapLabels { map })
+                .inc();
+        }
         error
     }
 }
 
+mod written;
+
 #[cfg(test)]
 pub(crate) mod fake;
+#[cfg(test)]
+mod map_tests;
 #[cfg(test)]
 mod tests;

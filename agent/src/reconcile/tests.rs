@@ -25,7 +25,7 @@ fn desired(entries: &[(&str, Entry)], interfaces: &[&str]) -> Desired {
     Desired {
         entries: entries.iter().map(|(i, e)| (ip(i), *e)).collect(),
         interfaces: interfaces.iter().map(|s| (*s).to_owned()).collect(),
-        interface_identities: HashMap::new(),
+        ..Desired::default()
     }
 }
 
@@ -411,4 +411,49 @@ fn interfaces_attached_at_start_are_those_with_both_hooks() {
         attached_at_start(&maps),
         BTreeSet::from(["veth0".to_owned()])
     );
+}
+
+#[test]
+fn a_write_into_a_full_endpoints_is_counted_and_the_others_still_written() {
+    let mut maps = FakeMaps {
+        endpoints_max_entries: Some(2),
+        ..maps_with(&[])
+    };
+    let mut r = Reconciler::default();
+    let want = desired(
+        &[
+            ("198.18.1.1", Entry::Host),
+            ("198.18.1.2", Entry::Unattached(id(300))),
+            ("198.18.1.3", Entry::Unattached(id(301))),
+        ],
+        &[],
+    );
+    let report = r.full_pass(&mut maps, &want, true);
+    assert_eq!(maps.entries.len(), 2, "the map holds what fits");
+    assert_eq!(report.entry_errors.len(), 1, "{:?}", report.entry_errors);
+    assert!(
+        matches!(
+            report.entry_errors[0].1,
+            bpf::Error::MapFull {
+                map: ENDPOINTS,
+                max_entries: 2,
+                ..
+            }
+        ),
+        "{:?}",
+        report.entry_errors
+    );
+    let full = |r: &Reconciler| {
+        r.metrics
+            .map_full
+            .get_or_create(&MapLabels { map: ENDPOINTS })
+            .get()
+    };
+    assert_eq!(full(&r), 1);
+    // Room made: the next pass writes it.
+    maps.endpoints_max_entries = Some(3);
+    let report = r.full_pass(&mut maps, &want, true);
+    assert!(report.entry_errors.is_empty(), "{:?}", report.entry_errors);
+    assert_eq!(maps.entries.len(), 3);
+    assert_eq!(full(&r), 1);
 }

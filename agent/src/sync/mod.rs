@@ -2,7 +2,9 @@
 //! whole life of the process's session.
 //!
 //! - Hello first (protocol version, node, the session: agent start time in ns and a
-//!   random nonce, one per process), then the operator's HelloReply: its label
+//!   random nonce, one per process; the node's own addresses, at most
+//!   [`MAX_HELLO_ADDRESSES`], which an operator without Node objects maps to the
+//!   `remote-node` identity), then the operator's HelloReply: its label
 //!   filter and limits go to the core, its interval paces snapshots.
 //! - A full Snapshot at once after every (re)connect, then every interval (jittered
 //!   ±10%); Upsert/Delete deltas as the core reports changes. Every message after
@@ -27,6 +29,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
+    net::IpAddr,
     time::Duration,
 };
 
@@ -51,6 +54,7 @@ use crate::{
     core::{
         LabelSettings, OperatorEvent, OperatorLink, Report, StreamError, Verdict, VerdictScope,
     },
+    host::HostIps,
     metrics::Metrics,
     shutdown::stopped,
 };
@@ -63,6 +67,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(30);
 /// Largest message accepted from the operator.
 const MAX_DECODING: usize = 16 * 1024 * 1024;
+/// The node's addresses a Hello carries at most (the operator refuses more).
+const MAX_HELLO_ADDRESSES: usize = 16;
 /// Messages sent and not acked yet that are remembered, to know what an Ack speaks
 /// for; an operator that does not ack costs no more than this.
 const MAX_UNACKED: usize = 4 * OUTBOUND;
@@ -87,6 +93,8 @@ pub(crate) struct SyncClient {
     pub status: watch::Sender<OperatorLink>,
     /// True while a stream is up (the operator knows this session: Allocate works).
     pub connected: watch::Sender<bool>,
+    /// The node's own addresses, read for every Hello.
+    pub host_ips: HostIps,
 }
 
 /// What woke the connected loop.
@@ -256,6 +264,7 @@ impl SyncClient {
                 node: self.node.to_string(),
                 session: Some(session_to_wire(self.session)),
                 agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+                addresses: self.hello_addresses(),
             })),
         };
         if tx.try_send(hello).is_err() {
@@ -299,6 +308,24 @@ impl SyncClient {
         self.connected.send_replace(true);
         info!(operator_version = %reply.operator_version, interval = ?state.interval, "connected to the operator");
         self.connected(state, &tx, &mut inbound).await
+    }
+
+    /// The node's addresses for Hello: the first [`MAX_HELLO_ADDRESSES`] others
+    /// can reach it at (link-local ones are left out: every node has its own of
+    /// the same range).
+    fn hello_addresses(&self) -> Vec<String> {
+        let ips = match self.host_ips.read() {
+            Ok(ips) => ips,
+            Err(error) => {
+                debug!(%error, "cannot read the node's addresses; Hello carries none");
+                return Vec::new();
+            }
+        };
+        ips.into_iter()
+            .filter(|ip| !is_link_local(*ip))
+            .take(MAX_HELLO_ADDRESSES)
+            .map(|ip| ip.to_string())
+            .collect()
     }
 
     async fn apply_hello_reply(
@@ -584,6 +611,13 @@ impl SyncClient {
             rejected,
             pending,
         })
+    }
+}
+
+fn is_link_local(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
     }
 }
 

@@ -51,6 +51,7 @@ fn start(channel: Channel, node: &str) -> Result<Client, Box<dyn std::error::Err
         metrics: metrics.clone(),
         status: status_tx,
         connected: watch::channel(false).0,
+        host_ips: HostIps::Fixed(BTreeSet::new()),
     };
     let task = tokio::spawn(client.run(reports_rx, events_tx, ready_rx, stop_rx));
     Ok(Client {
@@ -428,5 +429,28 @@ async fn reconnects_and_sends_a_snapshot_when_the_operator_is_back() -> TestResu
     client.stop.send(true)?;
     client.task.await?;
     op.shut_down().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn hello_carries_the_nodes_first_16_addresses_but_link_local_ones() -> TestResult {
+    let mut ips: BTreeSet<IpAddr> = (1..=20u8).map(|i| IpAddr::from([198, 18, 0, i])).collect();
+    ips.insert("169.254.1.1".parse()?);
+    ips.insert("fe80::1".parse()?);
+    ips.insert("2001:db8::1".parse()?);
+    let client = SyncClient {
+        channel: lazy_channel("127.0.0.1:1".parse()?)?,
+        node: NodeName::new("n1")?,
+        session: new_session(),
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(200),
+        metrics: Metrics::default(),
+        status: watch::channel(OperatorLink::default()).0,
+        connected: watch::channel(false).0,
+        host_ips: HostIps::Fixed(ips),
+    };
+    let sent = client.hello_addresses();
+    let want: Vec<String> = (1..=16).map(|i| format!("198.18.0.{i}")).collect();
+    assert_eq!(sent, want);
     Ok(())
 }

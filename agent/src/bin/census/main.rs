@@ -66,7 +66,8 @@ enum Command {
     /// Nodes and their agents' sessions, from the operator.
     #[command(subcommand)]
     Node(node::NodeCommand),
-    /// The endpoints the local agent manages, from its admin port.
+    /// Endpoints: those the local agent manages (its admin port), and the operator's
+    /// cluster-wide endpoint map.
     #[command(subcommand)]
     Endpoint(endpoint::EndpointCommand),
     /// Versions of this CLI, and of the agent and the operator when they are reachable.
