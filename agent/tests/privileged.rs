@@ -11,6 +11,14 @@ mod attach;
 mod cli;
 #[path = "privileged/datapath_stats.rs"]
 mod datapath_stats;
+#[path = "privileged/endpoint_map.rs"]
+mod endpoint_map;
+#[allow(
+    dead_code,
+    reason = "the end-to-end suite's processes; the two-node lab uses some of its helpers"
+)]
+#[path = "e2e/harness.rs"]
+mod harness;
 #[path = "privileged/metrics_lint.rs"]
 mod metrics_lint;
 #[path = "privileged/pin_lock.rs"]
@@ -19,10 +27,13 @@ mod pin_lock;
 mod pod_route;
 #[path = "privileged/support.rs"]
 mod support;
+#[path = "privileged/two_node.rs"]
+mod two_node;
 
 use std::{
     io::Read as _,
     net::IpAddr,
+    num::NonZeroU16,
     os::unix::fs::MetadataExt as _,
     process::{Command, Stdio},
     time::Duration,
@@ -36,6 +47,7 @@ use census_netlab::{Lab, packet};
 use support::*;
 
 const POD_A: u32 = 1000;
+const NODE_3: NonZeroU16 = NonZeroU16::new(3).unwrap();
 const POD_B: u32 = 1001;
 const PAYLOAD: usize = 100;
 const COUNT: usize = 50;
@@ -49,9 +61,10 @@ fn programs_load_and_maps_are_pinned() -> TestResult {
 
     for (name, map_type, flags) in [
         ("CENSUS_META", "array", 0),
-        ("ENDPOINTS", "hash", 0),
+        ("ENDPOINTS", "hash", 1), // BPF_F_NO_PREALLOC
         ("FLOWS", "lru_percpu_hash", 0),
         ("INTERFACES", "array", 0x400), // BPF_F_MMAPABLE
+        ("NODES", "hash", 1),
     ] {
         let path = pins.join(name);
         let map = bpftool(None, &["map", "show", "pinned", path_str(&path)?])?;
@@ -89,7 +102,7 @@ fn endpoints_are_readable_by_bpftool() -> TestResult {
     let v6: IpAddr = "2001:2:0:7::9".parse()?;
     let node: IpAddr = "198.18.7.1".parse()?;
     datapath.upsert_endpoint(v4, Endpoint::local(4711))?;
-    datapath.upsert_endpoint(v6, Endpoint::remote(4712))?;
+    datapath.upsert_endpoint(v6, Endpoint::remote(4712, NODE_3))?;
     datapath.upsert_endpoint(node, Endpoint::host())?;
     datapath.upsert_endpoint(v4, Endpoint::local(4713))?; // replaces
 
@@ -111,14 +124,20 @@ fn endpoints_are_readable_by_bpftool() -> TestResult {
             6 => <[u8; 16]>::try_from(&key[4..20])?.into(),
             family => return Err(format!("family {family} in {entry}").into()),
         };
-        seen.push((ip, u32_at(&entry["value"], 0)?, u32_at(&entry["value"], 4)?));
+        // identity: u32, flags: u16, node: u16.
+        let half = |at: usize| u16::from_le_bytes([value[at], value[at + 1]]);
+        seen.push((ip, u32_at(&entry["value"], 0)?, half(4), half(6)));
     }
     seen.sort();
-    let mut expected = vec![(v4, 4713, 1), (v6, 4712, 2), (node, identity::HOST, 4)];
+    let mut expected = vec![
+        (v4, 4713, 1, 0),
+        (v6, 4712, 2, 3),
+        (node, identity::HOST, 4, 0),
+    ];
     expected.sort();
     assert_eq!(seen, expected);
 
-    assert_eq!(datapath.endpoint(v6)?, Some(Endpoint::remote(4712)));
+    assert_eq!(datapath.endpoint(v6)?, Some(Endpoint::remote(4712, NODE_3)));
     let listed: Vec<_> = datapath
         .endpoints()?
         .into_iter()
@@ -144,6 +163,7 @@ fn endpoints_are_readable_by_bpftool() -> TestResult {
         Endpoint {
             identity: 5,
             flags: EndpointFlags::HOST,
+            node: 0,
         },
     );
     assert!(
@@ -542,7 +562,7 @@ fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
     // In the agent's network namespace: TC filters are found there by ifindex.
     let removed = lab.node().run(|| uninstall(pins.path()))??;
     assert_eq!(removed.links.len(), 2);
-    assert_eq!(removed.pins.len(), 5, "the five maps: {removed:?}");
+    assert_eq!(removed.pins.len(), 6, "the six maps: {removed:?}");
     assert!(!pins.path().exists());
     assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
 
@@ -659,7 +679,7 @@ fn programs_always_pass_packets_on() -> TestResult {
         2,
         "arrived through B's interface: skipped"
     );
-    datapath.upsert_endpoint(src, Endpoint::remote(POD_A))?;
+    datapath.upsert_endpoint(src, Endpoint::unattached(POD_A))?;
     datapath.test_run(Direction::Egress, &udp, from(ELSEWHERE), 10)?;
     assert_eq!(
         flow(&datapath, POD_A, POD_B)?.0,

@@ -7,6 +7,9 @@
 //! from pod to pod through the node: the namespaces have no other interface, so
 //! nothing leaves the lab.
 //!
+//! A [`Cluster`] is two such nodes joined by a veth pair and routed to each other,
+//! each with its own pods, for what spans nodes.
+//!
 //! Every namespace is a guard: dropping it (also while a failing test unwinds)
 //! deletes it, and its veths with it. Names are unique per process and call
 //! (`census-<pid>-<n>-…`), so tests can run in parallel.
@@ -18,13 +21,15 @@
 //!
 //! Everything here needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
 
+mod cluster;
 mod error;
 mod lab;
 mod netns;
 pub mod packet;
 mod traffic;
 
+pub use cluster::{Cluster, ClusterNode, Side, UPLINK};
 pub use error::Error;
 pub use lab::{Lab, Pod};
 pub use netns::{ChildGuard, Netns, unique_name};
-pub use traffic::{UdpReceiver, UdpSender, exchange_udp};
+pub use traffic::{UdpReceiver, UdpSender, exchange_udp, udp_echo};

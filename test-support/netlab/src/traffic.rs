@@ -39,14 +39,7 @@ impl UdpReceiver {
         let mut buf = vec![0u8; 65_536];
         match self.socket.recv(&mut buf) {
             Ok(len) => Ok(Some(len)),
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                Ok(None)
-            }
+            Err(error) if timed_out(&error) => Ok(None),
             Err(error) => Err(Error::io(what)(error)),
         }
     }
@@ -109,4 +102,60 @@ pub fn exchange_udp(
         }
     }
     Ok(received)
+}
+
+/// `count` request/reply exchanges of `payload` bytes over UDP, in lock step: a
+/// datagram from `client` (bound to `client_ip` in `client_ns`) to a server bound
+/// to `server_ip` in `server_ns`, which sends it back to its source. Returns how
+/// many replies came back; each side waits at most `wait` for each datagram.
+/// Every exchange is one packet each way.
+pub fn udp_echo(
+    client_ns: &Netns,
+    client_ip: IpAddr,
+    server_ns: &Netns,
+    server_ip: IpAddr,
+    count: usize,
+    payload: usize,
+    wait: Duration,
+) -> Result<usize, Error> {
+    let server = UdpReceiver::bind(server_ns, server_ip)?;
+    let client = UdpReceiver::bind(client_ns, client_ip)?;
+    let request = vec![0xc5u8; payload];
+    let mut buf = vec![0u8; 65_536];
+    for socket in [&server.socket, &client.socket] {
+        socket
+            .set_read_timeout(Some(wait))
+            .map_err(Error::io("setting a UDP socket's timeout"))?;
+    }
+    let mut replies = 0;
+    for _ in 0..count {
+        client
+            .socket
+            .send_to(&request, server.addr)
+            .map_err(Error::io(format!("sending a request to {}", server.addr)))?;
+        let from = match server.socket.recv_from(&mut buf) {
+            Ok((len, from)) => {
+                server
+                    .socket
+                    .send_to(&buf[..len], from)
+                    .map_err(Error::io(format!("sending a reply to {from}")))?;
+                from
+            }
+            Err(error) if timed_out(&error) => continue,
+            Err(error) => return Err(Error::io("receiving a request")(error)),
+        };
+        match client.socket.recv(&mut buf) {
+            Ok(_) => replies += 1,
+            Err(error) if timed_out(&error) => {}
+            Err(error) => return Err(Error::io(format!("receiving a reply from {from}"))(error)),
+        }
+    }
+    Ok(replies)
+}
+
+fn timed_out(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
