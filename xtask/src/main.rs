@@ -8,6 +8,7 @@ mod bench_classifier;
 mod cmd;
 mod codegen;
 mod demo;
+mod disk;
 mod ebpf;
 mod images;
 mod mutants;
@@ -51,7 +52,7 @@ enum Command {
     /// Regenerate the protobuf code under proto/src/generated/.
     Codegen(codegen::Options),
     /// Benchmark a real census-operator with simulated agents (presets: churn-short,
-    /// churn-long, scale-1k, scale-5k, alloc, gc, restart); results in results/.
+    /// churn-long, scale-1k, scale-5k, map-1k, map-5k, alloc, gc, restart); results in results/.
     ///
     /// Builds census-bench (bench/) and the operator in release and runs it with these
     /// arguments.

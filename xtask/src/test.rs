@@ -13,7 +13,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::{bench, cmd, ebpf, mutants, privileged, setup};
+use crate::{bench, cmd, disk, ebpf, mutants, privileged, setup};
+
+/// What a cold run writes under the target directory (debug and release builds,
+/// the eBPF objects, test and bench binaries), with some room to spare.
+const NEEDED_GIB: u64 = 20;
 
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub(crate) struct Options {
@@ -48,6 +52,11 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             Ok(())
         };
 
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
+    step("disk space", &mut || {
+        disk::require_free(&target, NEEDED_GIB, "a cold `cargo xtask test`")
+    })?;
     step("set-up", &mut || setup::run(setup::Options {}))?;
     step("eBPF build", &mut || ebpf::build(ebpf::Profile::Release))?;
     step("format", &mut || {

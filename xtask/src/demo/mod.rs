@@ -4,8 +4,11 @@
 //! on its embedded store (a temporary directory) and an agent on an endpoints file,
 //! both inside a "node" network namespace; four labelled pods (network namespaces
 //! with veth pairs, 198.18.0.0/15, no route out): two `app=web`, one `app=db`, one
-//! `app=batch` carrying a per-run `job-name` that the operator's label filter drops.
-//! It sends a little traffic between the pods and prints the identities (from the
+//! `app=batch` carrying a per-run `job-name` that the operator's label filter drops;
+//! and a second node, simulated over gRPC ([`remote`]), whose pod the agent learns
+//! from the cluster-wide endpoint map (`census bpf endpoints list --remote`).
+//! It sends a little traffic between the pods, and from a pod to the other node's
+//! pod, and prints the identities (from the
 //! operator, over gRPC) and the per-identity-pair counters (from the kernel's FLOWS
 //! map, through the agent), then removes everything: processes, pins, namespaces,
 //! files, also on Ctrl-C or failure.
@@ -43,6 +46,8 @@ use nix::{
 };
 
 use crate::{cmd, ebpf, setup};
+
+mod remote;
 
 const OPERATOR_PORT: u16 = 9460;
 const OPERATOR_ADMIN_PORT: u16 = 9461;
@@ -279,9 +284,9 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         ebpf::build(ebpf::Profile::Release)?;
     }
     check(interrupted)?;
-    step("building census-operator and census-agent");
-    let binaries = build(&["census-operator", "census-agent"])?;
-    let (operator_bin, agent_bin) = (&binaries[0], &binaries[1]);
+    step("building census-operator, census-agent and census");
+    let binaries = build(&["census-operator", "census-agent", "census"])?;
+    let (operator_bin, agent_bin, cli_bin) = (&binaries[0], &binaries[1], &binaries[2]);
     check(interrupted)?;
 
     let started = Instant::now();
@@ -375,6 +380,62 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     )?;
     print_endpoints(&listed);
 
+    step("a second node, over gRPC: Hello with its address, Allocate, a Snapshot of one pod");
+    let remote = remote::RemoteNode::start(&lab.node().path(), OPERATOR_PORT)?;
+    say(&format!(
+        "    {} ({}): {} {} identity {}",
+        remote::NODE,
+        remote::NODE_ADDRESS,
+        remote::POD,
+        remote::POD_IP,
+        remote.identity
+    ));
+    step(
+        "the cluster-wide endpoint map: the other node's pod and address in this node's ENDPOINTS",
+    );
+    let mut remote_entries = Vec::new();
+    wait_until(
+        interrupted,
+        Duration::from_secs(20),
+        "the other node's pod in ENDPOINTS",
+        || {
+            let output = Command::new(cli_bin)
+                .arg("--bpffs")
+                .arg(&pins.dir)
+                .args(["bpf", "endpoints", "list", "--remote", "-o", "json"])
+                .output()?;
+            if !output.status.success() {
+                return Ok(false);
+            }
+            let listed: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+            remote_entries = listed.as_array().cloned().unwrap_or_default();
+            let pod_ip = remote::POD_IP.to_string();
+            Ok(remote_entries
+                .iter()
+                .any(|e| e["address"].as_str() == Some(pod_ip.as_str())))
+        },
+    )?;
+    say("    census bpf endpoints list --remote:");
+    say(&format!(
+        "    {:<16} {:<9} {:<8} node",
+        "address", "identity", "flags"
+    ));
+    for entry in &remote_entries {
+        say(&format!(
+            "    {:<16} {:<9} {:<8} {}",
+            entry["address"].as_str().unwrap_or("?"),
+            entry["identity"].to_string(),
+            entry["flags"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|f| f.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            entry["node_name"].as_str().unwrap_or("?")
+        ));
+    }
+
     step("traffic between the pods (UDP, 100-byte payloads)");
     let plan: [(usize, usize, usize); 4] = [(0, 2, 10), (2, 0, 10), (3, 1, 5), (1, 0, 3)];
     for (from, to, count) in plan {
@@ -389,6 +450,20 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         ));
     }
 
+    {
+        check(interrupted)?;
+        // No receiver: the other node is simulated. The datagrams are counted as they
+        // leave web-0, then dropped by the node (no route to the other node).
+        let web = &pods[0];
+        let sender = UdpSender::bind(&web.pod.ns, web.pod.ipv4.into())?;
+        sender.send_many(SocketAddr::from((remote::POD_IP, 7)), 7, 100)?;
+        say(&format!(
+            "    {:<12} -> {:<12} 7 datagrams (to the other node's pod)",
+            web.name,
+            remote::POD
+        ));
+    }
+
     step("identities, from the operator (IdentityService.Get)");
     let ids: BTreeSet<u32> = listed["endpoints"]
         .as_array()
@@ -396,6 +471,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         .flatten()
         .filter_map(|e| e["identity"].as_u64())
         .filter_map(|id| u32::try_from(id).ok())
+        .chain([remote.identity])
         .collect();
     let identities = lab.node().run(|| get_identities(&ids))??;
     say(&format!(
@@ -445,11 +521,13 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
             flow["bytes"].to_string()
         ));
     }
-    say("    (each packet counted once, on the host side of the sender's veth. `host` is the");
+    say("    (each packet counted once, on the host side of the sender's veth; api is the");
+    say("     other node's pod, known from the cluster-wide endpoint map. `host` is the");
     say("     node's own addresses; `world` is any address no endpoint lists: here IPv6");
     say("     neighbour discovery between link-local and multicast addresses)");
 
     step("cleaning up: agent, pins, operator, namespaces, files");
+    drop(remote);
     agent.stop();
     drop(agent);
     drop(pins);
@@ -677,6 +755,7 @@ async fn identities_over_grpc(port: u16) -> anyhow::Result<()> {
             node: NODE.to_owned(),
             session: Some(session),
             agent_version: "demo".to_owned(),
+            addresses: Vec::new(),
         })),
     })
     .await?;
