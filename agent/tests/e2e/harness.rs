@@ -4,7 +4,6 @@
 
 use std::{
     fs,
-    io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -192,22 +191,7 @@ impl World {
 
     /// An HTTP/1.0 GET to `port` on the node's loopback: (status, body).
     pub(crate) fn http_get(&self, port: u16, path: &str) -> Fallible<(u16, String)> {
-        let request = format!("GET {path} HTTP/1.0\r\nHost: census\r\n\r\n");
-        let response = self.lab.node().run(|| -> std::io::Result<String> {
-            let mut stream = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port)))?;
-            stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-            stream.write_all(request.as_bytes())?;
-            let mut response = String::new();
-            stream.read_to_string(&mut response)?;
-            Ok(response)
-        })??;
-        let (head, body) = response.split_once("\r\n\r\n").ok_or("no HTTP header")?;
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or("no HTTP status")?;
-        Ok((status, body.to_owned()))
+        Ok(self.lab.node().http_get(port, path)?)
     }
 
     pub(crate) fn endpoints(&self) -> Fallible<EndpointsResponse> {

@@ -16,7 +16,6 @@
 use std::{
     collections::BTreeMap,
     fs,
-    io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpStream},
     path::PathBuf,
     process::{Command, Stdio},
@@ -247,27 +246,7 @@ impl TwoNodes {
     /// An HTTP/1.0 GET to `side`'s agent (its admin listener, on the node's
     /// loopback): (status, body).
     fn http_get(&self, side: Side, path: &str) -> Fallible<(u16, String)> {
-        let request = format!("GET {path} HTTP/1.0\r\nHost: census\r\n\r\n");
-        let response = self
-            .cluster
-            .node(side)
-            .ns()
-            .run(|| -> std::io::Result<String> {
-                let mut stream =
-                    TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], ADMIN_PORT)))?;
-                stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-                stream.write_all(request.as_bytes())?;
-                let mut response = String::new();
-                stream.read_to_string(&mut response)?;
-                Ok(response)
-            })??;
-        let (head, body) = response.split_once("\r\n\r\n").ok_or("no HTTP header")?;
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or("no HTTP status")?;
-        Ok((status, body.to_owned()))
+        Ok(self.cluster.node(side).ns().http_get(ADMIN_PORT, path)?)
     }
 
     fn agent_endpoints(&self, side: Side) -> Fallible<EndpointsResponse> {

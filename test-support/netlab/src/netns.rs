@@ -3,11 +3,14 @@
 use std::{
     ffi::OsStr,
     fs::File,
+    io::{self, Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
     panic,
     path::PathBuf,
     process::{Child, Command, Output},
     sync::atomic::{AtomicU32, Ordering},
     thread,
+    time::Duration,
 };
 
 use nix::sched::{CloneFlags, setns};
@@ -80,6 +83,36 @@ impl Netns {
                 Err(payload) => panic::resume_unwind(payload),
             }
         })
+    }
+
+    /// An HTTP/1.0 GET of `path` from `127.0.0.1:port` inside this namespace (a
+    /// daemon's admin endpoint): the status and the body. Reads for at most 5 s.
+    pub fn http_get(&self, port: u16, path: &str) -> Result<(u16, String), Error> {
+        let what = format!("GET {path} from 127.0.0.1:{port} in {}", self.name);
+        let request = format!("GET {path} HTTP/1.0\r\nHost: census\r\n\r\n");
+        let response = self
+            .run(|| -> io::Result<String> {
+                let mut stream = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port)))?;
+                stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+                stream.write_all(request.as_bytes())?;
+                let mut response = String::new();
+                stream.read_to_string(&mut response)?;
+                Ok(response)
+            })?
+            .map_err(Error::io(what.clone()))?;
+        let invalid = |problem: &str| Error::Io {
+            what: what.clone(),
+            source: io::Error::new(io::ErrorKind::InvalidData, problem.to_owned()),
+        };
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| invalid("no HTTP header"))?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| invalid("no HTTP status"))?;
+        Ok((status, body.to_owned()))
     }
 
     /// Spawns `command` inside this namespace: it is forked by a thread that

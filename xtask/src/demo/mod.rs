@@ -19,7 +19,6 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    io::{Read as _, Write as _},
     net::{SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -641,22 +640,7 @@ fn spawn(
 
 /// An HTTP/1.0 GET to `port` on the loopback of `ns`.
 fn http_get(ns: &Netns, port: u16, path: &str) -> anyhow::Result<(u16, String)> {
-    let request = format!("GET {path} HTTP/1.0\r\nHost: census\r\n\r\n");
-    let response = ns.run(|| -> std::io::Result<String> {
-        let mut stream = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port)))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        stream.write_all(request.as_bytes())?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response)
-    })??;
-    let (head, body) = response.split_once("\r\n\r\n").context("no HTTP header")?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("no HTTP status")?;
-    Ok((status, body.to_owned()))
+    Ok(ns.http_get(port, path)?)
 }
 
 /// The operator's identities `ids` (called from a thread in the node namespace).
