@@ -141,7 +141,7 @@ pub struct AllocatorArgs {
     #[arg(long, env = "CENSUS_GC_RATE", default_value_t = 100.0)]
     pub gc_rate: f64,
     /// How often time-driven work runs (holds, liveness, GC).
-    #[arg(long, env = "CENSUS_TICK_INTERVAL", default_value = "250ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CENSUS_TICK_INTERVAL", default_value = "250ms", value_parser = period)]
     pub tick_interval: Duration,
     /// In a cluster: how long a node may stay stale (silent past the node TTL) before its
     /// view is dropped anyway, a last resort for an agent gone for good. A deleted Node
@@ -302,11 +302,21 @@ pub struct LimitArgs {
     pub max_ips_per_endpoint: usize,
 }
 
+/// How often periodic work runs: a duration above zero (a zero period would spin,
+/// and a ticker refuses it).
+fn period(text: &str) -> Result<Duration, String> {
+    let period = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if period.is_zero() {
+        return Err("must be above zero: it is how often the work runs".to_owned());
+    }
+    Ok(period)
+}
+
 /// How the cluster-wide endpoint map is served (EndpointMap.Watch).
 #[derive(Debug, Clone, Args)]
 pub struct MapArgs {
     /// How often map changes are sent to watchers, as one batch.
-    #[arg(long, env = "CENSUS_MAP_TICK_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CENSUS_MAP_TICK_INTERVAL", default_value = "100ms", value_parser = period)]
     pub map_tick_interval: Duration,
     /// Entries (addresses, nodes) in one map message at most; a full map is sent in
     /// chunks of this size.
@@ -431,6 +441,15 @@ mod tests {
             .err()
             .map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("`*` may only end a pattern")));
+        for flag in ["--tick-interval", "--map-tick-interval"] {
+            let err = Cli::try_parse_from(["census-operator", flag, "0s"])
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                err.is_some_and(|e| e.contains("must be above zero")),
+                "{flag} 0s"
+            );
+        }
     }
 
     #[test]
