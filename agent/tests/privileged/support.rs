@@ -9,7 +9,8 @@ use std::{
 
 use aya::programs::{SchedClassifier, TcAttachType};
 use census_agent::bpf::{
-    AttachModeChoice, Datapath, DatapathOptions, Endpoint, interface_slot, uninstall,
+    AttachModeChoice, Datapath, DatapathOptions, Endpoint, Flow, identity, interface_slot,
+    uninstall,
 };
 use census_netlab::{Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp, unique_name};
 use nix::net::if_::if_nametoindex;
@@ -301,6 +302,18 @@ pub(crate) fn flow(datapath: &Datapath, src: u32, dst: u32) -> Fallible<(u64, u6
     Ok(datapath
         .flow(src, dst)?
         .map_or((0, 0), |flow| (flow.packets, flow.bytes)))
+}
+
+/// `datapath`'s flows with at least one end known: without the `world -> world`
+/// pair, which is the namespaces' own link-local traffic (IPv6 MLD reports and
+/// router solicitations, sent by the kernel on its own timers, up to seconds after
+/// an interface comes up). A test's packets always have a known end.
+pub(crate) fn endpoint_flows(datapath: &Datapath) -> Fallible<Vec<Flow>> {
+    Ok(datapath
+        .flows()?
+        .into_iter()
+        .filter(|f| !(f.src_identity == identity::WORLD && f.dst_identity == identity::WORLD))
+        .collect())
 }
 
 /// Pins a new map made by bpftool (not by census) at `path`.
