@@ -210,6 +210,10 @@ impl DatapathPort for Discard {
         Ok(true)
     }
 
+    fn read_endpoint(&self, _: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
+        Ok(None)
+    }
+
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
         BTreeMap::new()
     }

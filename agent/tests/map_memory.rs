@@ -66,4 +66,5 @@ fn userspace_memory_per_remote_entry_is_under_64_bytes() {
     let (v6, _) = per_entry(true);
     println!("agent userspace per remote entry, {n} entries: IPv4 {v4:.1} B, IPv6 {v6:.1} B");
     assert!(v4 < 64.0, "IPv4: {v4:.1} B per remote entry");
+    assert!(v6 < 64.0, "IPv6: {v6:.1} B per remote entry");
 }

@@ -94,8 +94,11 @@ pub(crate) struct Reconciled {
     pub(crate) attached: BTreeSet<String>,
     /// The datapath as a whole, as a full pass found it (`None`: not looked at).
     pub(crate) datapath: Option<DatapathHealth>,
-    /// ENDPOINTS entries this agent has written.
-    pub(crate) map_entries: usize,
+    /// ENDPOINTS entries of this node's endpoints and addresses this agent has
+    /// written.
+    pub(crate) local_entries: usize,
+    /// REMOTE entries the core wants whose write failed (the others are written).
+    pub(crate) remote_unwritten: usize,
     /// Attached interfaces whose INTERFACES slot another interface holds.
     pub(crate) interfaces_by_address: usize,
 }

@@ -124,7 +124,10 @@ pub(crate) struct Core {
     source_error: Option<SourceFailure>,
     queue: Queue,
     operator_link: OperatorLink,
-    map_entries: usize,
+    /// ENDPOINTS entries of this node written, and REMOTE entries whose write
+    /// failed, as reconcile last said.
+    local_entries: usize,
+    remote_unwritten: usize,
     interfaces_by_address: usize,
     /// Interfaces the classifier is attached to, as reconcile last said: only
     /// the addresses behind them are LOCAL.
@@ -593,10 +596,12 @@ impl Core {
             interface_failures,
             attached,
             datapath,
-            map_entries,
+            local_entries,
+            remote_unwritten,
             interfaces_by_address,
         } = reconciled;
-        self.map_entries = map_entries;
+        self.local_entries = local_entries;
+        self.remote_unwritten = remote_unwritten;
         self.interfaces_by_address = interfaces_by_address;
         if let Some(health) = datapath {
             self.health = health;
@@ -799,6 +804,10 @@ impl Core {
                 EndpointState::Error => errors += 1,
             }
         }
+        let map = self.map_status();
+        // Every REMOTE entry in force is written, but those whose write failed.
+        let remote_written =
+            (map.remote + map.remote_node).saturating_sub(self.remote_unwritten as u64);
         Status {
             synced: self.synced,
             source_error: self.source_error.clone(),
@@ -808,13 +817,13 @@ impl Core {
             identities: self.cache.len() as u64,
             pending_allocations: self.cache.pending() as u64,
             interfaces: self.interfaces.len() as u64,
-            map_entries: self.map_entries as u64,
+            map_entries: self.local_entries as u64 + remote_written,
             interfaces_by_address: self.interfaces_by_address as u64,
             unattached: self.unattached() as u64,
             datapath_error: self.health.error.as_ref().map(ToString::to_string),
             in_front: self.health.in_front.clone(),
             operator: self.operator_link.clone(),
-            map: self.map_status(),
+            map,
         }
     }
 

@@ -527,7 +527,7 @@ fn reconcile_failures_mark_their_endpoints_until_a_write_succeeds() {
     e.on_reconciled(Reconciled {
         entries: fx.entries.keys().copied().collect(),
         entry_failures: vec![(ip("198.18.1.2"), error)],
-        map_entries: 0,
+        local_entries: 0,
         ..Reconciled::default()
     });
     assert_eq!(
@@ -539,7 +539,7 @@ fn reconcile_failures_mark_their_endpoints_until_a_write_succeeds() {
     );
     e.on_reconciled(Reconciled {
         entries: [ip("198.18.1.2")].into(),
-        map_entries: 1,
+        local_entries: 1,
         ..Reconciled::default()
     });
     assert_eq!(state(&e, "web-0"), Some((EndpointState::Programmed, None)));

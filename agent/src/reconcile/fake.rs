@@ -69,6 +69,10 @@ impl DatapathPort for FakeMaps {
         Ok(self.entries.clone())
     }
 
+    fn read_endpoint(&self, ip: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
+        Ok(self.entries.get(&MapKey::from(ip)).copied())
+    }
+
     fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error> {
         // As the datapath does: an inconsistent entry is refused, not written.
         endpoint.check(ip)?;
@@ -243,6 +247,10 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error> {
         self.lock().delete_endpoint(key)
+    }
+
+    fn read_endpoint(&self, ip: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
+        self.lock().read_endpoint(ip)
     }
 
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {

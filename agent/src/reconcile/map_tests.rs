@@ -206,3 +206,65 @@ fn a_local_endpoint_taking_a_remote_address_overwrites_its_entry() {
     agent.apply();
     assert_eq!(agent.entry("198.18.1.2"), Some(remote(300, 2)));
 }
+
+/// Reconcile keeps nothing per REMOTE entry but the failed writes: the status
+/// counts every REMOTE entry in force as written except those, and the full pass
+/// that finally writes one says "written", not "repaired".
+/// Checked: failing when a failed REMOTE write is not remembered (`failed`), and
+/// when the status counts the claims without subtracting the failures.
+#[test]
+fn a_remote_entry_whose_write_failed_is_not_counted_written_until_it_is() {
+    let mut agent = Agent::new(FakeMaps {
+        endpoints_max_entries: Some(2),
+        ..FakeMaps::default()
+    });
+    agent.core.on_map(
+        B::resync()
+            .node(2, "n2")
+            .upsert("198.18.2.2", 300, 2)
+            .upsert("198.18.2.3", 301, 2)
+            .upsert("198.18.2.4", 302, 2)
+            .event(),
+    );
+    agent.apply();
+    assert_eq!(agent.maps.entries.len(), 2, "ENDPOINTS is full");
+    assert_eq!(agent.core.status().map_entries, 2);
+
+    agent.maps.endpoints_max_entries = None;
+    let report = agent.full_pass();
+    assert_eq!((report.written, report.repaired), (1, 0), "{report:?}");
+    let desired = agent.core.desired();
+    let outcome = agent.reconciler.pass_outcome(&desired, report);
+    agent.core.on_reconciled(outcome);
+    assert_eq!(agent.core.status().map_entries, 3);
+
+    // A REMOTE entry deleted behind the agent's back is a repair.
+    agent.maps.entries.remove(&MapKey::from(ip("198.18.2.3")));
+    let report = agent.full_pass();
+    assert_eq!((report.written, report.repaired), (0, 1), "{report:?}");
+}
+
+/// A removal reads what ENDPOINTS holds for an address this agent wrote no local
+/// entry for: the REMOTE entry it finds goes (with `prune_remote`), whatever value
+/// it holds.
+/// Checked: failing when `removal` skips an address it has no local entry for.
+#[test]
+fn a_removed_claim_deletes_the_remote_entry_it_finds() {
+    let mut agent = Agent::new(FakeMaps::default());
+    agent.core.on_map(
+        B::resync()
+            .node(2, "n2")
+            .upsert("198.18.2.2", 300, 2)
+            .event(),
+    );
+    agent.apply();
+    // Written again by someone else, with another identity: still REMOTE.
+    agent
+        .maps
+        .entries
+        .insert(MapKey::from(ip("198.18.2.2")), remote(999, 2));
+    agent.core.on_map(B::default().remove("198.18.2.2").event());
+    agent.apply();
+    assert_eq!(agent.entry("198.18.2.2"), None);
+    assert_eq!(agent.core.status().map_entries, 0);
+}

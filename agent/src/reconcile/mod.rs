@@ -134,6 +134,8 @@ pub(crate) trait DatapathPort {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error>;
     fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error>;
     fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error>;
+    /// The ENDPOINTS entry of `ip`, if any.
+    fn read_endpoint(&self, ip: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error>;
     /// INTERFACES' used slots, by slot.
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface>;
     /// Writes an INTERFACES entry; [`bpf::Error::InterfaceSlotTaken`] if another
@@ -179,6 +181,10 @@ impl DatapathPort for Datapath {
 
     fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error> {
         self.delete_endpoint_key(key)
+    }
+
+    fn read_endpoint(&self, ip: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
+        self.endpoint(ip)
     }
 
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
@@ -306,10 +312,10 @@ impl Reconciler {
         self
     }
 
-    /// ENDPOINTS entries written by this agent.
+    /// ENDPOINTS entries of this node written by this agent.
     #[cfg(test)]
     fn entries(&self) -> usize {
-        self.written.len()
+        self.written.local_len()
     }
 
     /// Interfaces the classifier is attached to without an INTERFACES entry
@@ -442,7 +448,8 @@ impl Reconciler {
                 .into_iter()
                 .map(|(i, e)| (i, DatapathError::new(e)))
                 .collect(),
-            map_entries: self.written.len(),
+            local_entries: self.written.local_len(),
+            remote_unwritten: self.written.unwritten_len(),
             interfaces_by_address: self.crowded.len(),
         }
     }
@@ -476,28 +483,50 @@ impl Reconciler {
             if self.written.holds(ip, want) {
                 continue;
             }
-            let prune = if self.written.is_remote(ip) {
-                prune_remote
-            } else {
-                prune
+            let Some(endpoint) = want else {
+                match self.removal(maps, ip, prune, prune_remote) {
+                    Ok(false) => {}
+                    Ok(true) => match maps.delete_endpoint(&MapKey::from(ip)) {
+                        Ok(_) => self.written.remove(ip),
+                        Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
+                    },
+                    Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
+                }
+                continue;
             };
-            match want {
-                Some(endpoint) => match maps.write_endpoint(ip, endpoint) {
-                    Ok(()) => {
-                        self.written.insert(ip, endpoint);
-                    }
-                    Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
-                },
-                None if prune => match maps.delete_endpoint(&MapKey::from(ip)) {
-                    Ok(_) => {
-                        self.written.remove(ip);
-                    }
-                    Err(error) => failures.push((ip, self.write_failed(ENDPOINTS, error))),
-                },
-                None => {}
+            match maps.write_endpoint(ip, endpoint) {
+                Ok(()) => self.written.insert(ip, endpoint),
+                Err(error) => {
+                    self.written.failed(ip, endpoint);
+                    failures.push((ip, self.write_failed(ENDPOINTS, error)));
+                }
             }
         }
         failures
+    }
+
+    /// Whether `ip`'s entry is to be deleted now: an entry this agent wrote for a
+    /// local endpoint if `prune`; otherwise what ENDPOINTS holds says (REMOTE
+    /// entries are not remembered one by one): a REMOTE one if `prune_remote`,
+    /// another (a previous run's) if `prune`, none: nothing to do.
+    fn removal<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &M,
+        ip: IpAddr,
+        prune: bool,
+        prune_remote: bool,
+    ) -> Result<bool, bpf::Error> {
+        if self.written.local(ip).is_some() {
+            return Ok(prune);
+        }
+        Ok(match maps.read_endpoint(ip)? {
+            None => {
+                self.written.remove(ip);
+                false
+            }
+            Some(have) if have.remote_node().is_some() => prune_remote,
+            Some(_) => prune,
+        })
     }
 
     /// Attaches the classifier to each interface to attach and brings its
@@ -741,6 +770,7 @@ impl Reconciler {
                     self.written.insert(*ip, *want);
                 }
                 Err(error) => {
+                    self.written.failed(*ip, *want);
                     let error = self.write_failed(ENDPOINTS, error);
                     report.entry_errors.push((*ip, error));
                 }

@@ -141,7 +141,7 @@ fn incremental_changes_touch_only_their_addresses() {
     let reconciled = r.apply(&mut maps, &fx(Some(Entry::Local(id(300)))));
     assert!(reconciled.entry_failures.is_empty());
     assert_eq!(reconciled.entries, [a].into());
-    assert_eq!(reconciled.map_entries, 1);
+    assert_eq!(reconciled.local_entries, 1);
     assert_eq!(maps.writes, 1);
     r.apply(&mut maps, &fx(Some(Entry::Local(id(300)))));
     assert_eq!(maps.writes, 1, "already written");
@@ -154,7 +154,7 @@ fn incremental_changes_touch_only_their_addresses() {
     let reconciled = r.apply(&mut maps, &fx(None));
     assert!(maps.entries.is_empty());
     assert_eq!(r.entries(), 0);
-    assert_eq!(reconciled.map_entries, 0);
+    assert_eq!(reconciled.local_entries, 0);
 }
 
 #[test]
