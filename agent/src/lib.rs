@@ -24,6 +24,7 @@ pub mod daemon;
 pub mod host;
 #[cfg(test)]
 mod layering;
+mod links;
 mod map;
 mod metrics;
 mod reconcile;

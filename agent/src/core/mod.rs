@@ -719,6 +719,20 @@ impl Core {
                 .is_some_and(|found| found.contains_key(&ip))
     }
 
+    /// The interfaces the datapath should be attached to, alone (no entries, no
+    /// nodes): what a pass over the links needs.
+    pub(crate) fn desired_interfaces(&self) -> Desired {
+        Desired {
+            interfaces: self.interfaces.keys().cloned().collect(),
+            interface_identities: self
+                .interface_identities()
+                .into_iter()
+                .map(|(interface, id)| (interface.to_owned(), id))
+                .collect(),
+            ..Desired::default()
+        }
+    }
+
     /// The whole desired datapath state.
     pub(crate) fn desired(&self) -> Desired {
         let mut entries: HashMap<IpAddr, Entry> =
@@ -738,12 +752,7 @@ impl Core {
             nodes: self.remote.nodes().collect(),
             remote_complete: self.remote.complete(),
             entries,
-            interfaces: self.interfaces.keys().cloned().collect(),
-            interface_identities: self
-                .interface_identities()
-                .into_iter()
-                .map(|(interface, id)| (interface.to_owned(), id))
-                .collect(),
+            ..self.desired_interfaces()
         }
     }
 

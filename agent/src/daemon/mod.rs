@@ -35,6 +35,7 @@ use crate::{
         Status,
     },
     host::HostIps,
+    links::{LinkEvents, watch_links},
     map::MapClient,
     metrics::{AgentCollector, KindLabels, Metrics},
     reconcile::{self, DatapathPort, Reconciler},
@@ -265,8 +266,18 @@ where
         host_ips,
         reconcile_interval,
     };
+    // Interfaces re-created under the agent get the classifier back at once.
+    let (links_tx, links_rx) = watch::channel(0);
+    match LinkEvents::open() {
+        Ok(events) => tasks.push(tokio::spawn(watch_links(events, links_tx))),
+        Err(error) => warn!(
+            %error,
+            "cannot watch link changes; a re-created interface waits for the full pass"
+        ),
+    }
     let span = info_span!("core", %node, %session);
     let inputs = Inputs {
+        links: links_rx,
         source: source_rx,
         allocations: alloc_rx,
         operator: operator_rx,
@@ -350,6 +361,8 @@ enum Step {
     Link,
     Map(MapEvent),
     MapLink,
+    /// A link of the node was added, changed or removed.
+    Links,
     Query(Query),
     Tick,
 }
@@ -362,6 +375,8 @@ struct Inputs {
     link: watch::Receiver<OperatorLink>,
     map: mpsc::Receiver<MapEvent>,
     map_link: watch::Receiver<MapLink>,
+    /// Bumped at every link change of the node.
+    links: watch::Receiver<u64>,
     queries: mpsc::Receiver<Query>,
     stop: watch::Receiver<bool>,
 }
@@ -392,6 +407,7 @@ impl<M: DatapathPort> Wiring<M> {
             mut link,
             mut map,
             mut map_link,
+            mut links,
             mut queries,
             mut stop,
         } = inputs;
@@ -407,6 +423,7 @@ impl<M: DatapathPort> Wiring<M> {
                 Ok(()) = link.changed() => Step::Link,
                 Some(event) = map.recv() => Step::Map(event),
                 Ok(()) = map_link.changed() => Step::MapLink,
+                Ok(()) = links.changed() => Step::Links,
                 Some(query) = queries.recv() => Step::Query(query),
                 _ = tick.tick() => Step::Tick,
                 () = stopped(&mut stop) => return,
@@ -464,6 +481,10 @@ impl<M: DatapathPort> Wiring<M> {
                 Step::MapLink => {
                     let link = map_link.borrow_and_update().clone();
                     self.core.set_map_link(link);
+                }
+                Step::Links => {
+                    links.borrow_and_update();
+                    self.link_pass();
                 }
                 Step::Query(Query::Endpoints(reply)) => {
                     let _ = reply.send(self.core.view());
@@ -552,6 +573,15 @@ impl<M: DatapathPort> Wiring<M> {
             // The sync task lives as long as this one.
             let _ = self.reports.send(report);
         }
+        self.core.on_reconciled(reconciled);
+    }
+
+    /// The links part of the full pass, after a link change: cheap (the node's
+    /// interfaces), so it runs at once.
+    fn link_pass(&mut self) {
+        let desired = self.core.desired_interfaces();
+        let prune = self.core.synced();
+        let reconciled = self.reconciler.link_pass(&mut self.maps, &desired, prune);
         self.core.on_reconciled(reconciled);
     }
 

@@ -677,6 +677,28 @@ impl Reconciler {
         report
     }
 
+    /// The links part of a full pass alone, after a link change: re-attaches the
+    /// classifier where an interface was re-created (its links died with the old
+    /// device), drops the links of deleted interfaces, and says which interfaces
+    /// are attached now. Costs the interfaces of this node, not the entries.
+    /// `desired` needs only its interfaces (see `Core::desired_interfaces`).
+    pub(crate) fn link_pass<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        prune: bool,
+    ) -> Reconciled {
+        let mut report = PassReport::default();
+        self.repair_links(maps, desired, prune, &mut report);
+        self.reconciled(
+            BTreeSet::new(),
+            Vec::new(),
+            desired.interfaces.clone(),
+            report.interface_errors,
+            None,
+        )
+    }
+
     /// Finds programs attached in front of census's on the interfaces it is
     /// attached to; warns once about each; attaches census first again if asked.
     fn check_order<M: DatapathPort + ?Sized>(

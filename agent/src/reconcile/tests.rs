@@ -331,6 +331,43 @@ fn a_lost_or_replaced_link_loses_its_entry_until_attached_again() {
     assert_eq!(maps.unattached_entries, 0);
 }
 
+/// The link pass alone (after a link change) re-attaches a re-created interface
+/// and says it is attached, and touches no ENDPOINTS entry.
+/// Checked: failing when `link_pass` does not repair the links.
+#[test]
+fn a_link_pass_reattaches_a_recreated_interface_without_touching_entries() {
+    let mut maps = maps_with(&["veth0"]);
+    let mut r = Reconciler::default();
+    let want = desired(&[("198.18.1.2", Entry::Local(id(300)))], &["veth0"]);
+    r.full_pass(&mut maps, &want, true);
+    let (writes, attaches) = (maps.writes, maps.attaches);
+
+    maps.links.insert("veth0".into(), AttachmentState::Defunct);
+    maps.ifindexes.insert("veth0".into(), 200);
+    let interfaces = Desired {
+        interfaces: want.interfaces.clone(),
+        interface_identities: want.interface_identities.clone(),
+        ..Desired::default()
+    };
+    let outcome = r.link_pass(&mut maps, &interfaces, true);
+    assert_eq!(
+        maps.links.get("veth0"),
+        Some(&AttachmentState::Attached { ifindex: 200 })
+    );
+    assert_eq!(maps.attaches, attaches + 1);
+    assert!(outcome.attached.contains("veth0"), "{outcome:?}");
+    assert!(outcome.interface_failures.is_empty());
+    assert_eq!(maps.writes, writes, "no ENDPOINTS entry written");
+    assert_eq!(maps.entries.len(), 1, "none removed");
+
+    // Gone for good: the link pass says it is not attached.
+    maps.interfaces.remove("veth0");
+    maps.links.insert("veth0".into(), AttachmentState::Defunct);
+    let outcome = r.link_pass(&mut maps, &interfaces, true);
+    assert!(!outcome.attached.contains("veth0"), "{outcome:?}");
+    assert_eq!(outcome.interface_failures.len(), 1);
+}
+
 #[test]
 fn a_datapath_removed_under_the_agent_is_put_back_by_the_full_pass() {
     let mut maps = maps_with(&["veth0"]);

@@ -66,6 +66,9 @@ pub(crate) struct World {
     pub(crate) dir: tempfile::TempDir,
     pub(crate) operator: Option<ChildGuard>,
     pub(crate) agent: Option<ChildGuard>,
+    /// The agent's `--reconcile-interval` (the full pass): short by default, so
+    /// that tests of what the full pass repairs do not wait.
+    pub(crate) reconcile_interval: &'static str,
     passed: bool,
     agent_bin: PathBuf,
     operator_bin: PathBuf,
@@ -81,6 +84,7 @@ impl World {
             dir: tempfile::tempdir()?,
             operator: None,
             agent: None,
+            reconcile_interval: "500ms",
             passed: false,
             agent_bin,
             operator_bin,
@@ -146,7 +150,7 @@ impl World {
             .args(["--attach-mode", crate::support::attach_mode_arg()])
             .args([
                 "--reconcile-interval",
-                "500ms",
+                self.reconcile_interval,
                 "--reconnect-max-backoff",
                 "1s",
             ])

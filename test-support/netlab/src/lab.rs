@@ -48,6 +48,20 @@ impl Lab {
             gateway_v6: Ipv6Addr::new(0x2001, 2, 0, u16::from(subnet), 0, 0, 0, 1),
             ns,
         };
+        self.wire(&pod)?;
+        Ok(pod)
+    }
+
+    /// Deletes `pod`'s veth and creates it again under the same names and
+    /// addresses, as a restarted pod sandbox does: a new device (a new ifindex)
+    /// whose old links, census's included, died with the old one.
+    pub fn recreate_link(&self, pod: &Pod) -> Result<(), Error> {
+        self.node.ip(&["link", "del", &pod.host_interface])?;
+        self.wire(pod)
+    }
+
+    /// `pod`'s veth, its addresses on both sides and the pod's routes.
+    fn wire(&self, pod: &Pod) -> Result<(), Error> {
         let node = &self.node;
         let host = pod.host_interface.as_str();
         node.ip(&[
@@ -105,7 +119,7 @@ impl Lab {
             "via",
             &pod.gateway_v6.to_string(),
         ])?;
-        Ok(pod)
+        Ok(())
     }
 }
 
