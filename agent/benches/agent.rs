@@ -331,6 +331,7 @@ async fn latency(samples: usize) -> Fallible<()> {
     let options = Options {
         node: NodeName::new("bench-node")?,
         operator: format!("http://{}", operator.grpc_addr),
+        operator_auth: census_agent::client::OperatorAuth::default(),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: None,
         reconcile_interval: Duration::from_secs(10),

@@ -18,7 +18,9 @@ use census_proto::{
     status::code_label,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
-use tonic::{Code, transport::Channel};
+use tonic::Code;
+
+use crate::client::OperatorChannel;
 use tracing::{Instrument as _, debug, info_span, warn};
 
 use crate::{
@@ -43,7 +45,7 @@ pub(crate) struct AllocateClient {
 /// What every request's task shares.
 #[derive(Debug, Clone)]
 struct Caller {
-    client: IdentityServiceClient<Channel>,
+    client: IdentityServiceClient<OperatorChannel>,
     node: NodeName,
     session: SessionId,
     events: mpsc::Sender<AllocationEvent>,
@@ -57,7 +59,7 @@ struct Caller {
 
 impl AllocateClient {
     pub(crate) fn new(
-        channel: Channel,
+        channel: OperatorChannel,
         node: NodeName,
         session: SessionId,
         events: mpsc::Sender<AllocationEvent>,

@@ -45,6 +45,8 @@ pub struct AgentArgs {
     /// The operator's gRPC address.
     #[arg(long, env = "CENSUS_OPERATOR", default_value = "http://127.0.0.1:9460")]
     pub operator: OperatorAddress,
+    #[command(flatten)]
+    pub operator_tls: OperatorTlsArgs,
     /// Where the maps and links are pinned (on a BPF file system).
     #[arg(long, env = "CENSUS_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
     pub pin_dir: PathBuf,
@@ -79,6 +81,51 @@ pub struct AgentArgs {
     pub log: census_daemon::LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
+}
+
+/// TLS to the operator (docs/security.md, "Mutual TLS"): with `--tls-ca` the
+/// connection is TLS; with `--tls-cert` and `--tls-key` too, mutual TLS as the node
+/// the certificate names (`node-NAME.pem` of `census-operator certs`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct OperatorTlsArgs {
+    /// The CA of the operator's serving certificate (PEM): connect over TLS.
+    #[arg(long, env = "CENSUS_TLS_CA", value_name = "PEM")]
+    pub tls_ca: Option<PathBuf>,
+    /// This node's client certificate (PEM), for mutual TLS.
+    #[arg(long, env = "CENSUS_TLS_CERT", value_name = "PEM", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(
+        long,
+        env = "CENSUS_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// A file whose token every call to the operator carries as `authorization:
+    /// Bearer TOKEN` (in a cluster: the projected ServiceAccount token, audience
+    /// `census`); read again whenever the file changes.
+    #[arg(long, env = "CENSUS_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+}
+
+impl OperatorTlsArgs {
+    pub fn files(&self) -> crate::client::TlsFiles {
+        crate::client::TlsFiles {
+            ca: self.tls_ca.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+        }
+    }
+
+    /// The operator's TLS and token, checked (the files read) now.
+    pub fn auth(&self) -> Result<crate::client::OperatorAuth, crate::client::ClientTlsError> {
+        crate::client::AccessFiles {
+            tls: self.files(),
+            token_file: self.token_file.clone(),
+        }
+        .auth()
+    }
 }
 
 /// How the datapath is loaded and attached.

@@ -18,6 +18,7 @@ mod allocate;
 mod backoff;
 pub mod bench;
 pub mod bpf;
+pub mod client;
 pub mod config;
 mod core;
 pub mod daemon;

@@ -72,6 +72,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
     let AgentArgs {
         node_name,
         operator,
+        operator_tls,
         pin_dir,
         datapath,
         admin_listen,
@@ -159,6 +160,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         let options = Options {
             node,
             operator: operator.to_string(),
+            operator_auth: operator_tls.auth()?,
             admin_listen,
             health_listen,
             reconcile_interval,

@@ -424,3 +424,56 @@ async fn endpoint_map_shows_the_operators_claims_of_an_address() -> TestResult {
         .expect_failure(3, &["\"web-0\" is not an IPv4 or IPv6 address"])?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_certificate_reads_an_operator_that_requires_mutual_tls() -> TestResult {
+    use census_testkit::tls::{Certs, Client};
+    let certs = Certs::generate(&["node-a"], &["cli"])?;
+    let flags = certs.operator_flags()?;
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let operator = Operator::start(&flags).await?;
+    let as_a = certs.target(operator.grpc_addr, Some(Client::Node("node-a")))?;
+    let (_agent, _) = census_testkit::Agent::connect(&as_a, "node-a", cli_session()).await?;
+    let op = &operator.url();
+    let ca = certs.dir().join("ca.pem");
+    let (cert, key) = certs.client_files(Client::Reader("cli"))?;
+    let (ca, cert, key) = (
+        ca.to_str().ok_or("not UTF-8")?,
+        cert.to_str().ok_or("not UTF-8")?,
+        key.to_str().ok_or("not UTF-8")?,
+    );
+    let listed = census(
+        &[
+            "node",
+            "list",
+            "-o",
+            "json",
+            "--operator",
+            op,
+            "--tls-ca",
+            ca,
+        ],
+        &[("CENSUS_TLS_CERT", cert), ("CENSUS_TLS_KEY", key)],
+    )
+    .await?
+    .json()?;
+    assert!(listed.to_string().contains("node-a"), "{listed}");
+    // Without a client certificate the operator refuses the connection.
+    let refused = census(
+        &[
+            "node",
+            "list",
+            "-o",
+            "json",
+            "--operator",
+            op,
+            "--tls-ca",
+            ca,
+        ],
+        &[],
+    )
+    .await?;
+    assert_ne!(refused.code, Some(0), "{refused:?}");
+    assert!(refused.stdout.is_empty(), "{refused:?}");
+    Ok(())
+}

@@ -12,6 +12,7 @@
 
 #![forbid(unsafe_code)]
 
+mod abuse;
 mod agents;
 mod alloc;
 mod churn;
@@ -143,6 +144,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
             gc::run(&binary, &results, params).await?
         }
         Preset::Restart => restart::run(&binary, &results, presets::restart()).await?,
+        Preset::Abuse => abuse::run(&binary, &results).await?,
     };
     say(format!("results: {}", results.dir().display()));
     if !passed {

@@ -33,6 +33,10 @@ pub(crate) enum Preset {
     Gc,
     /// SIGKILL the operator mid-churn and restart it.
     Restart,
+    /// Transport attacks before authentication (oversize and stalled messages,
+    /// half-open and stalled connections, huge strings): memory, descriptors, a
+    /// concurrent Get's latency.
+    Abuse,
 }
 
 impl Preset {
@@ -47,6 +51,7 @@ impl Preset {
             Self::Alloc => "alloc",
             Self::Gc => "gc",
             Self::Restart => "restart",
+            Self::Abuse => "abuse",
         }
     }
 }

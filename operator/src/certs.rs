@@ -11,6 +11,7 @@
 //! | `ca.pem`, `ca-key.pem` | the CA (ECDSA P-256, `CA:true, pathlen:0`, keyCertSign) |
 //! | `server.pem`, `server-key.pem` | the operator's serving certificate: the `--dns` and `--ip` SANs, EKU serverAuth only |
 //! | `node-NAME.pem`, `node-NAME-key.pem` | node NAME's client certificate: the URI SAN `census://node/NAME`, EKU clientAuth only |
+//! | `reader-NAME.pem`, `reader-NAME-key.pem` | a reader's client certificate (the CLI, a tool: reads only): the URI SAN `census://reader/NAME`, EKU clientAuth only |
 //!
 //! **The node is the URI SAN** `census://node/NAME` (NAME a Kubernetes node name,
 //! a DNS subdomain): one such SAN, nothing else is read. Not a DNS SAN: a client
@@ -45,6 +46,9 @@ use rustls_pki_types::{CertificateDer, UnixTime, pem::PemObject};
 /// The scheme and authority of a node's URI SAN: `census://node/NAME`.
 pub const NODE_URI_PREFIX: &str = "census://node/";
 
+/// The scheme and authority of a reader's URI SAN: `census://reader/NAME`.
+pub const READER_URI_PREFIX: &str = "census://reader/";
+
 /// The clientAuth extended key usage (1.3.6.1.5.5.7.3.2), DER-encoded OID value.
 const EKU_CLIENT_AUTH: &[u8] = &[0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x03, 0x02];
 
@@ -64,6 +68,10 @@ pub struct CertsArgs {
     /// A node to write a client certificate for (repeat for more).
     #[arg(long = "node", value_name = "NODE")]
     pub nodes: Vec<NodeName>,
+    /// A reader to write a client certificate for: it may read (the CLI, a tool),
+    /// never speak for a node. NAME is a DNS subdomain, e.g. `cli` (repeat for more).
+    #[arg(long = "reader", value_name = "NAME")]
+    pub readers: Vec<NodeName>,
     /// How long the new certificates are valid, in days.
     #[arg(long, default_value_t = 365)]
     pub days: u32,
@@ -108,6 +116,8 @@ pub enum CertsError {
     BadDnsName { name: String },
     #[error("--node {node} is named twice")]
     DuplicateNode { node: NodeName },
+    #[error("--reader {reader} is named twice")]
+    DuplicateReader { reader: NodeName },
     #[error("--days must be at least 1")]
     NoDays,
     #[error("making the {what}: {source}")]
@@ -137,6 +147,14 @@ pub fn node_files(dir: &Path, node: &NodeName) -> (PathBuf, PathBuf) {
     (
         dir.join(format!("node-{node}.pem")),
         dir.join(format!("node-{node}-key.pem")),
+    )
+}
+
+/// Paths of the files of a reader's client certificate: (certificate, key).
+pub fn reader_files(dir: &Path, reader: &NodeName) -> (PathBuf, PathBuf) {
+    (
+        dir.join(format!("reader-{reader}.pem")),
+        dir.join(format!("reader-{reader}-key.pem")),
     )
 }
 
@@ -298,6 +316,7 @@ pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
         dns,
         ips,
         nodes,
+        readers,
         days,
         force,
     } = args;
@@ -312,12 +331,20 @@ pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
             return Err(CertsError::DuplicateNode { node: node.clone() });
         }
     }
+    for (i, reader) in readers.iter().enumerate() {
+        if readers[..i].contains(reader) {
+            return Err(CertsError::DuplicateReader {
+                reader: reader.clone(),
+            });
+        }
+    }
     let serving = !dns.is_empty() || !ips.is_empty();
     let mut leaves = Vec::new();
     if serving {
         leaves.push((out_dir.join("server.pem"), out_dir.join("server-key.pem")));
     }
     leaves.extend(nodes.iter().map(|n| node_files(out_dir, n)));
+    leaves.extend(readers.iter().map(|r| reader_files(out_dir, r)));
     if !force {
         for path in leaves.iter().flat_map(|(c, k)| [c, k]) {
             if path.exists() {
@@ -345,13 +372,26 @@ pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         leaf("serving certificate", p, &issuer, cert, key, &mut out)?;
     }
-    for (node, (cert, key)) in nodes.iter().zip(leaves) {
-        let what = format!("client certificate of node {node}");
-        let mut p = params(*days, node.as_str());
-        p.subject_alt_names.push(SanType::URI(ia5(
-            &format!("{NODE_URI_PREFIX}{node}"),
-            &what,
-        )?));
+    let clients = nodes
+        .iter()
+        .map(|n| {
+            (
+                format!("client certificate of node {n}"),
+                NODE_URI_PREFIX,
+                n,
+            )
+        })
+        .chain(readers.iter().map(|r| {
+            (
+                format!("client certificate of reader {r}"),
+                READER_URI_PREFIX,
+                r,
+            )
+        }));
+    for ((what, prefix, name), (cert, key)) in clients.zip(leaves) {
+        let mut p = params(*days, name.as_str());
+        p.subject_alt_names
+            .push(SanType::URI(ia5(&format!("{prefix}{name}"), &what)?));
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         leaf(&what, p, &issuer, cert, key, &mut out)?;
     }
@@ -403,8 +443,12 @@ pub enum NodeCertError {
     Malformed,
     #[error("the client certificate has no {NODE_URI_PREFIX}NAME URI SAN")]
     NoNode,
-    #[error("the client certificate has more than one {NODE_URI_PREFIX}NAME URI SAN")]
+    #[error(
+        "the client certificate has more than one {NODE_URI_PREFIX}NAME or {READER_URI_PREFIX}NAME URI SAN"
+    )]
     ManyNodes,
+    #[error("the client certificate is a reader's ({READER_URI_PREFIX}{0}), not a node's")]
+    Reader(String),
     #[error("the client certificate's node: {0}")]
     BadName(#[from] census_proto::domain::NameError),
 }
@@ -440,12 +484,30 @@ impl NodeCa {
         self.node_at(chain, UnixTime::now())
     }
 
-    /// [`Self::node_of`] at a given time.
+    /// [`Self::node_at`].
     pub fn node_at(
         &self,
         chain: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<NodeName, NodeCertError> {
+        match self.subject_at(chain, now)? {
+            CertSubject::Node(node) => Ok(node),
+            CertSubject::Reader(name) => Err(NodeCertError::Reader(name)),
+        }
+    }
+
+    /// Who a client certificate chain (leaf first) names, checked now: a node
+    /// (`census://node/NAME`) or a reader (`census://reader/NAME`), exactly one.
+    pub fn subject_of(&self, chain: &[CertificateDer<'_>]) -> Result<CertSubject, NodeCertError> {
+        self.subject_at(chain, UnixTime::now())
+    }
+
+    /// [`Self::subject_of`] at a given time.
+    pub fn subject_at(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<CertSubject, NodeCertError> {
         let (leaf, intermediates) = chain.split_first().ok_or(NodeCertError::NoCertificate)?;
         let cert = webpki::EndEntityCert::try_from(leaf).map_err(NodeCertError::Untrusted)?;
         cert.verify_for_usage(
@@ -467,15 +529,32 @@ impl NodeCa {
             .into_iter()
             .flat_map(|ext| ext.value.general_names.iter())
             .filter_map(|name| match name {
-                x509_parser::extensions::GeneralName::URI(uri) => uri.strip_prefix(NODE_URI_PREFIX),
+                x509_parser::extensions::GeneralName::URI(uri) => uri
+                    .strip_prefix(NODE_URI_PREFIX)
+                    .map(|node| (node, true))
+                    .or_else(|| uri.strip_prefix(READER_URI_PREFIX).map(|r| (r, false))),
                 _ => None,
             });
-        let node = names.next().ok_or(NodeCertError::NoNode)?;
+        let (name, node) = names.next().ok_or(NodeCertError::NoNode)?;
         if names.next().is_some() {
             return Err(NodeCertError::ManyNodes);
         }
-        Ok(NodeName::new(node)?)
+        let name = NodeName::new(name)?;
+        Ok(if node {
+            CertSubject::Node(name)
+        } else {
+            CertSubject::Reader(name.as_str().to_owned())
+        })
     }
+}
+
+/// Who a client certificate of the CA names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CertSubject {
+    /// An agent's: it speaks for this node.
+    Node(NodeName),
+    /// A reader's: it may read, never speak for a node.
+    Reader(String),
 }
 
 #[cfg(test)]
@@ -490,6 +569,7 @@ mod tests {
             dns: vec!["census-operator-leader.census-system.svc".to_owned()],
             ips: vec!["127.0.0.1".parse()?],
             nodes: vec![NodeName::new("node-a")?, NodeName::new("node-b.example")?],
+            readers: vec![NodeName::new("cli")?],
             days: 30,
             force: false,
         })
@@ -560,6 +640,34 @@ mod tests {
         assert!(matches!(ca.node_of(&[two]), Err(NodeCertError::ManyNodes)));
         let bad = client(vec![SanType::URI("census://node/Not_A_Node".try_into()?)])?;
         assert!(matches!(ca.node_of(&[bad]), Err(NodeCertError::BadName(_))));
+        Ok(())
+    }
+
+    #[test]
+    fn a_reader_certificate_names_a_reader_and_no_node() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        run(&args(dir.path())?)?;
+        let ca = NodeCa::from_pem(&fs::read(dir.path().join("ca.pem"))?)?;
+        let (cert, key) = reader_files(dir.path(), &NodeName::new("cli")?);
+        assert!(key.exists());
+        let chain = [der(&cert)?];
+        assert_eq!(
+            ca.subject_of(&chain)?,
+            CertSubject::Reader("cli".to_owned())
+        );
+        assert!(matches!(ca.node_of(&chain), Err(NodeCertError::Reader(_))));
+        let (node, _) = node_files(dir.path(), &NodeName::new("node-a")?);
+        assert_eq!(
+            ca.subject_of(&[der(&node)?])?,
+            CertSubject::Node(NodeName::new("node-a")?)
+        );
+        let mut twice = args(dir.path())?;
+        twice.readers.push(NodeName::new("cli")?);
+        twice.force = true;
+        assert!(matches!(
+            run(&twice),
+            Err(CertsError::DuplicateReader { .. })
+        ));
         Ok(())
     }
 

@@ -61,9 +61,13 @@ pub enum Command {
 
 #[derive(Debug, Clone, Args)]
 pub struct ListenArgs {
-    /// Address of the gRPC server (IdentityService, EndpointSync, NodeService, health, reflection).
-    #[arg(long, env = "CENSUS_GRPC_LISTEN", default_value = "0.0.0.0:9460")]
-    pub grpc_listen: SocketAddr,
+    /// Address of the gRPC server (IdentityService, EndpointSync, NodeService, health,
+    /// reflection). Without TLS only a loopback address is accepted [default:
+    /// 0.0.0.0:9460 with --tls-cert, 127.0.0.1:9460 without].
+    #[arg(long, env = "CENSUS_GRPC_LISTEN")]
+    pub grpc_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Address of the admin HTTP server (/metrics, /healthz, /readyz).
     #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "0.0.0.0:9461")]
     pub admin_listen: SocketAddr,
@@ -75,6 +79,72 @@ pub struct ListenArgs {
     /// How long an HTTP/2 ping may go unanswered before the connection is closed.
     #[arg(long, env = "CENSUS_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     pub keepalive_timeout: Duration,
+    /// gRPC connections open at once (one per agent, plus CLIs and tools); one more
+    /// is closed as it is accepted, counted and logged.
+    #[arg(long, env = "CENSUS_MAX_CONNECTIONS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// Concurrent calls (HTTP/2 streams) on one gRPC connection.
+    #[arg(long, env = "CENSUS_MAX_STREAMS_PER_CONNECTION", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_connection: u32,
+    /// Bytes of one call's headers (metadata) at most, as HTTP/2 counts them.
+    #[arg(long, env = "CENSUS_MAX_HEADER_LIST_BYTES", default_value_t = 16384, value_parser = clap::value_parser!(u32).range(1024..))]
+    pub max_header_list_bytes: u32,
+    /// How long a new gRPC connection may take to send the HTTP/2 preface (with TLS:
+    /// the TLS handshake) before it is closed.
+    #[arg(long, env = "CENSUS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = timeout)]
+    pub handshake_timeout: Duration,
+    /// How long a gRPC connection may stay without an open call before it is closed
+    /// (an agent always holds its stream; a client reconnects when it needs to).
+    #[arg(long, env = "CENSUS_IDLE_TIMEOUT", default_value = "5m", value_parser = timeout)]
+    pub idle_timeout: Duration,
+    /// How long one request message may take to arrive in full, from its first byte
+    /// (a unary call's: from the start of the call); a call whose message is late
+    /// ends with DEADLINE_EXCEEDED.
+    #[arg(long, env = "CENSUS_MESSAGE_TIMEOUT", default_value = "60s", value_parser = timeout)]
+    pub message_timeout: Duration,
+}
+
+/// A timeout of the gRPC transport: above zero (a zero timeout would close every
+/// connection or call at once).
+fn timeout(text: &str) -> Result<Duration, String> {
+    let timeout = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if timeout.is_zero() {
+        return Err("must be above zero".to_owned());
+    }
+    Ok(timeout)
+}
+
+/// TLS of the gRPC server (docs/security.md, "Mutual TLS"). With `--client-ca`,
+/// every caller needs a client certificate of that CA (`census-operator certs`),
+/// which names its node or makes it a reader.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TlsArgs {
+    /// The serving certificate (PEM, its chain after it), e.g. `server.pem` of
+    /// `census-operator certs`.
+    #[arg(
+        long,
+        env = "CENSUS_TLS_CERT",
+        value_name = "PEM",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The serving certificate's private key (PEM).
+    #[arg(
+        long,
+        env = "CENSUS_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// The CA of clients' certificates (PEM, e.g. `ca.pem`): mutual TLS, the node
+    /// taken from the certificate. Needs --tls-cert and --tls-key.
+    #[arg(
+        long,
+        env = "CENSUS_CLIENT_CA",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub client_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -183,14 +253,32 @@ pub struct KubernetesArgs {
     /// the EndpointSlice of the `census-operator-leader` Service (agents reach it there).
     #[arg(long, env = "CENSUS_POD_IP")]
     pub pod_ip: Option<IpAddr>,
-    /// The agents' ServiceAccount, `NAMESPACE/NAME` (e.g. `census-agent/census-agent`):
-    /// the only account whose tokens will bind agents' streams to their nodes.
+    /// The agents' ServiceAccount, `NAMESPACE/NAME` (deploy/'s DaemonSet runs as
+    /// `census-agent/census-agent`): the only account whose tokens bind agents'
+    /// streams to their nodes.
     #[arg(
         long,
         env = "CENSUS_AGENT_SERVICE_ACCOUNT",
-        value_name = "NAMESPACE/NAME"
+        value_name = "NAMESPACE/NAME",
+        default_value = "census-agent/census-agent"
     )]
-    pub agent_service_account: Option<ServiceAccountRef>,
+    pub agent_service_account: ServiceAccountRef,
+    /// The audience agents' projected ServiceAccount tokens are requested for; a
+    /// TokenReview accepts a token only for it.
+    #[arg(long, env = "CENSUS_TOKEN_AUDIENCE", default_value = "census", value_parser = audience)]
+    pub token_audience: String,
+}
+
+/// A token audience: not empty, no spaces or control characters (it goes into every
+/// TokenReview, and the API server compares it byte for byte).
+fn audience(text: &str) -> Result<String, String> {
+    if text.is_empty()
+        || text.len() > 253
+        || text.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err("an audience is 1-253 characters without spaces (e.g. census)".to_owned());
+    }
+    Ok(text.to_owned())
 }
 
 /// A ServiceAccount, `NAMESPACE/NAME`.
@@ -494,12 +582,7 @@ mod tests {
             "--agent-service-account",
             "census-agent/census-agent",
         ])?;
-        let account = cli.kubernetes.agent_service_account.ok_or_else(|| {
-            clap::Error::raw(
-                clap::error::ErrorKind::MissingRequiredArgument,
-                "no account",
-            )
-        })?;
+        let account = cli.kubernetes.agent_service_account;
         assert_eq!(account.namespace, "census-agent");
         assert_eq!(account.name, "census-agent");
         assert_eq!(account.to_string(), "census-agent/census-agent");
@@ -507,12 +590,24 @@ mod tests {
             account.username(),
             "system:serviceaccount:census-agent:census-agent"
         );
+        let defaults = Cli::try_parse_from(["census-operator"])?.kubernetes;
         assert_eq!(
-            Cli::try_parse_from(["census-operator"])?
-                .kubernetes
-                .agent_service_account,
-            None
+            defaults.agent_service_account.to_string(),
+            "census-agent/census-agent",
+            "deploy/'s DaemonSet's account"
         );
+        assert_eq!(defaults.token_audience, "census");
+        for bad in ["", "two words", "tab\there"] {
+            let err = Cli::try_parse_from(["census-operator", "--token-audience", bad])
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                err.as_ref().is_some_and(
+                    |e| e.contains("--token-audience") && e.contains("1-253 characters")
+                ),
+                "{bad:?}: {err:?}"
+            );
+        }
         for (bad, needle) in [
             ("census-agent", "is not NAMESPACE/NAME"),
             ("/census-agent", "is not NAMESPACE/NAME"),

@@ -17,6 +17,7 @@ use crate::{
     k8s::{self, Cluster, ClusterError},
     metrics::Metrics,
     runtime::{Clock, CoreCollector, Runtime},
+    security::{self, AuthMode, SecurityError},
     store::{
         Store, StoreError,
         redb::{RedbOptions, RedbStore},
@@ -41,6 +42,8 @@ pub enum StartError {
     Profiling(#[from] census_daemon::ProfilingError),
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    #[error(transparent)]
+    Security(#[from] SecurityError),
 }
 
 /// How long shutdown waits for writes in flight to finish.
@@ -58,6 +61,36 @@ pub struct Running {
     writers: Vec<JoinHandle<()>>,
     /// `--store kubernetes`: the cluster side (its writers come and go with leadership).
     pub cluster: Option<Cluster>,
+}
+
+/// Who authenticates the gRPC server's callers, for `mode`.
+fn authenticator(
+    mode: AuthMode,
+    grpc_addr: SocketAddr,
+    tokens: Option<&k8s::tokenreview::TokenReviewer>,
+) -> Result<Arc<dyn grpc::auth::Authenticate>, StartError> {
+    Ok(match mode {
+        AuthMode::Loopback => {
+            warn!(
+                %grpc_addr,
+                "the gRPC server runs unauthenticated on loopback (no --tls-cert): every local process may speak for any node"
+            );
+            Arc::new(grpc::auth::LoopbackOnly)
+        }
+        AuthMode::MutualTls(ca) => {
+            info!(%grpc_addr, "the gRPC server requires mutual TLS: callers are named by their client certificates");
+            Arc::new(grpc::auth::MutualTls::new(ca))
+        }
+        // The cluster's TokenReview authenticator (`crate::k8s::tokenreview`), built by
+        // `k8s::start` from its client and the Kubernetes flags.
+        AuthMode::BearerToken => match tokens {
+            Some(tokens) => {
+                info!(%grpc_addr, "the gRPC server requires agents' ServiceAccount tokens (TokenReview)");
+                Arc::new(tokens.clone())
+            }
+            None => return Err(SecurityError::NoTokenReview.into()),
+        },
+    })
 }
 
 /// How often the operator logs what its core did (nothing for a quiet interval).
@@ -88,14 +121,22 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         census_daemon::profiling::activate().await?;
         info!("jemalloc heap profiling is on: /debug/pprof/heap on the admin port");
     }
+    let security = security::resolve(
+        &listen.tls,
+        listen.grpc_listen,
+        kind,
+        listen.handshake_timeout,
+    )?;
+    let grpc_listen = security.listen;
     // Listen first: a replica in a cluster publishes its gRPC address.
-    let grpc_listener = TcpListener::bind(listen.grpc_listen)
-        .await
-        .map_err(|source| StartError::Listen {
-            what: "gRPC",
-            addr: listen.grpc_listen,
-            source,
-        })?;
+    let grpc_listener =
+        TcpListener::bind(grpc_listen)
+            .await
+            .map_err(|source| StartError::Listen {
+                what: "gRPC",
+                addr: grpc_listen,
+                source,
+            })?;
     let admin_listener = TcpListener::bind(listen.admin_listen)
         .await
         .map_err(|source| StartError::Listen {
@@ -107,7 +148,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         .local_addr()
         .map_err(|source| StartError::Listen {
             what: "gRPC",
-            addr: listen.grpc_listen,
+            addr: grpc_listen,
             source,
         })?;
     let admin_addr = admin_listener
@@ -177,6 +218,12 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
     registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
     let registry = Arc::new(registry);
 
+    let auth = authenticator(
+        security.mode,
+        grpc_addr,
+        cluster.as_ref().map(|c| &c.tokens),
+    )?;
+    let tls = security.tls;
     let (shutdown, stop) = watch::channel(false);
     let mut servers = Vec::new();
     let map = map.config();
@@ -223,16 +270,26 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         let metrics = metrics.clone();
         let stop = stop.clone();
         servers.push(tokio::spawn(async move {
-            let keepalive = grpc::Keepalive {
-                interval: listen.keepalive_interval,
-                timeout: listen.keepalive_timeout,
+            let transport = grpc::Transport {
+                keepalive: grpc::Keepalive {
+                    interval: listen.keepalive_interval,
+                    timeout: listen.keepalive_timeout,
+                },
+                max_connections: listen.max_connections as usize,
+                max_streams_per_connection: listen.max_streams_per_connection,
+                max_header_list_bytes: listen.max_header_list_bytes,
+                handshake_timeout: listen.handshake_timeout,
+                idle_timeout: listen.idle_timeout,
+                message_timeout: listen.message_timeout,
             };
             let served = grpc::serve(
                 grpc_listener,
                 operator,
                 metrics,
-                keepalive,
+                transport,
                 map.batch_entries,
+                auth,
+                tls,
                 stop,
             );
             if let Err(e) = served.await {

@@ -23,6 +23,7 @@ mod layering;
 pub mod metrics;
 pub mod replica;
 pub mod runtime;
+pub mod security;
 pub mod store;
 mod summary;
 pub mod writer;

@@ -79,6 +79,14 @@ pub struct Metrics {
     pub map_resyncs_in_progress: Family<ReasonLabels, Gauge>,
     /// Batches a watcher was behind the latest when it was sent one.
     pub map_watcher_lag: Histogram,
+    /// Open gRPC connections.
+    pub grpc_connections: Gauge,
+    /// gRPC connections closed at once: --max-connections were open.
+    pub grpc_connections_refused: Counter,
+    /// gRPC connections closed by the operator, by reason (`handshake_timeout`, `idle_timeout`).
+    pub grpc_connections_closed: Family<ReasonLabels, Counter>,
+    /// gRPC request messages refused, by reason (`oversize`, `timeout`).
+    pub grpc_messages_refused: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -103,6 +111,10 @@ impl Default for Metrics {
             map_resyncs: Family::default(),
             map_resyncs_in_progress: Family::default(),
             map_watcher_lag: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
+            grpc_connections: Gauge::default(),
+            grpc_connections_refused: Counter::default(),
+            grpc_connections_closed: Family::default(),
+            grpc_messages_refused: Family::default(),
         }
     }
 }
@@ -204,6 +216,26 @@ impl Metrics {
             "map_watcher_lag_batches",
             "Batches a watcher was behind the latest when it was sent one",
             self.map_watcher_lag.clone(),
+        );
+        r.register(
+            "grpc_connections",
+            "Open gRPC connections",
+            self.grpc_connections.clone(),
+        );
+        r.register(
+            "grpc_connections_refused",
+            "gRPC connections closed on accept because --max-connections were open",
+            self.grpc_connections_refused.clone(),
+        );
+        r.register(
+            "grpc_connections_closed",
+            "gRPC connections closed by the operator, by reason (handshake_timeout, idle_timeout)",
+            self.grpc_connections_closed.clone(),
+        );
+        r.register(
+            "grpc_messages_refused",
+            "gRPC request messages refused, by reason (oversize: over the method's limit; timeout: not in full within --message-timeout)",
+            self.grpc_messages_refused.clone(),
         );
     }
 }

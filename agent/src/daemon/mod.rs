@@ -23,13 +23,13 @@ use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
 };
-use tonic::transport::{Channel, Endpoint};
 use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
     admin::{self, AdminState, Query},
     allocate::AllocateClient,
     bpf::{self, Inspector},
+    client::OperatorChannel,
     core::{
         AllocationEvent, Core, Effects, MapEvent, MapLink, MapState, OperatorEvent, OperatorLink,
         Status,
@@ -50,6 +50,8 @@ pub struct Options {
     pub node: NodeName,
     /// The operator's gRPC URI (`http://host:port`).
     pub operator: String,
+    /// TLS to the operator, and the bearer token every call carries.
+    pub operator_auth: crate::client::OperatorAuth,
     pub admin_listen: SocketAddr,
     /// A listener for probes and Prometheus only (admin::health_router).
     pub health_listen: Option<SocketAddr>,
@@ -69,12 +71,8 @@ const UNSUPPORTED_RETRY: Duration = Duration::from_secs(600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("operator address {address:?}: {source}")]
-    Operator {
-        address: String,
-        #[source]
-        source: tonic::transport::Error,
-    },
+    #[error(transparent)]
+    OperatorTls(crate::client::ClientTlsError),
     #[error("cannot listen on {addr} (admin): {source}")]
     Listen {
         addr: SocketAddr,
@@ -135,6 +133,7 @@ where
     let Options {
         node,
         operator,
+        operator_auth,
         admin_listen,
         health_listen,
         reconcile_interval,
@@ -145,7 +144,7 @@ where
         reassert_order,
         endpoint_map,
     } = options;
-    let channel = operator_channel(&operator)?;
+    let channel = operator_channel(&operator, &operator_auth)?;
     let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
     let attached = reconcile::attached_at_start(&maps);
     let pinned_nodes = reconcile::pinned_nodes(&maps);
@@ -329,19 +328,20 @@ where
 
 /// A lazily connected channel to the operator: calls fail fast while it is away,
 /// and it reconnects by itself.
-fn operator_channel(address: &str) -> Result<Channel, StartError> {
+fn operator_channel(
+    address: &str,
+    auth: &crate::client::OperatorAuth,
+) -> Result<OperatorChannel, StartError> {
     let endpoint =
-        Endpoint::from_shared(address.to_owned()).map_err(|source| StartError::Operator {
-            address: address.to_owned(),
-            source,
-        })?;
-    Ok(endpoint
+        crate::client::endpoint(address, auth.tls.as_ref()).map_err(StartError::OperatorTls)?;
+    let channel = endpoint
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
         .keep_alive_while_idle(true)
-        .connect_lazy())
+        .connect_lazy();
+    Ok(crate::client::with_token(channel, auth.token_file.clone()))
 }
 
 /// Seconds from `ms` since the Unix epoch (another host's clock) to now; 0 for a

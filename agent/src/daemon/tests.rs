@@ -54,6 +54,7 @@ async fn agent_on(
     let options = Options {
         node: NodeName::new(node)?,
         operator: format!("http://{operator}"),
+        operator_auth: crate::client::OperatorAuth::default(),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: None,
         reconcile_interval: Duration::from_millis(200),
@@ -446,6 +447,7 @@ async fn the_health_listener_serves_probes_and_metrics_only_and_both_formats_lin
     let options = Options {
         node: NodeName::new("n1")?,
         operator: format!("http://{}", op.grpc_addr),
+        operator_auth: crate::client::OperatorAuth::default(),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: Some("127.0.0.1:0".parse()?),
         reconcile_interval: Duration::from_millis(200),

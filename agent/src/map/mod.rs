@@ -27,7 +27,9 @@ use census_proto::{
     status::code_label,
 };
 use tokio::sync::{mpsc, watch};
-use tonic::{Code, transport::Channel};
+use tonic::Code;
+
+use crate::client::OperatorChannel;
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
@@ -44,7 +46,7 @@ const MAX_DECODING: usize = 64 * 1024 * 1024;
 /// The client; see the module documentation.
 #[derive(Debug)]
 pub(crate) struct MapClient {
-    pub(crate) channel: Channel,
+    pub(crate) channel: OperatorChannel,
     pub(crate) node: NodeName,
     pub(crate) session: SessionId,
     pub(crate) initial_backoff: Duration,

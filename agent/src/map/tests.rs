@@ -99,7 +99,7 @@ fn agent(addr: SocketAddr) -> TestResult<Agent> {
     let metrics = Metrics::default();
     let session = new_session();
     let client = MapClient {
-        channel: lazy_channel(addr)?,
+        channel: crate::client::plain(lazy_channel(addr)?),
         node: NodeName::new(OWN)?,
         session,
         initial_backoff: Duration::from_millis(20),

@@ -46,7 +46,9 @@ use census_proto::{
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Streaming, transport::Channel};
+use tonic::Streaming;
+
+use crate::client::OperatorChannel;
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
@@ -83,7 +85,7 @@ enum Sent {
 /// The client; see the module documentation.
 #[derive(Debug)]
 pub(crate) struct SyncClient {
-    pub channel: Channel,
+    pub channel: OperatorChannel,
     pub node: NodeName,
     pub session: SessionId,
     pub initial_backoff: Duration,

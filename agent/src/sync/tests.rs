@@ -13,6 +13,7 @@ use census_testkit::{
     Operator, TestResult, identity, lazy_channel, node, node as node_info, until_some,
 };
 use tokio::task::JoinHandle;
+use tonic::transport::Channel;
 
 use super::*;
 use crate::{
@@ -43,7 +44,7 @@ fn start(channel: Channel, node: &str) -> Result<Client, Box<dyn std::error::Err
     let metrics = Metrics::default();
     let session = new_session();
     let client = SyncClient {
-        channel,
+        channel: crate::client::plain(channel),
         node: NodeName::new(node)?,
         session,
         initial_backoff: Duration::from_millis(50),
@@ -439,7 +440,7 @@ async fn hello_carries_the_nodes_first_16_addresses_but_link_local_ones() -> Tes
     ips.insert("fe80::1".parse()?);
     ips.insert("2001:db8::1".parse()?);
     let client = SyncClient {
-        channel: lazy_channel("127.0.0.1:1".parse()?)?,
+        channel: crate::client::plain(lazy_channel("127.0.0.1:1".parse()?)?),
         node: NodeName::new("n1")?,
         session: new_session(),
         initial_backoff: Duration::from_millis(50),

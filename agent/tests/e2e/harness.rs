@@ -57,6 +57,80 @@ pub(crate) fn binaries() -> Fallible<(PathBuf, PathBuf)> {
     Ok((agent, operator))
 }
 
+/// Certificates for mutual TLS, written by `census-operator certs` into `dir`: the
+/// CA, a serving certificate for `ips`, a client certificate per node of `nodes`
+/// and a reader's (`lab`) for the test's own calls.
+#[derive(Debug, Clone)]
+pub(crate) struct LabCerts {
+    dir: PathBuf,
+}
+
+impl LabCerts {
+    pub(crate) fn generate(
+        operator_bin: &Path,
+        dir: PathBuf,
+        ips: &[std::net::IpAddr],
+        nodes: &[&str],
+    ) -> Fallible<Self> {
+        let mut command = Command::new(operator_bin);
+        command.arg("certs").arg("--out-dir").arg(&dir);
+        for ip in ips {
+            command.args(["--ip", &ip.to_string()]);
+        }
+        for node in nodes {
+            command.args(["--node", node]);
+        }
+        command.args(["--reader", "lab", "--days", "1"]);
+        let output = command.output()?;
+        if !output.status.success() {
+            return Err(format!(
+                "census-operator certs failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        Ok(Self { dir })
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The operator's flags: its serving certificate, and the CA of its clients.
+    pub(crate) fn operator_args(&self) -> Vec<std::ffi::OsString> {
+        vec![
+            "--tls-cert".into(),
+            self.file("server.pem").into(),
+            "--tls-key".into(),
+            self.file("server-key.pem").into(),
+            "--client-ca".into(),
+            self.file("ca.pem").into(),
+        ]
+    }
+
+    /// An agent's flags: the operator's CA, and its node's certificate.
+    pub(crate) fn agent_args(&self, node: &str) -> Vec<std::ffi::OsString> {
+        vec![
+            "--tls-ca".into(),
+            self.file("ca.pem").into(),
+            "--tls-cert".into(),
+            self.file(&format!("node-{node}.pem")).into(),
+            "--tls-key".into(),
+            self.file(&format!("node-{node}-key.pem")).into(),
+        ]
+    }
+
+    /// The TLS of the test's own calls: the reader's certificate.
+    pub(crate) fn reader_tls(&self) -> Fallible<tonic::transport::ClientTlsConfig> {
+        let files = census_agent::client::TlsFiles {
+            ca: Some(self.file("ca.pem")),
+            cert: Some(self.file("reader-lab.pem")),
+            key: Some(self.file("reader-lab-key.pem")),
+        };
+        Ok(files.config()?.ok_or("no TLS configuration")?)
+    }
+}
+
 /// One test's world: a lab, a pin directory, a temporary directory with the
 /// endpoints file, the operator's store and both processes' logs. Logs are
 /// printed when the test does not reach [`World::pass`].
@@ -72,16 +146,26 @@ pub(crate) struct World {
     passed: bool,
     agent_bin: PathBuf,
     operator_bin: PathBuf,
+    /// The agent and the operator speak mutual TLS, as in every lab.
+    certs: LabCerts,
     starts: u32,
 }
 
 impl World {
     pub(crate) fn new() -> Fallible<Self> {
         let (agent_bin, operator_bin) = binaries()?;
+        let dir = tempfile::tempdir()?;
+        let certs = LabCerts::generate(
+            &operator_bin,
+            dir.path().join("tls"),
+            &[std::net::IpAddr::from([127, 0, 0, 1])],
+            &[NODE],
+        )?;
         Ok(Self {
+            certs,
             lab: Lab::new()?,
             pins: PinDir::new(),
-            dir: tempfile::tempdir()?,
+            dir,
             operator: None,
             agent: None,
             reconcile_interval: "500ms",
@@ -121,6 +205,7 @@ impl World {
         let mut command = Command::new(&self.operator_bin);
         command
             .args(["--grpc-listen", &format!("127.0.0.1:{OPERATOR_PORT}")])
+            .args(self.certs.operator_args())
             .args(["--admin-listen", "127.0.0.1:9461"])
             .arg("--store-path")
             .arg(&store)
@@ -142,6 +227,7 @@ impl World {
         command
             .args(["--node-name", NODE])
             .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
+            .args(self.certs.agent_args(NODE))
             .arg("--pin-dir")
             .arg(self.pins.path())
             .args(["--admin-listen", &format!("127.0.0.1:{ADMIN_PORT}")])
@@ -241,14 +327,16 @@ impl World {
         F: FnOnce(tonic::transport::Channel) -> Fut + Send,
         Fut: Future<Output = SendResult<T>>,
     {
+        let tls = self.certs.reader_tls()?;
         let result = self.lab.node().run(|| -> SendResult<T> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             runtime.block_on(async {
-                let channel = tonic::transport::Endpoint::from_shared(format!(
-                    "http://127.0.0.1:{OPERATOR_PORT}"
-                ))?
+                let channel = census_agent::client::endpoint(
+                    &format!("http://127.0.0.1:{OPERATOR_PORT}"),
+                    Some(&tls),
+                )?
                 .connect_timeout(Duration::from_secs(5))
                 .connect()
                 .await?;

@@ -37,7 +37,7 @@ use nix::{
 };
 
 use crate::{
-    harness::{SendResult, binaries, endpoint_entry, pod_labels},
+    harness::{LabCerts, SendResult, binaries, endpoint_entry, pod_labels},
     support::{
         Fallible, PinDir, TestResult, attach_mode_arg, bpftool, bytes, frame_len, path_str, u32_at,
     },
@@ -109,6 +109,8 @@ struct TwoNodes {
     dir: tempfile::TempDir,
     agent_bin: PathBuf,
     operator_bin: PathBuf,
+    /// Node B reaches the operator over the lab's network: mutual TLS.
+    certs: LabCerts,
     starts: u32,
     passed: bool,
 }
@@ -123,14 +125,26 @@ fn at(side: Side) -> usize {
 impl TwoNodes {
     fn new() -> Fallible<Self> {
         let (agent_bin, operator_bin) = binaries()?;
+        let cluster = Cluster::new(NODE_A, NODE_B)?;
+        let dir = tempfile::tempdir()?;
+        let certs = LabCerts::generate(
+            &operator_bin,
+            dir.path().join("tls"),
+            &[
+                IpAddr::from([127, 0, 0, 1]),
+                cluster.node(Side::A).uplink_ip(false),
+            ],
+            &[NODE_A, NODE_B],
+        )?;
         Ok(Self {
-            cluster: Cluster::new(NODE_A, NODE_B)?,
+            cluster,
             pins: [PinDir::new(), PinDir::new()],
             agents: [None, None],
             operator: None,
-            dir: tempfile::tempdir()?,
+            dir,
             agent_bin,
             operator_bin,
+            certs,
             starts: 0,
             passed: false,
         })
@@ -181,6 +195,7 @@ impl TwoNodes {
         let mut command = Command::new(&self.operator_bin);
         command
             .args(["--grpc-listen", &format!("0.0.0.0:{OPERATOR_PORT}")])
+            .args(self.certs.operator_args())
             .args(["--admin-listen", "127.0.0.1:9461"])
             .arg("--store-path")
             .arg(&store)
@@ -208,6 +223,7 @@ impl TwoNodes {
         command
             .args(["--node-name", &name])
             .args(["--operator", &self.operator_url(side)])
+            .args(self.certs.agent_args(&name))
             .arg("--pin-dir")
             .arg(self.pins[at(side)].path())
             .args(["--admin-listen", &format!("127.0.0.1:{ADMIN_PORT}")])
@@ -278,12 +294,13 @@ impl TwoNodes {
     fn lookup(&self, labels: &[(&str, &str)]) -> Fallible<u32> {
         let set = pod_labels(labels)?;
         let url = self.operator_url(Side::A);
+        let tls = self.certs.reader_tls()?;
         let result = self.cluster.node(Side::A).ns().run(|| -> SendResult<u32> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             runtime.block_on(async {
-                let channel = tonic::transport::Endpoint::from_shared(url)?
+                let channel = census_agent::client::endpoint(&url, Some(&tls))?
                     .connect_timeout(Duration::from_secs(5))
                     .connect()
                     .await?;

@@ -39,8 +39,9 @@ use tonic::{
 use tracing::debug;
 
 use super::{
-    Operator,
+    Operator, auth,
     status::{field, refused, version},
+    untrusted::untrusted,
 };
 use crate::{
     api::{
@@ -173,10 +174,12 @@ impl EndpointMapService {
     }
 
     fn watch(&self, request: Request<pb::EndpointMapWatchRequest>) -> Result<WatchStream, Status> {
+        let principal = auth::caller(&request)?;
         let peer = request.remote_addr().map(|p| p.ip().to_canonical());
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let node = node_from_wire(&req.node, "node").map_err(field)?;
+        auth::speaks_for(&principal, &node)?;
         let session = session_from_wire(req.session.as_ref(), "session").map_err(field)?;
         let caller = Caller { node, peer };
         let watch = self.operator.map_watch(&caller, session).map_err(refused)?;
@@ -190,10 +193,10 @@ impl EndpointMapService {
             shutdown: self.shutdown.clone(),
             phase: Phase::Resync("new_watcher"),
         };
-        Ok(Box::pin(futures::stream::unfold(
-            watcher,
-            |mut watcher| async move { watcher.next().await.map(|item| (item, watcher)) },
-        )))
+        let stream = futures::stream::unfold(watcher, |mut watcher| async move {
+            watcher.next().await.map(|item| (item, watcher))
+        });
+        Ok(auth::until_expired(stream, principal.expires()))
     }
 
     fn lookup(
@@ -203,8 +206,10 @@ impl EndpointMapService {
         check_version(request.protocol_version).map_err(version)?;
         let text = request.ip.trim();
         let ip: IpAddr = text.parse().map_err(|_| {
-            let shown: String = text.chars().take(64).collect();
-            Status::invalid_argument(format!("ip: {shown:?} is not an IPv4 or IPv6 address"))
+            Status::invalid_argument(format!(
+                "ip: \"{}\" is not an IPv4 or IPv6 address",
+                untrusted(text)
+            ))
         })?;
         let ip = ip.to_canonical();
         match self.operator.map_lookup(ip).map_err(refused)? {
@@ -564,7 +569,9 @@ impl UnaryService<pb::EndpointMapLookupRequest> for LookupMethod {
     >;
 
     fn call(&mut self, request: Request<pb::EndpointMapLookupRequest>) -> Self::Future {
-        let answer = self.0.lookup(request.into_inner()).map(Response::new);
+        let answer = auth::caller(&request)
+            .and_then(|_| self.0.lookup(request.into_inner()))
+            .map(Response::new);
         Box::pin(async move { answer })
     }
 }

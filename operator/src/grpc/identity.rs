@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use tracing::debug;
 
 use super::{
-    Operator,
+    Operator, auth,
     convert::identity_to_wire,
     status::{alloc, field, refused, version},
 };
@@ -65,10 +65,12 @@ impl IdentityService for Identities {
         request: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let started = Instant::now();
+        let principal = auth::caller(&request)?;
         let peer = request.remote_addr().map(|p| p.ip().to_canonical());
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let node = node_from_wire(&req.node, "node").map_err(field)?;
+        auth::speaks_for(&principal, &node)?;
         let session = session_from_wire(req.session.as_ref(), "session").map_err(field)?;
         let labels = self.labels(&req.labels, "labels")?;
         let caller = Caller { node, peer };
@@ -105,6 +107,7 @@ impl IdentityService for Identities {
         &self,
         request: Request<pb::GetRequest>,
     ) -> Result<Response<pb::Identity>, Status> {
+        auth::caller(&request)?;
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let id =
@@ -127,6 +130,7 @@ impl IdentityService for Identities {
         &self,
         request: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::Identity>, Status> {
+        auth::caller(&request)?;
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let labels = self.labels(&req.labels, "labels")?;
@@ -142,6 +146,7 @@ impl IdentityService for Identities {
         &self,
         request: Request<pb::ListRequest>,
     ) -> Result<Response<pb::ListResponse>, Status> {
+        auth::caller(&request)?;
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let limit = match req.page_size {
@@ -183,17 +188,21 @@ impl IdentityService for Identities {
         }))
     }
 
-    type WatchStream = ReceiverStream<Result<pb::WatchEvent, Status>>;
+    type WatchStream = auth::Expiring<pb::WatchEvent>;
 
     async fn watch(
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let principal = auth::caller(&request)?;
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
         let (tx, rx) = mpsc::channel(WATCH_QUEUE);
         tokio::spawn(run_watch(self.operator.clone(), tx, self.shutdown.clone()));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(auth::until_expired(
+            ReceiverStream::new(rx),
+            principal.expires(),
+        )))
     }
 }
 

@@ -1,17 +1,26 @@
 //! The gRPC server: IdentityService, EndpointSync, EndpointMap, NodeService, gRPC health and
-//! reflection (v1 and v1alpha), with explicit message size limits and a metrics layer.
+//! reflection (v1 and v1alpha), with a metrics layer.
+//!
+//! Connections come from an accept loop of its own (`transport`: a connection cap,
+//! handshake and idle timeouts), and every request body is held to its method's
+//! message limit and timeout as it streams in (`codec`); what a client sent reaches
+//! logs and errors only bounded and escaped (`untrusted`).
 //!
 //! The services reach the operator only through [`Api`], in domain types. This is
 //! the one module that knows the wire: it decodes and validates requests, encodes
 //! answers and the operator's messages to agents (`convert`), and turns refusals into
 //! precise statuses, a follower's naming the leader (`status`).
 
+pub(crate) mod auth;
+mod codec;
 mod convert;
 mod endpoint_map;
 mod identity;
 mod node;
 mod status;
 mod sync;
+mod transport;
+mod untrusted;
 
 use std::{
     future::Future,
@@ -31,6 +40,7 @@ use tower::{Layer, Service};
 use self::endpoint_map::{EndpointMapServer, EndpointMapService};
 pub(crate) use self::{
     endpoint_map::WireMap, identity::Identities, node::Nodes, sync::EndpointStreams,
+    transport::Transport,
 };
 use crate::{
     api::Api,
@@ -60,15 +70,26 @@ pub(crate) struct Keepalive {
 }
 
 /// Serves `operator` until `shutdown` turns true, then stops accepting and drains.
+/// With `tls`, every connection is TLS; `auth` authenticates every call but health
+/// and reflection ([`auth::AuthLayer`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve(
     listener: TcpListener,
     operator: Operator,
     metrics: Metrics,
-    keepalive: Keepalive,
+    transport: Transport,
     map_batch_entries: usize,
+    auth: Arc<dyn auth::Authenticate>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
-    let max = operator.settings().max_message_bytes;
+    let settings = operator.settings();
+    let max = settings.max_message_bytes;
+    let limits = codec::MessageLimits {
+        request_bytes: codec::request_limit(settings.wire.labels.max_labels),
+        stream_bytes: max,
+        timeout: transport.message_timeout,
+    };
     // Map messages are chunks of at most `map_batch_entries` items.
     let map = EndpointMapServer::new(EndpointMapService::new(
         operator.clone(),
@@ -115,14 +136,28 @@ pub(crate) async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
 
-    // Small request/answer exchanges (Allocate, an Ack per message) must not wait for
-    // Nagle's algorithm: tonic applies its nodelay option only to listeners it binds.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let connections = Arc::new(transport::Connections::default());
+    let incoming = transport::incoming(listener, &transport, &metrics, Arc::clone(&connections));
+    let requests = transport::RequestLayer {
+        connections,
+        limits,
+        refused: metrics.grpc_messages_refused.clone(),
+    };
+    let keepalive = transport.keepalive;
     let mut stop = shutdown.clone();
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .http2_keepalive_interval(Some(keepalive.interval))
         .http2_keepalive_timeout(Some(keepalive.timeout))
+        .max_concurrent_streams(Some(transport.max_streams_per_connection))
+        .http2_max_header_list_size(Some(transport.max_header_list_bytes))
+        // The metrics see the codes the request layer maps.
         .layer(GrpcMetricsLayer { metrics })
+        .layer(requests)
+        .layer(auth::AuthLayer::new(auth))
         .add_service(identities)
         .add_service(sync)
         .add_service(map)

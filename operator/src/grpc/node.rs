@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use tonic::{Request, Response, Status, transport::Channel};
 
 use super::{
-    Operator,
+    Operator, auth,
     convert::node_to_wire,
     status::{field, not_leader_status, version},
 };
@@ -110,6 +110,7 @@ impl NodeService for Nodes {
         &self,
         request: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
+        auth::caller(&request)?;
         let route = self.route(&request);
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
@@ -129,6 +130,7 @@ impl NodeService for Nodes {
         &self,
         request: Request<pb::GetVersionRequest>,
     ) -> Result<Response<pb::VersionInfo>, Status> {
+        auth::caller(&request)?;
         check_version(request.into_inner().protocol_version).map_err(version)?;
         Ok(Response::new(pb::VersionInfo {
             operator_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -142,6 +144,7 @@ impl NodeService for Nodes {
         &self,
         request: Request<pb::GetNodeRequest>,
     ) -> Result<Response<pb::Node>, Status> {
+        auth::caller(&request)?;
         let route = self.route(&request);
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;

@@ -3,6 +3,8 @@
 use census_proto::convert::{FieldError, VersionMismatch};
 use tonic::Status;
 
+use super::untrusted::untrusted;
+
 use crate::api::{AdmissionError, AllocError, NotLeader, Refused, SyncError};
 
 /// The gRPC metadata key with the leader's address, on a follower's UNAVAILABLE.
@@ -20,8 +22,9 @@ pub(super) fn not_leader_status(refusal: &NotLeader) -> Status {
     status
 }
 
+/// A refused field: its error may quote what the client sent, so it is shown bounded.
 pub(super) fn field(e: FieldError) -> Status {
-    Status::invalid_argument(e.to_string())
+    Status::invalid_argument(untrusted(&e.to_string()).owned())
 }
 
 pub(super) fn version(e: VersionMismatch) -> Status {

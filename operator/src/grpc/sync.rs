@@ -32,9 +32,11 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{
-    Operator,
+    Operator, auth,
+    codec::{self, StreamLimit},
     convert::to_agent,
     status::{field, refused, version},
+    untrusted::untrusted,
 };
 use crate::{
     api::{Applied, Caller, Connected, ToAgent},
@@ -87,14 +89,14 @@ impl Refusals {
                 caller,
                 code = census_proto::status::code_label(status.code()),
                 "refused an EndpointSync stream: {}",
-                status.message()
+                untrusted(status.message())
             );
         }
         status
     }
 
     fn is_news(&self, caller: &str, status: &Status) -> bool {
-        let seen = (status.code(), status.message().to_owned());
+        let seen = (status.code(), untrusted(status.message()).owned());
         let mut last = self.0.lock();
         if last.get(caller) == Some(&seen) {
             return false;
@@ -116,17 +118,19 @@ impl Refusals {
 
 #[tonic::async_trait]
 impl EndpointSync for EndpointStreams {
-    type SyncStream = ReceiverStream<Result<pb::OperatorMessage, Status>>;
+    type SyncStream = auth::Expiring<pb::OperatorMessage>;
 
     async fn sync(
         &self,
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
+        let principal = auth::caller(&request)?;
         let peer = request.remote_addr();
         let caller = peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.ip().to_string());
-        let bounded = |node: &str| node.chars().take(253).collect::<String>();
         let refusals = Arc::clone(&self.refusals);
         let refuse = |who: &str, status: Status| refusals.note(who, status);
+        // Raised once the Hello is accepted: before, only Hello-sized messages come in.
+        let limit = request.extensions().get::<Arc<StreamLimit>>().cloned();
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
             .await
@@ -137,7 +141,7 @@ impl EndpointSync for EndpointStreams {
                 ))
             })
             .map_err(|status| refuse(&caller, status))?
-            .map_err(|status| refuse(&caller, status))?
+            .map_err(|status| refuse(&caller, codec::client_fault(status)))?
             .ok_or_else(|| {
                 refuse(
                     &caller,
@@ -151,10 +155,12 @@ impl EndpointSync for EndpointStreams {
                 Status::failed_precondition("the first message on EndpointSync must be Hello"),
             ));
         };
-        let who = bounded(&hello.node);
+        let who = untrusted(&hello.node).owned();
         check_version(hello.protocol_version).map_err(|e| refuse(&who, version(e)))?;
         let node =
             node_from_wire(&hello.node, "hello.node").map_err(|e| refuse(&caller, field(e)))?;
+        // Before the session is even read: a Hello for another node changes nothing.
+        auth::speaks_for(&principal, &node).map_err(|e| refuse(&caller, e))?;
         let session = session_from_wire(hello.session.as_ref(), "hello.session")
             .map_err(|e| refuse(&who, field(e)))?;
         // The node's own addresses (the endpoint map's `remote-node` entries in
@@ -192,10 +198,13 @@ impl EndpointSync for EndpointStreams {
             .hello(&caller, session, addresses.clone(), to_agent_tx)
             .map_err(|e| refuse(&who, refused(e)))?;
         self.refusals.accepted(&who);
+        if let Some(limit) = &limit {
+            limit.raise();
+        }
         let span =
             info_span!("sync", node = %connected.node, %session, conn = connected.conn.get());
         span.in_scope(
-            || info!(agent_version = %hello.agent_version, peer = ?peer, ?addresses, "agent connected"),
+            || info!(agent_version = %untrusted(&hello.agent_version), peer = ?peer, ?addresses, "agent connected"),
         );
         let stream = Stream {
             operator: self.operator.clone(),
@@ -207,7 +216,11 @@ impl EndpointSync for EndpointStreams {
             rejected: HashMap::new(),
         };
         tokio::spawn(stream.run(inbound, self.shutdown.clone()).instrument(span));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        // Ending the answers at expiry closes `tx`, which ends the stream's task.
+        Ok(Response::new(auth::until_expired(
+            ReceiverStream::new(rx),
+            principal.expires(),
+        )))
     }
 }
 
@@ -284,7 +297,11 @@ impl Stream {
                     false
                 }
                 Event::Agent(Err(status)) => {
-                    debug!(code = ?status.code(), message = status.message(), "stream failed");
+                    // An oversize, late or malformed message: the agent is told why
+                    // (a stream that just ended would look like success).
+                    let status = codec::client_fault(status);
+                    debug!(code = ?status.code(), message = %untrusted(status.message()), "stream failed");
+                    let _ = self.tx.try_send(Err(status));
                     false
                 }
                 Event::Operator(Some(msg)) => self.forward(msg).await,
@@ -440,20 +457,20 @@ impl Stream {
                 .get_or_create(&ReasonLabels { reason: r.kind() })
                 .inc();
             let reasons = now.entry(r.key.clone()).or_default();
-            let reason = r.error.to_string();
+            let reason = untrusted(&r.error.to_string()).owned();
             let known = self
                 .rejected
                 .get(&r.key)
                 .is_some_and(|logged| logged.contains(&reason));
             if !known && !reasons.contains(&reason) {
-                warn!(endpoint = %r.key, %reason, "rejected an entry; the rest of the message is applied");
+                warn!(endpoint = %untrusted(&r.key.to_string()), %reason, "rejected an entry; the rest of the message is applied");
             }
             reasons.push(reason);
         }
         match covers {
             Covers::All => {
                 for key in self.rejected.keys().filter(|k| !now.contains_key(*k)) {
-                    info!(endpoint = %key, "a rejected entry is accepted now");
+                    info!(endpoint = %untrusted(&key.to_string()), "a rejected entry is accepted now");
                 }
                 self.rejected = now;
             }
@@ -472,7 +489,7 @@ impl Stream {
                 }
                 None => {
                     if self.rejected.remove(&key).is_some() {
-                        info!(endpoint = %key, "a rejected entry is accepted now");
+                        info!(endpoint = %untrusted(&key.to_string()), "a rejected entry is accepted now");
                     }
                 }
             },

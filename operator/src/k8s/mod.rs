@@ -11,6 +11,7 @@ pub mod endpointslice;
 mod leader;
 pub mod lease;
 pub mod nodes;
+pub mod tokenreview;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -28,6 +29,7 @@ use self::{
     leader::Leadership,
     lease::{ElectionError, Elector, LeaseConfig},
     nodes::NodeIndex,
+    tokenreview::{TokenReviewConfig, TokenReviewer},
 };
 use crate::{
     admin::Readiness,
@@ -85,8 +87,10 @@ pub struct Cluster {
     pub runtime: Arc<Runtime>,
     pub store: Arc<KubeStore>,
     pub nodes: Arc<NodeIndex>,
-    /// The agents' ServiceAccount (`--agent-service-account`), if given.
-    pub agent_service_account: Option<ServiceAccountRef>,
+    /// The agents' ServiceAccount (`--agent-service-account`).
+    pub agent_service_account: ServiceAccountRef,
+    /// Checks agents' bearer tokens (TokenReview), binding them to their nodes.
+    pub tokens: TokenReviewer,
     stop: watch::Sender<bool>,
     leadership: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
@@ -130,6 +134,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         pod_name,
         pod_ip,
         agent_service_account,
+        token_audience,
     } = args;
     let Parts {
         cfg,
@@ -161,7 +166,12 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
     lease.check()?;
     let writes = client(config.clone(), false)?;
     let reads = client(config.clone(), true)?;
-    let leases = client(config, false)?;
+    let leases = client(config.clone(), false)?;
+    // A caller waits for its review: no kube retries (the review has its own timeout).
+    let tokens = TokenReviewer::new(
+        client(config, false)?,
+        TokenReviewConfig::new(token_audience.clone(), agent_service_account.clone()),
+    );
     check_crd(&reads).await?;
 
     let fence = Arc::new(Fence::closed());
@@ -203,10 +213,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         let agents = agent_service_account.clone();
         tasks.push(tokio::spawn(async move {
             store.wait_synced().await;
-            let agents = agents.map_or_else(
-                || "agents' ServiceAccount not set".to_owned(),
-                |a| format!("agents' ServiceAccount {a}"),
-            );
+            let agents = format!("agents' ServiceAccount {agents}");
             readiness.set_ready(format!(
                 "replica {identity}: listed {} Identity objects; serving reads; {agents}",
                 store.cached_objects()
@@ -254,22 +261,18 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             .run()
             .instrument(info_span!("leader_election", lease = %lease.name, identity = %identity)),
     );
-    match agent_service_account {
-        Some(account) => info!(
-            agent_service_account = %account,
-            "agents' streams will be accepted from this ServiceAccount only"
-        ),
-        None => warn!(
-            "no --agent-service-account: name the agents' ServiceAccount (NAMESPACE/NAME) before \
-             agents authenticate with its tokens"
-        ),
-    }
+    info!(
+        agent_service_account = %agent_service_account,
+        token_audience = %token_audience,
+        "agents' tokens bind nodes only for this ServiceAccount and audience"
+    );
     info!(%namespace, lease = %lease.name, %identity, "joined the cluster as a follower");
     Ok(Cluster {
         runtime,
         store,
         nodes,
         agent_service_account: agent_service_account.clone(),
+        tokens,
         stop,
         leadership,
         tasks,

@@ -478,7 +478,7 @@ fn restricted_violations(spec: &PodSpec) -> Vec<String> {
 }
 
 #[test]
-fn each_namespace_admits_its_pods_and_the_operator_has_no_access_to_them() -> TestResult {
+fn each_namespace_admits_its_pods_and_the_operator_only_reads_agent_pods() -> TestResult {
     let m = manifests()?;
     let operator = m.deployments.first().ok_or("no operator Deployment")?;
     let agent = m.daemonsets.first().ok_or("no agent DaemonSet")?;
@@ -594,8 +594,9 @@ fn each_namespace_admits_its_pods_and_the_operator_has_no_access_to_them() -> Te
         (agent_ns, account)
     );
 
-    // The operator's rules: nothing on pods; the leader EndpointSlice by name, and
-    // create (which RBAC cannot limit by name).
+    // The operator's rules: on pods only `get`, in the agents' namespace (the node of a
+    // token from a v1.29 API server is its pod's); tokenreviews `create`; the leader
+    // EndpointSlice by name, and create (which RBAC cannot limit by name).
     let operator_rules: Vec<_> = m
         .roles
         .iter()
@@ -605,28 +606,64 @@ fn each_namespace_admits_its_pods_and_the_operator_has_no_access_to_them() -> Te
                 .as_deref()
                 .is_some_and(|n| n.starts_with("census-operator"))
         })
-        .flat_map(|r| r.rules.iter().flatten())
+        .flat_map(|r| {
+            r.rules
+                .iter()
+                .flatten()
+                .map(|rule| (r.metadata.namespace.as_deref(), rule))
+        })
         .chain(
             m.cluster_roles
                 .iter()
                 .filter(|r| r.metadata.name.as_deref() == Some("census-operator"))
-                .flat_map(|r| r.rules.iter().flatten()),
+                .flat_map(|r| r.rules.iter().flatten().map(|rule| (None, rule))),
         )
         .collect();
-    for rule in &operator_rules {
+    let mut pod_rules = 0;
+    for (namespace, rule) in &operator_rules {
         let resources = rule.resources.iter().flatten();
-        assert!(
-            !resources
-                .clone()
-                .any(|r| r == "pods" || r.starts_with("pods/") || r == "*"),
-            "the operator may touch pods: {rule:?}"
-        );
         assert!(!rule.verbs.iter().any(|v| v == "*"), "{rule:?}");
+        assert!(!resources.clone().any(|r| r == "*"), "{rule:?}");
+        if resources
+            .clone()
+            .any(|r| r == "pods" || r.starts_with("pods/"))
+        {
+            assert_eq!(
+                (
+                    *namespace,
+                    rule.api_groups.as_deref(),
+                    rule.resources.as_deref(),
+                    rule.verbs.as_slice()
+                ),
+                (
+                    Some(agent_ns),
+                    Some(&[String::new()][..]),
+                    Some(&["pods".to_owned()][..]),
+                    &["get".to_owned()][..]
+                ),
+                "the operator may only get the agents' pods: {rule:?}"
+            );
+            pod_rules += 1;
+        }
     }
+    assert_eq!(pod_rules, 1, "the operator reads the agents' pods by name");
+    let reviews: Vec<_> = operator_rules
+        .iter()
+        .filter(|(_, r)| r.resources.iter().flatten().any(|x| x == "tokenreviews"))
+        .map(|(ns, r)| (*ns, r.api_groups.clone(), r.verbs.clone()))
+        .collect();
+    assert_eq!(
+        reviews,
+        [(
+            None,
+            Some(vec!["authentication.k8s.io".to_owned()]),
+            vec!["create".to_owned()]
+        )]
+    );
     let slices: Vec<(Vec<String>, Option<Vec<String>>)> = operator_rules
         .iter()
-        .filter(|r| r.resources.iter().flatten().any(|x| x == "endpointslices"))
-        .map(|r| {
+        .filter(|(_, r)| r.resources.iter().flatten().any(|x| x == "endpointslices"))
+        .map(|(_, r)| {
             assert_eq!(
                 r.api_groups.as_deref(),
                 Some(&["discovery.k8s.io".to_owned()][..])
@@ -644,6 +681,96 @@ fn each_namespace_admits_its_pods_and_the_operator_has_no_access_to_them() -> Te
             ),
         ]
     );
+    Ok(())
+}
+
+/// The value of `name` in a container's environment.
+fn env<'a>(c: &'a Container, name: &str) -> Option<&'a str> {
+    c.env
+        .iter()
+        .flatten()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value.as_deref())
+}
+
+/// The volume a file of a container is on (read-only), and the path inside it.
+fn volume_of<'a>(
+    spec: &'a PodSpec,
+    c: &Container,
+    file: &str,
+) -> Option<(&'a k8s_openapi::api::core::v1::Volume, String)> {
+    let mount = c.volume_mounts.iter().flatten().find(|m| {
+        file.strip_prefix(&m.mount_path)
+            .is_some_and(|rest| rest.starts_with('/'))
+            && m.read_only == Some(true)
+    })?;
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)?;
+    Some((volume, file[mount.mount_path.len() + 1..].to_owned()))
+}
+
+#[test]
+fn the_agent_sends_a_census_token_and_the_operator_serves_tls_from_a_secret() -> TestResult {
+    let m = manifests()?;
+    let operator_pod = m
+        .deployments
+        .first()
+        .and_then(|d| d.spec.as_ref()?.template.spec.as_ref())
+        .ok_or("no operator pod spec")?;
+    let agent_pod = m
+        .daemonsets
+        .first()
+        .and_then(|d| d.spec.as_ref()?.template.spec.as_ref())
+        .ok_or("no agent pod spec")?;
+    let operator = &operator_pod.containers[0];
+    let agent = &agent_pod.containers[0];
+
+    // The agent's token: a projected ServiceAccount token for the operator's audience,
+    // where --token-file reads it.
+    let audience = env(operator, "CENSUS_TOKEN_AUDIENCE").unwrap_or("census");
+    let token_file = env(agent, "CENSUS_TOKEN_FILE").ok_or("the agent has no --token-file")?;
+    let (volume, path) = volume_of(agent_pod, agent, token_file)
+        .ok_or("the token file is on no read-only volume")?;
+    let token = volume
+        .projected
+        .as_ref()
+        .and_then(|p| {
+            p.sources
+                .iter()
+                .flatten()
+                .find_map(|s| s.service_account_token.as_ref())
+        })
+        .ok_or("the token volume is not a projected serviceAccountToken")?;
+    assert_eq!(token.path, path);
+    assert_eq!(token.audience.as_deref(), Some(audience));
+    // The TokenRequest API's minimum is 10 minutes; the kubelet renews at 80%.
+    let life = token.expiration_seconds.ok_or("no expirationSeconds")?;
+    assert!((600..=86_400).contains(&life), "expirationSeconds {life}");
+
+    // TLS: the agent checks the operator's certificate with the CA (--tls-ca turns TLS
+    // on); the operator's certificate and key come from a Secret.
+    let ca = env(agent, "CENSUS_TLS_CA").ok_or("the agent has no --tls-ca")?;
+    let (volume, _) = volume_of(agent_pod, agent, ca).ok_or("the CA is on no read-only volume")?;
+    assert_eq!(
+        volume.config_map.as_ref().map(|c| c.name.as_str()),
+        Some("census-operator-ca")
+    );
+    for flag in ["CENSUS_TLS_CERT", "CENSUS_TLS_KEY"] {
+        let file = env(operator, flag).ok_or(format!("the operator has no {flag}"))?;
+        let (volume, _) = volume_of(operator_pod, operator, file)
+            .ok_or(format!("{flag} is on no read-only volume"))?;
+        assert_eq!(
+            volume
+                .secret
+                .as_ref()
+                .and_then(|s| s.secret_name.as_deref()),
+            Some("census-operator-tls"),
+            "{flag}"
+        );
+    }
     Ok(())
 }
 

@@ -260,7 +260,7 @@ async fn the_agents_service_account_is_reported() -> TestResult {
         .running()
         .cluster
         .as_ref()
-        .and_then(|c| c.agent_service_account.as_ref())
+        .map(|c| &c.agent_service_account)
         .map(ToString::to_string);
     assert_eq!(account.as_deref(), Some("census-agent/census-agent"));
     let (status, body) = eventually("the replica is ready", WAIT, || async {

@@ -16,3 +16,4 @@ mod node_addresses;
 mod operator;
 mod real;
 mod store;
+mod tokenreview;

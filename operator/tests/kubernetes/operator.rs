@@ -275,9 +275,12 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
 -> TestResult {
     let server = fake().await?;
     seed_cluster(&server, &["op-a"])?;
+    // As the operator's ServiceAccount: the fake authorizes its TokenReviews by
+    // deploy/'s ClusterRole.
+    crate::tokenreview::seed_operator_identity(&server)?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig)?;
+    server.write_kubeconfig_with_token(&kubeconfig, crate::tokenreview::OPERATOR_TOKEN)?;
     let op = start_replica(&kubeconfig, "op-a").await?;
     until_leader(&op).await?;
     let addr = op.grpc_addr;
@@ -454,6 +457,19 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
     })
     .await?;
     assert!(server.get(&gvr, None, &again.to_string()).is_some());
+
+    // Agents' tokens, reviewed by the operator's own TokenReviewer (its client, its
+    // flags): the node claim of a v1.30 token, the bound pod of a v1.29 one.
+    crate::tokenreview::seed_agents(&server)?;
+    crate::tokenreview::agent_pod(&server, "agent-1", crate::tokenreview::SA, "node-1")?;
+    let tokens = &op.running().cluster.as_ref().ok_or("no cluster")?.tokens;
+    for request in [
+        crate::tokenreview::census_token("agent-1"),
+        crate::tokenreview::census_token("agent-1").as_v1_29(),
+    ] {
+        let bound = tokens.review(&server.issue_token(&request)?).await?;
+        assert_eq!(bound.node.to_string(), "node-1");
+    }
 
     // Shutdown hands the Lease over and empties the leader slice.
     op.shut_down().await?;

@@ -9,14 +9,23 @@ use census_proto::{
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Status, Streaming, transport::Channel};
+use tonic::{
+    Code, Status, Streaming,
+    transport::{Channel, ClientTlsConfig},
+};
 
 use crate::{ANSWER_TIMEOUT, Operator, TestResult, expect_status, fail, strings};
 
 /// Where an agent's stream goes: an operator, or any address (a proxy in front of
-/// one).
+/// one); over TLS for a [`crate::tls::Secured`] target.
 pub trait Target {
     fn grpc_addr(&self) -> SocketAddr;
+
+    /// The TLS to connect with (the CA to trust, the client certificate); none for
+    /// plain HTTP/2.
+    fn tls(&self) -> Option<&ClientTlsConfig> {
+        None
+    }
 }
 
 impl Target for Operator {
@@ -123,10 +132,13 @@ async fn call_sync(
     op: &impl Target,
     rx: mpsc::Receiver<pb::AgentMessage>,
 ) -> TestResult<Result<Streaming<pb::OperatorMessage>, Status>> {
-    let channel = Channel::from_shared(format!("http://{}", op.grpc_addr()))?
-        .connect_timeout(ANSWER_TIMEOUT)
-        .connect()
-        .await?;
+    let endpoint = match op.tls() {
+        Some(tls) => {
+            Channel::from_shared(format!("https://{}", op.grpc_addr()))?.tls_config(tls.clone())?
+        }
+        None => Channel::from_shared(format!("http://{}", op.grpc_addr()))?,
+    };
+    let channel = endpoint.connect_timeout(ANSWER_TIMEOUT).connect().await?;
     let mut client = EndpointSyncClient::new(channel)
         .max_encoding_message_size(usize::MAX)
         .max_decoding_message_size(64 * 1024 * 1024);

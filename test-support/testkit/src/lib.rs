@@ -8,7 +8,8 @@
 //! - [`proxy`]: a TCP proxy that can go silent (a half-open connection);
 //! - [`promlint`]: `/metrics` scraped in both formats and linted by promtool and
 //!   a strict OpenMetrics parser;
-//! - [`layering`]: a crate's module graph read from its source, for layering tests.
+//! - [`layering`]: a crate's module graph read from its source, for layering tests;
+//! - [`tls`]: certificates from `census-operator certs` and clients that present them.
 //!
 //! Only ever a dev-dependency: nothing here belongs in a production binary.
 
@@ -18,6 +19,7 @@ pub mod layering;
 pub mod operator;
 pub mod promlint;
 pub mod proxy;
+pub mod tls;
 
 use std::{
     error::Error,

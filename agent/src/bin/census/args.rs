@@ -33,6 +33,21 @@ pub(crate) struct Global {
         global = true
     )]
     pub(crate) operator: ServerAddr,
+    /// The CA of the operator's serving certificate (PEM): reach the operator over
+    /// TLS (docs/security.md, "Mutual TLS").
+    #[arg(long, env = "CENSUS_TLS_CA", value_name = "PEM", global = true)]
+    pub(crate) tls_ca: Option<PathBuf>,
+    /// A client certificate for the operator (PEM): a reader's (`census-operator
+    /// certs --reader NAME`), for an operator that requires mutual TLS.
+    #[arg(long, env = "CENSUS_TLS_CERT", value_name = "PEM", global = true)]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "CENSUS_TLS_KEY", value_name = "PEM", global = true)]
+    pub(crate) tls_key: Option<PathBuf>,
+    /// A file whose token every call to the operator carries as `authorization:
+    /// Bearer TOKEN` (a ServiceAccount token the operator accepts for reading).
+    #[arg(long, env = "CENSUS_TOKEN_FILE", value_name = "PATH", global = true)]
+    pub(crate) token_file: Option<PathBuf>,
     /// The local agent's admin address.
     #[arg(
         long,

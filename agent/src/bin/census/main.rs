@@ -26,7 +26,10 @@ use std::{
     time::SystemTime,
 };
 
-use census_agent::bpf::Inspector;
+use census_agent::{
+    bpf::Inspector,
+    client::{AccessFiles, TlsFiles},
+};
 use clap::{CommandFactory as _, Parser, Subcommand};
 use serde::Serialize;
 
@@ -103,7 +106,18 @@ impl Ctx {
     }
 
     async fn operator(&self) -> Result<Operator, CliError> {
-        Operator::connect(&self.global.operator, self.global.timeout).await
+        Operator::connect(&self.global.operator, &self.tls(), self.global.timeout).await
+    }
+
+    fn tls(&self) -> AccessFiles {
+        AccessFiles {
+            tls: TlsFiles {
+                ca: self.global.tls_ca.clone(),
+                cert: self.global.tls_cert.clone(),
+                key: self.global.tls_key.clone(),
+            },
+            token_file: self.global.token_file.clone(),
+        }
     }
 
     fn agent(&self) -> Agent {
@@ -121,6 +135,7 @@ impl Ctx {
         }
         IdentityLabels::look_up(
             &self.global.operator,
+            &self.tls(),
             self.global.timeout,
             ids,
             &mut self.notes,

@@ -4,6 +4,7 @@
 
 use std::{collections::BTreeMap, future::Future, time::Duration};
 
+use census_agent::client::{AccessFiles, OperatorChannel};
 use census_proto::{
     PROTOCOL_VERSION,
     domain::IdentityId,
@@ -13,7 +14,7 @@ use census_proto::{
     },
 };
 use futures::{StreamExt as _, stream};
-use tonic::{Code, Status, transport::Channel};
+use tonic::{Code, Status};
 
 use super::{
     args::ServerAddr,
@@ -29,21 +30,26 @@ const LOOKUPS_IN_FLIGHT: usize = 16;
 #[derive(Debug, Clone)]
 pub(crate) struct Operator {
     addr: ServerAddr,
-    channel: Channel,
+    channel: OperatorChannel,
     timeout: Duration,
 }
 
 impl Operator {
-    pub(crate) async fn connect(addr: &ServerAddr, timeout: Duration) -> Result<Self, CliError> {
+    pub(crate) async fn connect(
+        addr: &ServerAddr,
+        access: &AccessFiles,
+        timeout: Duration,
+    ) -> Result<Self, CliError> {
         let unreachable = |reason: String| CliError::OperatorUnreachable {
             addr: addr.clone(),
             reason,
         };
-        let endpoint = Channel::from_shared(addr.to_string())
+        let auth = access.auth().map_err(|e| unreachable(e.to_string()))?;
+        let endpoint = census_agent::client::endpoint(&addr.to_string(), auth.tls.as_ref())
             .map_err(|e| unreachable(e.to_string()))?
             .connect_timeout(timeout);
         let channel = match tokio::time::timeout(timeout, endpoint.connect()).await {
-            Ok(Ok(channel)) => channel,
+            Ok(Ok(channel)) => census_agent::client::with_token(channel, auth.token_file),
             Ok(Err(error)) => return Err(unreachable(root_cause(&error))),
             Err(_) => return Err(unreachable(no_answer(timeout))),
         };
@@ -58,11 +64,11 @@ impl Operator {
         &self.addr
     }
 
-    fn identities(&self) -> IdentityServiceClient<Channel> {
+    fn identities(&self) -> IdentityServiceClient<OperatorChannel> {
         IdentityServiceClient::new(self.channel.clone())
     }
 
-    fn nodes(&self) -> NodeServiceClient<Channel> {
+    fn nodes(&self) -> NodeServiceClient<OperatorChannel> {
         NodeServiceClient::new(self.channel.clone())
     }
 
@@ -256,6 +262,7 @@ impl IdentityLabels {
     /// operator cannot answer, says so in `notes` and looks nothing up.
     pub(crate) async fn look_up(
         addr: &ServerAddr,
+        access: &AccessFiles,
         timeout: Duration,
         ids: impl IntoIterator<Item = u32>,
         notes: &mut Vec<String>,
@@ -273,7 +280,7 @@ impl IdentityLabels {
         remote.sort_unstable();
         remote.dedup();
         if !remote.is_empty() {
-            let answers = match Operator::connect(addr, timeout).await {
+            let answers = match Operator::connect(addr, access, timeout).await {
                 Ok(operator) => {
                     stream::iter(remote)
                         .map(|id| {

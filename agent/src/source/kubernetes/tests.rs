@@ -807,6 +807,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
     let options = Options {
         node: NodeName::new(NODE)?,
         operator: format!("http://{}", op.grpc_addr),
+        operator_auth: crate::client::OperatorAuth::default(),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: None,
         reconcile_interval: quick,

@@ -1,0 +1,767 @@
+//! What an outsider can do to the operator's gRPC port before it authenticates, tried
+//! against a real `census-operator` process over loopback with raw HTTP/2 (the `h2`
+//! crate: a client that sends exactly what an attacker would, stalls where it likes,
+//! and respects flow control so that the test itself holds no large buffers).
+//!
+//! Each attack asserts that the refusal carries the right status, that every stalled
+//! connection is closed within its timeout, that a concurrent Get from a new client
+//! still answers, that the operator's resident memory stays under [`RSS_BOUND_KIB`],
+//! and that its descriptors come back. The timeouts are the operator's flags, small
+//! here. Load figures (RSS, descriptors, Get latency) are the benchmark's
+//! (`cargo xtask bench abuse`), not asserted here.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    net::SocketAddr,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use census_proto::{
+    PROTOCOL_VERSION,
+    pb::{
+        self, identity_service_client::IdentityServiceClient,
+        node_service_client::NodeServiceClient,
+    },
+};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::TcpStream,
+    task::JoinHandle,
+};
+use tonic::{Code, Status};
+
+type Fallible<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The operator's resident memory stays under this during every attack (the deploy
+/// limit is 512 MiB; the attacks below would take it past that without the limits).
+const RSS_BOUND_KIB: u64 = 64 * 1024;
+
+/// The operator's transport timeouts in these tests.
+const HANDSHAKE: Duration = Duration::from_secs(1);
+const IDLE: Duration = Duration::from_secs(2);
+const MESSAGE: Duration = Duration::from_secs(2);
+
+/// Added to a timeout before a connection still open counts as not closed: the
+/// operator's timers, scheduling on a loaded machine, and the test's own polling.
+const SLACK: Duration = Duration::from_secs(5);
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A `census-operator` process, its stderr counted and drained.
+struct Operator {
+    child: Child,
+    addr: SocketAddr,
+    pid: u32,
+    log_bytes: Arc<AtomicU64>,
+    _dir: tempfile::TempDir,
+}
+
+impl Operator {
+    fn start(args: &[&str]) -> Fallible<Self> {
+        let dir = tempfile::tempdir()?;
+        let timeouts = [
+            ("--handshake-timeout", HANDSHAKE),
+            ("--idle-timeout", IDLE),
+            ("--message-timeout", MESSAGE),
+        ];
+        let mut command = Command::new(env!("CARGO_BIN_EXE_census-operator"));
+        command
+            .args([
+                "--grpc-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--store-path")
+            .arg(dir.path().join("census.redb"))
+            .args([
+                "--adoption-window",
+                "0s",
+                "--log-format",
+                "json",
+                "--log",
+                "info",
+            ]);
+        for (flag, value) in timeouts {
+            command.arg(flag).arg(format!("{}ms", value.as_millis()));
+        }
+        let mut child = command
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let pid = child.id();
+        let stderr = child.stderr.take().ok_or("no stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let Some(line) = lines.next() else { break };
+            let line = line?;
+            let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            if let Some(addr) = json.pointer("/fields/grpc_addr").and_then(|v| v.as_str()) {
+                let log_bytes = Arc::new(AtomicU64::new(0));
+                let counted = Arc::clone(&log_bytes);
+                // Keep draining stderr so the child never blocks on a full pipe.
+                std::thread::spawn(move || {
+                    for line in lines.by_ref() {
+                        let Ok(line) = line else { return };
+                        counted.fetch_add(line.len() as u64 + 1, Ordering::Relaxed);
+                    }
+                });
+                return Ok(Self {
+                    child,
+                    addr: addr.parse()?,
+                    pid,
+                    log_bytes,
+                    _dir: dir,
+                });
+            }
+        }
+        let _ = child.kill();
+        Err("the operator did not report its address".into())
+    }
+
+    fn rss_kib(&self) -> Fallible<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .ok_or("no VmRSS")?;
+        Ok(line
+            .split_whitespace()
+            .nth(1)
+            .ok_or("no VmRSS value")?
+            .parse()?)
+    }
+
+    fn fds(&self) -> Fallible<usize> {
+        Ok(std::fs::read_dir(format!("/proc/{}/fd", self.pid))?.count())
+    }
+
+    /// A Get from a new client: the reserved identity 1, which needs no state.
+    async fn get(&self) -> Fallible<Duration> {
+        let started = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut client =
+                IdentityServiceClient::connect(format!("http://{}", self.addr)).await?;
+            let identity = client
+                .get(pb::GetRequest {
+                    protocol_version: PROTOCOL_VERSION,
+                    id: 1,
+                })
+                .await?
+                .into_inner();
+            Fallible::Ok(identity)
+        })
+        .await
+        .map_err(|_| "a Get got no answer within 10s during the attack")??;
+        assert_eq!(answer.id, 1);
+        Ok(started.elapsed())
+    }
+
+    /// The nodes the operator knows: an attack before Hello adds none.
+    async fn nodes(&self) -> Fallible<Vec<String>> {
+        let mut client = NodeServiceClient::connect(format!("http://{}", self.addr)).await?;
+        let nodes = client
+            .list_nodes(pb::ListNodesRequest {
+                protocol_version: PROTOCOL_VERSION,
+            })
+            .await?
+            .into_inner()
+            .nodes;
+        Ok(nodes.into_iter().map(|n| n.name).collect())
+    }
+
+    /// Samples the operator's RSS until the returned guard is stopped: the peak.
+    fn watch_rss(&self) -> RssWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(0));
+        let (pid, s, p) = (self.pid, Arc::clone(&stop), Arc::clone(&peak));
+        let thread = std::thread::spawn(move || {
+            let probe = Probe(pid);
+            while !s.load(Ordering::Relaxed) {
+                if let Ok(rss) = probe.rss_kib() {
+                    p.fetch_max(rss, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        RssWatch {
+            stop,
+            peak,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Probe(u32);
+
+impl Probe {
+    fn rss_kib(&self) -> Fallible<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.0))?;
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .ok_or("no VmRSS")?;
+        Ok(line
+            .split_whitespace()
+            .nth(1)
+            .ok_or("no VmRSS value")?
+            .parse()?)
+    }
+}
+
+struct RssWatch {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RssWatch {
+    fn peak_kib(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+/// A gRPC message's 5-byte prefix declaring `len` bytes.
+fn prefix(len: u32) -> Bytes {
+    let mut out = vec![0];
+    out.extend_from_slice(&len.to_be_bytes());
+    Bytes::from(out)
+}
+
+fn framed(message: &impl prost::Message) -> Bytes {
+    let body = message.encode_to_vec();
+    let mut out = prefix(body.len() as u32).to_vec();
+    out.extend_from_slice(&body);
+    Bytes::from(out)
+}
+
+/// One HTTP/2 connection and a call on it, as an attacker drives them.
+struct Call {
+    answer: h2::client::ResponseFuture,
+    send: h2::SendStream<Bytes>,
+    connection: JoinHandle<()>,
+}
+
+async fn call(addr: SocketAddr, path: &str) -> Fallible<Call> {
+    let tcp = TcpStream::connect(addr).await?;
+    let (client, connection) = h2::client::handshake(tcp).await?;
+    let connection = tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut client = client.ready().await?;
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())?;
+    let (answer, send) = client.send_request(request, false)?;
+    Ok(Call {
+        answer,
+        send,
+        connection,
+    })
+}
+
+/// Sends `data` as the flow control allows; stops at the first refusal, or when the
+/// operator grants no more room for a second. The bytes sent.
+async fn push(send: &mut h2::SendStream<Bytes>, data: &Bytes) -> usize {
+    const CHUNK: usize = 64 * 1024;
+    let total = data.len();
+    let mut sent = 0;
+    while sent < total {
+        send.reserve_capacity(CHUNK.min(total - sent));
+        let room = tokio::time::timeout(
+            Duration::from_secs(1),
+            futures::future::poll_fn(|cx| send.poll_capacity(cx)),
+        )
+        .await;
+        let n = match room {
+            Ok(Some(Ok(n))) if n > 0 => n,
+            _ => break,
+        };
+        let n = n.min(total - sent);
+        if send.send_data(data.slice(sent..sent + n), false).is_err() {
+            break;
+        }
+        sent += n;
+    }
+    sent
+}
+
+/// How long a refused or timed-out call may take to be answered before the test fails.
+const ANSWER: Duration = Duration::from_secs(20);
+
+/// The call's status: from trailers-only headers, or from the trailers after its messages.
+async fn status_of(answer: h2::client::ResponseFuture) -> Fallible<Status> {
+    tokio::time::timeout(ANSWER, status_of_unbounded(answer))
+        .await
+        .map_err(|_| format!("the call was not answered within {ANSWER:?}"))?
+}
+
+async fn status_of_unbounded(answer: h2::client::ResponseFuture) -> Fallible<Status> {
+    let answer = answer.await?;
+    if let Some(status) = Status::from_header_map(answer.headers()) {
+        return Ok(status);
+    }
+    let mut body = answer.into_body();
+    while let Some(data) = body.data().await {
+        let data = data?;
+        let _ = body.flow_control().release_capacity(data.len());
+    }
+    let trailers = body.trailers().await?.ok_or("an answer without trailers")?;
+    Ok(Status::from_header_map(&trailers).ok_or("trailers without grpc-status")?)
+}
+
+fn hello(node: &str, agent_version: String) -> pb::AgentMessage {
+    pb::AgentMessage {
+        seq: 0,
+        body: Some(pb::agent_message::Body::Hello(pb::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            node: node.into(),
+            session: Some(pb::Session {
+                start_time_ns: 100,
+                nonce: 1,
+            }),
+            agent_version,
+            addresses: Vec::new(),
+        })),
+    }
+}
+
+fn expect(status: &Status, code: Code, needle: &str) {
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(
+        status.message().contains(needle),
+        "{needle:?} not in {status:?}"
+    );
+}
+
+/// Waits until a raw connection is closed by the operator (EOF or reset): how long
+/// after `since` it was, or None if it was still open at `limit`.
+async fn closed_within(mut tcp: TcpStream, since: Instant, limit: Duration) -> Option<Duration> {
+    let mut buf = [0u8; 1024];
+    let read_all = async {
+        loop {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    let deadline = since + limit;
+    tokio::time::timeout_at(deadline.into(), read_all)
+        .await
+        .ok()
+        .map(|()| since.elapsed())
+}
+
+// ---------------------------------------------------------------------------
+// Oversize messages
+// ---------------------------------------------------------------------------
+
+/// 15 connections, each declaring a 39 MB message and sending 38 MB of it, on a
+/// unary call and on an EndpointSync stream before its Hello: each is refused at the
+/// prefix, RESOURCE_EXHAUSTED naming the limit, and the operator buffers none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_messages_are_refused_at_their_prefix_before_they_are_buffered() -> Fallible {
+    let op = Operator::start(&[])?;
+    op.get().await?;
+    let rss = op.watch_rss();
+    let body = Bytes::from(vec![0u8; 38_000_000]);
+    let mut attacks = Vec::new();
+    for i in 0..15 {
+        let path = if i % 2 == 0 {
+            "/census.v1.IdentityService/Allocate"
+        } else {
+            "/census.v1.EndpointSync/Sync"
+        };
+        let (addr, body) = (op.addr, body.clone());
+        attacks.push(tokio::spawn(async move {
+            let mut call = call(addr, path).await?;
+            call.send.send_data(prefix(39_000_000), false)?;
+            let sent = push(&mut call.send, &body).await;
+            let status = status_of(call.answer).await?;
+            call.connection.abort();
+            Fallible::Ok((path, sent, status))
+        }));
+    }
+    let during = op.get().await;
+    for attack in attacks {
+        let (path, sent, status) = attack.await??;
+        expect(
+            &status,
+            Code::ResourceExhausted,
+            "a message of 39000000 bytes is over",
+        );
+        let limit = if path.ends_with("Sync") {
+            "the limit before an accepted Hello"
+        } else {
+            "the request limit (--max-labels x 512 bytes + 4096 bytes): 36864 bytes"
+        };
+        expect(&status, Code::ResourceExhausted, limit);
+        assert!(
+            sent < 38_000_000,
+            "{path}: all of the message was taken ({sent} bytes)"
+        );
+    }
+    let peak = rss.peak_kib();
+    during?;
+    assert!(
+        peak < RSS_BOUND_KIB,
+        "the operator's RSS peaked at {peak} KiB"
+    );
+    assert_eq!(op.nodes().await?, Vec::<String>::new(), "no state changed");
+    Ok(())
+}
+
+/// Oversize on a unary call, on a stream before Hello and after it (past the
+/// snapshot limit): RESOURCE_EXHAUSTED every time, never a stream that ends OK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_after_hello_ends_the_stream_with_resource_exhausted() -> Fallible {
+    let op = Operator::start(&["--max-snapshot-endpoints", "100"])?;
+    // 100 endpoints x 4096 bytes is under the 4 MiB floor: the limit is 4 MiB.
+    let mut call = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
+    call.send
+        .send_data(framed(&hello("node-a", "v1".into())), false)?;
+    call.send.send_data(prefix(5 * 1024 * 1024), false)?;
+    let status = status_of(call.answer).await?;
+    expect(
+        &status,
+        Code::ResourceExhausted,
+        "a message of 5242880 bytes is over the message limit (--max-snapshot-endpoints x 4096 bytes): 4194304 bytes",
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Malformed protobuf
+// ---------------------------------------------------------------------------
+
+/// Bytes that are not the protobuf they claim to be: INVALID_ARGUMENT, on a unary
+/// call and on the stream, before and after Hello.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_protobuf_is_invalid_argument() -> Fallible {
+    let op = Operator::start(&[])?;
+    // Field 1 with wire type 7, which does not exist.
+    let garbage = Bytes::from_static(&[0, 0, 0, 0, 3, 0x0f, 0xff, 0xff]);
+
+    let mut unary = call(op.addr, "/census.v1.IdentityService/Get").await?;
+    unary.send.send_data(garbage.clone(), true)?;
+    expect(
+        &status_of(unary.answer).await?,
+        Code::InvalidArgument,
+        "failed to decode Protobuf message",
+    );
+
+    let mut first = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
+    first.send.send_data(garbage.clone(), false)?;
+    expect(
+        &status_of(first.answer).await?,
+        Code::InvalidArgument,
+        "failed to decode Protobuf message",
+    );
+
+    let mut later = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
+    later
+        .send
+        .send_data(framed(&hello("node-b", "v1".into())), false)?;
+    later.send.send_data(garbage, false)?;
+    expect(
+        &status_of(later.answer).await?,
+        Code::InvalidArgument,
+        "failed to decode Protobuf message",
+    );
+    op.get().await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Stalled messages and connections
+// ---------------------------------------------------------------------------
+
+/// A message that stops halfway: on a Hello'd stream (where a snapshot-sized message
+/// is allowed), 3 MB of a declared 4 MB, then nothing. The stream ends with
+/// DEADLINE_EXCEEDED within the message timeout, and the memory comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_partial_message_times_out_and_its_memory_comes_back() -> Fallible {
+    let op = Operator::start(&["--max-snapshot-endpoints", "100"])?;
+    op.get().await?;
+    let before = op.rss_kib()?;
+    let mut call = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
+    call.send
+        .send_data(framed(&hello("node-c", "v1".into())), false)?;
+    call.send.send_data(prefix(4_000_000), false)?;
+    let sent = push(&mut call.send, &Bytes::from(vec![0u8; 3_000_000])).await;
+    assert_eq!(sent, 3_000_000, "the operator took the message in");
+    let stalled = Instant::now();
+    let status = tokio::time::timeout(MESSAGE + SLACK, status_of(call.answer))
+        .await
+        .map_err(|_| "the stalled message did not time out")??;
+    expect(
+        &status,
+        Code::DeadlineExceeded,
+        "a message of 4000000 bytes did not arrive in full within 2s",
+    );
+    assert!(
+        stalled.elapsed() < MESSAGE + SLACK,
+        "{:?}",
+        stalled.elapsed()
+    );
+    op.get().await?;
+    // The message's buffer is freed; jemalloc hands the pages back after its decay
+    // time (10 s).
+    let back = testkit_eventually(Duration::from_secs(20), || {
+        let now = op.rss_kib().ok()?;
+        (now < before + 2 * 1024).then_some(now)
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "RSS {before} KiB before, {} KiB after",
+        op.rss_kib()?
+    );
+    Ok(())
+}
+
+/// 150 half-sent HTTP/2 prefaces and 250 stalled connections of five kinds: every
+/// one is closed within its timeout, a new client's Get answers meanwhile, and the
+/// operator's descriptors come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_and_stalled_connections_are_closed_within_their_timeouts() -> Fallible {
+    let op = Operator::start(&[])?;
+    op.get().await?;
+    let fds_before = op.fds()?;
+    let rss = op.watch_rss();
+    let started = Instant::now();
+    let mut raw = Vec::new();
+    let settings: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
+    // A HEADERS frame announcing 100 bytes, of which 3 come.
+    let partial_headers: &[u8] = &[0, 0, 100, 1, 4, 0, 0, 0, 1, 0x82, 0x86, 0x84];
+    for i in 0..300 {
+        let mut tcp = TcpStream::connect(op.addr).await?;
+        let (kind, timeout) = match i {
+            0..150 => {
+                tcp.write_all(&PREFACE[..12]).await?;
+                ("half preface", HANDSHAKE)
+            }
+            150..200 => ("nothing sent", HANDSHAKE),
+            200..250 => {
+                tcp.write_all(PREFACE).await?;
+                ("preface only", IDLE)
+            }
+            _ => {
+                tcp.write_all(PREFACE).await?;
+                tcp.write_all(settings).await?;
+                tcp.write_all(partial_headers).await?;
+                ("partial headers", IDLE)
+            }
+        };
+        raw.push((kind, timeout, tcp));
+    }
+    // Calls whose request is open and stalls: headers and no message, and part of
+    // a message. They end after the message timeout; the connection, idle then,
+    // after the idle timeout.
+    let mut calls = Vec::new();
+    for i in 0..100 {
+        let mut call = call(op.addr, "/census.v1.IdentityService/Get").await?;
+        if i % 2 == 1 {
+            call.send.send_data(prefix(1000), false)?;
+            call.send.send_data(Bytes::from_static(&[0; 10]), false)?;
+        }
+        calls.push(call);
+    }
+    let opened = Instant::now();
+    let mut gets = Vec::new();
+    for _ in 0..5 {
+        gets.push(op.get().await?);
+    }
+    let fds_peak = op.fds()?;
+    let mut waits = Vec::new();
+    for (kind, timeout, tcp) in raw {
+        waits.push(tokio::spawn(async move {
+            (
+                kind,
+                timeout,
+                closed_within(
+                    tcp,
+                    started,
+                    timeout + SLACK + opened.duration_since(started),
+                )
+                .await,
+            )
+        }));
+    }
+    for (kind, timeout, closed) in futures::future::join_all(waits).await.into_iter().flatten() {
+        assert!(
+            closed.is_some(),
+            "a connection ({kind}) was still open {timeout:?} + {SLACK:?} after it stalled"
+        );
+    }
+    for call in calls {
+        let status = tokio::time::timeout(MESSAGE + SLACK, status_of(call.answer))
+            .await
+            .map_err(|_| "a stalled call did not end within the message timeout")??;
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        tokio::time::timeout(IDLE + SLACK, call.connection)
+            .await
+            .map_err(
+                |_| "a connection whose call ended was not closed within the idle timeout",
+            )??;
+    }
+    let peak = rss.peak_kib();
+    assert!(
+        peak < RSS_BOUND_KIB,
+        "the operator's RSS peaked at {peak} KiB"
+    );
+    assert!(
+        fds_peak >= fds_before + 300,
+        "{fds_peak} descriptors with 400 connections open"
+    );
+    testkit_eventually(Duration::from_secs(10), || {
+        let now = op.fds().unwrap_or(usize::MAX);
+        (now <= fds_before + 2).then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "descriptors did not come back: {fds_before} before, {} after",
+            op.fds().unwrap_or(0)
+        )
+    })?;
+    op.get().await?;
+    Ok(())
+}
+
+/// Past --max-connections, a new connection is closed at once; one comes in again
+/// when others close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_are_closed_at_once() -> Fallible {
+    let op = Operator::start(&["--max-connections", "20"])?;
+    let mut held = Vec::new();
+    for _ in 0..20 {
+        let mut tcp = TcpStream::connect(op.addr).await?;
+        tcp.write_all(PREFACE).await?;
+        held.push(tcp);
+    }
+    // The listener's backlog completes the handshake; the operator closes it.
+    let over = TcpStream::connect(op.addr).await?;
+    let closed = closed_within(over, Instant::now(), HANDSHAKE / 2).await;
+    assert!(
+        closed.is_some(),
+        "a connection over the cap was not closed at once"
+    );
+    assert!(op.get().await.is_err(), "a Get over the cap got in");
+    drop(held);
+    op.get().await?;
+    Ok(())
+}
+
+async fn testkit_eventually<T>(
+    within: Duration,
+    mut check: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(value) = check() {
+            return Some(value);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Strings from clients
+// ---------------------------------------------------------------------------
+
+/// A 30 MiB agent_version is refused at the prefix (RESOURCE_EXHAUSTED); one that
+/// fits the Hello limit is logged bounded: five Hellos grow the log by lines, not
+/// by what they carried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_agent_version_is_refused_and_a_long_one_is_logged_bounded() -> Fallible {
+    let op = Operator::start(&[])?;
+    let rss = op.watch_rss();
+    for _ in 0..5 {
+        let huge = framed(&hello("node-d", "v".repeat(30 * 1024 * 1024)));
+        let mut call = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
+        let sent = push(&mut call.send, &huge).await;
+        assert!(sent < huge.len(), "all of a 30 MiB Hello was taken");
+        let status = status_of(call.answer).await?;
+        expect(
+            &status,
+            Code::ResourceExhausted,
+            "the limit before an accepted Hello",
+        );
+    }
+    assert_eq!(op.nodes().await?, Vec::<String>::new(), "no state changed");
+    let log_before = op.log_bytes.load(Ordering::Relaxed);
+    let mut open = Vec::new();
+    for i in 0..5 {
+        let mut call = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
+        call.send.send_data(
+            framed(&hello(
+                &format!("node-{i}"),
+                "\n1.0 forged line ".repeat(1500),
+            )),
+            false,
+        )?;
+        let answer = call.answer.await?;
+        assert_eq!(answer.status(), 200);
+        open.push((call.send, answer, call.connection));
+    }
+    op.get().await?;
+    let grown = op.log_bytes.load(Ordering::Relaxed) - log_before;
+    let peak = rss.peak_kib();
+    assert!(
+        grown < 5 * 4096,
+        "five Hellos with 25 KB versions grew the log by {grown} bytes"
+    );
+    assert!(
+        peak < RSS_BOUND_KIB,
+        "the operator's RSS peaked at {peak} KiB"
+    );
+    Ok(())
+}
+
+/// A client whose connection was closed for idleness gets a new one on its next call:
+/// the idle timeout costs a real client (the CLI, a tool holding a channel) nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_idle_past_the_idle_timeout_calls_again() -> Fallible {
+    let op = Operator::start(&[])?;
+    let mut client = IdentityServiceClient::connect(format!("http://{}", op.addr)).await?;
+    let get = pb::GetRequest {
+        protocol_version: PROTOCOL_VERSION,
+        id: 1,
+    };
+    client.get(get).await?;
+    let fds = op.fds()?;
+    testkit_eventually(IDLE + SLACK, || (op.fds().ok()? < fds).then_some(()))
+        .await
+        .ok_or("the idle connection was not closed")?;
+    client.get(get).await?;
+    Ok(())
+}
