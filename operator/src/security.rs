@@ -76,7 +76,7 @@ pub enum SecurityError {
         what: &'static str,
     },
     #[error(
-        "--tls-cert without --client-ca: bearer tokens (TokenReview) cannot be checked yet; pass --client-ca"
+        "--tls-cert without --client-ca authenticates agents by their ServiceAccount tokens, which needs the Kubernetes API (TokenReview) and it is not set up; pass --client-ca for mutual TLS"
     )]
     NoTokenReview,
     #[error("--client-ca {}: {source}", path.display())]
