@@ -41,11 +41,13 @@ fn only_grpc_speaks_the_wire() {
     assert!(named.is_empty(), "outside grpc: {named:?}");
 }
 
+/// `certs` is the verification of a presented client chain (a pure function of
+/// certificates, no operator state): authentication at the wire needs it.
 #[test]
 fn grpc_reaches_the_operator_only_through_its_api() {
     let used = uses(&operator(), "grpc");
     assert!(
-        used.is_subset(&subset(&["api", "metrics"])),
+        used.is_subset(&subset(&["api", "certs", "metrics"])),
         "grpc uses {used:?}"
     );
 }

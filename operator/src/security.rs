@@ -17,11 +17,10 @@ use std::{
     time::Duration,
 };
 
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-
 use crate::{
     certs::{NodeCa, NodeCertError},
     config::{StoreKind, TlsArgs},
+    grpc::ServerTls,
 };
 
 /// The gRPC port when `--grpc-listen` is not given.
@@ -46,7 +45,7 @@ pub enum AuthMode {
 pub struct Security {
     pub listen: SocketAddr,
     pub mode: AuthMode,
-    pub(crate) tls: Option<ServerTlsConfig>,
+    pub(crate) tls: Option<ServerTls>,
 }
 
 /// Why the gRPC server's TLS or authentication cannot be set up. Nothing was started.
@@ -139,13 +138,12 @@ pub fn resolve(
             tls: None,
         });
     };
-    let identity = Identity::from_pem(
-        read("--tls-cert", cert, "certificate")?,
-        read("--tls-key", key, KEY)?,
-    );
-    let mut config = ServerTlsConfig::new()
-        .identity(identity)
-        .timeout(handshake_timeout);
+    let mut config = ServerTls {
+        cert_pem: read("--tls-cert", cert, "certificate")?,
+        key_pem: read("--tls-key", key, KEY)?,
+        client_ca_pem: None,
+        handshake_timeout,
+    };
     let mode = match (client_ca, store) {
         (Some(path), _) => {
             let pem = read("--client-ca", path, "certificate")?;
@@ -155,7 +153,7 @@ pub fn resolve(
             })?;
             // Required: a connection without a certificate of the CA fails its
             // handshake.
-            config = config.client_ca_root(Certificate::from_pem(pem));
+            config.client_ca_pem = Some(pem);
             AuthMode::MutualTls(ca)
         }
         (None, StoreKind::Kubernetes) => AuthMode::BearerToken,

@@ -69,6 +69,32 @@ pub(crate) struct Keepalive {
     pub(crate) timeout: Duration,
 }
 
+/// The server's TLS, as read from its files: the serving certificate and key (PEM),
+/// the CA of client certificates when clients must present one, and how long a
+/// handshake may take.
+#[derive(Debug, Clone)]
+pub(crate) struct ServerTls {
+    pub(crate) cert_pem: Vec<u8>,
+    pub(crate) key_pem: Vec<u8>,
+    /// Required when set: a connection without a certificate of this CA fails its
+    /// handshake.
+    pub(crate) client_ca_pem: Option<Vec<u8>>,
+    pub(crate) handshake_timeout: Duration,
+}
+
+impl ServerTls {
+    fn config(&self) -> tonic::transport::ServerTlsConfig {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+        let config = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .timeout(self.handshake_timeout);
+        match &self.client_ca_pem {
+            Some(ca) => config.client_ca_root(Certificate::from_pem(ca)),
+            None => config,
+        }
+    }
+}
+
 /// Serves `operator` until `shutdown` turns true, then stops accepting and drains.
 /// With `tls`, every connection is TLS; `auth` authenticates every call but health
 /// and reflection ([`auth::AuthLayer`]).
@@ -80,7 +106,7 @@ pub(crate) async fn serve(
     transport: Transport,
     map_batch_entries: usize,
     auth: Arc<dyn auth::Authenticate>,
-    tls: Option<tonic::transport::ServerTlsConfig>,
+    tls: Option<ServerTls>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let settings = operator.settings();
@@ -146,8 +172,8 @@ pub(crate) async fn serve(
     let keepalive = transport.keepalive;
     let mut stop = shutdown.clone();
     let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls)?;
+    if let Some(tls) = &tls {
+        builder = builder.tls_config(tls.config())?;
     }
     builder
         .http2_keepalive_interval(Some(keepalive.interval))
