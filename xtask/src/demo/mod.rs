@@ -47,6 +47,7 @@ use nix::{
 use crate::{cmd, ebpf, setup};
 
 mod remote;
+mod tls;
 
 const OPERATOR_PORT: u16 = 9460;
 const OPERATOR_ADMIN_PORT: u16 = 9461;
@@ -315,6 +316,11 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     let endpoints = dir.path().join("endpoints.yaml");
     fs::write(&endpoints, endpoints_file(&pods))?;
 
+    step("certificates (census-operator certs): a CA, the operator's, one per node, a reader's");
+    let certs =
+        tls::DemoCerts::generate(operator_bin, dir.path().join("tls"), &[NODE, remote::NODE])?;
+    say(&format!("    in {}", dir.path().join("tls").display()));
+
     step("census-operator on its embedded store, in the node namespace");
     let mut operator = spawn(
         lab.node(),
@@ -322,6 +328,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         dir.path(),
         Command::new(operator_bin)
             .args(["--grpc-listen", &format!("127.0.0.1:{OPERATOR_PORT}")])
+            .args(certs.operator_args())
             .args([
                 "--admin-listen",
                 &format!("127.0.0.1:{OPERATOR_ADMIN_PORT}"),
@@ -340,7 +347,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         Ok(lab.node().run(|| TcpStream::connect(addr).is_ok())?)
     })?;
     say(&format!(
-        "    listening on 127.0.0.1:{OPERATOR_PORT} (store {})",
+        "    listening on 127.0.0.1:{OPERATOR_PORT}, mutual TLS: a caller is the node its certificate names (store {})",
         dir.path().join("census.redb").display()
     ));
 
@@ -352,6 +359,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         Command::new(agent_bin)
             .args(["--node-name", NODE])
             .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
+            .args(certs.agent_args(NODE))
             .arg("--pin-dir")
             .arg(&pins.dir)
             .args(["--admin-listen", &format!("127.0.0.1:{AGENT_ADMIN_PORT}")])
@@ -380,7 +388,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     print_endpoints(&listed);
 
     step("a second node, over gRPC: Hello with its address, Allocate, a Snapshot of one pod");
-    let remote = remote::RemoteNode::start(&lab.node().path(), OPERATOR_PORT)?;
+    let remote = remote::RemoteNode::start(&lab.node().path(), OPERATOR_PORT, certs.clone())?;
     say(&format!(
         "    {} ({}): {} {} identity {}",
         remote::NODE,
@@ -472,7 +480,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         .filter_map(|id| u32::try_from(id).ok())
         .chain([remote.identity])
         .collect();
-    let identities = lab.node().run(|| get_identities(&ids))??;
+    let identities = lab.node().run(|| get_identities(&certs, &ids))??;
     say(&format!(
         "    {:<6} {:<5} {:<6} labels",
         "id", "refs", "holds"
@@ -644,15 +652,16 @@ fn http_get(ns: &Netns, port: u16, path: &str) -> anyhow::Result<(u16, String)> 
 }
 
 /// The operator's identities `ids` (called from a thread in the node namespace).
-fn get_identities(ids: &BTreeSet<u32>) -> anyhow::Result<Vec<pb::Identity>> {
+fn get_identities(
+    certs: &tls::DemoCerts,
+    ids: &BTreeSet<u32>,
+) -> anyhow::Result<Vec<pb::Identity>> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let channel =
-            tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{OPERATOR_PORT}"))?
-                .connect()
-                .await?;
+        // As the demo's reader: it may read, never speak for a node.
+        let channel = certs.channel(OPERATOR_PORT, None).await?;
         let mut client = IdentityServiceClient::new(channel);
         let mut identities = Vec::new();
         for id in ids {
@@ -677,10 +686,13 @@ fn unprivileged(interrupted: &Interrupted) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new().prefix("census-demo-").tempdir()?;
     let port = free_port()?;
     let admin = free_port()?;
-    step("census-operator on its embedded store");
+    step("certificates (census-operator certs): a CA, the operator's, a node's");
+    let certs = tls::DemoCerts::generate(&binaries[0], dir.path().join("tls"), &[NODE])?;
+    step("census-operator on its embedded store, mutual TLS");
     let log = dir.path().join("census-operator.log");
     let child = Command::new(&binaries[0])
         .args(["--grpc-listen", &format!("127.0.0.1:{port}")])
+        .args(certs.operator_args())
         .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
         .arg("--store-path")
         .arg(dir.path().join("census.redb"))
@@ -705,7 +717,7 @@ fn unprivileged(interrupted: &Interrupted) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(identities_over_grpc(port))?;
+    runtime.block_on(identities_over_grpc(port, &certs))?;
     step("stopping the operator");
     operator.stop();
     say(
@@ -718,10 +730,9 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-async fn identities_over_grpc(port: u16) -> anyhow::Result<()> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
-        .connect()
-        .await?;
+async fn identities_over_grpc(port: u16, certs: &tls::DemoCerts) -> anyhow::Result<()> {
+    // As the node `NODE`: its certificate is what lets it say Hello as that node.
+    let channel = certs.channel(port, Some(NODE)).await?;
     step("an agent's session: EndpointSync Hello");
     let session = pb::Session {
         start_time_ns: u64::try_from(

@@ -46,9 +46,14 @@ pub(super) struct RemoteNode {
 }
 
 impl RemoteNode {
-    /// Connects to the operator at `127.0.0.1:port` from inside the network namespace
-    /// at `netns` and reports the node's pod; returns once the snapshot is acked.
-    pub(super) fn start(netns: &std::path::Path, port: u16) -> anyhow::Result<Self> {
+    /// Connects to the operator at `127.0.0.1:port` from inside the network
+    /// namespace at `netns` (mutual TLS, with the node's own certificate) and
+    /// reports the node's pod; returns once the snapshot is acked.
+    pub(super) fn start(
+        netns: &std::path::Path,
+        port: u16,
+        certs: super::tls::DemoCerts,
+    ) -> anyhow::Result<Self> {
         let file = File::open(netns).with_context(|| format!("opening {}", netns.display()))?;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
@@ -59,7 +64,7 @@ impl RemoteNode {
                     .enable_all()
                     .build()?;
                 runtime.block_on(async move {
-                    match connect(port).await {
+                    match connect(port, &certs).await {
                         Ok((identity, stream)) => {
                             let _ = ready_tx.send(Ok(identity));
                             // Held open until the demo is done with the node.
@@ -102,10 +107,9 @@ type Stream = (
     tonic::Streaming<pb::OperatorMessage>,
 );
 
-async fn connect(port: u16) -> anyhow::Result<(u32, Stream)> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
-        .connect()
-        .await?;
+async fn connect(port: u16, certs: &super::tls::DemoCerts) -> anyhow::Result<(u32, Stream)> {
+    // Its own node certificate: only it may speak for this node.
+    let channel = certs.channel(port, Some(NODE)).await?;
     let session = pb::Session {
         start_time_ns: u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos())?,
         nonce: rand::random(),
