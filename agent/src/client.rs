@@ -4,13 +4,9 @@
 //! certificate from `census-operator certs` (a node's for the agent, a reader's for
 //! the CLI). docs/security.md, "Mutual TLS".
 
-use std::{
-    os::unix::fs::MetadataExt as _,
-    path::{Path, PathBuf},
-    sync::Arc,
-    time::SystemTime,
-};
+use std::{os::unix::fs::MetadataExt as _, path::PathBuf, sync::Arc, time::SystemTime};
 
+use census_daemon::pem::{self, Kind, PemError};
 use tonic::{
     metadata::AsciiMetadataValue,
     service::{Interceptor, interceptor::InterceptedService},
@@ -148,19 +144,8 @@ pub struct TlsFiles {
 /// Why the operator's TLS cannot be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientTlsError {
-    #[error("{flag} {}: {source}", path.display())]
-    Read {
-        flag: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{flag} {}: no PEM {what} in it", path.display())]
-    NoPem {
-        flag: &'static str,
-        path: PathBuf,
-        what: &'static str,
-    },
+    #[error(transparent)]
+    Pem(#[from] PemError),
     #[error("--tls-cert and --tls-key go together: pass both, or neither")]
     HalfPair,
     #[error(
@@ -171,47 +156,32 @@ pub enum ClientTlsError {
     Address { address: String, reason: String },
 }
 
-fn read(flag: &'static str, path: &Path, what: &'static str) -> Result<Vec<u8>, ClientTlsError> {
-    let pem = std::fs::read(path).map_err(|source| ClientTlsError::Read {
-        flag,
-        path: path.to_owned(),
-        source,
-    })?;
-    if !String::from_utf8_lossy(&pem).contains("-----BEGIN ") {
-        return Err(ClientTlsError::NoPem {
-            flag,
-            path: path.to_owned(),
-            what,
-        });
-    }
-    Ok(pem)
-}
-
 impl TlsFiles {
     /// The TLS configuration these files make; `None` for plain HTTP/2.
+    /// The flags are checked before any file is read.
     pub fn config(&self) -> Result<Option<ClientTlsConfig>, ClientTlsError> {
         let Self { ca, cert, key } = self;
-        let identity = match (cert, key) {
-            (Some(cert), Some(key)) => Some(Identity::from_pem(
-                read("--tls-cert", cert, "certificate")?,
-                read("--tls-key", key, "private key")?,
-            )),
+        let pair = match (cert, key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
             (None, None) => None,
             _ => return Err(ClientTlsError::HalfPair),
         };
         let Some(ca) = ca else {
-            return match identity {
+            return match pair {
                 Some(_) => Err(ClientTlsError::NoCa),
                 None => Ok(None),
             };
         };
-        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem::read(
             "--tls-ca",
             ca,
-            "certificate",
+            Kind::Certificate,
         )?));
-        if let Some(identity) = identity {
-            tls = tls.identity(identity);
+        if let Some((cert, key)) = pair {
+            tls = tls.identity(Identity::from_pem(
+                pem::read("--tls-cert", cert, Kind::Certificate)?,
+                pem::read("--tls-key", key, Kind::PrivateKey)?,
+            ));
         }
         Ok(Some(tls))
     }
@@ -306,11 +276,33 @@ mod tests {
         };
         assert!(matches!(
             missing.config(),
-            Err(ClientTlsError::Read {
+            Err(ClientTlsError::Pem(PemError::Read {
                 flag: "--tls-ca",
                 ..
-            })
+            }))
         ));
+        // A certificate where the key belongs: refused at start, naming the flag.
+        let swapped = TlsFiles {
+            ca: files.ca.clone(),
+            cert: files.ca.clone(),
+            key: files.ca.clone(),
+        };
+        let refused = swapped
+            .config()
+            .err()
+            .ok_or("a certificate taken for a key")?;
+        assert!(
+            matches!(
+                refused,
+                ClientTlsError::Pem(PemError::NoPem {
+                    flag: "--tls-key",
+                    what: Kind::PrivateKey,
+                    ..
+                })
+            ),
+            "{refused}"
+        );
+        assert!(refused.to_string().starts_with("--tls-key "), "{refused}");
         let tls = files.config()?;
         let endpoint = endpoint("http://operator.census:9460", tls.as_ref())?;
         assert_eq!(endpoint.uri().scheme_str(), Some("https"));

@@ -10,7 +10,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
@@ -20,6 +20,11 @@ use bytes::Bytes;
 use census_proto::{
     PROTOCOL_VERSION,
     pb::{self, identity_service_client::IdentityServiceClient},
+};
+use census_testkit::{
+    TestResult,
+    h2attack::{self, Call, EMPTY_SETTINGS, PREFACE, call, framed, hello, prefix, push},
+    process,
 };
 use serde::Serialize;
 use tokio::{
@@ -31,13 +36,11 @@ use tokio::{
 use super::{
     operator::{Binary, Launch, Operator},
     report::{Machine, Results, say},
-    sample::{Latency, Proc},
+    sample::Latency,
 };
 
 /// The RSS peak the gate allows under an unauthenticated attack.
 const RSS_GATE: u64 = 64 * 1024 * 1024;
-
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// The operator's transport flags in this bench: short, so a run takes a minute.
 const FLAGS: &[&str] = &[
@@ -160,12 +163,14 @@ pub(crate) async fn run(binary: &Binary, results: &Results) -> anyhow::Result<bo
     Ok(passed)
 }
 
+/// Its open descriptors, 0 once it is gone.
 fn fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+    process::fds(pid).unwrap_or(0)
 }
 
+/// Its RSS in bytes, 0 once it is gone.
 fn rss(pid: u32) -> u64 {
-    Proc::read(pid).map_or(0, |p| p.rss)
+    process::rss_kib(pid).map_or(0, |kib| kib * 1024)
 }
 
 async fn measure(op: &Operator, attack: Attack) -> anyhow::Result<Figures> {
@@ -173,19 +178,8 @@ async fn measure(op: &Operator, attack: Attack) -> anyhow::Result<Figures> {
     let addr = op.launch.grpc;
     get(addr).await?;
     let (rss_before, fds_before) = (rss(pid), fds(pid));
+    let sampler = process::Watch::start(pid);
     let stop = Arc::new(AtomicBool::new(false));
-    let rss_peak = Arc::new(AtomicU64::new(rss_before));
-    let fds_peak = Arc::new(AtomicU64::new(fds_before as u64));
-    let sampler = {
-        let (stop, rss_peak, fds_peak) = (stop.clone(), rss_peak.clone(), fds_peak.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                rss_peak.fetch_max(rss(pid), Ordering::Relaxed);
-                fds_peak.fetch_max(fds(pid) as u64, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        })
-    };
     let getter = {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -205,17 +199,17 @@ async fn measure(op: &Operator, attack: Attack) -> anyhow::Result<Figures> {
     let done_seconds = started.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     let (gets, gets_failed) = getter.await?;
-    let _ = sampler.join();
+    let peaks = sampler.stop();
     // Closed connections and freed buffers: what is left a second later.
     tokio::time::sleep(Duration::from_secs(1)).await;
     Ok(Figures {
         attack: attack.name(),
         unauthenticated: !matches!(attack, Attack::StalledSnapshot),
         rss_before,
-        rss_peak: rss_peak.load(Ordering::Relaxed),
+        rss_peak: rss_before.max(peaks.rss_kib * 1024),
         rss_after: rss(pid),
         fds_before,
-        fds_peak: fds_peak.load(Ordering::Relaxed) as usize,
+        fds_peak: fds_before.max(peaks.fds),
         fds_after: fds(pid),
         get: Latency::of(gets),
         gets_failed,
@@ -251,31 +245,34 @@ async fn attack_with(addr: SocketAddr, attack: Attack) -> anyhow::Result<BTreeMa
             let body = Bytes::from(vec![0u8; 38_000_000]);
             for i in 0..15 {
                 let body = body.clone();
-                let hello = matches!(attack, Attack::StalledSnapshot);
-                let path = if i % 2 == 0 && !hello {
+                let with_hello = matches!(attack, Attack::StalledSnapshot);
+                let path = if i % 2 == 0 && !with_hello {
                     "/census.v1.IdentityService/Allocate"
                 } else {
                     "/census.v1.EndpointSync/Sync"
                 };
                 tasks.spawn(async move {
-                    let (answer, mut send, _conn) = call(addr, path).await?;
-                    if hello {
-                        send.send_data(framed(&hello_of(&format!("node-{i}"), "v1")), false)?;
+                    let Call {
+                        answer, mut send, ..
+                    } = call(addr, path).await?;
+                    if with_hello {
+                        send.send_data(framed(&hello(&format!("node-{i}"), "v1")), false)?;
                     }
                     send.send_data(prefix(39_000_000), false)?;
                     push(&mut send, &body).await;
-                    status_of(answer).await
+                    code_of(answer).await
                 });
             }
         }
         Attack::AgentVersion => {
             for i in 0..5 {
                 tasks.spawn(async move {
-                    let huge = framed(&hello_of(&format!("node-{i}"), &"v".repeat(30 << 20)));
-                    let (answer, mut send, _conn) =
-                        call(addr, "/census.v1.EndpointSync/Sync").await?;
+                    let huge = framed(&hello(&format!("node-{i}"), "v".repeat(30 << 20)));
+                    let Call {
+                        answer, mut send, ..
+                    } = call(addr, "/census.v1.EndpointSync/Sync").await?;
                     push(&mut send, &huge).await;
-                    status_of(answer).await
+                    code_of(answer).await
                 });
             }
         }
@@ -293,9 +290,13 @@ async fn attack_with(addr: SocketAddr, attack: Attack) -> anyhow::Result<BTreeMa
                 };
                 tasks.spawn(async move {
                     if kind == 4 {
-                        let (answer, _send, _conn) =
-                            call(addr, "/census.v1.IdentityService/Get").await?;
-                        return status_of(answer).await;
+                        // The request stays open (and stalls) while the answer is awaited.
+                        let Call {
+                            answer,
+                            send: _send,
+                            ..
+                        } = call(addr, "/census.v1.IdentityService/Get").await?;
+                        return code_of(answer).await;
                     }
                     let mut tcp = TcpStream::connect(addr).await?;
                     match kind {
@@ -303,7 +304,7 @@ async fn attack_with(addr: SocketAddr, attack: Attack) -> anyhow::Result<BTreeMa
                         2 => tcp.write_all(PREFACE).await?,
                         3 => {
                             tcp.write_all(PREFACE).await?;
-                            tcp.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await?;
+                            tcp.write_all(EMPTY_SETTINGS).await?;
                             tcp.write_all(&[0, 0, 100, 1, 4, 0, 0, 0, 1, 0x82]).await?;
                         }
                         _ => {}
@@ -332,94 +333,7 @@ async fn attack_with(addr: SocketAddr, attack: Attack) -> anyhow::Result<BTreeMa
     Ok(answers)
 }
 
-fn prefix(len: u32) -> Bytes {
-    let mut out = vec![0];
-    out.extend_from_slice(&len.to_be_bytes());
-    Bytes::from(out)
-}
-
-fn framed(message: &impl prost::Message) -> Bytes {
-    let body = message.encode_to_vec();
-    let mut out = prefix(body.len() as u32).to_vec();
-    out.extend_from_slice(&body);
-    Bytes::from(out)
-}
-
-fn hello_of(node: &str, agent_version: &str) -> pb::AgentMessage {
-    pb::AgentMessage {
-        seq: 0,
-        body: Some(pb::agent_message::Body::Hello(pb::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            node: node.into(),
-            session: Some(pb::Session {
-                start_time_ns: 100,
-                nonce: 1,
-            }),
-            agent_version: agent_version.into(),
-            addresses: Vec::new(),
-        })),
-    }
-}
-
-type Call = (
-    h2::client::ResponseFuture,
-    h2::SendStream<Bytes>,
-    tokio::task::JoinHandle<()>,
-);
-
-async fn call(addr: SocketAddr, path: &str) -> anyhow::Result<Call> {
-    let tcp = TcpStream::connect(addr).await?;
-    let (client, connection) = h2::client::handshake(tcp).await?;
-    let connection = tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut client = client.ready().await?;
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!("http://{addr}{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())?;
-    let (answer, send) = client.send_request(request, false)?;
-    Ok((answer, send, connection))
-}
-
-/// Sends `data` as flow control allows, until refused or given no room for a second.
-async fn push(send: &mut h2::SendStream<Bytes>, data: &Bytes) {
-    const CHUNK: usize = 64 * 1024;
-    let mut sent = 0;
-    while sent < data.len() {
-        send.reserve_capacity(CHUNK.min(data.len() - sent));
-        let room = tokio::time::timeout(
-            Duration::from_secs(1),
-            futures::future::poll_fn(|cx| send.poll_capacity(cx)),
-        )
-        .await;
-        let n = match room {
-            Ok(Some(Ok(n))) if n > 0 => n.min(data.len() - sent),
-            _ => return,
-        };
-        if send.send_data(data.slice(sent..sent + n), false).is_err() {
-            return;
-        }
-        sent += n;
-    }
-}
-
 /// The call's gRPC status code, as `tonic::Code` names it.
-async fn status_of(answer: h2::client::ResponseFuture) -> anyhow::Result<String> {
-    let answer = answer.await?;
-    let code = |headers: &http::HeaderMap| {
-        tonic::Status::from_header_map(headers).map(|s| format!("{:?}", s.code()))
-    };
-    if let Some(code) = code(answer.headers()) {
-        return Ok(code);
-    }
-    let mut body = answer.into_body();
-    while let Some(data) = body.data().await {
-        let data = data?;
-        let _ = body.flow_control().release_capacity(data.len());
-    }
-    let trailers = body.trailers().await?.context("no trailers")?;
-    code(&trailers).context("no grpc-status")
+async fn code_of(answer: h2::client::ResponseFuture) -> TestResult<String> {
+    Ok(format!("{:?}", h2attack::status_of(answer).await?.code()))
 }

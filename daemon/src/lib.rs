@@ -8,6 +8,7 @@
 //!   scraper asks, and a Prometheus collector for the process's resident memory and
 //!   live heap;
 //! - [`log`]: the `--log`/`--log-format` flags and the `tracing` subscriber;
+//! - [`pem`]: the PEM files of TLS flags, read and checked at start;
 //! - [`signal`]: waiting for SIGTERM or SIGINT.
 //!
 //! A daemon declares the allocator in its `main.rs`, flattens [`LogArgs`] and
@@ -18,6 +19,7 @@
 pub mod alloc;
 pub mod log;
 pub mod metrics;
+pub mod pem;
 pub mod profiling;
 pub mod signal;
 

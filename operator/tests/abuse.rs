@@ -16,7 +16,7 @@ use std::{
     process::{Child, Command, Stdio},
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -29,10 +29,13 @@ use census_proto::{
         node_service_client::NodeServiceClient,
     },
 };
+use census_testkit::{
+    h2attack::{EMPTY_SETTINGS, PREFACE, call, framed, hello, prefix, push},
+    process,
+};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpStream,
-    task::JoinHandle,
 };
 use tonic::{Code, Status};
 
@@ -50,8 +53,6 @@ const MESSAGE: Duration = Duration::from_secs(2);
 /// Added to a timeout before a connection still open counts as not closed: the
 /// operator's timers, scheduling on a loaded machine, and the test's own polling.
 const SLACK: Duration = Duration::from_secs(5);
-
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// A `census-operator` process, its stderr counted and drained.
 struct Operator {
@@ -130,20 +131,11 @@ impl Operator {
     }
 
     fn rss_kib(&self) -> Fallible<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        let line = status
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .ok_or("no VmRSS")?;
-        Ok(line
-            .split_whitespace()
-            .nth(1)
-            .ok_or("no VmRSS value")?
-            .parse()?)
+        process::rss_kib(self.pid)
     }
 
     fn fds(&self) -> Fallible<usize> {
-        Ok(std::fs::read_dir(format!("/proc/{}/fd", self.pid))?.count())
+        process::fds(self.pid)
     }
 
     /// A Get from a new client: the reserved identity 1, which needs no state.
@@ -180,25 +172,10 @@ impl Operator {
         Ok(nodes.into_iter().map(|n| n.name).collect())
     }
 
-    /// Samples the operator's RSS until the returned guard is stopped: the peak.
-    fn watch_rss(&self) -> RssWatch {
-        let stop = Arc::new(AtomicBool::new(false));
-        let peak = Arc::new(AtomicU64::new(0));
-        let (pid, s, p) = (self.pid, Arc::clone(&stop), Arc::clone(&peak));
-        let thread = std::thread::spawn(move || {
-            let probe = Probe(pid);
-            while !s.load(Ordering::Relaxed) {
-                if let Ok(rss) = probe.rss_kib() {
-                    p.fetch_max(rss, Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        });
-        RssWatch {
-            stop,
-            peak,
-            thread: Some(thread),
-        }
+    /// Samples the operator's RSS (and descriptors) until the returned guard is
+    /// stopped: the peaks.
+    fn watch_rss(&self) -> process::Watch {
+        process::Watch::start(self.pid)
     }
 }
 
@@ -209,145 +186,14 @@ impl Drop for Operator {
     }
 }
 
-struct Probe(u32);
-
-impl Probe {
-    fn rss_kib(&self) -> Fallible<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.0))?;
-        let line = status
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .ok_or("no VmRSS")?;
-        Ok(line
-            .split_whitespace()
-            .nth(1)
-            .ok_or("no VmRSS value")?
-            .parse()?)
-    }
-}
-
-struct RssWatch {
-    stop: Arc<AtomicBool>,
-    peak: Arc<AtomicU64>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl RssWatch {
-    fn peak_kib(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-        self.peak.load(Ordering::Relaxed)
-    }
-}
-
-/// A gRPC message's 5-byte prefix declaring `len` bytes.
-fn prefix(len: u32) -> Bytes {
-    let mut out = vec![0];
-    out.extend_from_slice(&len.to_be_bytes());
-    Bytes::from(out)
-}
-
-fn framed(message: &impl prost::Message) -> Bytes {
-    let body = message.encode_to_vec();
-    let mut out = prefix(body.len() as u32).to_vec();
-    out.extend_from_slice(&body);
-    Bytes::from(out)
-}
-
-/// One HTTP/2 connection and a call on it, as an attacker drives them.
-struct Call {
-    answer: h2::client::ResponseFuture,
-    send: h2::SendStream<Bytes>,
-    connection: JoinHandle<()>,
-}
-
-async fn call(addr: SocketAddr, path: &str) -> Fallible<Call> {
-    let tcp = TcpStream::connect(addr).await?;
-    let (client, connection) = h2::client::handshake(tcp).await?;
-    let connection = tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut client = client.ready().await?;
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!("http://{addr}{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())?;
-    let (answer, send) = client.send_request(request, false)?;
-    Ok(Call {
-        answer,
-        send,
-        connection,
-    })
-}
-
-/// Sends `data` as the flow control allows; stops at the first refusal, or when the
-/// operator grants no more room for a second. The bytes sent.
-async fn push(send: &mut h2::SendStream<Bytes>, data: &Bytes) -> usize {
-    const CHUNK: usize = 64 * 1024;
-    let total = data.len();
-    let mut sent = 0;
-    while sent < total {
-        send.reserve_capacity(CHUNK.min(total - sent));
-        let room = tokio::time::timeout(
-            Duration::from_secs(1),
-            futures::future::poll_fn(|cx| send.poll_capacity(cx)),
-        )
-        .await;
-        let n = match room {
-            Ok(Some(Ok(n))) if n > 0 => n,
-            _ => break,
-        };
-        let n = n.min(total - sent);
-        if send.send_data(data.slice(sent..sent + n), false).is_err() {
-            break;
-        }
-        sent += n;
-    }
-    sent
-}
-
 /// How long a refused or timed-out call may take to be answered before the test fails.
 const ANSWER: Duration = Duration::from_secs(20);
 
 /// The call's status: from trailers-only headers, or from the trailers after its messages.
 async fn status_of(answer: h2::client::ResponseFuture) -> Fallible<Status> {
-    tokio::time::timeout(ANSWER, status_of_unbounded(answer))
+    tokio::time::timeout(ANSWER, census_testkit::h2attack::status_of(answer))
         .await
         .map_err(|_| format!("the call was not answered within {ANSWER:?}"))?
-}
-
-async fn status_of_unbounded(answer: h2::client::ResponseFuture) -> Fallible<Status> {
-    let answer = answer.await?;
-    if let Some(status) = Status::from_header_map(answer.headers()) {
-        return Ok(status);
-    }
-    let mut body = answer.into_body();
-    while let Some(data) = body.data().await {
-        let data = data?;
-        let _ = body.flow_control().release_capacity(data.len());
-    }
-    let trailers = body.trailers().await?.ok_or("an answer without trailers")?;
-    Ok(Status::from_header_map(&trailers).ok_or("trailers without grpc-status")?)
-}
-
-fn hello(node: &str, agent_version: String) -> pb::AgentMessage {
-    pb::AgentMessage {
-        seq: 0,
-        body: Some(pb::agent_message::Body::Hello(pb::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            node: node.into(),
-            session: Some(pb::Session {
-                start_time_ns: 100,
-                nonce: 1,
-            }),
-            agent_version,
-            addresses: Vec::new(),
-        })),
-    }
 }
 
 fn expect(status: &Status, code: Code, needle: &str) {
@@ -426,7 +272,7 @@ async fn oversize_messages_are_refused_at_their_prefix_before_they_are_buffered(
             "{path}: all of the message was taken ({sent} bytes)"
         );
     }
-    let peak = rss.peak_kib();
+    let peak = rss.stop().rss_kib;
     during?;
     assert!(
         peak < RSS_BOUND_KIB,
@@ -443,8 +289,7 @@ async fn oversize_after_hello_ends_the_stream_with_resource_exhausted() -> Falli
     let op = Operator::start(&["--max-snapshot-endpoints", "100"])?;
     // 100 endpoints x 4096 bytes is under the 4 MiB floor: the limit is 4 MiB.
     let mut call = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
-    call.send
-        .send_data(framed(&hello("node-a", "v1".into())), false)?;
+    call.send.send_data(framed(&hello("node-a", "v1")), false)?;
     call.send.send_data(prefix(5 * 1024 * 1024), false)?;
     let status = status_of(call.answer).await?;
     expect(
@@ -486,7 +331,7 @@ async fn malformed_protobuf_is_invalid_argument() -> Fallible {
     let mut later = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
     later
         .send
-        .send_data(framed(&hello("node-b", "v1".into())), false)?;
+        .send_data(framed(&hello("node-b", "v1")), false)?;
     later.send.send_data(garbage, false)?;
     expect(
         &status_of(later.answer).await?,
@@ -510,8 +355,7 @@ async fn a_stalled_partial_message_times_out_and_its_memory_comes_back() -> Fall
     op.get().await?;
     let before = op.rss_kib()?;
     let mut call = call(op.addr, "/census.v1.EndpointSync/Sync").await?;
-    call.send
-        .send_data(framed(&hello("node-c", "v1".into())), false)?;
+    call.send.send_data(framed(&hello("node-c", "v1")), false)?;
     call.send.send_data(prefix(4_000_000), false)?;
     let sent = push(&mut call.send, &Bytes::from(vec![0u8; 3_000_000])).await;
     assert_eq!(sent, 3_000_000, "the operator took the message in");
@@ -556,7 +400,6 @@ async fn half_open_and_stalled_connections_are_closed_within_their_timeouts() ->
     let rss = op.watch_rss();
     let started = Instant::now();
     let mut raw = Vec::new();
-    let settings: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
     // A HEADERS frame announcing 100 bytes, of which 3 come.
     let partial_headers: &[u8] = &[0, 0, 100, 1, 4, 0, 0, 0, 1, 0x82, 0x86, 0x84];
     for i in 0..300 {
@@ -573,7 +416,7 @@ async fn half_open_and_stalled_connections_are_closed_within_their_timeouts() ->
             }
             _ => {
                 tcp.write_all(PREFACE).await?;
-                tcp.write_all(settings).await?;
+                tcp.write_all(EMPTY_SETTINGS).await?;
                 tcp.write_all(partial_headers).await?;
                 ("partial headers", IDLE)
             }
@@ -630,7 +473,7 @@ async fn half_open_and_stalled_connections_are_closed_within_their_timeouts() ->
                 |_| "a connection whose call ended was not closed within the idle timeout",
             )??;
     }
-    let peak = rss.peak_kib();
+    let peak = rss.stop().rss_kib;
     assert!(
         peak < RSS_BOUND_KIB,
         "the operator's RSS peaked at {peak} KiB"
@@ -735,7 +578,7 @@ async fn a_huge_agent_version_is_refused_and_a_long_one_is_logged_bounded() -> F
     }
     op.get().await?;
     let grown = op.log_bytes.load(Ordering::Relaxed) - log_before;
-    let peak = rss.peak_kib();
+    let peak = rss.stop().rss_kib;
     assert!(
         grown < 5 * 4096,
         "five Hellos with 25 KB versions grew the log by {grown} bytes"

@@ -11,7 +11,7 @@ use std::{
 };
 
 use census_agent::admin::api::{EndpointState, EndpointsResponse};
-use census_netlab::{ChildGuard, Lab, Pod};
+use census_netlab::{ChildGuard, Lab, Pod, certs::Certs};
 use census_proto::{
     PROTOCOL_VERSION,
     labels::{LabelFilter, LabelLimits, LabelSet},
@@ -61,9 +61,10 @@ pub(crate) fn binaries() -> Fallible<(PathBuf, PathBuf)> {
 /// CA, a serving certificate for `ips`, a client certificate per node of `nodes`
 /// and a reader's (`lab`) for the test's own calls.
 #[derive(Debug, Clone)]
-pub(crate) struct LabCerts {
-    dir: PathBuf,
-}
+pub(crate) struct LabCerts(Certs);
+
+/// The reader certificate of the test's own calls.
+const READER: &str = "lab";
 
 impl LabCerts {
     pub(crate) fn generate(
@@ -72,60 +73,32 @@ impl LabCerts {
         ips: &[std::net::IpAddr],
         nodes: &[&str],
     ) -> Fallible<Self> {
-        let mut command = Command::new(operator_bin);
-        command.arg("certs").arg("--out-dir").arg(&dir);
-        for ip in ips {
-            command.args(["--ip", &ip.to_string()]);
-        }
-        for node in nodes {
-            command.args(["--node", node]);
-        }
-        command.args(["--reader", "lab", "--days", "1"]);
-        let output = command.output()?;
-        if !output.status.success() {
-            return Err(format!(
-                "census-operator certs failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            )
-            .into());
-        }
-        Ok(Self { dir })
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
+        Ok(Self(Certs::generate(
+            operator_bin,
+            dir,
+            ips,
+            nodes,
+            &[READER],
+        )?))
     }
 
     /// The operator's flags: its serving certificate, and the CA of its clients.
     pub(crate) fn operator_args(&self) -> Vec<std::ffi::OsString> {
-        vec![
-            "--tls-cert".into(),
-            self.file("server.pem").into(),
-            "--tls-key".into(),
-            self.file("server-key.pem").into(),
-            "--client-ca".into(),
-            self.file("ca.pem").into(),
-        ]
+        self.0.operator_args()
     }
 
     /// An agent's flags: the operator's CA, and its node's certificate.
     pub(crate) fn agent_args(&self, node: &str) -> Vec<std::ffi::OsString> {
-        vec![
-            "--tls-ca".into(),
-            self.file("ca.pem").into(),
-            "--tls-cert".into(),
-            self.file(&format!("node-{node}.pem")).into(),
-            "--tls-key".into(),
-            self.file(&format!("node-{node}-key.pem")).into(),
-        ]
+        self.0.agent_args(node)
     }
 
     /// The TLS of the test's own calls: the reader's certificate.
     pub(crate) fn reader_tls(&self) -> Fallible<tonic::transport::ClientTlsConfig> {
+        let (cert, key) = self.0.reader(READER);
         let files = census_agent::client::TlsFiles {
-            ca: Some(self.file("ca.pem")),
-            cert: Some(self.file("reader-lab.pem")),
-            key: Some(self.file("reader-lab-key.pem")),
+            ca: Some(self.0.ca()),
+            cert: Some(cert),
+            key: Some(key),
         };
         Ok(files.config()?.ok_or("no TLS configuration")?)
     }

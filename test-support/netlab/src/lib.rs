@@ -19,8 +19,11 @@
 //! ([`Netns::spawn`]), never with `ip netns exec`, which remounts `/sys` and
 //! hides the BPF file system.
 //!
-//! Everything here needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
+//! [`certs`] makes the certificates for mutual TLS between a lab's processes.
+//!
+//! Everything else here needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
 
+pub mod certs;
 mod cluster;
 mod error;
 mod lab;

@@ -9,14 +9,19 @@
 //! - [`promlint`]: `/metrics` scraped in both formats and linted by promtool and
 //!   a strict OpenMetrics parser;
 //! - [`layering`]: a crate's module graph read from its source, for layering tests;
-//! - [`tls`]: certificates from `census-operator certs` and clients that present them.
+//! - [`tls`]: certificates from `census-operator certs` and clients that present them;
+//! - [`h2attack`]: a raw HTTP/2 client that sends what an attacker would;
+//! - [`process`]: another process's RSS and descriptors, and their peaks.
 //!
-//! Only ever a dev-dependency: nothing here belongs in a production binary.
+//! Only ever a dev-dependency, or one of the load generator (census-bench): nothing
+//! here belongs in a production binary.
 
 pub mod agent;
 pub mod alloc;
+pub mod h2attack;
 pub mod layering;
 pub mod operator;
+pub mod process;
 pub mod promlint;
 pub mod proxy;
 pub mod tls;
