@@ -25,6 +25,8 @@ mod metrics_lint;
 mod pin_lock;
 #[path = "privileged/pod_route.rs"]
 mod pod_route;
+#[path = "privileged/snat.rs"]
+mod snat;
 #[path = "privileged/support.rs"]
 mod support;
 #[path = "privileged/two_node.rs"]

@@ -8,7 +8,8 @@
 //! nothing leaves the lab.
 //!
 //! A [`Cluster`] is two such nodes joined by a veth pair and routed to each other,
-//! each with its own pods, for what spans nodes.
+//! each with its own pods, for what spans nodes. A [`Masquerade`] is a router
+//! namespace between two namespaces that source-NATs what one sends the other.
 //!
 //! Every namespace is a guard: dropping it (also while a failing test unwinds)
 //! deletes it, and its veths with it. Names are unique per process and call
@@ -27,6 +28,7 @@ pub mod certs;
 mod cluster;
 mod error;
 mod lab;
+mod nat;
 mod netns;
 pub mod packet;
 mod traffic;
@@ -34,5 +36,6 @@ mod traffic;
 pub use cluster::{Cluster, ClusterNode, Side, UPLINK};
 pub use error::Error;
 pub use lab::{Lab, Pod};
+pub use nat::{Masquerade, TO_ROUTER};
 pub use netns::{ChildGuard, Netns, unique_name};
 pub use traffic::{UdpReceiver, UdpSender, exchange_udp, udp_echo};
