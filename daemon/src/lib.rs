@@ -17,6 +17,7 @@
 //! stops on [`signal::shutdown`].
 
 pub mod alloc;
+pub mod fds;
 pub mod log;
 pub mod metrics;
 pub mod pem;

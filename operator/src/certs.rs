@@ -508,6 +508,21 @@ impl NodeCa {
         chain: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<CertSubject, NodeCertError> {
+        self.verify_at(chain, now).map(|verified| verified.subject)
+    }
+
+    /// Who a client certificate chain names and until when it proves it, checked
+    /// now (see [`Self::subject_of`]).
+    pub fn verify(&self, chain: &[CertificateDer<'_>]) -> Result<Verified, NodeCertError> {
+        self.verify_at(chain, UnixTime::now())
+    }
+
+    /// [`Self::verify`] at a given time.
+    pub fn verify_at(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<Verified, NodeCertError> {
         let (leaf, intermediates) = chain.split_first().ok_or(NodeCertError::NoCertificate)?;
         let cert = webpki::EndEntityCert::try_from(leaf).map_err(NodeCertError::Untrusted)?;
         cert.verify_for_usage(
@@ -540,12 +555,35 @@ impl NodeCa {
             return Err(NodeCertError::ManyNodes);
         }
         let name = NodeName::new(name)?;
-        Ok(if node {
+        let subject = if node {
             CertSubject::Node(name)
         } else {
             CertSubject::Reader(name.as_str().to_owned())
-        })
+        };
+        // The chain proves nothing once any certificate of it has expired; the CA
+        // itself is a trust anchor, judged by its own validity at the handshake.
+        let mut not_after = not_after(&parsed);
+        for intermediate in intermediates {
+            let (_, parsed) = x509_parser::parse_x509_certificate(intermediate)
+                .map_err(|_| NodeCertError::Malformed)?;
+            not_after = not_after.min(self::not_after(&parsed));
+        }
+        Ok(Verified { subject, not_after })
     }
+}
+
+fn not_after(cert: &x509_parser::certificate::X509Certificate<'_>) -> SystemTime {
+    let seconds = cert.validity().not_after.timestamp();
+    SystemTime::UNIX_EPOCH + Duration::from_secs(u64::try_from(seconds).unwrap_or(0))
+}
+
+/// A verified client certificate chain: who it names, until when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub subject: CertSubject,
+    /// The end of the chain's validity (the earliest `notAfter` of the leaf and its
+    /// intermediates): a stream it authenticated ends then.
+    pub not_after: SystemTime,
 }
 
 /// Who a client certificate of the CA names.
@@ -613,6 +651,27 @@ mod tests {
             Err(NodeCertError::Untrusted(_))
         ));
         assert!(matches!(ca.node_of(&[]), Err(NodeCertError::NoCertificate)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_verified_chain_proves_its_subject_until_its_certificate_expires() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        run(&args(dir.path())?)?;
+        let ca = NodeCa::from_pem(&fs::read(dir.path().join("ca.pem"))?)?;
+        let (a, _) = node_files(dir.path(), &NodeName::new("node-a")?);
+        let verified = ca.verify(&[der(&a)?])?;
+        assert_eq!(
+            verified.subject,
+            CertSubject::Node(NodeName::new("node-a")?)
+        );
+        // Issued for 30 days (within the minute the test takes).
+        let left = verified.not_after.duration_since(SystemTime::now())?;
+        let thirty = Duration::from_secs(30 * 86_400);
+        assert!(
+            left <= thirty && left > thirty - Duration::from_secs(300),
+            "{left:?}"
+        );
         Ok(())
     }
 

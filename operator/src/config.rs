@@ -102,6 +102,24 @@ pub struct ListenArgs {
     /// ends with DEADLINE_EXCEEDED.
     #[arg(long, env = "CENSUS_MESSAGE_TIMEOUT", default_value = "60s", value_parser = timeout)]
     pub message_timeout: Duration,
+    /// EndpointSync streams one node may have open at once (its current one, and
+    /// ones a restarted agent left behind until keepalive ends them); one more is
+    /// refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "CENSUS_MAX_STREAMS_PER_NODE", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_node: u32,
+    /// Watches (EndpointMap.Watch, IdentityService.Watch) one caller may have open at
+    /// once: a node by its credentials, a reader by its name.
+    #[arg(long, env = "CENSUS_MAX_WATCHES_PER_CALLER", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_watches_per_caller: u32,
+    /// Watches open at once from every caller together.
+    #[arg(long, env = "CENSUS_MAX_WATCHES", default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_watches: u32,
+    /// Bytes of large messages (over the request limit: snapshots) received at once
+    /// by all streams together. A message reserves its declared length before it is
+    /// buffered and waits for room (within --message-timeout); at least the message
+    /// limit (--max-snapshot-endpoints x 4096 bytes).
+    #[arg(long, env = "CENSUS_MAX_INFLIGHT_MESSAGE_BYTES", default_value_t = 128 * 1024 * 1024)]
+    pub max_inflight_message_bytes: u64,
 }
 
 /// A timeout of the gRPC transport: above zero (a zero timeout would close every
@@ -145,6 +163,11 @@ pub struct TlsArgs {
         requires = "tls_cert"
     )]
     pub client_ca: Option<PathBuf>,
+    /// The CA that signed the serving certificate (PEM); followers verify the leader
+    /// with it when they forward, by the serving certificate's first DNS name. With
+    /// --store kubernetes and bearer tokens (no --client-ca).
+    #[arg(long, env = "CENSUS_TLS_CA", value_name = "PEM", requires = "tls_cert")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -267,6 +290,12 @@ pub struct KubernetesArgs {
     /// TokenReview accepts a token only for it.
     #[arg(long, env = "CENSUS_TOKEN_AUDIENCE", default_value = "census", value_parser = audience)]
     pub token_audience: String,
+    /// Accept an agent's Hello only from one of its Node's addresses, on top of its
+    /// credentials. Off by default: kube-proxy masquerading, IPVS and overlay CNIs
+    /// (flannel VXLAN, Calico IPIP/VXLAN, Cilium tunnels) source agents' traffic from
+    /// other addresses; the credentials are what bind a stream to its node.
+    #[arg(long, env = "CENSUS_REQUIRE_NODE_ADDRESS")]
+    pub require_node_address: bool,
 }
 
 /// A token audience: not empty, no spaces or control characters (it goes into every

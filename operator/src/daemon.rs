@@ -44,6 +44,10 @@ pub enum StartError {
     Cluster(#[from] ClusterError),
     #[error(transparent)]
     Security(#[from] SecurityError),
+    #[error(
+        "--max-inflight-message-bytes {budget} is below the message limit of {limit} bytes (--max-snapshot-endpoints x 4096): a snapshot at the limit could never be received"
+    )]
+    MessageBudget { budget: u64, limit: usize },
 }
 
 /// How long shutdown waits for writes in flight to finish.
@@ -116,6 +120,20 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         store_cache_bytes,
         store_timeout,
     } = store_args;
+    // Checked before anything is opened: a refused start changes nothing.
+    if listen.max_inflight_message_bytes < limits.max_message_bytes() as u64 {
+        return Err(StartError::MessageBudget {
+            budget: listen.max_inflight_message_bytes,
+            limit: limits.max_message_bytes(),
+        });
+    }
+    if let Some(warning) = census_daemon::fds::over_limit(
+        "--max-connections",
+        u64::from(listen.max_connections),
+        census_daemon::fds::soft_limit(),
+    ) {
+        warn!("{warning}");
+    }
     let census_daemon::ProfilingArgs { heap_profiling } = profiling;
     if heap_profiling {
         census_daemon::profiling::activate().await?;
@@ -281,6 +299,13 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
                 handshake_timeout: listen.handshake_timeout,
                 idle_timeout: listen.idle_timeout,
                 message_timeout: listen.message_timeout,
+                quotas: grpc::QuotaLimits {
+                    streams_per_node: listen.max_streams_per_node as usize,
+                    watches_per_caller: listen.max_watches_per_caller as usize,
+                    watches: listen.max_watches as usize,
+                    inflight_message_bytes: usize::try_from(listen.max_inflight_message_bytes)
+                        .unwrap_or(usize::MAX),
+                },
             };
             let served = grpc::serve(
                 grpc_listener,

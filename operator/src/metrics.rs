@@ -85,8 +85,21 @@ pub struct Metrics {
     pub grpc_connections_refused: Counter,
     /// gRPC connections closed by the operator, by reason (`handshake_timeout`, `idle_timeout`).
     pub grpc_connections_closed: Family<ReasonLabels, Counter>,
-    /// gRPC request messages refused, by reason (`oversize`, `timeout`).
+    /// gRPC request messages refused, by reason (`oversize`, `timeout`, `budget`).
     pub grpc_messages_refused: Family<ReasonLabels, Counter>,
+    /// Calls refused by a quota or cap, by quota.
+    pub quota_refusals: Family<ReasonLabels, Counter>,
+    /// Bytes of large messages reserved now (`--max-inflight-message-bytes`).
+    pub inflight_message_bytes: Gauge,
+    /// Bearer tokens checked, by result (`cached`, `authenticated`, or why not).
+    pub token_reviews: Family<ResultLabels, Counter>,
+    /// Token review answers cached now.
+    pub token_review_cache_entries: Gauge,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
 }
 
 impl Default for Metrics {
@@ -115,6 +128,10 @@ impl Default for Metrics {
             grpc_connections_refused: Counter::default(),
             grpc_connections_closed: Family::default(),
             grpc_messages_refused: Family::default(),
+            quota_refusals: Family::default(),
+            inflight_message_bytes: Gauge::default(),
+            token_reviews: Family::default(),
+            token_review_cache_entries: Gauge::default(),
         }
     }
 }
@@ -234,8 +251,28 @@ impl Metrics {
         );
         r.register(
             "grpc_messages_refused",
-            "gRPC request messages refused, by reason (oversize: over the method's limit; timeout: not in full within --message-timeout)",
+            "gRPC request messages refused, by reason (oversize: over the method's limit; timeout: not in full within --message-timeout; budget: no room in --max-inflight-message-bytes within it)",
             self.grpc_messages_refused.clone(),
+        );
+        r.register(
+            "quota_refusals",
+            "gRPC calls refused with RESOURCE_EXHAUSTED by a quota, by quota (streams_per_node, watches_per_caller, watches)",
+            self.quota_refusals.clone(),
+        );
+        r.register(
+            "inflight_message_bytes",
+            "Bytes of large gRPC messages (snapshots) reserved while they are received, of --max-inflight-message-bytes",
+            self.inflight_message_bytes.clone(),
+        );
+        r.register(
+            "token_reviews",
+            "Bearer tokens checked, by result (cached: answered from the cache; authenticated: a TokenReview said yes; else why it was refused or could not be checked)",
+            self.token_reviews.clone(),
+        );
+        r.register(
+            "token_review_cache_entries",
+            "TokenReview answers cached now",
+            self.token_review_cache_entries.clone(),
         );
     }
 }

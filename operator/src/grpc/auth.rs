@@ -27,7 +27,7 @@ use tonic::transport::{
 use tower::{Layer, Service};
 use tracing::debug;
 
-use crate::certs::{CertSubject, NodeCa};
+use crate::certs::{CertSubject, NodeCa, Verified};
 
 /// What a connection and a request prove about the caller.
 #[derive(Debug, Clone, Copy)]
@@ -42,8 +42,8 @@ pub(crate) struct Credentials<'a> {
 /// Who the caller is, once authenticated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Principal {
-    /// An agent, speaking for exactly this node, until `expires` (a token's expiry;
-    /// None for a certificate checked at the handshake).
+    /// An agent, speaking for exactly this node, until `expires` (a token's expiry,
+    /// or the end of its certificate chain's validity).
     Node {
         node: NodeName,
         expires: Option<SystemTime>,
@@ -389,14 +389,22 @@ impl MutualTls {
         let chain = credentials.certs.ok_or_else(|| {
             AuthError::unauthenticated("no client certificate: this operator requires mutual TLS")
         })?;
-        match self.ca.subject_of(chain) {
-            Ok(CertSubject::Node(node)) => Ok(Principal::Node {
+        // A stream this certificate authenticated ends when the certificate does:
+        // an agent reconnects with the renewed one.
+        match self.ca.verify(chain) {
+            Ok(Verified {
+                subject: CertSubject::Node(node),
+                not_after,
+            }) => Ok(Principal::Node {
                 node,
-                expires: None,
+                expires: Some(not_after),
             }),
-            Ok(CertSubject::Reader(name)) => Ok(Principal::Reader {
+            Ok(Verified {
+                subject: CertSubject::Reader(name),
+                not_after,
+            }) => Ok(Principal::Reader {
                 name,
-                expires: None,
+                expires: Some(not_after),
             }),
             Err(e) => Err(AuthError::unauthenticated(e)),
         }

@@ -32,6 +32,7 @@ use prometheus_client::metrics::{counter::Counter, family::Family};
 use tokio::time::Sleep;
 use tonic::{Code, Status};
 
+use super::quota::{MessageBudget, Reserved};
 use crate::metrics::ReasonLabels;
 
 /// Bytes one label takes on the wire at most: `source:prefix/name=value` with
@@ -51,7 +52,7 @@ pub(crate) fn request_limit(max_labels: usize) -> usize {
 }
 
 /// The limits every call's messages are held to.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct MessageLimits {
     /// Every request message, and an EndpointSync stream's until its Hello is accepted.
     pub(crate) request_bytes: usize,
@@ -60,6 +61,8 @@ pub(crate) struct MessageLimits {
     /// How long one message may take to arrive, from its first byte (a unary or
     /// server-streaming call's one message: from the start of the call).
     pub(crate) timeout: Duration,
+    /// What a message over `request_bytes` reserves before it is buffered.
+    pub(crate) budget: MessageBudget,
 }
 
 /// The limit of one EndpointSync stream: the request limit until [`StreamLimit::raise`].
@@ -125,6 +128,24 @@ pub(crate) struct Limited {
     /// Bytes after the end of the message just handed on.
     pending: Bytes,
     failed: bool,
+    /// Messages over this many bytes reserve their length in `budget` first.
+    small_bytes: usize,
+    budget: MessageBudget,
+    /// The current message's reservation, while it arrives.
+    reserved: Option<Reserved>,
+    /// The last message's, until tonic asks for more (it has decoded that one).
+    decoding: Option<Reserved>,
+    /// A reservation waited for: the message's prefix is held back until it comes.
+    waiting: Option<Waiting>,
+}
+
+/// A reservation under way.
+struct Waiting(Pin<Box<dyn Future<Output = Option<Reserved>> + Send>>);
+
+impl std::fmt::Debug for Waiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Waiting")
+    }
 }
 
 /// The methods whose requests are streams of messages: their timer runs per message.
@@ -165,6 +186,11 @@ pub(crate) fn limit(
         deadline,
         pending: Bytes::new(),
         failed: false,
+        small_bytes: limits.request_bytes,
+        budget: limits.budget.clone(),
+        reserved: None,
+        decoding: None,
+        waiting: None,
     };
     (body, handle)
 }
@@ -180,6 +206,7 @@ impl Limited {
                 at += n;
                 if self.remaining == 0 {
                     self.deadline = None;
+                    self.decoding = self.reserved.take();
                     break;
                 }
                 continue;
@@ -205,6 +232,13 @@ impl Limited {
                         )),
                     ));
                 }
+                if declared > self.small_bytes && !self.reserve(declared) {
+                    // Held back, prefix and all, until the reservation comes: tonic
+                    // reserves a message's length as soon as it reads its prefix.
+                    self.prefix_len = 5 - n;
+                    self.pending = data.split_off(at - n);
+                    return Ok(data);
+                }
                 self.declared = declared;
                 self.remaining = declared;
                 if declared == 0 {
@@ -219,6 +253,25 @@ impl Limited {
         Ok(data)
     }
 
+    /// Whether `declared` bytes are reserved for the message whose prefix just came;
+    /// if not, the reservation is waited for.
+    fn reserve(&mut self, declared: usize) -> bool {
+        if self.reserved.is_some() {
+            return true;
+        }
+        match self.budget.try_reserve(declared) {
+            Some(reserved) => {
+                self.reserved = Some(reserved);
+                true
+            }
+            None => {
+                self.declared = declared;
+                self.waiting = Some(Waiting(Box::pin(self.budget.reserve(declared))));
+                false
+            }
+        }
+    }
+
     fn fail(&mut self, reason: &'static str, status: Status) -> Status {
         self.failed = true;
         self.pending = Bytes::new();
@@ -227,6 +280,17 @@ impl Limited {
     }
 
     fn timed_out(&mut self) -> Status {
+        if self.waiting.take().is_some() {
+            let message = format!(
+                "{}: a message of {} bytes waited {:?} for room in the budget of large messages received at once (--max-inflight-message-bytes {}: {} bytes reserved by other streams)",
+                self.method,
+                self.declared,
+                self.timeout,
+                self.budget.total(),
+                self.budget.in_use(),
+            );
+            return self.fail("budget", Status::resource_exhausted(message));
+        }
         let got = self.declared - self.remaining;
         let message = if self.remaining > 0 {
             format!(
@@ -254,6 +318,30 @@ impl http_body::Body for Limited {
         let this = &mut *self;
         if this.failed {
             return Poll::Ready(None);
+        }
+        // Asked for more: the message handed on last was decoded.
+        this.decoding = None;
+        if let Some(waiting) = this.waiting.as_mut() {
+            match waiting.0.as_mut().poll(cx) {
+                Poll::Ready(reserved) => {
+                    this.waiting = None;
+                    this.reserved = reserved;
+                    if this.reserved.is_none() {
+                        return Poll::Ready(Some(Err(this.fail(
+                            "budget",
+                            Status::unavailable("the message budget is closed"),
+                        ))));
+                    }
+                }
+                Poll::Pending => {
+                    if let Some(deadline) = this.deadline.as_mut()
+                        && deadline.as_mut().poll(cx).is_ready()
+                    {
+                        return Poll::Ready(Some(Err(this.timed_out())));
+                    }
+                    return Poll::Pending;
+                }
+            }
         }
         if !this.pending.is_empty() {
             let data = std::mem::take(&mut this.pending);
@@ -332,6 +420,7 @@ mod tests {
             request_bytes: 10,
             stream_bytes: 100,
             timeout: Duration::from_secs(5),
+            budget: MessageBudget::new(100, Default::default()),
         }
     }
 
@@ -412,6 +501,100 @@ mod tests {
             late.message()
                 .contains("9 bytes did not arrive in full within 5s (4 bytes came)"),
             "{late:?}"
+        );
+        Ok(())
+    }
+
+    /// A Sync stream's body whose Hello (3 bytes) was taken and limit raised, fed
+    /// by the returned sender.
+    async fn raised(
+        limits: &MessageLimits,
+    ) -> Result<
+        (
+            Limited,
+            tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Status>>,
+        ),
+        Box<dyn std::error::Error>,
+    > {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+        let (mut body, handle) = limit(
+            SYNC_PATH,
+            tonic::body::Body::new(http_body_util::StreamBody::new(stream)),
+            limits,
+            Family::default(),
+        );
+        tx.send(Ok(Frame::data(Bytes::from(frame(3, b"abc")))))
+            .await?;
+        assert!(next(&mut body).await?.is_ok());
+        handle.ok_or("no stream limit")?.raise();
+        Ok((body, tx))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_large_message_waits_for_room_in_the_budget_before_its_prefix_is_handed_on()
+    -> TestResult {
+        let limits = limits();
+        let (mut a, a_tx) = raised(&limits).await?;
+        let (mut b, b_tx) = raised(&limits).await?;
+        // A's 60-byte message reserves 60 of 100 as its prefix comes.
+        a_tx.send(Ok(Frame::data(Bytes::from(frame(60, &[1; 20])))))
+            .await?;
+        assert_eq!(next(&mut a).await??.len(), 25);
+        assert_eq!(limits.budget.in_use(), 60);
+        // B's 50 bytes do not fit: nothing of its message, prefix included, is handed on.
+        let mut whole = frame(50, &[2; 50]);
+        whole.extend(frame(2, b"ok"));
+        b_tx.send(Ok(Frame::data(Bytes::from(whole)))).await?;
+        let early = tokio::time::timeout(Duration::from_secs(1), next(&mut b)).await;
+        match early {
+            Err(_) => {}
+            Ok(Ok(Ok(data))) => assert!(data.is_empty(), "handed on {data:?}"),
+            Ok(other) => return Err(format!("{other:?}").into()),
+        }
+        // A's message ends; its reservation goes once the next frame is asked for.
+        a_tx.send(Ok(Frame::data(Bytes::from(vec![1; 40])))).await?;
+        assert_eq!(next(&mut a).await??.len(), 40);
+        assert_eq!(limits.budget.in_use(), 60, "held while tonic decodes it");
+        drop(a_tx);
+        assert!(a.frame().await.is_none());
+        let mut got = Vec::new();
+        while got.len() < 55 {
+            got.extend_from_slice(&next(&mut b).await??);
+        }
+        assert_eq!(got, frame(50, &[2; 50]));
+        assert_eq!(limits.budget.in_use(), 50);
+        // A small message reserves nothing; B's reservation went when it was asked for.
+        assert_eq!(next(&mut b).await??.as_ref(), frame(2, b"ok").as_slice());
+        assert_eq!(limits.budget.in_use(), 0);
+        Ok(())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_that_finds_no_room_within_the_timeout_is_resource_exhausted() -> TestResult {
+        let limits = limits();
+        let held = limits.budget.try_reserve(90).ok_or("no room")?;
+        let (mut body, tx) = raised(&limits).await?;
+        tx.send(Ok(Frame::data(Bytes::from(frame(50, &[0; 50])))))
+            .await?;
+        let refused = loop {
+            match next(&mut body).await? {
+                Ok(data) => assert!(data.is_empty(), "handed on {data:?}"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(refused.code(), Code::ResourceExhausted);
+        assert!(
+            refused
+                .message()
+                .contains("--max-inflight-message-bytes 100: 90 bytes reserved"),
+            "{refused:?}"
+        );
+        drop(held);
+        assert_eq!(
+            limits.budget.in_use(),
+            0,
+            "the refused message holds nothing"
         );
         Ok(())
     }

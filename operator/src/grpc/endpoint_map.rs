@@ -40,6 +40,7 @@ use tracing::debug;
 
 use super::{
     Operator, auth,
+    quota::{Held, Quotas},
     status::{field, refused, version},
     untrusted::untrusted,
 };
@@ -156,6 +157,7 @@ pub(crate) struct EndpointMapService {
     metrics: Metrics,
     shutdown: watch::Receiver<bool>,
     max_message_bytes: usize,
+    quotas: Arc<Quotas>,
 }
 
 impl EndpointMapService {
@@ -164,12 +166,14 @@ impl EndpointMapService {
         metrics: Metrics,
         shutdown: watch::Receiver<bool>,
         max_message_bytes: usize,
+        quotas: Arc<Quotas>,
     ) -> Self {
         Self {
             operator,
             metrics,
             shutdown,
             max_message_bytes,
+            quotas,
         }
     }
 
@@ -181,9 +185,11 @@ impl EndpointMapService {
         let node = node_from_wire(&req.node, "node").map_err(field)?;
         auth::speaks_for(&principal, &node)?;
         let session = session_from_wire(req.session.as_ref(), "session").map_err(field)?;
+        let quota = self.quotas.watch(&principal, Some(&node))?;
         let caller = Caller { node, peer };
         let watch = self.operator.map_watch(&caller, session).map_err(refused)?;
         let watcher = Watcher {
+            _quota: quota,
             operator: Arc::clone(&self.operator),
             open: Open::new(&self.metrics),
             metrics: self.metrics.clone(),
@@ -344,6 +350,8 @@ struct Watcher {
     shutdown: watch::Receiver<bool>,
     phase: Phase,
     open: Open,
+    /// Counted against the caller's watch quota and the cap while the watch lives.
+    _quota: Held,
 }
 
 /// What ends a wait.

@@ -1,6 +1,6 @@
 //! IdentityService: Allocate, Get, Lookup, List, Watch.
 
-use std::time::Instant;
+use std::{sync::Arc, time::Instant};
 
 use census_proto::{
     convert::{check_version, labels_from_wire, node_from_wire, session_from_wire},
@@ -16,6 +16,7 @@ use tracing::debug;
 use super::{
     Operator, auth,
     convert::identity_to_wire,
+    quota::Quotas,
     status::{alloc, field, refused, version},
 };
 use crate::{
@@ -32,6 +33,7 @@ pub(crate) struct Identities {
     operator: Operator,
     metrics: Metrics,
     shutdown: watch::Receiver<bool>,
+    quotas: Arc<Quotas>,
 }
 
 impl Identities {
@@ -39,11 +41,13 @@ impl Identities {
         operator: Operator,
         metrics: Metrics,
         shutdown: watch::Receiver<bool>,
+        quotas: Arc<Quotas>,
     ) -> Self {
         Self {
             operator,
             metrics,
             shutdown,
+            quotas,
         }
     }
 
@@ -197,8 +201,14 @@ impl IdentityService for Identities {
         let principal = auth::caller(&request)?;
         let req = request.into_inner();
         check_version(req.protocol_version).map_err(version)?;
+        let quota = self.quotas.watch(&principal, None)?;
         let (tx, rx) = mpsc::channel(WATCH_QUEUE);
-        tokio::spawn(run_watch(self.operator.clone(), tx, self.shutdown.clone()));
+        let operator = self.operator.clone();
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            run_watch(operator, tx, shutdown).await;
+            drop(quota);
+        });
         Ok(Response::new(auth::until_expired(
             ReceiverStream::new(rx),
             principal.expires(),
@@ -234,18 +244,20 @@ async fn run_watch(operator: Operator, tx: WatchTx, mut shutdown: watch::Receive
             mut changes,
             full: all,
         } = operator.identity_feed();
-        let mut full = Vec::with_capacity(all.len() + 2);
-        full.push(event(Kind::ResyncStart, None));
-        full.extend(
-            all.iter()
-                .map(|info| event(Kind::Upsert, Some(identity_to_wire(info)))),
-        );
-        full.push(event(Kind::ResyncEnd, None));
+        // Encoded one at a time as the queue takes them: a watcher holds one copy of
+        // the list, not two.
+        let full = std::iter::once(event(Kind::ResyncStart, None))
+            .chain(
+                all.iter()
+                    .map(|info| event(Kind::Upsert, Some(identity_to_wire(info)))),
+            )
+            .chain(std::iter::once(event(Kind::ResyncEnd, None)));
         for item in full {
             if tx.send(item).await.is_err() {
                 return;
             }
         }
+        drop(all);
         loop {
             let change = tokio::select! {
                 change = changes.recv() => change,

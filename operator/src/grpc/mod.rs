@@ -17,6 +17,7 @@ mod convert;
 mod endpoint_map;
 mod identity;
 mod node;
+mod quota;
 mod status;
 mod sync;
 mod transport;
@@ -39,8 +40,8 @@ use tower::{Layer, Service};
 
 use self::endpoint_map::{EndpointMapServer, EndpointMapService};
 pub(crate) use self::{
-    endpoint_map::WireMap, identity::Identities, node::Nodes, sync::EndpointStreams,
-    transport::Transport,
+    endpoint_map::WireMap, identity::Identities, node::Nodes, quota::QuotaLimits,
+    sync::EndpointStreams, transport::Transport,
 };
 use crate::{
     api::Api,
@@ -79,7 +80,19 @@ pub(crate) struct ServerTls {
     /// Required when set: a connection without a certificate of this CA fails its
     /// handshake.
     pub(crate) client_ca_pem: Option<Vec<u8>>,
+    /// What a follower verifies the leader with when it forwards (`--tls-ca`).
+    pub(crate) leader: Option<LeaderTls>,
     pub(crate) handshake_timeout: Duration,
+}
+
+/// What a follower verifies the leader's TLS with when it forwards (`--tls-ca`).
+#[derive(Debug, Clone)]
+pub(crate) struct LeaderTls {
+    /// The CA that signed the serving certificate (PEM).
+    pub(crate) ca_pem: Vec<u8>,
+    /// The serving certificate's first DNS name, which the leader's certificate must
+    /// be valid for.
+    pub(crate) server_name: String,
 }
 
 impl ServerTls {
@@ -115,18 +128,25 @@ pub(crate) async fn serve(
         request_bytes: codec::request_limit(settings.wire.labels.max_labels),
         stream_bytes: max,
         timeout: transport.message_timeout,
+        budget: quota::MessageBudget::new(
+            transport.quotas.inflight_message_bytes,
+            metrics.inflight_message_bytes.clone(),
+        ),
     };
+    let quotas = quota::Quotas::new(transport.quotas, metrics.quota_refusals.clone());
     // Map messages are chunks of at most `map_batch_entries` items.
     let map = EndpointMapServer::new(EndpointMapService::new(
         operator.clone(),
         metrics.clone(),
         shutdown.clone(),
         endpoint_map::max_batch_bytes(map_batch_entries),
+        Arc::clone(&quotas),
     ));
     let identities = IdentityServiceServer::new(Identities::new(
         operator.clone(),
         metrics.clone(),
         shutdown.clone(),
+        Arc::clone(&quotas),
     ))
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
@@ -134,10 +154,11 @@ pub(crate) async fn serve(
         operator.clone(),
         metrics.clone(),
         shutdown.clone(),
+        quotas,
     ))
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
-    let nodes = NodeServiceServer::new(Nodes::new(operator))
+    let nodes = NodeServiceServer::new(Nodes::new(operator, tls.as_ref()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 

@@ -35,6 +35,7 @@ use super::{
     Operator, auth,
     codec::{self, StreamLimit},
     convert::to_agent,
+    quota::{Held, Quotas},
     status::{field, refused, version},
     untrusted::untrusted,
 };
@@ -54,6 +55,7 @@ pub(crate) struct EndpointStreams {
     metrics: Metrics,
     shutdown: watch::Receiver<bool>,
     refusals: Arc<Refusals>,
+    quotas: Arc<Quotas>,
 }
 
 impl EndpointStreams {
@@ -61,12 +63,14 @@ impl EndpointStreams {
         operator: Operator,
         metrics: Metrics,
         shutdown: watch::Receiver<bool>,
+        quotas: Arc<Quotas>,
     ) -> Self {
         Self {
             operator,
             metrics,
             shutdown,
             refusals: Arc::default(),
+            quotas,
         }
     }
 }
@@ -129,6 +133,15 @@ impl EndpointSync for EndpointStreams {
         let caller = peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.ip().to_string());
         let refusals = Arc::clone(&self.refusals);
         let refuse = |who: &str, status: Status| refusals.note(who, status);
+        // A node's credentials count its streams from the start (a stream waiting for
+        // its Hello holds a connection slot and a buffer too); a loopback caller's
+        // count by the node its Hello names.
+        let early = match &principal {
+            auth::Principal::Node { node, .. } => {
+                Some(self.quotas.stream(node).map_err(|e| refuse(&caller, e))?)
+            }
+            auth::Principal::Reader { .. } | auth::Principal::Loopback => None,
+        };
         // Raised once the Hello is accepted: before, only Hello-sized messages come in.
         let limit = request.extensions().get::<Arc<StreamLimit>>().cloned();
         let mut inbound = request.into_inner();
@@ -161,6 +174,10 @@ impl EndpointSync for EndpointStreams {
             node_from_wire(&hello.node, "hello.node").map_err(|e| refuse(&caller, field(e)))?;
         // Before the session is even read: a Hello for another node changes nothing.
         auth::speaks_for(&principal, &node).map_err(|e| refuse(&caller, e))?;
+        let quota = match early {
+            Some(quota) => quota,
+            None => self.quotas.stream(&node).map_err(|e| refuse(&who, e))?,
+        };
         let session = session_from_wire(hello.session.as_ref(), "hello.session")
             .map_err(|e| refuse(&who, field(e)))?;
         // The node's own addresses (the endpoint map's `remote-node` entries in
@@ -209,6 +226,7 @@ impl EndpointSync for EndpointStreams {
         let stream = Stream {
             operator: self.operator.clone(),
             metrics: self.metrics.clone(),
+            _quota: quota,
             connected,
             tx,
             from_operator,
@@ -236,6 +254,8 @@ impl EndpointStreams {
 struct Stream {
     operator: Operator,
     metrics: Metrics,
+    /// Counted against the node's stream quota while the stream lives.
+    _quota: Held,
     connected: Connected,
     /// Towards the agent: the HelloReply, Acks, and what the operator says.
     tx: mpsc::Sender<Result<pb::OperatorMessage, Status>>,

@@ -52,6 +52,7 @@ use tracing::{debug, warn};
 use super::{
     Keepalive,
     codec::{self, MessageLimits},
+    quota::QuotaLimits,
 };
 use crate::metrics::{Metrics, ReasonLabels};
 
@@ -65,7 +66,7 @@ pub(crate) const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// come again at once.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// What the gRPC server's connections are held to.
+/// What the gRPC server's connections and callers are held to.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Transport {
     pub(crate) keepalive: Keepalive,
@@ -75,6 +76,8 @@ pub(crate) struct Transport {
     pub(crate) handshake_timeout: Duration,
     pub(crate) idle_timeout: Duration,
     pub(crate) message_timeout: Duration,
+    /// What one caller, and every caller together, may hold open.
+    pub(crate) quotas: QuotaLimits,
 }
 
 /// The open connections, by peer address (unique among one listener's connections).

@@ -135,6 +135,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         pod_ip,
         agent_service_account,
         token_audience,
+        require_node_address,
     } = args;
     let Parts {
         cfg,
@@ -168,9 +169,13 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
     let reads = client(config.clone(), true)?;
     let leases = client(config.clone(), false)?;
     // A caller waits for its review: no kube retries (the review has its own timeout).
-    let tokens = TokenReviewer::new(
+    let tokens = TokenReviewer::counted(
         client(config, false)?,
         TokenReviewConfig::new(token_audience.clone(), agent_service_account.clone()),
+        tokenreview::Counted {
+            reviews: metrics.token_reviews.clone(),
+            cached: metrics.token_review_cache_entries.clone(),
+        },
     );
     check_crd(&reads).await?;
 
@@ -188,7 +193,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             ..KubeStoreConfig::default()
         },
     ));
-    let nodes = Arc::new(NodeIndex::default());
+    let nodes = Arc::new(NodeIndex::binding_peers(*require_node_address));
     let runtime = Runtime::new_replica(
         cfg.clone(),
         clock,

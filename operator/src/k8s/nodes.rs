@@ -144,6 +144,8 @@ fn status_addresses<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<IpAddr>, D::E
 #[derive(Debug, Default)]
 pub struct NodeIndex {
     inner: RwLock<Nodes>,
+    /// Admit a Hello only from one of its Node's addresses (`--require-node-address`).
+    bind_peer: bool,
 }
 
 #[derive(Debug, Default)]
@@ -154,6 +156,16 @@ struct Nodes {
 }
 
 impl NodeIndex {
+    /// An index whose admission also requires a Hello to come from one of its Node's
+    /// addresses, on top of the caller's credentials. Off by default: kube-proxy
+    /// masquerading, IPVS and overlay CNIs source agents' traffic from other addresses.
+    pub fn binding_peers(bind_peer: bool) -> Self {
+        Self {
+            bind_peer,
+            ..Self::default()
+        }
+    }
+
     /// Nodes known.
     pub fn len(&self) -> usize {
         self.inner.read().addresses.len()
@@ -248,6 +260,9 @@ impl Admission for NodeIndex {
         let Some(addresses) = inner.addresses.get(node) else {
             return Err(AdmissionError::UnknownNode { node: node.clone() });
         };
+        if !self.bind_peer {
+            return Ok(());
+        }
         let Some(peer) = peer else {
             return Err(AdmissionError::NoPeer { node: node.clone() });
         };
@@ -367,10 +382,20 @@ mod tests {
     }
 
     #[test]
-    fn admission_binds_a_hello_to_its_node_and_address() -> Result<(), Box<dyn std::error::Error>> {
-        let index = NodeIndex::default();
+    fn admission_binds_a_hello_to_its_node_and_by_choice_its_address()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let any = NodeIndex::default();
         let n1 = NodeName::new("n1")?;
         let ip: IpAddr = "10.0.0.1".parse()?;
+        any.reset(vec![(n1.clone(), vec![ip].into_boxed_slice())]);
+        assert_eq!(any.admit(&n1, Some("10.0.0.2".parse()?)), Ok(()));
+        assert_eq!(any.admit(&n1, None), Ok(()));
+        assert!(matches!(
+            any.admit(&NodeName::new("n2")?, Some(ip)),
+            Err(AdmissionError::UnknownNode { .. })
+        ));
+
+        let index = NodeIndex::binding_peers(true);
         assert_eq!(index.admit(&n1, Some(ip)), Err(AdmissionError::NotSynced));
         let gone = index.reset(vec![(n1.clone(), vec![ip].into_boxed_slice())]);
         assert!(gone.is_empty());

@@ -49,11 +49,13 @@ use k8s_openapi::api::{
 };
 use kube::{Api, Client, api::PostParams};
 use parking_lot::Mutex;
+use prometheus_client::metrics::{counter::Counter, family::Family, gauge::Gauge};
 use tracing::{debug, warn};
 
 use crate::{
     config::ServiceAccountRef,
     grpc::auth::{AuthError, AuthFuture, Authenticate, Credentials, Principal, bounded},
+    metrics::ResultLabels,
 };
 
 /// The `extra` keys of a bound ServiceAccount token's user (k8s.io/apiserver
@@ -196,6 +198,12 @@ impl From<TokenError> for AuthError {
 pub type WallClock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 
 type Key = [u8; 32];
+
+/// A check's answer: from the cache, or made now.
+enum Checked {
+    Cached(NodeToken),
+    Now(Result<NodeToken, TokenError>),
+}
 type Review = Result<NodeToken, TokenError>;
 
 #[derive(Debug)]
@@ -215,6 +223,20 @@ struct Inner {
     config: TokenReviewConfig,
     clock: WallClock,
     state: Mutex<State>,
+    counted: Counted,
+}
+
+/// What the authenticator counts: every check by its result, and the cache's size.
+#[derive(Debug, Clone, Default)]
+pub struct Counted {
+    pub reviews: Family<ResultLabels, Counter>,
+    pub cached: Gauge,
+}
+
+impl Counted {
+    fn result(&self, result: &'static str) {
+        self.reviews.get_or_create(&ResultLabels { result }).inc();
+    }
 }
 
 /// Checks agents' bearer tokens with TokenReviews; see the module documentation.
@@ -241,14 +263,34 @@ impl TokenReviewer {
 
     /// As [`Self::new`], judging expiry and cache lifetimes by `clock`.
     pub fn with_clock(client: Client, config: TokenReviewConfig, clock: WallClock) -> Self {
+        Self::build(client, config, clock, Counted::default())
+    }
+
+    /// As [`Self::new`], counting into `counted` (the operator's metrics).
+    pub fn counted(client: Client, config: TokenReviewConfig, counted: Counted) -> Self {
+        Self::build(client, config, Arc::new(SystemTime::now), counted)
+    }
+
+    fn build(
+        client: Client,
+        config: TokenReviewConfig,
+        clock: WallClock,
+        counted: Counted,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 client,
                 config,
                 clock,
                 state: Mutex::new(State::default()),
+                counted,
             }),
         }
+    }
+
+    /// What it counted.
+    pub fn counts(&self) -> &Counted {
+        &self.inner.counted
     }
 
     /// Answers cached now (expired ones included until they are swept).
@@ -258,34 +300,57 @@ impl TokenReviewer {
 
     /// The node `token` speaks for, and until when.
     pub async fn review(&self, token: &str) -> Result<NodeToken, TokenError> {
+        let (answer, cached) = self.answer(token).await;
+        let counted = &self.inner.counted;
+        match &answer {
+            Ok(_) if cached => counted.result("cached"),
+            Ok(_) => counted.result("authenticated"),
+            Err(e) => counted.result(e.cause()),
+        }
+        answer
+    }
+
+    /// [`Self::review`]'s answer, and whether it came from the cache.
+    async fn answer(&self, token: &str) -> (Result<NodeToken, TokenError>, bool) {
+        match self.check(token).await {
+            Checked::Cached(token) => (Ok(token), true),
+            Checked::Now(answer) => (answer, false),
+        }
+    }
+
+    async fn check(&self, token: &str) -> Checked {
         let now = (self.inner.clock)();
-        let expires = expiry(token)?;
+        let expires = match expiry(token) {
+            Ok(expires) => expires,
+            Err(e) => return Checked::Now(Err(e)),
+        };
         if expires <= now {
             let ago = now.duration_since(expires).unwrap_or_default();
-            return Err(TokenError::Expired {
+            return Checked::Now(Err(TokenError::Expired {
                 ago: humantime::format_duration(Duration::from_secs(ago.as_secs())).to_string(),
-            });
+            }));
         }
         let key = key_of(token);
         let pending = {
             let mut state = self.inner.state.lock();
             if let Some(entry) = state.cache.get(&key) {
                 if entry.until > now {
-                    return Ok(entry.token.clone());
+                    return Checked::Cached(entry.token.clone());
                 }
                 state.cache.remove(&key);
+                self.inner.counted.cached.set(state.cache.len() as i64);
             }
             match state.in_flight.get(&key) {
                 Some(pending) => pending.clone(),
                 None => {
                     if state.in_flight.len() >= self.inner.config.max_in_flight {
-                        return Err(TokenError::unavailable(
+                        return Checked::Now(Err(TokenError::unavailable(
                             "busy",
                             format!(
                                 "{} token reviews in flight already",
                                 self.inner.config.max_in_flight
                             ),
-                        ));
+                        )));
                     }
                     let pending = self.spawn_review(key, token.to_owned(), expires);
                     state.in_flight.insert(key, pending.clone());
@@ -293,7 +358,7 @@ impl TokenReviewer {
                 }
             }
         };
-        pending.await
+        Checked::Now(pending.await)
     }
 
     /// Runs one review to its end whoever still waits for it (so the in-flight entry,
@@ -355,6 +420,7 @@ impl Inner {
             }
         }
         state.cache.insert(key, Entry { token, until });
+        self.counted.cached.set(state.cache.len() as i64);
     }
 
     async fn review_uncached(&self, token: &str) -> Result<NodeName, TokenError> {

@@ -6,6 +6,7 @@
 
 mod common;
 mod deploy;
+mod forwarding;
 mod gc;
 mod ha;
 mod kubectl;

@@ -270,6 +270,34 @@ fn lease(server: &FakeApiServer) -> Option<Value> {
     )
 }
 
+/// By default the source address binds nothing (credentials do): a Node's agent
+/// gets in through a masquerading path, here from 127.0.0.1 for a Node at 10.9.9.9;
+/// a Hello for a name that is no Node is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_agent_is_admitted_from_any_address_unless_the_check_is_asked_for() -> TestResult {
+    let server = fake().await?;
+    seed_cluster(&server, &["op-a"])?;
+    crate::tokenreview::seed_operator_identity(&server)?;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig_with_token(&kubeconfig, crate::tokenreview::OPERATOR_TOKEN)?;
+    let op = start_replica(&kubeconfig, "op-a").await?;
+    until_leader(&op).await?;
+    let _agent = eventually("node-2's agent gets in", WAIT, || async {
+        Ok(Agent::connect(op.grpc_addr, "node-2", session(1))
+            .await?
+            .ok())
+    })
+    .await?;
+    let refused = Agent::connect(op.grpc_addr, "node-9", session(1)).await?;
+    expect_code(
+        refused.map(|_| ()),
+        Code::FailedPrecondition,
+        "not a Node of this cluster",
+    )?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_server()
 -> TestResult {
@@ -281,7 +309,11 @@ async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig_with_token(&kubeconfig, crate::tokenreview::OPERATOR_TOKEN)?;
-    let op = start_replica(&kubeconfig, "op-a").await?;
+    // With the opt-in source-address check: a Hello also comes from its Node's address.
+    let mut args = replica_args(&kubeconfig, "op-a", &[]);
+    args.push("--require-node-address".to_owned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let op = Operator::start(&args).await?;
     until_leader(&op).await?;
     let addr = op.grpc_addr;
     let lease_obj = lease(&server).ok_or("no Lease")?;

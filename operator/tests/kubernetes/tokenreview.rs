@@ -366,6 +366,20 @@ async fn answers_are_cached_for_the_ttl_and_never_past_the_tokens_expiry() -> Te
     clock.advance(Duration::from_secs(30));
     tokens.review(&long).await?;
     assert_eq!(reviews(&server), 3);
+
+    // Every check is counted by its result; the gauge follows the cache.
+    let counts = tokens.counts();
+    let result = |result: &'static str| {
+        counts
+            .reviews
+            .get_or_create(&census_operator::metrics::ResultLabels { result })
+            .get()
+    };
+    assert_eq!(
+        (result("authenticated"), result("cached"), result("expired")),
+        (3, 3, 1)
+    );
+    assert_eq!(counts.cached.get(), tokens.cached() as i64);
     Ok(())
 }
 
