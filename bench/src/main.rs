@@ -17,6 +17,7 @@ mod agents;
 mod alloc;
 mod churn;
 mod cmd;
+mod floor;
 mod gc;
 mod map;
 mod operator;
@@ -58,6 +59,10 @@ struct Options {
     /// churn presets: Job pods per drop rate (overrides the preset).
     #[arg(long)]
     pods: Option<usize>,
+    /// churn presets: Job pods churned before the first baseline (overrides the
+    /// preset's; 0 measures from a cold start, one-time growth included).
+    #[arg(long)]
+    warmup_pods: Option<usize>,
     /// scale and map presets: simulated nodes (overrides the preset).
     #[arg(long)]
     nodes: Option<usize>,
@@ -95,6 +100,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         operator,
         max_retained_bytes_per_pod,
         pods,
+        warmup_pods,
         nodes,
         identities,
         hold_timeout,
@@ -115,6 +121,9 @@ async fn run(options: Options) -> anyhow::Result<()> {
             if let Some(pods) = pods {
                 params.pods = pods;
             }
+            if let Some(w) = warmup_pods {
+                params.warmup_pods = w;
+            }
             params.max_retained_bytes_per_pod = max_retained_bytes_per_pod;
             churn::run(&binary, &results, params).await?
         }
@@ -133,6 +142,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
             map::run(&binary, &results, params).await?
         }
         Preset::Alloc => alloc::run(&binary, &results, presets::alloc()).await?,
+        Preset::Floor => floor::run(&binary, &results, presets::floor()).await?,
         Preset::Gc => {
             let mut params = presets::gc();
             if let Some(n) = identities {

@@ -29,6 +29,9 @@ pub(crate) enum Preset {
     /// Allocate throughput and latency: 1, 16, 256 clients, known and new label sets,
     /// with and without a GC storm.
     Alloc,
+    /// Allocate (known labels) and the snapshot round trip against the transport
+    /// floor (a Lookup of the same size on the same server), 1 and 16 clients.
+    Floor,
     /// Deleting 50,000 released identities at several GC budgets.
     Gc,
     /// SIGKILL the operator mid-churn and restart it.
@@ -49,6 +52,7 @@ impl Preset {
             Self::Map1k => "map-1k",
             Self::Map5k => "map-5k",
             Self::Alloc => "alloc",
+            Self::Floor => "floor",
             Self::Gc => "gc",
             Self::Restart => "restart",
             Self::Abuse => "abuse",
@@ -240,6 +244,39 @@ pub(crate) fn alloc() -> Alloc {
             gc_rate: 2000.0,
         },
         id_range: "256-4000000",
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Floor {
+    pub(crate) concurrency: Vec<usize>,
+    /// Rounds of one batch of the call and one of its floor, the order alternating.
+    pub(crate) rounds: usize,
+    #[serde(with = "millis", rename = "batch_ms")]
+    pub(crate) batch: Duration,
+    /// Label sets referenced by a node's view (known to the operator).
+    pub(crate) known_pool: usize,
+    /// Endpoints in the timed snapshot.
+    pub(crate) snapshot_endpoints: usize,
+    pub(crate) connections: usize,
+    /// Allocate p50 and p99 within this multiple of the floor's: PASS, else MISS.
+    pub(crate) target_ratio: f64,
+    pub(crate) timers: Timers,
+    pub(crate) id_range: &'static str,
+}
+
+pub(crate) fn floor() -> Floor {
+    let a = alloc();
+    Floor {
+        concurrency: vec![1, 16],
+        rounds: 20,
+        batch: Duration::from_millis(250),
+        known_pool: a.known_pool,
+        snapshot_endpoints: 110,
+        connections: a.connections,
+        target_ratio: 1.5,
+        timers: a.timers,
+        id_range: a.id_range,
     }
 }
 
