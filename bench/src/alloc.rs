@@ -30,7 +30,7 @@ use super::{
     agents::{Fleet, Labels, Node, NodeHandle, Pod, pod_ip},
     operator::{Binary, Launch, Operator},
     plot::{Panel, Series, figure},
-    presets::Alloc,
+    presets::{Alloc, Timers},
     report::{Machine, Results, say, say_params},
     sample::{Latency, Metrics, Sample, Sampler},
 };
@@ -215,18 +215,22 @@ pub(crate) async fn make_released(
     Ok(())
 }
 
-pub(crate) async fn run(binary: &Binary, results: &Results, p: Alloc) -> anyhow::Result<bool> {
-    say_params("preset alloc", &p);
-    let mut machine = Machine::now();
-    say(machine.line());
-    let store = tempfile::tempdir()?;
-    let mut args = p.timers.flags();
+/// An operator for Allocate measurements: holds that outlive the run, no hold
+/// quota, no adoption window; its flags are said and returned for the report.
+pub(crate) async fn start_for_allocation(
+    binary: &Binary,
+    results: &Results,
+    store: &std::path::Path,
+    timers: &Timers,
+    id_range: &str,
+) -> anyhow::Result<(Operator, Vec<String>)> {
+    let mut args = timers.flags();
     args.extend(
         [
             "--hold-timeout",
             "600s",
             "--id-range",
-            p.id_range,
+            id_range,
             "--max-holds-per-node",
             "100000000",
             "--adoption-window",
@@ -239,9 +243,19 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Alloc) -> anyhow:
     say(format!("operator flags: {}", args.join(" ")));
     let op = Operator::start(
         binary,
-        Launch::new(store.path(), results.path("operator.log"), args.clone())?,
+        Launch::new(store, results.path("operator.log"), args.clone())?,
     )
     .await?;
+    Ok((op, args))
+}
+
+pub(crate) async fn run(binary: &Binary, results: &Results, p: Alloc) -> anyhow::Result<bool> {
+    say_params("preset alloc", &p);
+    let mut machine = Machine::now();
+    say(machine.line());
+    let store = tempfile::tempdir()?;
+    let (op, args) =
+        start_for_allocation(binary, results, store.path(), &p.timers, p.id_range).await?;
     let sampler = Sampler::start(op.pid, op.admin(), Duration::from_secs(1));
     let fleet = Fleet::connect(&op.grpc_url(), p.connections).await?;
     let keeper = keeper(&fleet, 0, p.known_pool);

@@ -42,8 +42,8 @@ use tonic::{
 
 use super::{
     agents::{Fleet, Node, NodeHandle, pod_ip},
-    alloc::{CALL_TIMEOUT, keeper, known_labels, wait_connected},
-    operator::{Binary, Launch, Operator},
+    alloc::{CALL_TIMEOUT, keeper, known_labels, start_for_allocation, wait_connected},
+    operator::Binary,
     presets::Floor,
     report::{Machine, Results, say, say_params},
     sample::{Latency, Metrics},
@@ -247,28 +247,8 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Floor) -> anyhow:
     let mut machine = Machine::now();
     say(machine.line());
     let store = tempfile::tempdir()?;
-    let mut args = p.timers.flags();
-    args.extend(
-        [
-            "--hold-timeout",
-            "600s",
-            "--id-range",
-            p.id_range,
-            "--max-holds-per-node",
-            "100000000",
-            "--adoption-window",
-            "0s",
-            "--log",
-            "info",
-        ]
-        .map(String::from),
-    );
-    say(format!("operator flags: {}", args.join(" ")));
-    let op = Operator::start(
-        binary,
-        Launch::new(store.path(), results.path("operator.log"), args.clone())?,
-    )
-    .await?;
+    let (op, args) =
+        start_for_allocation(binary, results, store.path(), &p.timers, p.id_range).await?;
     let fleet = Fleet::connect(&op.grpc_url(), p.connections).await?;
     let keeper = keeper(&fleet, 0, p.known_pool);
     let clients: Vec<Node> = (0..16)

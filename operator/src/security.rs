@@ -184,16 +184,7 @@ mod tests {
     }
 
     fn certs(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
-        crate::certs::run(&crate::certs::CertsArgs {
-            out_dir: dir.to_owned(),
-            dns: vec!["localhost".to_owned()],
-            ips: Vec::new(),
-            nodes: Vec::new(),
-            readers: Vec::new(),
-            days: 1,
-            force: false,
-        })?;
-        Ok(())
+        serving(dir, &["localhost"])
     }
 
     #[test]

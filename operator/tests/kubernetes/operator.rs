@@ -270,17 +270,28 @@ fn lease(server: &FakeApiServer) -> Option<Value> {
     )
 }
 
+/// A fake API server seeded with the cluster and `pod`, and a directory whose
+/// `kubeconfig` speaks to it as the operator's ServiceAccount (the fake authorizes
+/// its TokenReviews by deploy/'s ClusterRole).
+async fn cluster_for(pod: &str) -> TestResult<(FakeApiServer, tempfile::TempDir)> {
+    let server = fake().await?;
+    seed_cluster(&server, &[pod])?;
+    crate::tokenreview::seed_operator_identity(&server)?;
+    let dir = tempfile::tempdir()?;
+    server.write_kubeconfig_with_token(
+        dir.path().join("kubeconfig"),
+        crate::tokenreview::OPERATOR_TOKEN,
+    )?;
+    Ok((server, dir))
+}
+
 /// By default the source address binds nothing (credentials do): a Node's agent
 /// gets in through a masquerading path, here from 127.0.0.1 for a Node at 10.9.9.9;
 /// a Hello for a name that is no Node is still refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodes_agent_is_admitted_from_any_address_unless_the_check_is_asked_for() -> TestResult {
-    let server = fake().await?;
-    seed_cluster(&server, &["op-a"])?;
-    crate::tokenreview::seed_operator_identity(&server)?;
-    let dir = tempfile::tempdir()?;
+    let (_server, dir) = cluster_for("op-a").await?;
     let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig_with_token(&kubeconfig, crate::tokenreview::OPERATOR_TOKEN)?;
     let op = start_replica(&kubeconfig, "op-a").await?;
     until_leader(&op).await?;
     let _agent = eventually("node-2's agent gets in", WAIT, || async {
@@ -301,14 +312,8 @@ async fn a_nodes_agent_is_admitted_from_any_address_unless_the_check_is_asked_fo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_leads_admits_its_nodes_collects_garbage_and_survives_the_api_server()
 -> TestResult {
-    let server = fake().await?;
-    seed_cluster(&server, &["op-a"])?;
-    // As the operator's ServiceAccount: the fake authorizes its TokenReviews by
-    // deploy/'s ClusterRole.
-    crate::tokenreview::seed_operator_identity(&server)?;
-    let dir = tempfile::tempdir()?;
+    let (server, dir) = cluster_for("op-a").await?;
     let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig_with_token(&kubeconfig, crate::tokenreview::OPERATOR_TOKEN)?;
     // With the opt-in source-address check: a Hello also comes from its Node's address.
     let mut args = replica_args(&kubeconfig, "op-a", &[]);
     args.push("--require-node-address".to_owned());
