@@ -201,7 +201,7 @@ impl Metrics {
         );
         r.register(
             "map_encoded_bytes",
-            "Bytes encoded for the endpoint map, by kind (batch of changes, full map)",
+            "Bytes encoded for the endpoint map as framed for the wire, by kind (batch of changes, full map)",
             self.map_bytes_encoded.clone(),
         );
         r.register(

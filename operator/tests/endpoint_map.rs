@@ -116,7 +116,8 @@ impl Watcher {
             Ok(Ok(None)) => return fail("the watch ended cleanly"),
             Ok(Ok(Some(batch))) => batch,
         };
-        let size = batch.encoded_len();
+        // As framed on the wire: the operator counts the 5-byte gRPC prefix too.
+        let size = batch.encoded_len() + 5;
         if batch.resync_start {
             self.resyncs += 1;
             self.bytes_before_last_resync = self.bytes;

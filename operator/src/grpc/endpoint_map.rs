@@ -1,11 +1,11 @@
 //! EndpointMap: Watch (the cluster-wide map, pre-encoded) and Lookup.
 //!
-//! Every watcher is sent the same bytes: batches and full-map chunks are encoded once
-//! ([`WireMap`], the runtime's [`MapEncoder`]) and the Watch stream writes them as they
-//! are, through a codec whose encoder copies pre-encoded bytes ([`PreEncoded`]). On the
-//! wire they are ordinary `EndpointMapBatch` messages; clients decode them with prost.
-//! The service is built by hand, as tonic's generated server would be, because the
-//! generated one fixes the prost codec for every method.
+//! Every watcher is sent the same bytes: batches and full-map chunks are encoded and
+//! framed once ([`WireMap`], the runtime's [`MapEncoder`]) and the Watch stream hands
+//! them to the transport as they are, without a copy per watcher ([`wire::Answers`]).
+//! On the wire they are ordinary `EndpointMapBatch` messages; clients decode them with
+//! prost. The service is built by hand, as tonic's generated server would be, because
+//! the generated one encodes every answer itself.
 //!
 //! A watch's stream is lazy: it takes the next batch only when the transport has room
 //! for it, so a watcher that does not read holds no queue of its own; when it has
@@ -20,21 +20,18 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::{BufMut as _, Bytes};
+use bytes::Bytes;
 use census_proto::{
     convert::{check_version, node_from_wire, session_from_wire},
     domain::SessionId,
     pb,
 };
-use futures::Stream;
 use prometheus_client::metrics::{family::Family, gauge::Gauge};
-use prost::Message as _;
 use tokio::sync::{OwnedSemaphorePermit, broadcast, watch};
 use tonic::{
     Request, Response, Status,
     body::Body,
-    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
-    server::{Grpc, NamedService, ServerStreamingService, UnaryService},
+    server::{Grpc, NamedService, UnaryService},
 };
 use tracing::debug;
 
@@ -43,6 +40,7 @@ use super::{
     quota::{Held, Quotas},
     status::{field, refused, version},
     untrusted::untrusted,
+    wire,
 };
 use crate::{
     api::{
@@ -70,6 +68,7 @@ fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
 }
 
 impl MapEncoder for WireMap {
+    /// The batch as an `EndpointMapBatch` message framed for the wire.
     fn encode(&self, batch: &MapBatchParts<'_>) -> Bytes {
         let message = pb::EndpointMapBatch {
             resync_start: batch.resync_start,
@@ -96,7 +95,7 @@ impl MapEncoder for WireMap {
             built_at_ms: batch.built_at_ms,
             version: batch.version,
         };
-        Bytes::from(message.encode_to_vec())
+        wire::frame(&message)
     }
 }
 
@@ -105,49 +104,6 @@ pub(crate) fn max_batch_bytes(batch_entries: usize) -> usize {
     batch_entries
         .saturating_mul(MAX_ITEM_BYTES)
         .max(4 * 1024 * 1024)
-}
-
-/// Writes pre-encoded `EndpointMapBatch` bytes; decodes the Watch request with prost.
-#[derive(Debug, Clone, Copy, Default)]
-struct PreEncoded;
-
-impl Encoder for PreEncoded {
-    type Item = Bytes;
-    type Error = Status;
-
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        dst.put(item);
-        Ok(())
-    }
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-struct WatchRequestDecoder;
-
-impl Decoder for WatchRequestDecoder {
-    type Item = pb::EndpointMapWatchRequest;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Self::Item>, Status> {
-        pb::EndpointMapWatchRequest::decode(src)
-            .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("EndpointMapWatchRequest: {e}")))
-    }
-}
-
-impl Codec for PreEncoded {
-    type Encode = Bytes;
-    type Decode = pb::EndpointMapWatchRequest;
-    type Encoder = Self;
-    type Decoder = WatchRequestDecoder;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        *self
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        WatchRequestDecoder
-    }
 }
 
 /// The EndpointMap service.
@@ -276,7 +232,7 @@ fn lookup_to_wire(found: &MapLookup) -> pb::EndpointMapLookupResponse {
     }
 }
 
-type WatchStream = Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>;
+type WatchStream = wire::Framed;
 
 /// Counts an open watch while it lives.
 #[derive(Debug)]
@@ -555,19 +511,6 @@ impl NamedService for EndpointMapServer {
     const NAME: &'static str = SERVICE_NAME;
 }
 
-struct WatchMethod(Arc<EndpointMapService>);
-
-impl ServerStreamingService<pb::EndpointMapWatchRequest> for WatchMethod {
-    type Response = Bytes;
-    type ResponseStream = WatchStream;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<WatchStream>, Status>> + Send>>;
-
-    fn call(&mut self, request: Request<pb::EndpointMapWatchRequest>) -> Self::Future {
-        let answer = self.0.watch(request).map(Response::new);
-        Box::pin(async move { answer })
-    }
-}
-
 struct LookupMethod(Arc<EndpointMapService>);
 
 impl UnaryService<pb::EndpointMapLookupRequest> for LookupMethod {
@@ -588,7 +531,7 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<B> tower::Service<http::Request<B>> for EndpointMapServer
 where
-    B: tonic::codegen::Body + Send + 'static,
+    B: tonic::codegen::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<tonic::codegen::StdError> + Send + 'static,
 {
     type Response = http::Response<Body>;
@@ -604,9 +547,16 @@ where
         let max = inner.max_message_bytes;
         match req.uri().path() {
             "/census.v1.EndpointMap/Watch" => Box::pin(async move {
-                let mut grpc = Grpc::new(PreEncoded)
-                    .apply_max_message_size_config(Some(MAX_REQUEST_BYTES), Some(max));
-                Ok(grpc.server_streaming(WatchMethod(inner), req).await)
+                let (parts, body) = req.into_parts();
+                let req = http::Request::from_parts(parts, Body::new(body));
+                let answer = match wire::single(req, MAX_REQUEST_BYTES).await {
+                    Ok(request) => inner.watch(request),
+                    Err(status) => Err(status),
+                };
+                Ok(match answer {
+                    Ok(stream) => wire::Answers::response(stream),
+                    Err(status) => wire::Answers::refused(status),
+                })
             }),
             "/census.v1.EndpointMap/Lookup" => Box::pin(async move {
                 let mut grpc = Grpc::new(tonic_prost::ProstCodec::default())

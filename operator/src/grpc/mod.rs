@@ -22,6 +22,7 @@ mod status;
 mod sync;
 mod transport;
 mod untrusted;
+mod wire;
 
 use std::{
     future::Future,
@@ -32,16 +33,19 @@ use std::{
 };
 
 use census_proto::pb::{
-    self, endpoint_sync_server::EndpointSyncServer, identity_service_server::IdentityServiceServer,
-    node_service_server::NodeServiceServer,
+    self, identity_service_server::IdentityServiceServer, node_service_server::NodeServiceServer,
 };
 use tokio::{net::TcpListener, sync::watch};
 use tower::{Layer, Service};
 
 use self::endpoint_map::{EndpointMapServer, EndpointMapService};
 pub(crate) use self::{
-    endpoint_map::WireMap, identity::Identities, node::Nodes, quota::QuotaLimits,
-    sync::EndpointStreams, transport::Transport,
+    endpoint_map::WireMap,
+    identity::Identities,
+    node::Nodes,
+    quota::QuotaLimits,
+    sync::{EndpointStreams, EndpointSyncServer},
+    transport::Transport,
 };
 use crate::{
     api::Api,
@@ -150,14 +154,10 @@ pub(crate) async fn serve(
     ))
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
-    let sync = EndpointSyncServer::new(EndpointStreams::new(
-        operator.clone(),
-        metrics.clone(),
-        shutdown.clone(),
-        quotas,
-    ))
-    .max_decoding_message_size(max)
-    .max_encoding_message_size(max);
+    let sync = EndpointSyncServer::new(
+        EndpointStreams::new(operator.clone(), metrics.clone(), shutdown.clone(), quotas),
+        max,
+    );
     let nodes = NodeServiceServer::new(Nodes::new(operator, tls.as_ref()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
@@ -166,9 +166,7 @@ pub(crate) async fn serve(
     health_reporter
         .set_serving::<IdentityServiceServer<Identities>>()
         .await;
-    health_reporter
-        .set_serving::<EndpointSyncServer<EndpointStreams>>()
-        .await;
+    health_reporter.set_serving::<EndpointSyncServer>().await;
     health_reporter
         .set_serving::<NodeServiceServer<Nodes>>()
         .await;
@@ -200,6 +198,8 @@ pub(crate) async fn serve(
         .http2_keepalive_interval(Some(keepalive.interval))
         .http2_keepalive_timeout(Some(keepalive.timeout))
         .max_concurrent_streams(Some(transport.max_streams_per_connection))
+        .initial_stream_window_size(transport::STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(transport::CONNECTION_WINDOW_BYTES)
         .http2_max_header_list_size(Some(transport.max_header_list_bytes))
         // The metrics see the codes the request layer maps.
         .layer(GrpcMetricsLayer { metrics })

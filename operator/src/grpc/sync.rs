@@ -24,11 +24,11 @@ use census_proto::{
         Rejected, SentKey, addresses_from_wire, check_version, delete_from_wire, filter_to_wire,
         node_from_wire, pending_to_wire, session_from_wire, snapshot_from_wire, upsert_from_wire,
     },
-    pb::{self, agent_message::Body, endpoint_sync_server::EndpointSync},
+    pb::{self, agent_message::Body, endpoint_sync_server::SERVICE_NAME},
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Status, server::NamedService};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{
@@ -38,6 +38,7 @@ use super::{
     quota::{Held, Quotas},
     status::{field, refused, version},
     untrusted::untrusted,
+    wire::{self, Messages},
 };
 use crate::{
     api::{Applied, Caller, Connected, ToAgent},
@@ -120,14 +121,12 @@ impl Refusals {
     }
 }
 
-#[tonic::async_trait]
-impl EndpointSync for EndpointStreams {
-    type SyncStream = auth::Expiring<pb::OperatorMessage>;
-
+impl EndpointStreams {
+    /// One agent's stream: its Hello judged, then a task of its own; the answers.
     async fn sync(
         &self,
-        request: Request<Streaming<pb::AgentMessage>>,
-    ) -> Result<Response<Self::SyncStream>, Status> {
+        request: Request<Messages<pb::AgentMessage>>,
+    ) -> Result<auth::Expiring<pb::OperatorMessage>, Status> {
         let principal = auth::caller(&request)?;
         let peer = request.remote_addr();
         let caller = peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.ip().to_string());
@@ -235,14 +234,12 @@ impl EndpointSync for EndpointStreams {
         };
         tokio::spawn(stream.run(inbound, self.shutdown.clone()).instrument(span));
         // Ending the answers at expiry closes `tx`, which ends the stream's task.
-        Ok(Response::new(auth::until_expired(
+        Ok(auth::until_expired(
             ReceiverStream::new(rx),
             principal.expires(),
-        )))
+        ))
     }
-}
 
-impl EndpointStreams {
     fn invalid(&self, kind: &'static str) {
         self.metrics
             .invalid_messages
@@ -287,7 +284,7 @@ enum Event {
 impl Stream {
     async fn run(
         mut self,
-        mut inbound: Streaming<pb::AgentMessage>,
+        mut inbound: Messages<pb::AgentMessage>,
         mut shutdown: watch::Receiver<bool>,
     ) {
         let mut operator_open = true;
@@ -538,5 +535,68 @@ mod refusal_tests {
             refusals.is_news("node-1", &stale()),
             "again after it got in"
         );
+    }
+}
+
+/// The EndpointSync server, built by hand as tonic's generated one would be, with the
+/// stream's messages decoded and framed by [`wire`]: a stream holds no buffer sized by
+/// the largest snapshot it carried.
+#[derive(Debug, Clone)]
+pub(crate) struct EndpointSyncServer {
+    inner: Arc<EndpointStreams>,
+    /// The outer bound of a message either way (the request body's limits are tighter).
+    max_message_bytes: usize,
+}
+
+impl EndpointSyncServer {
+    pub(crate) fn new(streams: EndpointStreams, max_message_bytes: usize) -> Self {
+        Self {
+            inner: Arc::new(streams),
+            max_message_bytes,
+        }
+    }
+}
+
+impl NamedService for EndpointSyncServer {
+    const NAME: &'static str = SERVICE_NAME;
+}
+
+type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<B> tower::Service<http::Request<B>> for EndpointSyncServer
+where
+    B: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let inner = Arc::clone(&self.inner);
+        let max = self.max_message_bytes;
+        if req.uri().path() != "/census.v1.EndpointSync/Sync" {
+            return Box::pin(async move {
+                Ok(Status::unimplemented("no such method of census.v1.EndpointSync").into_http())
+            });
+        }
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let req = http::Request::from_parts(parts, tonic::body::Body::new(body));
+            Ok(match inner.sync(wire::request(req, max)).await {
+                Ok(answers) => wire::Answers::response(Box::pin(futures::StreamExt::map(
+                    answers,
+                    move |answer| answer.and_then(|m| wire::frame_within(&m, max)),
+                ))),
+                Err(status) => wire::Answers::refused(status),
+            })
+        })
     }
 }

@@ -80,6 +80,16 @@ pub(crate) struct Transport {
     pub(crate) quotas: QuotaLimits,
 }
 
+/// HTTP/2 flow-control windows, sized for this traffic: an agent's messages are a
+/// snapshot every interval (~44 KB at 110 endpoints) and small deltas, so one window
+/// holds a usual snapshot whole and a large one (up to the message limit) streams in
+/// at a window per round trip; what a peer can make the operator buffer before its
+/// handler reads is the connection window, not hyper's 1 MiB per stream. Answers are
+/// paced by the agents' windows, and the operator only takes the next one from a
+/// stream when the transport has room for it.
+pub(crate) const STREAM_WINDOW_BYTES: u32 = 256 * 1024;
+pub(crate) const CONNECTION_WINDOW_BYTES: u32 = 512 * 1024;
+
 /// The open connections, by peer address (unique among one listener's connections).
 #[derive(Debug, Default)]
 pub(crate) struct Connections(Mutex<HashMap<SocketAddr, Arc<ConnState>>>);
