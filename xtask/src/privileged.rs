@@ -12,7 +12,7 @@ use std::{ffi::OsString, process::Command};
 
 use anyhow::{Context as _, bail};
 
-use crate::{cmd, ebpf};
+use crate::{cmd, ebpf, setup};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Options {
@@ -35,6 +35,8 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
              `cargo xtask test-privileged` as root"
         );
     }
+    // The tests pin under /sys/fs/bpf, as the agent does on a node.
+    setup::mount_bpffs()?;
     if !no_build_ebpf {
         ebpf::build(ebpf::Profile::Release)?;
     }

@@ -62,7 +62,34 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         }
     }
     install_manifest_validator()?;
+    if cmd::is_root() {
+        mount_bpffs()?;
+    }
     println!("ready: `cargo xtask build-ebpf`");
+    Ok(())
+}
+
+/// Where the demo and the privileged tests pin census's maps (each under a directory
+/// of its own), as the DaemonSet mounts the host's.
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// Mounts a BPF file system at [`BPFFS`] when none is there (a fresh container or VM
+/// often has none; a node with systemd has one), saying so; idempotent. Needs root.
+#[expect(clippy::print_stdout, reason = "xtask reports each check")]
+pub(crate) fn mount_bpffs() -> anyhow::Result<()> {
+    use nix::sys::statfs::{BPF_FS_MAGIC, statfs};
+    println!("BPF file system:");
+    let is_bpffs = |path: &str| statfs(path).is_ok_and(|s| s.filesystem_type() == BPF_FS_MAGIC);
+    if is_bpffs(BPFFS) {
+        println!("  present     bpffs at {BPFFS}");
+        return Ok(());
+    }
+    println!("  missing     bpffs at {BPFFS}");
+    println!("  mounting    mount -t bpf bpf {BPFFS}");
+    cmd::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    if !is_bpffs(BPFFS) {
+        bail!("mount -t bpf bpf {BPFFS} succeeded, yet {BPFFS} is not a BPF file system");
+    }
     Ok(())
 }
 

@@ -282,6 +282,9 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         check(interrupted)?;
         step("eBPF build");
         ebpf::build(ebpf::Profile::Release)?;
+    } else {
+        // The agent pins under /sys/fs/bpf: the one set-up `--no-setup` still does.
+        setup::mount_bpffs()?;
     }
     check(interrupted)?;
     step("building census-operator, census-agent and census");
