@@ -10,8 +10,9 @@
 //! accepted), so the limit is applied here, in front of tonic's decoder, on the body
 //! it decodes from. tonic's limit stays as the outer bound.
 //!
-//! The body hands tonic at most one message per frame: the next message's prefix is
-//! judged only when tonic asks for more, that is once the previous message was decoded
+//! The body hands its decoder (tonic's, or [`super::wire::Messages`] on the agents'
+//! two streams) at most one message per frame: the next message's prefix is judged
+//! only when the decoder asks for more, that is once the previous message was decoded
 //! and taken, so an EndpointSync stream's limit is raised after its Hello and before
 //! the first snapshot is judged.
 

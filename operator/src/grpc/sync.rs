@@ -18,6 +18,7 @@ use std::{
     time::Duration,
 };
 
+use bytes::Bytes;
 use census_proto::{
     PROTOCOL_VERSION,
     convert::{
@@ -126,7 +127,7 @@ impl EndpointStreams {
     async fn sync(
         &self,
         request: Request<Messages<pb::AgentMessage>>,
-    ) -> Result<auth::Expiring<pb::OperatorMessage>, Status> {
+    ) -> Result<auth::Expiring<Bytes>, Status> {
         let principal = auth::caller(&request)?;
         let peer = request.remote_addr();
         let caller = peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.ip().to_string());
@@ -201,7 +202,7 @@ impl EndpointStreams {
             })),
         };
         // The reply is queued before the stream is registered, so it is always first.
-        tx.try_send(Ok(reply))
+        tx.try_send(Ok(wire::frame(&reply)))
             .map_err(|_| Status::internal("cannot queue HelloReply"))?;
         // Agents use host networking: the peer is their Node's address.
         let caller = Caller {
@@ -255,7 +256,9 @@ struct Stream {
     _quota: Held,
     connected: Connected,
     /// Towards the agent: the HelloReply, Acks, and what the operator says.
-    tx: mpsc::Sender<Result<pb::OperatorMessage, Status>>,
+    /// Framed as they are queued: a slot is a `Bytes`, not a message, so the
+    /// channel's blocks (32 slots each, one at least per stream) stay small.
+    tx: mpsc::Sender<Result<Bytes, Status>>,
     /// What the operator says to the agent (Rebind, SnapshotNow, the end).
     from_operator: mpsc::Receiver<ToAgent>,
     peer: Option<SocketAddr>,
@@ -301,7 +304,7 @@ impl Stream {
                     // What the operator said while applying the message goes first.
                     self.forward_queued().await
                         && match answer {
-                            Ok(ack) => self.tx.send(Ok(ack)).await.is_ok(),
+                            Ok(ack) => self.tx.send(Ok(wire::frame(&ack))).await.is_ok(),
                             Err(status) => {
                                 warn!(code = ?status.code(), message = status.message(), "ending the stream");
                                 let _ = self.tx.send(Err(status)).await;
@@ -349,7 +352,7 @@ impl Stream {
     /// Sends the agent what the operator said; false once the stream is over.
     async fn forward(&self, msg: ToAgent) -> bool {
         match to_agent(&self.connected.node, msg) {
-            Ok(msg) => self.tx.send(Ok(msg)).await.is_ok(),
+            Ok(msg) => self.tx.send(Ok(wire::frame(&msg))).await.is_ok(),
             Err(end) => {
                 let _ = self.tx.send(Err(end)).await;
                 false
@@ -565,7 +568,7 @@ type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<B> tower::Service<http::Request<B>> for EndpointSyncServer
 where
-    B: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
+    B: tonic::codegen::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<tonic::codegen::StdError> + Send + 'static,
 {
     type Response = http::Response<tonic::body::Body>;
@@ -593,7 +596,7 @@ where
             Ok(match inner.sync(wire::request(req, max)).await {
                 Ok(answers) => wire::Answers::response(Box::pin(futures::StreamExt::map(
                     answers,
-                    move |answer| answer.and_then(|m| wire::frame_within(&m, max)),
+                    move |answer| answer.and_then(|framed| wire::within(framed, max)),
                 ))),
                 Err(status) => wire::Answers::refused(status),
             })

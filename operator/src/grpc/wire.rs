@@ -45,15 +45,15 @@ pub(crate) fn frame(message: &impl Message) -> Bytes {
     buf.freeze()
 }
 
-/// [`frame`], refused when over `max_bytes` (the peer would refuse it).
-pub(crate) fn frame_within(message: &impl Message, max_bytes: usize) -> Result<Bytes, Status> {
-    let len = message.encoded_len();
+/// A [`frame`]d message, refused when over `max_bytes` (the peer would refuse it).
+pub(crate) fn within(framed: Bytes, max_bytes: usize) -> Result<Bytes, Status> {
+    let len = framed.len().saturating_sub(PREFIX_BYTES);
     if len > max_bytes {
         return Err(Status::internal(format!(
             "an answer of {len} bytes is over the message limit of {max_bytes} bytes"
         )));
     }
-    Ok(frame(message))
+    Ok(framed)
 }
 
 /// Writes the uncompressed prefix of a message of `len` bytes.
