@@ -11,9 +11,9 @@
 //! - a broken stream (operator killed): reconnect with jittered backoff, same session,
 //!   snapshot first.
 //!
-//! Streams share a few HTTP/2 connections (`connections`), as many agents behind one
-//! proxy would: thousands of TCP connections from one process would measure the
-//! harness's socket handling more than the operator.
+//! Nodes share `connections` HTTP/2 connections (node `i` uses connection
+//! `i % connections`): the scale presets give every node its own, as real agents
+//! have; the others share a few, as many agents behind one proxy would.
 //!
 //! Every identity binding the harness ever sees (Allocate answers, Watch events) is
 //! recorded, so scenarios can check that no id was bound to two label sets.
@@ -697,6 +697,12 @@ fn wire(pod: &Pod, identity: u32) -> pb::Endpoint {
 pub(crate) fn pod_ip(n: usize) -> String {
     let n = n % (1 << 17);
     format!("198.{}.{}.{}", 18 + (n >> 16), (n >> 8) & 0xff, n & 0xff)
+}
+
+/// The address of pod `n` in 10.0.0.0/8: unique for every pod of 5,000 nodes and their
+/// churn, so the endpoint map holds one entry per pod (nothing is ever sent to it).
+pub(crate) fn wide_pod_ip(n: usize) -> String {
+    std::net::Ipv4Addr::from(0x0a00_0000 | (n as u32 & 0x00ff_ffff)).to_string()
 }
 
 /// Keeps a Watch on the operator (reconnecting across restarts) and records every

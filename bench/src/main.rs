@@ -7,8 +7,9 @@
 //! and docs/benchmarks.md.
 //!
 //! One module per concern: [`presets`] (what runs), [`agents`] (simulated nodes),
-//! [`operator`] (the process under test), [`sample`] (what is measured),
-//! [`report`] and [`plot`] (what is written), and one module per scenario.
+//! [`watchers`] (their raw endpoint map watches), [`operator`] (the process under
+//! test), [`sample`] (what is measured), [`report`] and [`plot`] (what is written), and
+//! one module per scenario.
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +20,7 @@ mod churn;
 mod cmd;
 mod floor;
 mod gc;
+mod heap;
 mod map;
 mod operator;
 mod plot;
@@ -27,6 +29,7 @@ mod report;
 mod restart;
 mod sample;
 mod scale;
+mod watchers;
 
 use std::path::PathBuf;
 

@@ -15,42 +15,27 @@
 //!
 //! Watchers read the stream as raw bytes and scan only a batch's flags and version
 //! (thousands of full decodes of a 110k-entry map would measure the harness); a few
-//! probe watchers decode batches of changes fully to time propagation.
+//! probe watchers decode batches of changes fully to time propagation (see
+//! [`super::watchers`]).
 
 use std::{
-    collections::HashMap,
     net::Ipv4Addr,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
     time::Duration,
 };
 
-use anyhow::{Context as _, bail};
-use bytes::{Buf as _, Bytes};
-use census_proto::{PROTOCOL_VERSION, pb};
-use parking_lot::Mutex;
-use prost::Message as _;
+use anyhow::bail;
 use rand::RngExt as _;
 use serde::Serialize;
-use tokio::{
-    task::JoinHandle,
-    time::{Instant, sleep},
-};
-use tonic::{
-    Status,
-    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
-    codegen::http::uri::PathAndQuery,
-    transport::Channel,
-};
+use tokio::time::{Instant, sleep};
 
 use super::{
-    agents::{Fleet, Labels, Node, NodeHandle, Pod},
+    agents::{Fleet, Labels, Node, NodeHandle, Pod, wide_pod_ip},
     operator::{Binary, Launch, Operator},
     presets::Map,
     report::{Machine, Results, mib, say, say_params},
     sample::{Latency, Metrics, Proc, Sample, Sampler, median},
+    watchers::{Pending, Watched, spawn_watchers, watch},
 };
 
 #[derive(Debug, Serialize)]
@@ -82,211 +67,6 @@ struct Output<'a> {
     samples: Vec<Sample>,
 }
 
-/// The address of pod `n` (10.0.0.0/8: room for every pod of 5,000 nodes and their
-/// churn; nothing is ever sent to it).
-fn map_pod_ip(n: usize) -> String {
-    Ipv4Addr::from(0x0a00_0000 | (n as u32 & 0x00ff_ffff)).to_string()
-}
-
-/// What a batch says about itself, read without decoding its entries.
-#[derive(Debug, Default, Clone, Copy)]
-struct Header {
-    resync_start: bool,
-    resync_end: bool,
-    upserts: u64,
-    version: u64,
-}
-
-fn varint(buf: &mut &[u8]) -> Option<u64> {
-    let mut value = 0u64;
-    for shift in (0..64).step_by(7) {
-        let (&byte, rest) = buf.split_first()?;
-        *buf = rest;
-        value |= u64::from(byte & 0x7f) << shift;
-        if byte & 0x80 == 0 {
-            return Some(value);
-        }
-    }
-    None
-}
-
-/// Scans the top-level fields of an encoded `EndpointMapBatch`.
-fn scan(mut buf: &[u8]) -> Option<Header> {
-    let mut h = Header::default();
-    while !buf.is_empty() {
-        let key = varint(&mut buf)?;
-        match key & 7 {
-            0 => {
-                let v = varint(&mut buf)?;
-                match key >> 3 {
-                    1 => h.resync_start = v != 0,
-                    2 => h.resync_end = v != 0,
-                    8 => h.version = v,
-                    _ => {}
-                }
-            }
-            2 => {
-                let len = usize::try_from(varint(&mut buf)?).ok()?;
-                if len > buf.len() {
-                    return None;
-                }
-                if key >> 3 == 4 {
-                    h.upserts += 1;
-                }
-                buf = &buf[len..];
-            }
-            _ => return None,
-        }
-    }
-    Some(h)
-}
-
-/// A Watch client that keeps the bytes as they came.
-#[derive(Debug, Clone, Copy, Default)]
-struct RawCodec;
-
-impl Encoder for RawCodec {
-    type Item = pb::EndpointMapWatchRequest;
-    type Error = Status;
-
-    fn encode(&mut self, item: Self::Item, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        item.encode(dst)
-            .map_err(|e| Status::internal(format!("encoding the request: {e}")))
-    }
-}
-
-impl Decoder for RawCodec {
-    type Item = Bytes;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
-        let len = src.remaining();
-        Ok(Some(src.copy_to_bytes(len)))
-    }
-}
-
-impl Codec for RawCodec {
-    type Encode = pb::EndpointMapWatchRequest;
-    type Decode = Bytes;
-    type Encoder = Self;
-    type Decoder = Self;
-
-    fn encoder(&mut self) -> Self {
-        *self
-    }
-
-    fn decoder(&mut self) -> Self {
-        *self
-    }
-}
-
-/// Addresses created by the churn, waiting to be seen by a probe watcher.
-type Pending = Arc<Mutex<HashMap<Vec<u8>, Instant>>>;
-
-/// What every watcher counts.
-#[derive(Debug, Default)]
-struct Watched {
-    /// Watchers with their first full map.
-    synced: AtomicUsize,
-    bytes: AtomicU64,
-    resyncs: AtomicU64,
-    gaps: AtomicU64,
-    latencies: Mutex<Vec<Duration>>,
-}
-
-/// One watch until it ends; `pending` for a probe.
-async fn watch(
-    channel: Channel,
-    node: String,
-    session: pb::Session,
-    watched: Arc<Watched>,
-    pending: Option<Pending>,
-) -> anyhow::Result<()> {
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(64 << 20);
-    grpc.ready().await.context("connecting")?;
-    let request = pb::EndpointMapWatchRequest {
-        protocol_version: PROTOCOL_VERSION,
-        node,
-        session: Some(session),
-    };
-    let mut stream = grpc
-        .server_streaming(
-            tonic::Request::new(request),
-            PathAndQuery::from_static("/census.v1.EndpointMap/Watch"),
-            RawCodec,
-        )
-        .await
-        .context("EndpointMap.Watch")?
-        .into_inner();
-    let mut synced = false;
-    let mut in_resync = false;
-    let mut version = 0u64;
-    while let Some(bytes) = stream.message().await? {
-        watched
-            .bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        let h = scan(&bytes).context("a batch that does not parse")?;
-        if h.resync_start {
-            in_resync = true;
-            watched.resyncs.fetch_add(1, Ordering::Relaxed);
-        }
-        if !in_resync {
-            if h.version != version + 1 {
-                watched.gaps.fetch_add(1, Ordering::Relaxed);
-            }
-            if let Some(pending) = &pending
-                && h.upserts > 0
-            {
-                let batch = pb::EndpointMapBatch::decode(bytes)?;
-                let now = Instant::now();
-                let mut pending = pending.lock();
-                for entry in batch.upserts {
-                    if let Some(created) = pending.remove(&entry.ip) {
-                        watched.latencies.lock().push(now - created);
-                    }
-                }
-            }
-        }
-        if in_resync && h.resync_end {
-            in_resync = false;
-            if !synced {
-                synced = true;
-                watched.synced.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        if !in_resync {
-            version = h.version;
-        }
-    }
-    Ok(())
-}
-
-fn spawn_watchers(
-    fleet: &Fleet,
-    nodes: &[Node],
-    watched: &Arc<Watched>,
-    pending: &Pending,
-    probes: usize,
-) -> Vec<JoinHandle<()>> {
-    nodes
-        .iter()
-        .enumerate()
-        .map(|(i, node)| {
-            let probe = (i % (nodes.len() / probes.max(1)).max(1) == 0).then(|| pending.clone());
-            let task = watch(
-                fleet.channel(i),
-                node.name.clone(),
-                node.session,
-                watched.clone(),
-                probe,
-            );
-            tokio::spawn(async move {
-                let _ = task.await;
-            })
-        })
-        .collect()
-}
-
 /// Pods of every node, for the churn: the labels to create with, the live keys.
 struct Churn {
     nodes: Vec<NodeHandle>,
@@ -306,7 +86,7 @@ impl Churn {
             self.nodes[victim].delete(key, true);
         }
         let at = rng.random_range(0..self.nodes.len());
-        let ip = map_pod_ip(self.next_ip);
+        let ip = wide_pod_ip(self.next_ip);
         self.next_ip += 1;
         let l = self.next_ip % self.labels.len();
         let pod = Pod {
@@ -380,7 +160,7 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
                 Pod {
                     namespace: format!("team-{}", l % 40),
                     name: format!("service-{l}-n{n:05}e{e:03}"),
-                    ip: map_pod_ip(i),
+                    ip: wide_pod_ip(i),
                     labels: labels[l].clone(),
                 }
             })

@@ -13,10 +13,13 @@ pub(crate) enum Preset {
     ChurnShort,
     /// The same with 10,000 Job pods per drop rate.
     ChurnLong,
-    /// 1,000 simulated nodes x 110 endpoints, 30 s snapshots.
+    /// 1,000 simulated nodes x 110 endpoints, 30 s snapshots, each node on its own
+    /// connection watching the map; steady state, then an operator restart that every
+    /// node reconnects and resyncs after at once.
     #[value(name = "scale-1k")]
     Scale1k,
-    /// 5,000 simulated nodes x 110 endpoints, 30 s snapshots.
+    /// The same with 5,000 nodes, gated: steady RSS at most 256 MiB, the reconnect's
+    /// RSS peak at most 384 MiB.
     #[value(name = "scale-5k")]
     Scale5k,
     /// The endpoint map: 1,000 simulated nodes x 110 pods, each watching the map, 100
@@ -154,26 +157,33 @@ pub(crate) struct Scale {
     pub(crate) snapshot_interval: Duration,
     /// Snapshot intervals measured after every node has sent its first snapshot.
     pub(crate) intervals: u32,
-    /// Agents' streams share one HTTP/2 connection per this many nodes.
+    /// Agents' streams (EndpointSync and EndpointMap.Watch) share one HTTP/2
+    /// connection per this many nodes.
     pub(crate) nodes_per_connection: usize,
     /// Nodes connecting at once during the ramp.
     pub(crate) ramp_concurrency: usize,
+    /// The gate on the operator's median RSS in the steady window.
+    pub(crate) max_steady_rss_bytes: Option<u64>,
+    /// The gate on the operator's RSS peak while every node reconnects and every
+    /// watcher resyncs after a restart.
+    pub(crate) max_reconnect_peak_rss_bytes: Option<u64>,
 }
 
 pub(crate) fn scale(preset: Preset) -> Scale {
+    let large = preset == Preset::Scale5k;
     Scale {
         preset: preset.name(),
-        nodes: if preset == Preset::Scale5k {
-            5_000
-        } else {
-            1_000
-        },
+        nodes: if large { 5_000 } else { 1_000 },
         endpoints_per_node: 110,
         label_sets_per_node: 10,
         snapshot_interval: Duration::from_secs(30),
         intervals: 3,
-        nodes_per_connection: 100,
+        // Each simulated agent on its own connection, as real agents are: what the
+        // operator holds per connection is part of what it must fit in.
+        nodes_per_connection: 1,
         ramp_concurrency: 64,
+        max_steady_rss_bytes: large.then_some(256 << 20),
+        max_reconnect_peak_rss_bytes: large.then_some(384 << 20),
     }
 }
 
