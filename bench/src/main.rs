@@ -46,8 +46,13 @@ use self::{operator::Binary, presets::Preset, report::say};
 #[command(name = "census-bench")]
 struct Options {
     /// What to run.
-    #[arg(value_enum)]
-    preset: Preset,
+    #[arg(value_enum, required_unless_present = "heap_owners")]
+    preset: Option<Preset>,
+    /// Instead of a preset: print the live heap by owner of a saved heap profile
+    /// (a run's `heap.pb.gz`, or `curl -o heap.pb.gz <admin>/debug/pprof/heap` from an
+    /// operator started with --heap-profiling), and exit.
+    #[arg(long, value_name = "PROFILE")]
+    heap_owners: Option<PathBuf>,
     /// Where results go (a folder per run is made inside it); relative to the
     /// workspace root.
     #[arg(long, default_value = "results")]
@@ -99,6 +104,7 @@ fn main() -> anyhow::Result<()> {
 async fn run(options: Options) -> anyhow::Result<()> {
     let Options {
         preset,
+        heap_owners,
         out,
         operator,
         max_retained_bytes_per_pod,
@@ -108,6 +114,20 @@ async fn run(options: Options) -> anyhow::Result<()> {
         identities,
         hold_timeout,
     } = options;
+    let preset = match (preset, heap_owners) {
+        (_, Some(path)) => {
+            let owners = heap::owners_of_file(&path)?;
+            say(format!(
+                "{}: {} of live heap sampled, by owner:",
+                path.display(),
+                report::mib(owners.total_bytes)
+            ));
+            heap::print(&owners, None, None);
+            return Ok(());
+        }
+        (Some(preset), None) => preset,
+        (None, None) => anyhow::bail!("name a preset, or --heap-owners <profile>"),
+    };
     let binary = match operator {
         Some(path) => Binary::at(path)?,
         None => Binary::build_release()?,

@@ -666,14 +666,7 @@ fn summary(o: &Output<'_>) {
         "steady live heap by owner (heap profile, {} sampled; per node = per agent connection with its two streams):",
         mib(h.total_bytes)
     ));
-    for (owner, bytes) in &h.owners {
-        say(format!(
-            "  {:>9}  {:>8.0} B/node  {:>6.0} B/endpoint  {owner}",
-            mib(*bytes),
-            *bytes as f64 / o.params.nodes.max(1) as f64,
-            *bytes as f64 / o.endpoints.max(1) as f64
-        ));
-    }
+    heap::print(h, Some(o.params.nodes), Some(o.endpoints));
     say(format!(
         "reconnect: down {:.2} s, ready {:.2} s after the start, every snapshot applied after {:.1} s, every watcher's map after {:.1} s ({} node reconnects, {} full maps built, {:.1} MiB received per watcher)",
         r.down_seconds,
