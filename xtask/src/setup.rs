@@ -12,12 +12,12 @@ use crate::{cmd, ebpf};
 
 /// Debian 12 packages: the toolchain that builds and lints the eBPF crate (1.96,
 /// LLVM 22), the LLVM bpf-linker links against, the tools the privileged tests
-/// use, and the linters of `/metrics` (`census_testkit::promlint`): `promtool`
+/// use (bpftool, ip, and iptables for the masquerading router of the SNAT lab), and the linters of `/metrics` (`census_testkit::promlint`): `promtool`
 /// from `prometheus` for the text format, the Prometheus Python client's strict
 /// OpenMetrics parser for OpenMetrics. (`prometheus` is the server package: where
 /// apt may start services, on a machine with systemd, it also starts a Prometheus
 /// server on :9090; in containers `policy-rc.d` keeps it stopped.)
-const PACKAGES: [&str; 9] = [
+const PACKAGES: [&str; 10] = [
     "rustc-web",
     "cargo-web",
     "rust-web-src",
@@ -25,6 +25,7 @@ const PACKAGES: [&str; 9] = [
     "llvm-22-dev",
     "bpftool",
     "iproute2",
+    "iptables",
     "prometheus",
     "python3-prometheus-client",
 ];
