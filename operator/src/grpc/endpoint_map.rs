@@ -549,10 +549,9 @@ where
             "/census.v1.EndpointMap/Watch" => Box::pin(async move {
                 let (parts, body) = req.into_parts();
                 let req = http::Request::from_parts(parts, Body::new(body));
-                let answer = match wire::single(req, MAX_REQUEST_BYTES).await {
-                    Ok(request) => inner.watch(request),
-                    Err(status) => Err(status),
-                };
+                let answer = wire::single(req, MAX_REQUEST_BYTES)
+                    .await
+                    .and_then(|request| inner.watch(request));
                 Ok(match answer {
                     Ok(stream) => wire::Answers::response(stream),
                     Err(status) => wire::Answers::refused(status),
