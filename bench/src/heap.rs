@@ -185,9 +185,7 @@ fn owner(function: &str, file: &str) -> Option<String> {
         ("census-operator", Some(m)) if m.starts_with("grpc") => {
             "census gRPC (transport, auth, quotas, other services)".to_owned()
         }
-        ("census-operator", Some("allocator")) => {
-            "allocator core (views, identities, indexes)".to_owned()
-        }
+        ("census-allocator", _) => "allocator core (views, identities, indexes)".to_owned(),
         ("census-operator", Some("store")) | ("redb", _) => "store (redb)".to_owned(),
         ("census-proto", _) => {
             "endpoint keys, addresses and labels (census-proto domain values, held by the views)"
@@ -393,7 +391,7 @@ mod tests {
             (
                 &[
                     ("_rjem_malloc", jemalloc),
-                    ("insert", "/work/main/operator/src/allocator/core.rs"),
+                    ("insert", "/work/main/operator/allocator/src/map/index.rs"),
                 ],
                 7,
             ),

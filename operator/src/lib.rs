@@ -10,8 +10,9 @@
 //! private.
 #![forbid(unsafe_code)]
 
+pub use census_allocator as allocator;
+
 mod admin;
-pub mod allocator;
 pub mod api;
 pub mod certs;
 pub mod config;

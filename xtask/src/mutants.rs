@@ -1,7 +1,8 @@
 //! `cargo xtask mutants`: mutation testing of the allocator core with cargo-mutants.
 //!
-//! Each mutant is a small change to `operator/src/allocator/` (tests excluded); it is
-//! caught when the allocator's lib tests fail on it. A full run is hundreds of mutants
+//! Each mutant is a small change to the allocator core, `operator/allocator/src/`
+//! (tests excluded); it is caught when the core's lib tests fail on it. The core is a
+//! crate of its own, so a mutant rebuilds and tests only the core. A full run is hundreds of mutants
 //! at a build and a test run each, hours on a small machine, so a run can be a shard
 //! (`--shard k/N`) and bounded (`--minutes`), and every run carries on from the ones
 //! before: cargo-mutants' `--iterate` skips what an earlier run caught, and a ledger
@@ -25,10 +26,13 @@ use anyhow::{Context as _, bail};
 use crate::cmd;
 
 /// What is mutated: the allocator core, not its tests.
-const FILES: &str = "operator/src/allocator/**";
+const FILES: &str = "operator/allocator/src/**";
 const EXCLUDE: &str = "**/tests/**";
-/// How a mutant is tested: the allocator's lib tests (unit and model tests).
-const TEST_ARGS: [&str; 2] = ["--lib", "allocator::"];
+/// The directory `FILES` is in, for `git diff`.
+const DIR: &str = "operator/allocator/src";
+/// How a mutant is tested: the core's lib tests (unit and model tests), in its own
+/// package (cargo-mutants tests the package a mutant is in).
+const TEST_ARGS: [&str; 1] = ["--lib"];
 /// Mutants that cannot change behaviour, each with why (see docs/testing.md), as
 /// regexes on the names `cargo mutants --list` shows.
 const EQUIVALENT: &[(&str, &str)] = &[];
@@ -165,7 +169,7 @@ pub(crate) fn in_diff_step() -> anyhow::Result<()> {
 fn run_in_diff(root: &Path, dir: &Path, base: &str, limit: Option<Duration>) -> anyhow::Result<()> {
     let output = Command::new("git")
         .current_dir(root)
-        .args(["diff", "--merge-base", base, "--", "operator/src/allocator"])
+        .args(["diff", "--merge-base", base, "--", DIR])
         .output()
         .context("running git diff")?;
     if !output.status.success() {

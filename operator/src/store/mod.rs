@@ -15,37 +15,13 @@ pub mod redb;
 
 use std::{future::Future, pin::Pin};
 
-use census_proto::{domain::IdentityId, labels::LabelSet};
 use tokio::sync::mpsc;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 // The ops and their outcomes are the core's vocabulary (it asks for writes and hears
 // how they went); the stores implement them.
-pub use crate::allocator::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone};
-
-/// A change to the store that census did not make.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreEvent {
-    /// The binding of `id` to `labels` is gone from the store (deleted, or made a
-    /// tombstone, by someone else). The core writes it again if it still holds it.
-    BindingLost { id: IdentityId, labels: LabelSet },
-    /// The store holds for `id` an object census did not write, or one that was
-    /// edited (`found` says what): the core blocks the id for good.
-    BindingInvalid { id: IdentityId, found: String },
-    /// The store holds a valid binding of `id` to `labels` that census did not write
-    /// (a backup restored, `kubectl apply`, a deposed leader's late write). The core
-    /// takes it in if it knows neither the id nor the labels; unused, it is collected
-    /// like any other identity.
-    BindingFound { id: IdentityId, labels: LabelSet },
-    /// The quarantine record `tombstone` is gone from the store (deleted by someone
-    /// else); `labels` are the labels it kept, if valid. The core writes it again while
-    /// the id is still in quarantine, so the quarantine survives a failover.
-    TombstoneLost {
-        tombstone: Tombstone,
-        labels: Option<LabelSet>,
-    },
-}
+pub use crate::allocator::{Loaded, StoreError, StoreEvent, StoreOp, StoredIdentity, Tombstone};
 
 /// Durable state behind the allocator.
 pub trait Store: Send + Sync + 'static {

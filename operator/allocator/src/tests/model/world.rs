@@ -20,7 +20,7 @@ use super::{
     actions::{Action, Answer, Fate, RebindFate, Setup},
     truth::{Delivered, Start, Truth},
 };
-use crate::store::StoreEvent;
+use crate::StoreEvent;
 
 #[derive(Debug, Clone)]
 pub(super) enum Msg {
@@ -132,11 +132,7 @@ pub(super) struct Sim {
 }
 
 /// What the store holds for one id.
-type IdState = (
-    Option<LabelSet>,
-    Option<crate::store::Tombstone>,
-    Option<String>,
-);
+type IdState = (Option<LabelSet>, Option<crate::Tombstone>, Option<String>);
 
 fn id_state(s: &ModelStore, op: &StoreOp) -> IdState {
     match op {

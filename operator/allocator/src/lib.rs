@@ -40,7 +40,7 @@ pub use self::{
         ClaimSource, MapChange, MapClaim, MapConflict, MapDelta, MapEntry, MapLookup, MapNode,
         MapNodeIndex, MapStats,
     },
-    ops::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone},
+    ops::{Loaded, StoreError, StoreEvent, StoreOp, StoredIdentity, Tombstone},
     read::{Counters, IdentityInfo, IdentityState, NodeInfo, Stats},
     time::Timestamp,
 };

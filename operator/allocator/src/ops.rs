@@ -1,7 +1,8 @@
 //! What the core asks of the store and how the store answers: the bindings, known
 //! nodes and tombstones it holds ([`Loaded`]), one write ([`StoreOp`]) and why one
-//! failed ([`StoreError`]). The stores (`crate::store`) implement them; the core
-//! never touches a store itself.
+//! failed ([`StoreError`]), and what a store reports that census did not write
+//! ([`StoreEvent`]). The operator's stores implement them; the core never touches a
+//! store itself.
 
 use census_proto::{
     domain::{IdentityId, NodeName},
@@ -130,4 +131,27 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         matches!(self, Self::Unavailable { .. })
     }
+}
+
+/// A change to the store that census did not make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreEvent {
+    /// The binding of `id` to `labels` is gone from the store (deleted, or made a
+    /// tombstone, by someone else). The core writes it again if it still holds it.
+    BindingLost { id: IdentityId, labels: LabelSet },
+    /// The store holds for `id` an object census did not write, or one that was
+    /// edited (`found` says what): the core blocks the id for good.
+    BindingInvalid { id: IdentityId, found: String },
+    /// The store holds a valid binding of `id` to `labels` that census did not write
+    /// (a backup restored, `kubectl apply`, a deposed leader's late write). The core
+    /// takes it in if it knows neither the id nor the labels; unused, it is collected
+    /// like any other identity.
+    BindingFound { id: IdentityId, labels: LabelSet },
+    /// The quarantine record `tombstone` is gone from the store (deleted by someone
+    /// else); `labels` are the labels it kept, if valid. The core writes it again while
+    /// the id is still in quarantine, so the quarantine survives a failover.
+    TombstoneLost {
+        tombstone: Tombstone,
+        labels: Option<LabelSet>,
+    },
 }

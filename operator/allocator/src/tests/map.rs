@@ -22,7 +22,7 @@ use super::{
 
 /// What a watcher holds after applying every delta from the start.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(in crate::allocator) struct Replayed {
+pub(crate) struct Replayed {
     pub(super) nodes: BTreeMap<MapNodeIndex, NodeName>,
     pub(super) entries: BTreeMap<IpAddr, (IdentityId, MapNodeIndex)>,
 }
@@ -102,7 +102,7 @@ fn claims_of_view(claims: &mut Claims, name: &NodeName, view: &View) {
 
 /// The index holds exactly the claims of the views and of the nodes' addresses, and
 /// its figures are those of its claims.
-pub(in crate::allocator) fn check(a: &Allocator) {
+pub(crate) fn check(a: &Allocator) {
     let ix = &a.core.map;
     let mut truth = Claims::new();
     for (name, node) in &a.nodes {
@@ -1037,7 +1037,7 @@ fn the_map_is_the_truth_of_the_views_and_replays_to_itself() {
 // ---- the figure ----
 
 /// Memory of the index per entry at 550k entries (one claim each, IPv4):
-/// `cargo test -p census-operator --lib map_memory -- --ignored --nocapture`.
+/// `cargo test -p census-allocator --lib map_memory -- --ignored --nocapture`.
 #[test]
 #[ignore = "a figure, not a check: run by hand"]
 #[expect(clippy::print_stdout, reason = "the test prints its figure")]

@@ -9,7 +9,7 @@ use super::super::{
     identities::{Phase, Waiter},
 };
 
-pub(in crate::allocator) fn check(a: &Allocator) {
+pub(crate) fn check(a: &Allocator) {
     let ids = &a.core.ids;
     let mut refs: HashMap<IdentityId, u32> = HashMap::new();
     let mut holds: HashMap<IdentityId, u32> = HashMap::new();

@@ -19,7 +19,7 @@ use census_proto::{
 };
 
 use super::*;
-use crate::store::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone};
+use crate::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone};
 
 pub(super) fn labels(text: &str) -> LabelSet {
     let list: Vec<String> = text
