@@ -141,10 +141,15 @@ pub(super) enum Action {
     },
     /// A new agent process: a new session, whose clock may have stepped back (an
     /// older session); the old process's stream closed, or is left half-open.
+    /// `down`: no agent ran for longer than the core keeps a silent node's view (its
+    /// identities collected meanwhile). `relabel` (pick, labels): the labels of one
+    /// of its pods (the pick-th it holds) changed while no agent ran.
     RestartAgent {
         agent: usize,
         step_back: bool,
         half_open: bool,
+        down: bool,
+        relabel: Option<(u8, u8)>,
     },
     /// The transport's keepalive closes a half-open stream.
     KeepaliveTimeout {
@@ -221,8 +226,8 @@ pub(super) fn arb_action() -> impl Strategy<Value = Action> {
         10 => (agent.clone(), proptest::bool::weighted(0.2))
             .prop_map(|(agent, duplicate)| Action::Snapshot { agent, duplicate }),
         2 => agent.clone().prop_map(|agent| Action::Reconnect { agent }),
-        2 => (agent.clone(), proptest::bool::weighted(0.3), any::<bool>())
-            .prop_map(|(agent, step_back, half_open)| Action::RestartAgent { agent, step_back, half_open }),
+        2 => (agent.clone(), proptest::bool::weighted(0.3), any::<bool>(), proptest::bool::weighted(0.3), proptest::option::weighted(0.4, (any::<u8>(), 0u8..8)))
+            .prop_map(|(agent, step_back, half_open, down, relabel)| Action::RestartAgent { agent, step_back, half_open, down, relabel }),
         1 => agent.clone().prop_map(|agent| Action::KeepaliveTimeout { agent }),
         2 => (any::<u8>(), proptest::bool::weighted(0.5), prop_oneof![Just(0u16), Just(0), Just(700), Just(5_000)])
             .prop_map(|(commit_mask, wipe_store, step_back_ms)| Action::RestartOperator { commit_mask, wipe_store, step_back_ms }),

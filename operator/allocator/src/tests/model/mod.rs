@@ -8,6 +8,8 @@
 //!
 //! Safety is checked as the core acts, against what the world knows apart from the
 //! core ([`truth`]):
+//! - after each accepted message, the core's view of the node holds what the node
+//!   told it (less what the core corrected by Rebind);
 //! - no binding is deleted while a live node reports it, holds it from an Allocate,
 //!   or while the restart protection covers it;
 //! - no new id inside the adoption window other than ones agents claimed;
@@ -289,6 +291,9 @@ fn run_case(
     t.labels_bound += s.labels_bound;
     t.clock_steps += s.clock_steps;
     t.bursts += s.bursts;
+    t.relabelled += s.relabelled;
+    t.outages += s.outages;
+    t.quarantined_claims += s.quarantined_claims;
     Ok(())
 }
 
@@ -391,6 +396,12 @@ fn invariants_hold_under_loss_reordering_restarts_and_failures() {
         ("objects edited", s.edited),
         ("clock steps", s.clock_steps),
         ("bursts", s.bursts),
+        ("agents restarted with a pod relabelled", s.relabelled),
+        ("agents down past their node's view", s.outages),
+        (
+            "claims of an id quarantined for other labels",
+            s.quarantined_claims,
+        ),
     ] {
         // The rarest paths (labels bound elsewhere) only need to be reached.
         let least = if what.starts_with("creates of labels") {

@@ -180,8 +180,12 @@ impl Truth {
                 ))
             };
         }
+        // An entry the core left out, or referenced at another id than the one the
+        // node holds (a Rebind sent or waiting for the store), is not what the node
+        // told: the model does not protect it until the node reports it again.
         let accepted = |key: &EndpointKey, id: IdentityId, labels: &LabelSet| {
-            !applied.pending.contains(key) && (applied.unresolved == 0 || bound(id, labels))
+            !applied.pending.contains(key)
+                && ((applied.unresolved == 0 && applied.rebinds == 0) || bound(id, labels))
         };
         let mut taken_up = Vec::new();
         match msg {

@@ -17,7 +17,7 @@ use super::{
         RequestId, StoreError, StoreOp, SyncError, Timestamp, key, labels, ms, node, session,
     },
     AGENTS,
-    actions::{Action, Answer, Fate, RebindFate, Setup},
+    actions::{Action, Answer, Fate, RebindFate, STALE_VIEW_LIMIT, Setup},
     truth::{Delivered, Start, Truth},
 };
 use crate::StoreEvent;
@@ -104,6 +104,13 @@ pub(super) struct Seen {
     pub(super) labels_bound: u64,
     pub(super) clock_steps: u64,
     pub(super) bursts: u64,
+    /// Agents restarted with a pod's labels changed under its pinned identity.
+    pub(super) relabelled: u64,
+    /// Agents down past their node's view.
+    pub(super) outages: u64,
+    /// Entries delivered claiming an id quarantined for other labels, their own
+    /// labels bound nowhere: the core must give them a new id, not adopt the claim.
+    pub(super) quarantined_claims: u64,
 }
 
 pub(super) struct Sim {
@@ -273,6 +280,9 @@ impl Sim {
             let a = &mut self.agents[i];
             match msg {
                 AgentMsg::Rebind { key, identity } => {
+                    // The core corrected its view: from now on the model does not
+                    // hold it to what the node told it of this endpoint.
+                    self.truth.rebound(i, &key);
                     if a.conn == Some(conn) {
                         a.inbox.push_back((conn, key, identity));
                     }
@@ -406,6 +416,22 @@ impl Sim {
         let a = &self.agents[i];
         let Some(conn) = a.conn else { return };
         let name = a.name.clone();
+        let claims: &[Endpoint] = match &msg {
+            Msg::Upsert(ep) => std::slice::from_ref(ep),
+            Msg::Snapshot(eps) => eps,
+            Msg::Delete(_) => &[],
+        };
+        let ids = &self.h.alloc.core.ids;
+        self.seen.quarantined_claims += claims
+            .iter()
+            .filter(|e| {
+                ids.id_of(&e.labels).is_none()
+                    && ids
+                        .quarantine()
+                        .get(&e.identity)
+                        .is_some_and(|t| t.labels_hash != e.labels.stable_hash())
+            })
+            .count() as u64;
         let r = match msg.clone() {
             Msg::Upsert(ep) => self.h.alloc.upsert(&name, conn, seq, ep, now),
             Msg::Delete(key) => self.h.alloc.delete(&name, conn, seq, &key, now),
@@ -431,6 +457,30 @@ impl Sim {
             Err(_) => self.agents[i].conn = None,
         }
         self.route();
+        check(self.view_holds_what_was_told(i));
+    }
+
+    /// Every endpoint node `i` told the core of (in the messages it accepted, less
+    /// what the core has corrected since by Rebind) is in the core's view of the node
+    /// with the identity the node told. A core that drops or ignores what it accepted
+    /// fails here, at once, before a later snapshot could mend it.
+    fn view_holds_what_was_told(&self, i: usize) -> Result<(), String> {
+        let now = self.h.now;
+        if !self.truth.alive(i, now) {
+            return Ok(());
+        }
+        let name = &self.agents[i].name;
+        let view = self.h.alloc.nodes.get(name).map(|n| &n.view);
+        for (key, (id, labels)) in &self.truth.nodes[i].told {
+            let has = view.and_then(|v| v.get(key)).map(|e| e.id);
+            if has != Some(*id) {
+                return Err(format!(
+                    "node {i} told the core {key} holds {id} ({labels}), and the core's view \
+                     has {has:?}"
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn allocate(&mut self, agent: usize, key: &EndpointKey) {
@@ -813,7 +863,12 @@ impl Sim {
                 agent,
                 step_back,
                 half_open,
+                down,
+                relabel,
             } => {
+                if down {
+                    self.outage(agent);
+                }
                 // A new process: new session (older if the clock stepped back); the
                 // pinned maps (held) survive.
                 self.clock_ns += 1_000;
@@ -825,7 +880,31 @@ impl Sim {
                 } else {
                     self.clock_ns
                 };
+                if let Some((pick, labels)) = relabel {
+                    let held = &self.agents[agent].held;
+                    let pod = held
+                        .keys()
+                        .nth(usize::from(pick) % held.len().max(1))
+                        .cloned();
+                    if let Some(pod) = pod {
+                        let l = self.label_set(labels);
+                        self.agents[agent].wanted.insert(pod, l);
+                    }
+                }
                 let a = &mut self.agents[agent];
+                // The new process rebuilds its endpoints from the pod source and the
+                // pinned maps: each pod the source still lists with the identity the
+                // map has for it and the labels the source gives it now. A pod that
+                // changed labels while the agent was down is claimed at its old id
+                // with its new labels, which the core must check, not simply adopt.
+                let wanted = &a.wanted;
+                a.held.retain(|key, _| wanted.contains_key(key));
+                for (key, (_, labels)) in &mut a.held {
+                    if let Some(now) = wanted.get(key).filter(|w| *w != labels) {
+                        *labels = now.clone();
+                        self.seen.relabelled += 1;
+                    }
+                }
                 if let Some(old) = a.conn.take() {
                     if half_open {
                         a.zombie = Some(old);
@@ -1042,6 +1121,40 @@ impl Sim {
             self.deliver_all(i);
         }
         self.settle();
+    }
+
+    /// Agent `down`'s process is dead, its stream closed, for longer than the core
+    /// keeps a silent node's view: time passes in 500 ms steps, the store answering
+    /// and the other agents sending true snapshots, so the core drops the node's
+    /// view and collects what only it referenced (deleted, then quarantined).
+    fn outage(&mut self, down: usize) {
+        self.seen.outages += 1;
+        let a = &mut self.agents[down];
+        a.zombie = None;
+        if let Some(old) = a.conn.take() {
+            self.h.alloc.disconnect(&a.name, old);
+        }
+        let cfg = self.setup.config();
+        let mut left = cfg.node_ttl + cfg.hold_timeout + cfg.grace + ms(2_000);
+        if self.setup.cluster {
+            left += STALE_VIEW_LIMIT;
+        }
+        while !left.is_zero() {
+            self.h.advance(ms(500));
+            self.route();
+            left = left.saturating_sub(ms(500));
+            self.settle();
+            for i in (0..AGENTS).filter(|&i| i != down) {
+                if self.agents[i].conn.is_none() {
+                    self.connect(i);
+                }
+                let a = &mut self.agents[i];
+                a.outbox.clear();
+                a.send_snapshot();
+                self.deliver_all(i);
+            }
+            self.settle();
+        }
     }
 
     /// Time passes, `total`, with agents sending true snapshots every 500 ms.
