@@ -2,12 +2,16 @@
 //!
 //! Each mutant is a small change to the allocator core, `operator/allocator/src/`
 //! (tests excluded); it is caught when the core's lib tests fail on it. The core is a
-//! crate of its own, so a mutant rebuilds and tests only the core. A full run is hundreds of mutants
-//! at a build and a test run each, hours on a small machine, so a run can be a shard
-//! (`--shard k/N`) and bounded (`--minutes`), and every run carries on from the ones
-//! before: cargo-mutants' `--iterate` skips what an earlier run caught, and a ledger
-//! (`target/mutants/ledger.tsv`) keeps every outcome seen, so the figures cover every
-//! run since the ledger was started. A mutant never run counts as missed.
+//! crate of its own, so a mutant rebuilds and tests only the core.
+//!
+//! A full run is hundreds of mutants at a build and a test run each, so a run can be
+//! a shard (`--shard k/N`) and bounded (`--minutes`), and every run carries on from
+//! the ones before, in any checkout: the ledger `operator/allocator/mutants.tsv` is
+//! kept in the repository and holds every outcome seen. A mutant is filed there under
+//! its name without its line and column, and its rank among the mutants of that name
+//! (so an edit above it does not make it new); before a run, the ones caught are
+//! handed to cargo-mutants' `--iterate` as previously caught. A mutant never run
+//! counts as missed.
 //!
 //! `--in-diff` runs only the mutants in lines the current change touches (the working
 //! tree against its merge base with `main`), bounded in time; `cargo xtask test` calls
@@ -28,6 +32,8 @@ use crate::cmd;
 /// What is mutated: the allocator core, not its tests.
 const FILES: &str = "operator/allocator/src/**";
 const EXCLUDE: &str = "**/tests/**";
+/// Every outcome seen, kept in the repository (see the module documentation).
+const LEDGER: &str = "operator/allocator/mutants.tsv";
 /// The directory `FILES` is in, for `git diff`.
 const DIR: &str = "operator/allocator/src";
 /// How a mutant is tested: the core's lib tests (unit and model tests), in its own
@@ -60,6 +66,10 @@ pub(crate) struct Options {
     /// Only print the figures of the runs so far.
     #[arg(long)]
     report: bool,
+    /// Mutants built and tested at once, each in its own copy of the tree (the
+    /// core's tests are mostly one single-threaded model test).
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
 }
 
 /// The outcome of one mutant, as cargo-mutants files it.
@@ -105,6 +115,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         base,
         fresh,
         report,
+        jobs,
     } = options;
     let root = cmd::workspace_root();
     let dir = root.join("target").join("mutants");
@@ -116,7 +127,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             minutes.map(|m| Duration::from_secs(m * 60)),
         );
     }
-    let ledger_path = dir.join("ledger.tsv");
+    let ledger_path = root.join(LEDGER);
     if fresh {
         for stale in [
             dir.join("mutants.out"),
@@ -134,8 +145,14 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let all = list(&root, None)?;
     if !report {
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        seed_previously_caught(&dir, &all, &read_ledger(&ledger_path)?)?;
         let mut command = mutants_command(&root)?;
-        command.arg("--iterate").arg("--output").arg(&dir);
+        command
+            .arg("--iterate")
+            .arg("--output")
+            .arg(&dir)
+            .arg("--jobs")
+            .arg(jobs.to_string());
         if let Some(shard) = &shard {
             command.args(["--shard", shard]);
         }
@@ -143,7 +160,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         let started = Instant::now();
         let status = run_bounded(&mut command, minutes.map(|m| Duration::from_secs(m * 60)))?;
         let mut ledger = read_ledger(&ledger_path)?;
-        ledger.extend(read_outcomes(&dir.join("mutants.out"))?);
+        ledger.extend(by_key(&all, read_outcomes(&dir.join("mutants.out"))?));
         write_ledger(&ledger_path, &ledger)?;
         say(&format!(
             "cargo-mutants ran for {:.0?} ({})",
@@ -152,8 +169,72 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         ));
     }
     let ledger = read_ledger(&ledger_path)?;
-    print_figures(&all, &ledger, &format!("ledger {}", ledger_path.display()));
+    let outcomes = keys(&all)
+        .into_iter()
+        .zip(&all)
+        .filter_map(|(key, name)| Some((name.clone(), *ledger.get(&key)?)))
+        .collect();
+    print_figures(&all, &outcomes, &format!("ledger {LEDGER}"));
     Ok(())
+}
+
+/// The ledger's key of each of `names` (in `--list` order): the name without its
+/// line and column, then `#` and its rank among the mutants of that name.
+fn keys(names: &[String]) -> Vec<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    names
+        .iter()
+        .map(|name| {
+            let bare = without_position(name);
+            let rank = seen.entry(bare.clone()).or_default();
+            *rank += 1;
+            format!("{bare} #{rank}")
+        })
+        .collect()
+}
+
+/// `operator/allocator/src/gc.rs:42:9: replace ...` -> `operator/allocator/src/gc.rs: replace ...`.
+fn without_position(name: &str) -> String {
+    let Some((file, rest)) = name.split_once(':') else {
+        return name.to_owned();
+    };
+    let rest = rest.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':');
+    format!("{file}:{rest}")
+}
+
+/// `outcomes` (by cargo-mutants' names) filed under the ledger's keys.
+fn by_key(all: &[String], mut outcomes: BTreeMap<String, Outcome>) -> BTreeMap<String, Outcome> {
+    keys(all)
+        .into_iter()
+        .zip(all)
+        .filter_map(|(key, name)| Some((key, outcomes.remove(name)?)))
+        .collect()
+}
+
+/// Tells cargo-mutants' `--iterate` which of `all` the ledger has seen caught or
+/// unviable, so it skips them.
+fn seed_previously_caught(
+    dir: &Path,
+    all: &[String],
+    ledger: &BTreeMap<String, Outcome>,
+) -> anyhow::Result<()> {
+    let out = dir.join("mutants.out");
+    fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let caught: String = keys(all)
+        .into_iter()
+        .zip(all)
+        .filter(|(key, _)| matches!(ledger.get(key), Some(Outcome::Caught | Outcome::Unviable)))
+        .map(|(_, name)| format!("{name}\n"))
+        .collect();
+    // cargo-mutants reads these three; only the ledger's view of them counts.
+    for stale in ["caught.txt", "unviable.txt"] {
+        let path = out.join(stale);
+        if path.is_file() {
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    let path = out.join("previously_caught.txt");
+    fs::write(&path, caught).with_context(|| format!("writing {}", path.display()))
 }
 
 /// `cargo xtask test`'s step: the mutants of what the change touches in the
@@ -243,6 +324,9 @@ fn mutants_command(root: &Path) -> anyhow::Result<Command> {
         }
         None => cmd::host_cargo(),
     };
+    // A failing property test would shrink its case first: a mutant needs only the
+    // failure.
+    command.env("PROPTEST_MAX_SHRINK_ITERS", "0");
     command.current_dir(root).args([
         "mutants",
         "--no-shuffle",
@@ -351,6 +435,9 @@ fn read_ledger(path: &Path) -> anyhow::Result<BTreeMap<String, Outcome>> {
     let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut ledger = BTreeMap::new();
     for (n, line) in text.lines().enumerate() {
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
         let parsed = line
             .split_once('\t')
             .and_then(|(outcome, name)| Some((Outcome::parse(outcome)?, name)));
@@ -367,10 +454,16 @@ fn read_ledger(path: &Path) -> anyhow::Result<BTreeMap<String, Outcome>> {
 }
 
 fn write_ledger(path: &Path, ledger: &BTreeMap<String, Outcome>) -> anyhow::Result<()> {
-    let text: String = ledger
-        .iter()
-        .map(|(name, outcome)| format!("{}\t{name}\n", outcome.name()))
-        .collect();
+    let mut text = String::from(
+        "# The outcome of every allocator mutant seen by `cargo xtask mutants`, by its name\n\
+         # without line and column and its rank among mutants of that name. Written by\n\
+         # xtask/src/mutants.rs; docs/testing.md says how the figures are read.\n",
+    );
+    text.extend(
+        ledger
+            .iter()
+            .map(|(name, outcome)| format!("{}\t{name}\n", outcome.name())),
+    );
     let tmp: PathBuf = path.with_extension("tsv.tmp");
     fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))
