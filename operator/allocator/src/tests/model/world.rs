@@ -1110,8 +1110,13 @@ impl Sim {
     /// Every agent (re)connects and its true snapshot is delivered; everything in
     /// flight lands.
     pub(super) fn true_snapshots(&mut self) {
+        self.true_snapshots_but(None);
+    }
+
+    /// [`Self::true_snapshots`] of every agent but `down`, whose process is dead.
+    fn true_snapshots_but(&mut self, down: Option<usize>) {
         self.settle();
-        for i in 0..AGENTS {
+        for i in (0..AGENTS).filter(|&i| Some(i) != down) {
             if self.agents[i].conn.is_none() {
                 self.connect(i);
             }
@@ -1135,36 +1140,26 @@ impl Sim {
             self.h.alloc.disconnect(&a.name, old);
         }
         let cfg = self.setup.config();
-        let mut left = cfg.node_ttl + cfg.hold_timeout + cfg.grace + ms(2_000);
+        let mut total = cfg.node_ttl + cfg.hold_timeout + cfg.grace + ms(2_000);
         if self.setup.cluster {
-            left += STALE_VIEW_LIMIT;
+            total += STALE_VIEW_LIMIT;
         }
-        while !left.is_zero() {
-            self.h.advance(ms(500));
-            self.route();
-            left = left.saturating_sub(ms(500));
-            self.settle();
-            for i in (0..AGENTS).filter(|&i| i != down) {
-                if self.agents[i].conn.is_none() {
-                    self.connect(i);
-                }
-                let a = &mut self.agents[i];
-                a.outbox.clear();
-                a.send_snapshot();
-                self.deliver_all(i);
-            }
-            self.settle();
-        }
+        self.pass_but(total, Some(down));
     }
 
     /// Time passes, `total`, with agents sending true snapshots every 500 ms.
     pub(super) fn pass(&mut self, total: std::time::Duration) {
+        self.pass_but(total, None);
+    }
+
+    /// [`Self::pass`] with agent `down`'s process dead: it sends nothing.
+    fn pass_but(&mut self, total: std::time::Duration, down: Option<usize>) {
         let mut elapsed = std::time::Duration::ZERO;
         while elapsed < total {
             self.h.advance(ms(500));
             self.route();
             elapsed += ms(500);
-            self.true_snapshots();
+            self.true_snapshots_but(down);
         }
     }
 }
