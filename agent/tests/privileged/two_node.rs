@@ -14,7 +14,7 @@
 //! else (a silent node's view dropped) can remove the pod's entries.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     net::{IpAddr, SocketAddr, TcpStream},
     path::PathBuf,
@@ -58,6 +58,7 @@ const PAYLOAD: usize = 100;
 
 const LOCAL: u16 = 1 << 0;
 const REMOTE: u16 = 1 << 1;
+const HOST: u16 = 1 << 2;
 
 const WEB: &[(&str, &str)] = &[("app", "web")];
 const DB: &[(&str, &str)] = &[("app", "db")];
@@ -343,6 +344,45 @@ impl TwoNodes {
 
     /// `side`'s NODES, per bpftool: index -> node (layout 4: name_len u16,
     /// address_count u16, 256 bytes of name, 16 addresses of 20 bytes).
+    /// The addresses of `side`'s node namespace the way its agent discovers them:
+    /// every interface's, but loopback ones.
+    fn node_addresses(&self, side: Side) -> Fallible<BTreeSet<IpAddr>> {
+        let interfaces = self
+            .cluster
+            .node(side)
+            .ns()
+            .run(nix::ifaddrs::getifaddrs)??;
+        Ok(interfaces
+            .filter_map(|interface| {
+                let address = interface.address?;
+                let ip: IpAddr = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
+                    (Some(v4), _) => v4.ip().into(),
+                    (_, Some(v6)) => v6.ip().into(),
+                    _ => return None,
+                };
+                Some(ip).filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+            })
+            .collect())
+    }
+
+    /// Waits until `side`'s map flags exactly its node's current addresses HOST:
+    /// the agent re-reads them on its full pass, so an interface that came up
+    /// since (a new pod's host side, its link-local address) shows there later.
+    fn wait_host_addresses(&self, side: Side) -> TestResult {
+        let addresses = self.node_addresses(side)?;
+        wait_until(
+            &format!("node {side:?}'s map to flag its node's addresses {addresses:?} HOST"),
+            || self.endpoints(side),
+            |map| {
+                map.iter()
+                    .filter(|(_, entry)| entry.flags & HOST != 0)
+                    .map(|(ip, _)| *ip)
+                    .eq(addresses.iter().copied())
+            },
+        )
+        .map(drop)
+    }
+
     fn nodes(&self, side: Side) -> Fallible<BTreeMap<u32, NodeEntry>> {
         let path = self.pins[at(side)].join("NODES");
         let dump = bpftool(None, &["map", "dump", "pinned", path_str(&path)?])?;
@@ -749,7 +789,11 @@ fn two_nodes_share_the_endpoint_map_and_count_each_packet_once() -> TestResult {
     counted_once_across_nodes(&lab, &db, &web, (db_id, web_id))?;
 
     // The operator goes away: both maps stay as they are (fail-static), and the
-    // datapath keeps counting once.
+    // datapath keeps counting once. (Each map first catches up with its node's
+    // own addresses, which change with the node's interfaces, not the operator.)
+    for side in [Side::A, Side::B] {
+        lab.wait_host_addresses(side)?;
+    }
     let before = [
         (lab.endpoints(Side::A)?, lab.nodes(Side::A)?),
         (lab.endpoints(Side::B)?, lab.nodes(Side::B)?),

@@ -42,6 +42,18 @@ impl Netns {
         // usable at once, so the first packets are not lost while it runs.
         netns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
         netns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+        // MLD reports at link-up all go at once: by default each is sent again
+        // up to a second later (a node's 150-byte report to a pod's interface,
+        // from a link-local address ENDPOINTS does not hold, landed in a test's
+        // world counter that way).
+        for version in ["mldv1", "mldv2"] {
+            for scope in ["all", "default"] {
+                netns.sysctl(
+                    &format!("net.ipv6.conf.{scope}.{version}_unsolicited_report_interval"),
+                    "0",
+                )?;
+            }
+        }
         Ok(netns)
     }
 
