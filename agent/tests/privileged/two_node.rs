@@ -347,22 +347,23 @@ impl TwoNodes {
     /// The addresses of `side`'s node namespace the way its agent discovers them:
     /// every interface's, but loopback ones.
     fn node_addresses(&self, side: Side) -> Fallible<BTreeSet<IpAddr>> {
-        let interfaces = self
-            .cluster
-            .node(side)
-            .ns()
-            .run(nix::ifaddrs::getifaddrs)??;
-        Ok(interfaces
-            .filter_map(|interface| {
-                let address = interface.address?;
-                let ip: IpAddr = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
-                    (Some(v4), _) => v4.ip().into(),
-                    (_, Some(v6)) => v6.ip().into(),
-                    _ => return None,
-                };
-                Some(ip).filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+        let addresses = self.cluster.node(side).ns().run(|| {
+            nix::ifaddrs::getifaddrs().map(|interfaces| {
+                interfaces
+                    .filter_map(|interface| {
+                        let address = interface.address?;
+                        let ip: IpAddr = match (address.as_sockaddr_in(), address.as_sockaddr_in6())
+                        {
+                            (Some(v4), _) => v4.ip().into(),
+                            (_, Some(v6)) => v6.ip().into(),
+                            _ => return None,
+                        };
+                        Some(ip).filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+                    })
+                    .collect::<BTreeSet<IpAddr>>()
             })
-            .collect())
+        })??;
+        Ok(addresses)
     }
 
     /// Waits until `side`'s map flags exactly its node's current addresses HOST:
