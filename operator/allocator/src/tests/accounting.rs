@@ -87,3 +87,65 @@ fn a_rehomed_identity_moves_its_holds() {
         "the hold moved with the labels: {moved:?}"
     );
 }
+
+#[test]
+fn the_range_usage_ratio_is_used_over_size_and_zero_for_an_empty_range() {
+    let stats = |range_size, range_used| Stats {
+        range_size,
+        range_used,
+        ..Stats::default()
+    };
+    assert_eq!(stats(0, 0).range_usage_ratio(), 0.0);
+    assert_eq!(stats(8, 2).range_usage_ratio(), 0.25);
+    assert_eq!(stats(8, 8).range_usage_ratio(), 1.0);
+}
+
+#[test]
+fn store_ops_and_errors_name_themselves_for_logs_and_metrics() {
+    let web = labels("app=web");
+    let tombstone = Tombstone {
+        id: id(300),
+        labels_hash: web.stable_hash(),
+        until_ms: 1,
+    };
+    let kinds: Vec<&str> = [
+        StoreOp::CreateIdentity {
+            id: id(300),
+            labels: web.clone(),
+        },
+        StoreOp::DeleteIdentity {
+            id: id(300),
+            labels: web,
+            tombstone,
+        },
+        StoreOp::DeleteTombstone { id: id(300) },
+        StoreOp::PutNode { node: node(N1) },
+        StoreOp::DeleteNode { node: node(N1) },
+    ]
+    .iter()
+    .map(StoreOp::kind)
+    .collect();
+    assert_eq!(
+        kinds,
+        [
+            "create_identity",
+            "delete_identity",
+            "delete_tombstone",
+            "put_node",
+            "delete_node"
+        ]
+    );
+    // Only an unavailable store may answer otherwise later.
+    let unavailable = StoreError::Unavailable {
+        cause: "io",
+        detail: "disk full".to_owned(),
+    };
+    let conflict = StoreError::Conflict {
+        id: id(300),
+        expected: "app=web".to_owned(),
+        found: "app=db".to_owned(),
+    };
+    assert!(unavailable.is_transient());
+    assert!(!conflict.is_transient());
+    assert_eq!(Timestamp::from_millis(1_500).to_string(), "1500ms");
+}

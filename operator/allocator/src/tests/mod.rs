@@ -5,6 +5,7 @@ mod accounting;
 mod invariants;
 mod map;
 mod model;
+mod reads;
 mod unit;
 
 use std::{
@@ -361,6 +362,7 @@ impl Harness {
             }
         }
         invariants::check(&self.alloc);
+        reads::check(&self.alloc, self.now);
         map::check(&self.alloc);
         if let Some(replay) = &mut self.replay {
             replay.apply(self.alloc.take_map_delta());

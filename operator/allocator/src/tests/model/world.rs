@@ -20,7 +20,7 @@ use super::{
     actions::{Action, Answer, Fate, RebindFate, STALE_VIEW_LIMIT, Setup},
     truth::{Delivered, Start, Truth},
 };
-use crate::StoreEvent;
+use crate::{Allocator, Applied, Counters, StoreEvent, nodes::NodeCounters};
 
 #[derive(Debug, Clone)]
 pub(super) enum Msg {
@@ -151,6 +151,95 @@ fn id_state(s: &ModelStore, op: &StoreOp) -> IdState {
             s.invalid.get(id).cloned(),
         ),
         StoreOp::PutNode { .. } | StoreOp::DeleteNode { .. } => (None, None, None),
+    }
+}
+
+/// What one node's message may change in the core's counters, and the node's view
+/// (key -> identity), read before and after the core handles it: the counters a
+/// message moves must move by what its answer says, and the references a snapshot
+/// changes are the difference between the views.
+struct Accounts {
+    core: Counters,
+    node: Option<(NodeCounters, bool, HashMap<EndpointKey, IdentityId>)>,
+}
+
+impl Accounts {
+    fn of(alloc: &Allocator, name: &NodeName) -> Self {
+        Self {
+            core: alloc.counters().clone(),
+            node: alloc.nodes.get(name).map(|n| {
+                let view = n.view.iter().map(|(k, v)| (k.clone(), v.id)).collect();
+                (n.counters, n.first_snapshot_pending, view)
+            }),
+        }
+    }
+
+    fn account(&self, after: &Self, msg: &Msg, applied: Option<&Applied>) -> Result<(), String> {
+        let Some(applied) = applied else {
+            return if after.core == self.core
+                && after.node.as_ref().map(|n| n.0) == self.node.as_ref().map(|n| n.0)
+            {
+                Ok(())
+            } else {
+                Err("a refused message changed the counters".to_owned())
+            };
+        };
+        let (Some((n0, first, v0)), Some((n1, _, v1))) = (&self.node, &after.node) else {
+            return Err("a message was applied to a node the core does not know".to_owned());
+        };
+        let (c0, c1) = (&self.core, &after.core);
+        let mut want = c0.clone();
+        let mut node = *n0;
+        if applied.ignored {
+            want.old_seq_ignored += 1;
+            node.old_seq_ignored += 1;
+        } else {
+            match msg {
+                Msg::Upsert(_) | Msg::Delete(_) => want.deltas += 1,
+                Msg::Snapshot(_) => want.snapshots += 1,
+            }
+        }
+        want.adoptions += applied.adoptions;
+        want.corrections += applied.corrections;
+        want.rebinds += applied.rebinds;
+        want.unresolved += applied.unresolved;
+        node.adoptions += applied.adoptions;
+        node.corrections += applied.corrections;
+        node.rebinds += applied.rebinds;
+        // What resolving entries may add besides: identities adopted or made.
+        want.identities_adopted = c1.identities_adopted;
+        want.allocations_new = c1.allocations_new;
+        if *c1 != want || *n1 != node {
+            return Err(format!(
+                "counters after {applied:?}: core {c1:?}, node {n1:?}; \
+                 expected core {want:?}, node {node:?}"
+            ));
+        }
+        if let Msg::Snapshot(_) = msg
+            && !applied.ignored
+        {
+            let changed = v0
+                .iter()
+                .map(|(key, id)| match v1.get(key) {
+                    Some(now) if now == id => 0,
+                    Some(_) => 2,
+                    None => 1,
+                })
+                .sum::<u64>()
+                + v1.keys().filter(|key| !v0.contains_key(*key)).count() as u64;
+            let (counted, other) = if *first {
+                (applied.adoptions, applied.corrections)
+            } else {
+                (applied.corrections, applied.adoptions)
+            };
+            if counted != changed || other != 0 {
+                return Err(format!(
+                    "a snapshot changed {changed} references (first of its session: \
+                     {first}), and answered {applied:?}"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -432,11 +521,13 @@ impl Sim {
                         .is_some_and(|t| t.labels_hash != e.labels.stable_hash())
             })
             .count() as u64;
+        let before = Accounts::of(&self.h.alloc, &name);
         let r = match msg.clone() {
             Msg::Upsert(ep) => self.h.alloc.upsert(&name, conn, seq, ep, now),
             Msg::Delete(key) => self.h.alloc.delete(&name, conn, seq, &key, now),
             Msg::Snapshot(eps) => self.h.alloc.snapshot(&name, conn, seq, eps, now),
         };
+        check(before.account(&Accounts::of(&self.h.alloc, &name), &msg, r.as_ref().ok()));
         match r {
             Ok(applied) => {
                 self.seen.pending_entries += applied.pending.len() as u64;
