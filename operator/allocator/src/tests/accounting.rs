@@ -6,14 +6,6 @@ use super::*;
 
 const N1: &str = "node-1";
 
-fn connected(h: &mut Harness, n: &str, start: u64) -> (SessionId, ConnId) {
-    let s = session(start);
-    match h.hello(n, s) {
-        Ok(conn) => (s, conn),
-        Err(e) => panic!("hello {n}: {e}"),
-    }
-}
-
 #[test]
 fn defaults_scale_with_the_snapshot_interval() {
     let cfg = Config::with_snapshot_interval(ms(10_000));

@@ -194,13 +194,6 @@ fn ep(name: &str, n: u32, ips: &[&str]) -> Endpoint {
     }
 }
 
-fn ok<T, E: std::fmt::Display>(r: Result<T, E>) -> T {
-    match r {
-        Ok(v) => v,
-        Err(e) => panic!("unexpected error: {e}"),
-    }
-}
-
 /// A node's agent: its stream and its next seq.
 struct Agent {
     name: &'static str,

@@ -2,6 +2,7 @@
 //! model-based property test of the invariants, and the small builders they share.
 
 mod accounting;
+mod gc;
 mod invariants;
 mod map;
 mod model;
@@ -68,6 +69,23 @@ pub(super) fn mk_endpoint(name: &str, identity: u32, label_text: &str) -> Endpoi
         ips: vec![IpAddr::V4(Ipv4Addr::new(198, 18, 0, n))].into_boxed_slice(),
         identity: id(identity),
         labels: labels(label_text),
+    }
+}
+
+/// Node `n` connected with session `start`: the session and the stream.
+pub(super) fn connected(h: &mut Harness, n: &str, start: u64) -> (SessionId, ConnId) {
+    let s = session(start);
+    match h.hello(n, s) {
+        Ok(conn) => (s, conn),
+        Err(e) => panic!("hello {n}: {e}"),
+    }
+}
+
+/// The value of a result a test expects to succeed.
+pub(super) fn ok<T, E: std::fmt::Display>(r: Result<T, E>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("unexpected error: {e}"),
     }
 }
 

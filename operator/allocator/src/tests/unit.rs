@@ -13,21 +13,6 @@ fn patient_config() -> Config {
     }
 }
 
-fn connected(h: &mut Harness, n: &str, start: u64) -> (SessionId, ConnId) {
-    let s = session(start);
-    match h.hello(n, s) {
-        Ok(conn) => (s, conn),
-        Err(e) => panic!("hello {n}: {e}"),
-    }
-}
-
-fn ok<T, E: std::fmt::Display>(r: Result<T, E>) -> T {
-    match r {
-        Ok(v) => v,
-        Err(e) => panic!("unexpected error: {e}"),
-    }
-}
-
 // ---- sessions and ordering ----
 
 #[test]

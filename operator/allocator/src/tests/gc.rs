@@ -1,0 +1,236 @@
+//! GC's edges, to the millisecond and the unit: when a hold, a grace period, a
+//! retry's backoff and a quarantine scan are due, how many deletes the budget and
+//! the in-flight limit let through, what each counts, and which failed cleanups
+//! are written again. Mutation testing found each of these edges movable with no
+//! other test noticing.
+
+use super::*;
+
+const N1: &str = "node-1";
+
+/// A node that stays alive however long a test lets time pass.
+fn patient() -> Config {
+    Config {
+        node_ttl: ms(600_000),
+        ..small_config()
+    }
+}
+
+/// Advances the clock to exactly `at`.
+fn advance_to(h: &mut Harness, at: Timestamp) {
+    assert!(at >= h.now, "{at} is in the past ({})", h.now);
+    h.advance(at.since(h.now));
+}
+
+/// A millisecond before `at`.
+fn before(at: Timestamp) -> Timestamp {
+    Timestamp::from_millis(at.as_millis() - 1)
+}
+
+fn holds(h: &Harness) -> usize {
+    h.alloc.nodes.get(&node(N1)).map_or(0, |n| n.holds.len())
+}
+
+fn hold_expiry(h: &Harness, id: IdentityId) -> Option<Timestamp> {
+    h.alloc.nodes.get(&node(N1))?.holds.get(&id).copied()
+}
+
+/// `n` identities allocated on node-1 and released once their holds ended: the
+/// ids, and when they were released.
+fn released(h: &mut Harness, n: usize) -> (Vec<IdentityId>, Timestamp) {
+    let (s, c) = connected(h, N1, 10);
+    let ids: Vec<IdentityId> = (0..n)
+        .map(|i| ok(h.allocate_now(N1, s, &format!("app=r{i}"))))
+        .collect();
+    h.advance(h.alloc.config().hold_timeout);
+    ok(h.snapshot(N1, c, 1, vec![]));
+    let since = ids.iter().map(|id| match h.state(id.get()) {
+        Some(IdentityState::Released { since }) => since,
+        other => panic!("{id} is {other:?}, not released"),
+    });
+    let since = since.max().unwrap_or(h.now);
+    (ids, since)
+}
+
+fn deleted(h: &Harness) -> Vec<IdentityId> {
+    h.deletes_issued.iter().map(|&(id, _, _)| id).collect()
+}
+
+fn pending_kinds(h: &Harness) -> Vec<&'static str> {
+    h.pending().map(StoreOp::kind).collect()
+}
+
+#[test]
+fn a_hold_ends_at_its_timeout_to_the_millisecond_and_each_is_counted() {
+    let mut h = Harness::new(patient());
+    let (s, _) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_now(N1, s, "app=a"));
+    let b = ok(h.allocate_now(N1, s, "app=b"));
+    h.advance(ms(1_000));
+    ok(h.allocate_now(N1, s, "app=c"));
+    let Some(expires) = hold_expiry(&h, a) else {
+        panic!("{a} is not held");
+    };
+    assert_eq!(hold_expiry(&h, b), Some(expires));
+    advance_to(&mut h, before(expires));
+    assert_eq!(holds(&h), 3, "a millisecond before the timeout");
+    advance_to(&mut h, expires);
+    assert_eq!(holds(&h), 1, "at the timeout, the two older holds end");
+    assert_eq!(h.alloc.counters().holds_expired, 2);
+}
+
+#[test]
+fn a_released_identity_is_deleted_when_its_grace_ends_not_a_tick_later() {
+    let mut h = Harness::new(patient());
+    let (ids, since) = released(&mut h, 1);
+    assert_eq!(h.alloc.counters().released, 1);
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, before(due));
+    assert_eq!(deleted(&h), [], "a millisecond before the grace ends");
+    advance_to(&mut h, due);
+    assert_eq!(deleted(&h), ids, "when the grace ends");
+}
+
+#[test]
+fn the_delete_budget_refills_at_its_rate_after_the_burst() {
+    let mut cfg = patient();
+    cfg.gc_rate = 2.0;
+    cfg.gc_burst = 5.0;
+    let mut h = Harness::new(cfg);
+    let (_, since) = released(&mut h, 10);
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    assert_eq!(deleted(&h).len(), 5, "the burst");
+    h.settle_store();
+    assert_eq!(deleted(&h).len(), 5, "completing deletes adds no budget");
+    // Two deletes a second: one per half second, none in a quarter.
+    h.advance(ms(250));
+    assert_eq!(deleted(&h).len(), 5, "half a delete of budget");
+    h.advance(ms(250));
+    assert_eq!(deleted(&h).len(), 6, "one delete of budget");
+    h.advance(ms(1_000));
+    assert_eq!(deleted(&h).len(), 8, "two more in a second");
+}
+
+#[test]
+fn deletes_in_flight_stop_at_their_limit() {
+    let mut cfg = patient();
+    cfg.max_inflight_deletes = 2;
+    let mut h = Harness::new(cfg);
+    let (_, since) = released(&mut h, 5);
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    assert_eq!(deleted(&h).len(), 2, "the in-flight limit");
+    assert_eq!(h.alloc.stats(h.now).gc_inflight, 2);
+    // Each answer lets the next one go.
+    match h.pop_pending() {
+        Some(op) => {
+            let result = h.store.apply(&op, h.now);
+            h.alloc.store_result(op, result, h.now);
+            h.route();
+        }
+        None => panic!("no delete in flight"),
+    }
+    assert_eq!(deleted(&h).len(), 3);
+    h.settle_store();
+    assert_eq!(deleted(&h).len(), 5);
+}
+
+#[test]
+fn a_failed_create_is_written_again_when_its_backoff_ends_not_before() {
+    let mut h = Harness::new(patient());
+    let (s, _) = connected(&mut h, N1, 10);
+    h.settle_store();
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), None, "waits for the store");
+    h.fail_store();
+    let Some(&(due, _)) = h.alloc.core.gc.create_retries.first() else {
+        panic!("no create retry queued");
+    };
+    advance_to(&mut h, before(due));
+    assert_eq!(pending_kinds(&h), Vec::<&str>::new(), "before the backoff ends");
+    advance_to(&mut h, due);
+    assert_eq!(pending_kinds(&h), ["create_identity"], "when it ends");
+}
+
+#[test]
+fn a_failed_delete_is_issued_again_when_its_backoff_ends_not_before() {
+    let mut h = Harness::new(patient());
+    let (ids, since) = released(&mut h, 1);
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    assert_eq!(deleted(&h), ids);
+    h.fail_store();
+    let Some(&(due, _)) = h.alloc.core.gc.delete_retries.first() else {
+        panic!("no delete retry queued");
+    };
+    advance_to(&mut h, before(due));
+    assert_eq!(deleted(&h).len(), 1, "before the backoff ends");
+    advance_to(&mut h, due);
+    assert_eq!(deleted(&h), [ids[0], ids[0]], "when it ends");
+}
+
+#[test]
+fn quarantine_ends_at_the_scan_due_and_a_failed_tombstone_delete_goes_again() {
+    let mut h = Harness::new(patient());
+    let (_, since) = released(&mut h, 1);
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    h.settle_store();
+    let until = match h.alloc.list(None, 1, None, true).0.first().map(|i| i.state) {
+        Some(IdentityState::Quarantined { until }) => until,
+        other => panic!("not quarantined: {other:?}"),
+    };
+    // Scans run every second: not before one is due, exactly when it is.
+    let next = h.alloc.core.gc.next_tomb_scan;
+    advance_to(&mut h, before(next));
+    assert_eq!(h.alloc.core.gc.next_tomb_scan, next, "a scan before it was due");
+    let mut scans = 0;
+    while h.alloc.core.gc.next_tomb_scan < until {
+        let next = h.alloc.core.gc.next_tomb_scan;
+        advance_to(&mut h, next);
+        assert_eq!(
+            h.alloc.core.gc.next_tomb_scan,
+            next.plus(ms(1_000)),
+            "no scan when one was due"
+        );
+        scans += 1;
+        assert!(scans < 100, "the scans never reach the quarantine's end");
+    }
+    assert_eq!(h.alloc.counters().quarantine_ended, 0);
+    let scan = h.alloc.core.gc.next_tomb_scan;
+    advance_to(&mut h, scan);
+    assert_eq!(h.alloc.counters().quarantine_ended, 1);
+    assert_eq!(pending_kinds(&h), ["delete_tombstone"]);
+    // A failed tombstone delete goes again with the next scan.
+    h.fail_store();
+    let scan = h.alloc.core.gc.next_tomb_scan;
+    advance_to(&mut h, scan);
+    assert_eq!(pending_kinds(&h), ["delete_tombstone"], "retried");
+    h.settle_store();
+    assert!(h.store.tombstones.is_empty());
+}
+
+#[test]
+fn a_dropped_nodes_failed_delete_goes_again_unless_the_node_is_back() {
+    for back in [false, true] {
+        let mut h = Harness::new(small_config());
+        connected(&mut h, N1, 10);
+        h.settle_store();
+        assert!(h.store.nodes.contains_key(&node(N1)));
+        // Silent past its TTL: dropped (embedded), and its record deleted.
+        h.advance(h.alloc.config().node_ttl);
+        assert!(h.alloc.node(&node(N1)).is_none(), "node dropped");
+        assert_eq!(pending_kinds(&h), ["delete_node"]);
+        h.fail_store();
+        if back {
+            connected(&mut h, N1, 20);
+            h.settle_store();
+        }
+        let scan = h.alloc.core.gc.next_tomb_scan;
+    advance_to(&mut h, scan);
+        let want: &[&str] = if back { &[] } else { &["delete_node"] };
+        assert_eq!(pending_kinds(&h), want, "node back: {back}");
+        h.settle_store();
+        assert_eq!(h.store.nodes.contains_key(&node(N1)), back);
+    }
+}
