@@ -141,3 +141,58 @@ fn store_ops_and_errors_name_themselves_for_logs_and_metrics() {
     assert!(!conflict.is_transient());
     assert_eq!(Timestamp::from_millis(1_500).to_string(), "1500ms");
 }
+
+#[test]
+fn allocations_are_counted_known_or_new() {
+    let mut h = Harness::new(small_config());
+    let (s, _) = connected(&mut h, N1, 10);
+    ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.allocate_now(N1, s, "app=b"));
+    let c = h.alloc.counters();
+    assert_eq!((c.allocations_new, c.allocations_known), (2, 2));
+}
+
+#[test]
+fn store_answers_that_match_nothing_are_counted_stale_and_change_nothing() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let web = ok(h.allocate_now(N1, s, "app=web"));
+    ok(h.upsert(N1, c, 1, mk_endpoint("web-0", web.get(), "app=web")));
+    // One create waits for its answer.
+    assert_eq!(ok(h.allocate(N1, s, "app=db")), None);
+    let db = match h.alloc.lookup(&labels("app=db")) {
+        Some(info) => info.id,
+        None => panic!("app=db has no identity"),
+    };
+    let create = |n: IdentityId, l: &str| StoreOp::CreateIdentity {
+        id: n,
+        labels: labels(l),
+    };
+    let delete = |n: IdentityId, l: &str| StoreOp::DeleteIdentity {
+        id: n,
+        labels: labels(l),
+        tombstone: Tombstone {
+            id: n,
+            labels_hash: labels(l).stable_hash(),
+            until_ms: 1,
+        },
+    };
+    let answers = [
+        (create(id(900), "app=x"), "a create of an id the core does not know"),
+        (create(web, "app=web"), "a create of an identity live already"),
+        (create(db, "app=other"), "a create of other labels than the id's"),
+        (delete(id(900), "app=x"), "a delete of an id the core does not know"),
+        (delete(web, "app=web"), "a delete of an identity not being deleted"),
+    ];
+    for (n, (op, what)) in answers.into_iter().enumerate() {
+        let before = h.alloc.list(None, usize::MAX, None, true);
+        h.alloc.store_result(op, Ok(()), h.now);
+        h.route();
+        assert_eq!(h.alloc.counters().stale_results, n as u64 + 1, "{what}");
+        assert_eq!(h.alloc.list(None, usize::MAX, None, true), before, "{what}");
+    }
+    h.settle_store();
+    assert!(matches!(h.state(db.get()), Some(IdentityState::Live)));
+}

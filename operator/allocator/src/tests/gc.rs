@@ -234,3 +234,37 @@ fn a_dropped_nodes_failed_delete_goes_again_unless_the_node_is_back() {
         assert_eq!(h.store.nodes.contains_key(&node(N1)), back);
     }
 }
+
+#[test]
+fn failed_creates_and_deletes_back_off_doubling() {
+    let mut h = Harness::new(patient());
+    let (s, _) = connected(&mut h, N1, 10);
+    h.settle_store();
+    assert_eq!(ok(h.allocate(N1, s, "app=a")), None, "waits for the store");
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        h.fail_store();
+        let Some(&(due, _)) = h.alloc.core.gc.create_retries.first() else {
+            panic!("no create retry queued");
+        };
+        waits.push(due.since(h.now));
+        advance_to(&mut h, due);
+    }
+    assert_eq!(waits, [ms(500), ms(1_000), ms(2_000)], "creates");
+    h.settle_store();
+
+    let mut h = Harness::new(patient());
+    let (_, since) = released(&mut h, 1);
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        h.fail_store();
+        let Some(&(due, _)) = h.alloc.core.gc.delete_retries.first() else {
+            panic!("no delete retry queued");
+        };
+        waits.push(due.since(h.now));
+        advance_to(&mut h, due);
+    }
+    assert_eq!(waits, [ms(500), ms(1_000), ms(2_000)], "deletes");
+}
