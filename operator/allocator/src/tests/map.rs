@@ -409,6 +409,36 @@ fn an_unchanged_snapshot_entry_is_no_new_claim_and_a_changed_one_is() {
 }
 
 #[test]
+fn a_snapshot_that_only_swaps_identities_or_only_moves_addresses_is_applied() {
+    let mut h = harness(small_config());
+    let mut w = Replayed::default();
+    let mut a = Agent::new(&mut h, A, 10);
+    a.snapshot(
+        &mut h,
+        vec![ep("web-0", 1, &["10.0.0.5"]), ep("web-1", 2, &["10.0.0.6"])],
+    );
+    h.settle_store();
+    take(&mut h, &mut w);
+    // Every entry keeps its addresses and takes the other's identity (bound).
+    a.snapshot(
+        &mut h,
+        vec![ep("web-0", 2, &["10.0.0.5"]), ep("web-1", 1, &["10.0.0.6"])],
+    );
+    take(&mut h, &mut w);
+    assert_eq!(winner(&h, "10.0.0.5"), Some((302, node(A))));
+    assert_eq!(winner(&h, "10.0.0.6"), Some((301, node(A))));
+    // Every entry keeps its identity and moves to other addresses.
+    a.snapshot(
+        &mut h,
+        vec![ep("web-0", 2, &["10.0.0.7"]), ep("web-1", 1, &["10.0.0.8"])],
+    );
+    let d = take(&mut h, &mut w);
+    assert_eq!(removes(&d), vec![ip("10.0.0.5"), ip("10.0.0.6")]);
+    assert_eq!(winner(&h, "10.0.0.7"), Some((302, node(A))));
+    assert_eq!(winner(&h, "10.0.0.8"), Some((301, node(A))));
+}
+
+#[test]
 fn an_address_reused_on_another_node_after_its_delete_is_no_conflict() {
     let mut h = harness(small_config());
     let mut w = Replayed::default();
