@@ -180,11 +180,26 @@ fn store_answers_that_match_nothing_are_counted_stale_and_change_nothing() {
         },
     };
     let answers = [
-        (create(id(900), "app=x"), "a create of an id the core does not know"),
-        (create(web, "app=web"), "a create of an identity live already"),
-        (create(db, "app=other"), "a create of other labels than the id's"),
-        (delete(id(900), "app=x"), "a delete of an id the core does not know"),
-        (delete(web, "app=web"), "a delete of an identity not being deleted"),
+        (
+            create(id(900), "app=x"),
+            "a create of an id the core does not know",
+        ),
+        (
+            create(web, "app=web"),
+            "a create of an identity live already",
+        ),
+        (
+            create(db, "app=other"),
+            "a create of other labels than the id's",
+        ),
+        (
+            delete(id(900), "app=x"),
+            "a delete of an id the core does not know",
+        ),
+        (
+            delete(web, "app=web"),
+            "a delete of an identity not being deleted",
+        ),
     ];
     for (n, (op, what)) in answers.into_iter().enumerate() {
         let before = h.alloc.list(None, usize::MAX, None, true);

@@ -147,7 +147,11 @@ fn a_failed_create_is_written_again_when_its_backoff_ends_not_before() {
         panic!("no create retry queued");
     };
     advance_to(&mut h, before(due));
-    assert_eq!(pending_kinds(&h), Vec::<&str>::new(), "before the backoff ends");
+    assert_eq!(
+        pending_kinds(&h),
+        Vec::<&str>::new(),
+        "before the backoff ends"
+    );
     advance_to(&mut h, due);
     assert_eq!(pending_kinds(&h), ["create_identity"], "when it ends");
 }
@@ -183,7 +187,10 @@ fn quarantine_ends_at_the_scan_due_and_a_failed_tombstone_delete_goes_again() {
     // Scans run every second: not before one is due, exactly when it is.
     let next = h.alloc.core.gc.next_tomb_scan;
     advance_to(&mut h, before(next));
-    assert_eq!(h.alloc.core.gc.next_tomb_scan, next, "a scan before it was due");
+    assert_eq!(
+        h.alloc.core.gc.next_tomb_scan, next,
+        "a scan before it was due"
+    );
     let mut scans = 0;
     while h.alloc.core.gc.next_tomb_scan < until {
         let next = h.alloc.core.gc.next_tomb_scan;
@@ -227,7 +234,7 @@ fn a_dropped_nodes_failed_delete_goes_again_unless_the_node_is_back() {
             h.settle_store();
         }
         let scan = h.alloc.core.gc.next_tomb_scan;
-    advance_to(&mut h, scan);
+        advance_to(&mut h, scan);
         let want: &[&str] = if back { &[] } else { &["delete_node"] };
         assert_eq!(pending_kinds(&h), want, "node back: {back}");
         h.settle_store();

@@ -247,6 +247,11 @@ fn cluster() -> Config {
 /// Takes a delta, applies it to `w`, and checks `w` is the map.
 fn take(h: &mut Harness, w: &mut Replayed) -> MapDelta {
     let d = h.alloc.take_map_delta();
+    assert_eq!(
+        d.is_empty(),
+        d.nodes.is_empty() && d.changes.is_empty() && d.removed_nodes.is_empty(),
+        "{d:?}"
+    );
     w.apply(d.clone());
     assert_eq!(
         *w,

@@ -21,6 +21,7 @@ pub(crate) fn check(a: &Allocator, now: Timestamp) {
     let all = identities(a);
     stats(a, now, &all);
     nodes(a);
+    map(a);
     // Lists walked page by page and filtered are many lists: after every few events
     // is enough (a test has thousands), and keeps the tests' time.
     thread_local!(static CHECKS: Cell<u64> = const { Cell::new(0) });
@@ -239,4 +240,26 @@ fn nodes(a: &Allocator) {
         );
         assert_eq!(a.node(&info.name).as_ref(), Some(info));
     }
+}
+
+/// The endpoint map's figures against the map itself: each address's winner is an
+/// endpoint or a node address, each in-use node has an index.
+fn map(a: &Allocator) {
+    let stats = a.map_stats();
+    let (nodes, entries) = a.map_full();
+    assert_eq!(
+        stats.endpoint_entries + stats.node_address_entries,
+        entries.len() as u64,
+        "map entries"
+    );
+    assert!(
+        stats.claims >= entries.len() as u64,
+        "fewer claims than entries"
+    );
+    assert!(
+        stats.nodes >= nodes.len() as u64,
+        "{} nodes have an index, {} are in use",
+        stats.nodes,
+        nodes.len()
+    );
 }
