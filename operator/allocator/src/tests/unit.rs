@@ -738,6 +738,40 @@ fn an_older_session_is_refused_only_while_the_current_stream_is_open() {
 }
 
 #[test]
+fn identities_made_and_dropped_in_the_restart_fence_go_while_a_known_node_is_awaited() {
+    // The fence keeps what was loaded for a node not heard yet; an identity made
+    // after the start and unused before the fence ends is not that node's to keep.
+    let cfg = Config {
+        liveness: Liveness::Cluster {
+            stale_view_limit: ms(20_000),
+        },
+        ..small_config()
+    };
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.identities.insert(id(300), labels("app=partitioned"));
+    store.nodes.insert(node(N1), ());
+    store.nodes.insert(node(N2), ());
+    let mut h = Harness::with_store(cfg, store, Timestamp::from_millis(50_000));
+    let (s2, c2) = connected(&mut h, N2, 10);
+    let fresh = ok(h.allocate_now(N2, s2, "app=fresh"));
+    ok(h.upsert(N2, c2, 1, mk_endpoint("fresh-0", fresh.get(), "app=fresh")));
+    ok(h.delete(N2, c2, 2, "fresh-0"));
+    for seq in 3..13 {
+        ok(h.snapshot(N2, c2, seq, vec![]));
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(
+        matches!(h.state(300), Some(IdentityState::Protected { .. })),
+        "N1 may still use 300"
+    );
+    assert!(
+        !h.store.identities.contains_key(&fresh),
+        "{fresh} was deleted once the fence's node TTL passed"
+    );
+}
+
+#[test]
 fn after_a_restart_a_partitioned_nodes_identities_live_as_long_as_its_view_would() {
     // In a cluster a silent node keeps its view up to the stale-view limit; across a
     // restart (views are rebuilt from snapshots) its identities must last as long.
