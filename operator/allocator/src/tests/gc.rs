@@ -275,3 +275,23 @@ fn failed_creates_and_deletes_back_off_doubling() {
     }
     assert_eq!(waits, [ms(500), ms(1_000), ms(2_000)], "deletes");
 }
+
+#[test]
+fn the_release_queue_gives_its_memory_back_after_a_burst() {
+    let mut h = Harness::new(Config {
+        max_holds_per_node: 1_000,
+        ..patient()
+    });
+    let (ids, since) = released(&mut h, 500);
+    assert!(h.alloc.core.gc.released.capacity() >= ids.len());
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    for _ in 0..40 {
+        h.settle_store();
+        h.advance(ms(250));
+    }
+    assert_eq!(deleted(&h).len(), ids.len());
+    assert!(h.alloc.core.gc.released.is_empty());
+    let capacity = h.alloc.core.gc.released.capacity();
+    assert!(capacity <= 64, "the queue kept a capacity of {capacity}");
+}
