@@ -11,7 +11,8 @@ use census_proto::domain::NodeName;
 use super::{
     AgentMsg, AllocError, Allocator, CloseReason, Effect, Liveness, Priority, StoreOp, SyncError,
     Timestamp,
-    identities::{Phase, shrink_map},
+    capacity::{oversized, room_for, shrink_map},
+    identities::Phase,
     nodes::{Node, Persisted},
 };
 
@@ -300,8 +301,8 @@ impl Allocator {
             self.issue_delete(id, 0, now);
         }
         let released = &mut self.core.gc.released;
-        if released.capacity() > 64 && released.len() < released.capacity() / 4 {
-            released.shrink_to(released.len() * 2);
+        if oversized(released.len(), released.capacity(), 64) {
+            released.shrink_to(room_for(released.len()));
         }
     }
 

@@ -8,7 +8,7 @@ use census_proto::{
     labels::LabelSet,
 };
 
-use super::{ConnId, IdentityState, RequestId, Timestamp, read::state_of};
+use super::{ConnId, IdentityState, RequestId, Timestamp, capacity::shrink_map, read::state_of};
 
 /// Where an identity is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,7 +225,8 @@ impl Identities {
         }
     }
 
-    /// Binds `id` to `labels`. The caller has checked that both are free.
+    /// Binds `id` to `labels`. The caller has checked that both are free. Watch is
+    /// told of it at the next drain, once it is not being created any more.
     pub(crate) fn insert(&mut self, id: IdentityId, labels: LabelSet, phase: Phase) {
         debug_assert!(!self.entries.contains_key(&id) && !self.by_labels.contains_key(&labels));
         let ended_tomb = self.quarantine.remove(&id);
@@ -357,30 +358,5 @@ impl Identities {
     pub(crate) fn shrink(&mut self) {
         shrink_map(&mut self.by_labels);
         shrink_map(&mut self.quarantine);
-    }
-}
-
-/// Shrinks a map that is using under a quarter of its capacity.
-///
-/// It shrinks to the smallest capacity that holds its entries, the capacity the map
-/// would have had if it had only ever grown to them, so memory after a burst comes
-/// back to where it would have been without it. The quarter threshold keeps a map
-/// that hovers around a size from growing and shrinking over and over.
-pub(crate) fn shrink_map<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
-    if map.capacity() > 16 && map.len() < map.capacity() / 4 {
-        map.shrink_to_fit();
-    }
-}
-
-/// Gives a map at rest the capacity a map built for its entries would have.
-///
-/// For maps that are sometimes rebuilt to size and sometimes grown entry by entry
-/// (a node's view: a changed snapshot rebuilds it, deltas grow it): called when the
-/// map is known to be at rest, so its capacity ends up depending on its length
-/// alone and not on which path changed it last. A map built for its entries holds
-/// under twice their number, so one call settles it and the next finds nothing to do.
-pub(crate) fn settle_map<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
-    if map.capacity() > 2 * map.len().max(8) {
-        map.shrink_to_fit();
     }
 }

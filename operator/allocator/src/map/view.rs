@@ -10,7 +10,7 @@ use census_proto::domain::{EndpointKey, IdentityId, NodeName};
 use super::{
     super::{
         Timestamp,
-        identities::{settle_map, shrink_map},
+        capacity::{settle_map, shrink_map},
         nodes::ViewEntry,
     },
     MapNodeIndex,
