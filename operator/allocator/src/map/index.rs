@@ -16,7 +16,7 @@ use std::{
 use census_proto::domain::{EndpointKey, IdentityId, NodeName};
 
 use super::{
-    super::{Timestamp, identities::shrink_map},
+    super::{Timestamp, capacity::shrink_map},
     MapNodeIndex,
 };
 
@@ -298,7 +298,8 @@ pub(crate) struct EndpointIndex {
     unnamed: Vec<IpAddr>,
 }
 
-/// What one edit of an address did.
+/// What one edit of an address did; the default, that it changed nothing (no
+/// winner before or after to book).
 #[derive(Debug, Default)]
 struct Edit {
     before: Option<Winner>,
@@ -313,16 +314,6 @@ struct Edit {
     over: Option<u64>,
     /// The arriving claim took the address.
     won: bool,
-}
-
-impl Edit {
-    fn none(winner: Option<Winner>) -> Self {
-        Self {
-            before: winner,
-            after: winner,
-            ..Self::default()
-        }
-    }
 }
 
 impl EndpointIndex {
@@ -467,12 +458,10 @@ impl EndpointIndex {
         for ip in addresses.iter().filter(|ip| old.binary_search(ip).is_err()) {
             self.claim(*ip, ix, ADDRESS, None, IdentityId::REMOTE_NODE, now);
         }
+        // Set to nothing by a node without endpoints, the slot was left without
+        // claims by the last unclaim, which queued it to be freed at the next take.
         if let Some(s) = self.nodes.slot_mut(ix) {
             s.addresses = addresses.into_boxed_slice();
-        }
-        if self.nodes.slot(ix).is_some_and(|s| s.claims == 0) {
-            // Set to nothing by a node without endpoints: freed at the next take.
-            self.nodes.unused.push(ix);
         }
     }
 
@@ -605,7 +594,7 @@ fn claim_in<K: Hash + Eq>(map: &mut HashMap<K, Slot>, k: K, claim: Claim) -> Edi
     match slot {
         Slot::One(c) if c.same_claimant(claim.node, claim.key) => {
             if c.identity == claim.identity {
-                return Edit::none(Some(before.winner()));
+                return Edit::default();
             }
             *c = claim;
         }
@@ -628,7 +617,7 @@ fn claim_in<K: Hash + Eq>(map: &mut HashMap<K, Slot>, k: K, claim: Claim) -> Edi
                 .position(|c| c.same_claimant(claim.node, claim.key))
             {
                 Some(i) if m.claims[i].identity == claim.identity => {
-                    return Edit::none(Some(before.winner()));
+                    return Edit::default();
                 }
                 Some(i) => {
                     m.claims.remove(i);
@@ -658,7 +647,7 @@ fn unclaim_in<K: Hash + Eq>(
 ) -> Edit {
     use std::collections::hash_map::Entry;
     let Entry::Occupied(mut o) = map.entry(k) else {
-        return Edit::none(None);
+        return Edit::default();
     };
     let before = o.get().winner().winner();
     match o.get_mut() {
@@ -670,10 +659,10 @@ fn unclaim_in<K: Hash + Eq>(
                 ..Edit::default()
             }
         }
-        Slot::One(_) => Edit::none(Some(before)),
+        Slot::One(_) => Edit::default(),
         Slot::Many(m) => {
             let Some(i) = m.claims.iter().position(|c| c.same_claimant(node, key)) else {
-                return Edit::none(Some(before));
+                return Edit::default();
             };
             m.claims.remove(i);
             let contested = if m.claims.len() == 1 { -1 } else { 0 };
@@ -705,7 +694,7 @@ fn reidentify_in<K: Hash + Eq>(
     to: IdentityId,
 ) -> Edit {
     let Some(slot) = map.get_mut(&k) else {
-        return Edit::none(None);
+        return Edit::default();
     };
     let before = slot.winner().winner();
     let claims: &mut [Claim] = match slot {
