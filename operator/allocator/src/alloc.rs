@@ -456,7 +456,6 @@ impl Allocator {
         }
         core.ids.insert(id, labels.clone(), Phase::Live);
         core.counters.bindings_taken += 1;
-        core.announce(id);
         core.gc.unused.push(id);
     }
 
@@ -471,7 +470,6 @@ impl Allocator {
         };
         core.ids.insert(to, old.labels, Phase::Live);
         core.counters.bindings_taken += 1;
-        core.announce(to);
         let (refs, holds) = self.move_users(from, to, true);
         let core = &mut self.core;
         if let Some(entry) = core.ids.get_mut(to) {

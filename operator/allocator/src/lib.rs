@@ -11,6 +11,7 @@
 //! liveness, release, delete, quarantine), [`read`] (what the services and metrics show).
 
 mod alloc;
+mod capacity;
 mod config;
 mod effects;
 mod gc;
@@ -215,12 +216,6 @@ impl Core {
     /// Whether new ids wait for agents to re-report theirs (an empty store at start).
     fn in_adoption_window(&self, now: Timestamp) -> bool {
         now < self.new_ids_after
-    }
-
-    /// Tells Watch subscribers that `id`'s binding exists: at the drain, with the
-    /// identity as it is then (see [`Core::flush_watch`]).
-    fn announce(&mut self, id: IdentityId) {
-        self.ids.get_mut(id);
     }
 
     fn create_op(&mut self, id: IdentityId) {
