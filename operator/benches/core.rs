@@ -260,7 +260,7 @@ fn bench_memory() -> BenchResult {
     settle(&mut alloc, now);
     let build = started.elapsed();
     let with_views = heap();
-    let stats = alloc.stats(now);
+    let stats = alloc.stats();
     drop(sets);
     let per_identity = (with_identities - base) as f64 / IDENTITIES as f64;
     let per_endpoint = (with_views - with_identities) as f64 / (NODES * PODS) as f64;
@@ -318,7 +318,7 @@ fn bench_churn() -> BenchResult {
         now = now.plus(Duration::from_secs(10));
     }
     let baseline = heap();
-    let stats0 = alloc.stats(now);
+    let stats0 = alloc.stats();
 
     // Job pods with unique labels: allocate, upsert; every delete event is lost.
     // Snapshots every 30 s of simulated time (one job pod started every 3 ms).
@@ -356,7 +356,7 @@ fn bench_churn() -> BenchResult {
     }
     let churn_time = started.elapsed();
     let at_end = heap();
-    let stats_peak = alloc.stats(now);
+    let stats_peak = alloc.stats();
     // True snapshots, then the hold timeout, grace period and quarantine pass.
     let until = now.plus(cfg.hold_timeout + cfg.grace + cfg.quarantine + Duration::from_secs(5));
     while now < until {
@@ -369,7 +369,7 @@ fn bench_churn() -> BenchResult {
         now = now.plus(Duration::from_secs(1));
     }
     let after = heap();
-    let stats = alloc.stats(now);
+    let stats = alloc.stats();
     let retained = (after - baseline) as f64 / CHURN as f64;
     println!(
         "churn, {CHURN} unique label sets, every delete lost ({:.1?} to run):",

@@ -98,6 +98,12 @@ impl Node {
         self.awaited && self.session.is_none()
     }
 
+    /// Shown and counted stale: silent past the node TTL in a cluster (its view kept
+    /// until the stale-view limit), and not a node that is only awaited since a start.
+    pub(crate) fn stale(&self) -> bool {
+        self.stale_since.is_some() && !self.unheard_since_start()
+    }
+
     /// Not shown by NodeService: a shadow whose agent has not said Hello.
     pub(crate) fn hidden(&self) -> bool {
         self.shadow && self.session.is_none()

@@ -8,7 +8,7 @@ use census_proto::{
 };
 
 use super::{
-    Allocator, Core, Liveness, Timestamp,
+    Allocator, Core, Timestamp,
     identities::{Entry, Phase},
 };
 
@@ -242,7 +242,7 @@ impl Allocator {
                 last_seq: node.last_seq,
                 last_heard: node.last_message,
                 last_snapshot: node.last_snapshot,
-                stale: node.stale_since.is_some() && !node.unheard_since_start(),
+                stale: node.stale(),
                 endpoints: node.view.len() as u64,
                 holds: node.holds.len() as u32,
                 corrections: node.counters.corrections,
@@ -267,7 +267,7 @@ impl Allocator {
         self.core.ids.range()
     }
 
-    pub fn stats(&self, now: Timestamp) -> Stats {
+    pub fn stats(&self) -> Stats {
         let mut stats = Stats::default();
         for entry in self.core.ids.entries().values() {
             match entry.phase {
@@ -282,16 +282,9 @@ impl Allocator {
         stats.blocked = self.core.ids.blocked().len() as u64;
         stats.range_size = self.core.ids.range().size();
         stats.range_used = self.core.ids.used_in_range();
-        let ttl = self.core.cfg.node_ttl;
         for node in self.nodes.values().filter(|n| !n.hidden()) {
             stats.nodes += 1;
-            let silent = now.since(node.last_heard) >= ttl;
-            if !node.unheard_since_start()
-                && (node.stale_since.is_some()
-                    || (silent && matches!(self.core.cfg.liveness, Liveness::Cluster { .. })))
-            {
-                stats.stale_nodes += 1;
-            }
+            stats.stale_nodes += u64::from(node.stale());
             stats.connected_nodes += u64::from(node.conn.is_some());
             stats.endpoints += node.view.len() as u64;
             stats.holds += node.holds.len() as u64;

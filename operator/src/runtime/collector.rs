@@ -76,10 +76,9 @@ where
 
 impl Collector for CoreCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
-        let now = self.runtime.now();
         let (stats, c, map) = self
             .runtime
-            .read(|a| (a.stats(now), a.counters().clone(), a.map_stats()));
+            .read(|a| (a.stats(), a.counters().clone(), a.map_stats()));
         labelled(
             &mut e,
             "census_identities",

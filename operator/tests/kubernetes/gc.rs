@@ -137,8 +137,7 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
             break;
         }
         if Instant::now() > deadline {
-            let (stats, counters) =
-                runtime.read(|a| (a.stats(runtime.now()), a.counters().clone()));
+            let (stats, counters) = runtime.read(|a| (a.stats(), a.counters().clone()));
             return fail(format!(
                 "GC reached {deleted} of {count} identities: {stats:?} {counters:?}"
             ));
@@ -202,7 +201,7 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
     // Every other identity is deleted: tombstoned, then gone after the quarantine.
     let mut pass = None;
     loop {
-        let stats = runtime.read(|a| a.stats(runtime.now()));
+        let stats = runtime.read(|a| a.stats());
         let remaining = stats.creating + stats.released + stats.deleting;
         if pass.is_none() && stats.live + stats.creating == regained.len() as u64 && remaining == 0
         {

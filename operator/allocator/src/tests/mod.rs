@@ -380,7 +380,7 @@ impl Harness {
             }
         }
         invariants::check(&self.alloc);
-        reads::check(&self.alloc, self.now);
+        reads::check(&self.alloc);
         map::check(&self.alloc);
         if let Some(replay) = &mut self.replay {
             replay.apply(self.alloc.take_map_delta());

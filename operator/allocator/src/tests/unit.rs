@@ -201,7 +201,7 @@ fn exhausted_range_recovers_when_quarantine_ends() {
         h.settle_store();
         ok(h.snapshot(N1, c, seq, vec![]));
     }
-    assert_eq!(h.alloc.stats(h.now).quarantined, 3);
+    assert_eq!(h.alloc.stats().quarantined, 3);
     assert!(matches!(
         h.allocate(N1, s, "app=d"),
         Err(AllocError::RangeExhausted { .. })
@@ -506,7 +506,7 @@ fn cluster_silent_node_goes_stale_and_keeps_its_view() {
     ok(h.snapshot(N1, c, 1, vec![mk_endpoint("a", x.get(), "app=a")]));
     h.advance(ms(4_000));
     assert_eq!(h.alloc.node(&node(N1)).map(|n| n.stale), Some(true));
-    assert_eq!(h.alloc.stats(h.now).stale_nodes, 1);
+    assert_eq!(h.alloc.stats().stale_nodes, 1);
     assert_eq!(
         h.refs(x.get()),
         1,
@@ -901,7 +901,7 @@ fn a_new_leader_waits_for_every_node_of_the_cluster_and_shows_only_those_that_sp
         "unused since it was made: collected"
     );
     assert_eq!(
-        h.alloc.stats(h.now).stale_nodes,
+        h.alloc.stats().stale_nodes,
         0,
         "an agentless Node is not stale"
     );
@@ -979,7 +979,7 @@ fn churn_leaves_only_live_identities_and_shrinks_maps() {
         seq += 1;
         // Every delete event is lost.
     }
-    assert_eq!(h.alloc.stats(h.now).live, 301);
+    assert_eq!(h.alloc.stats().live, 301);
     ok(h.snapshot(
         N1,
         c,
@@ -998,7 +998,7 @@ fn churn_leaves_only_live_identities_and_shrinks_maps() {
         ));
         seq += 1;
     }
-    let stats = h.alloc.stats(h.now);
+    let stats = h.alloc.stats();
     assert_eq!(
         (
             stats.live,
@@ -1446,7 +1446,7 @@ fn the_restart_fence_is_shown_as_protected_and_counted() {
             "{x}: loaded, neither referenced nor held"
         );
     }
-    let stats = h.alloc.stats(h.now);
+    let stats = h.alloc.stats();
     assert_eq!((stats.live, stats.protected), (0, 2), "{stats:?}");
     assert_eq!(
         told(&mut h),
@@ -1457,7 +1457,7 @@ fn the_restart_fence_is_shown_as_protected_and_counted() {
     let (_, c) = connected(&mut h, N1, 10);
     ok(h.snapshot(N1, c, 1, vec![mk_endpoint("b", b.get(), "app=b")]));
     assert_eq!(told(&mut h), [format!("upsert {b} live refs=1 holds=0")]);
-    let stats = h.alloc.stats(h.now);
+    let stats = h.alloc.stats();
     assert_eq!((stats.live, stats.protected), (1, 1), "{stats:?}");
     h.advance(cfg.node_ttl - ms(100));
     ok(h.snapshot(N1, c, 2, vec![mk_endpoint("b", b.get(), "app=b")]));
@@ -1468,7 +1468,7 @@ fn the_restart_fence_is_shown_as_protected_and_counted() {
         told(&mut h),
         [format!("upsert {a} released refs=0 holds=0")]
     );
-    assert_eq!(h.alloc.stats(h.now).protected, 0);
+    assert_eq!(h.alloc.stats().protected, 0);
 }
 
 #[test]
