@@ -284,19 +284,21 @@ impl Allocator {
             core.counters.stale_results += 1;
             return;
         };
-        let Phase::Deleting {
-            inflight: true,
-            attempt,
-            ..
-        } = entry.phase
+        // The answer to the delete in flight for these labels, or a stale one (the
+        // labels cannot differ while one write per id is in flight; checked all the
+        // same, as an answer for other labels must change nothing).
+        let (
+            Phase::Deleting {
+                inflight: true,
+                attempt,
+                ..
+            },
+            true,
+        ) = (entry.phase, entry.labels == *labels)
         else {
             core.counters.stale_results += 1;
             return;
         };
-        if entry.labels != *labels {
-            core.counters.stale_results += 1;
-            return;
-        }
         match result {
             Ok(()) if entry.wanted() => {
                 // Referenced again while the delete was in flight: bind it again.
