@@ -4,8 +4,6 @@
 
 use super::*;
 
-const N1: &str = "node-1";
-
 #[test]
 fn defaults_scale_with_the_snapshot_interval() {
     let cfg = Config::with_snapshot_interval(ms(10_000));

@@ -6,8 +6,6 @@
 
 use super::*;
 
-const N1: &str = "node-1";
-
 /// A node that stays alive however long a test lets time pass.
 fn patient() -> Config {
     Config {
@@ -294,4 +292,138 @@ fn the_release_queue_gives_its_memory_back_after_a_burst() {
     assert!(h.alloc.core.gc.released.is_empty());
     let capacity = h.alloc.core.gc.released.capacity();
     assert!(capacity <= 64, "the queue kept a capacity of {capacity}");
+}
+
+/// A core over a store whose id 300 is quarantined for app=web until `until`, its
+/// tombstone then deleted by someone else and reported lost: the write that puts
+/// it back is queued.
+fn tombstone_rewrite(until: Duration) -> (Harness, Tombstone) {
+    let cfg = patient();
+    let now = Timestamp::from_millis(1_000_000);
+    let web = labels("app=web");
+    let tombstone = Tombstone {
+        id: id(300),
+        labels_hash: web.stable_hash(),
+        until_ms: now.plus(until).as_millis(),
+    };
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.tombstones.insert(id(300), tombstone);
+    let mut h = Harness::with_store(cfg, store, now);
+    h.store.tombstones.clear();
+    h.alloc.tombstone_lost(tombstone, Some(&web), h.now);
+    h.route();
+    assert_eq!(pending_kinds(&h), ["delete_identity"]);
+    (h, tombstone)
+}
+
+#[test]
+fn a_lost_tombstones_rewrite_that_meets_another_binding_is_counted_and_not_retried() {
+    let (mut h, _) = tombstone_rewrite(ms(5_000));
+    // Someone binds the id to other labels before the write lands: its own watch
+    // reports that binding; the rewrite is a stale answer.
+    h.store.identities.insert(id(300), labels("app=evil"));
+    let stale = h.alloc.counters().stale_results;
+    h.settle_store();
+    assert_eq!(h.alloc.counters().stale_results, stale + 1);
+    let scan = h.alloc.core.gc.next_tomb_scan;
+    advance_to(&mut h, scan);
+    assert_eq!(pending_kinds(&h), Vec::<&str>::new(), "not written again");
+}
+
+#[test]
+fn a_failed_tombstone_rewrite_goes_again_while_its_quarantine_lasts_and_not_when_it_ends() {
+    let (mut h, tombstone) = tombstone_rewrite(ms(5_000));
+    let until = Timestamp::from_millis(tombstone.until_ms);
+    h.fail_store();
+    let mut scans = 0;
+    while h.alloc.core.gc.next_tomb_scan < until {
+        let scan = h.alloc.core.gc.next_tomb_scan;
+        advance_to(&mut h, scan);
+        assert_eq!(pending_kinds(&h), ["delete_identity"], "retried at {scan}");
+        h.fail_store();
+        scans += 1;
+        assert!(scans < 100, "the scans never reach the quarantine's end");
+    }
+    assert_eq!(
+        h.alloc.core.gc.next_tomb_scan, until,
+        "a scan falls on the quarantine's end"
+    );
+    advance_to(&mut h, until);
+    assert_eq!(
+        pending_kinds(&h),
+        ["delete_tombstone"],
+        "at the quarantine's end, nothing to put back, its tombstone to delete"
+    );
+    assert_eq!(h.state(300), None, "the quarantine ended");
+}
+
+#[test]
+fn a_failed_tombstone_delete_is_not_retried_once_the_id_is_bound_again() {
+    let mut h = Harness::new(patient());
+    let (ids, since) = released(&mut h, 1);
+    let x = ids[0];
+    let due = since.plus(h.alloc.config().grace);
+    advance_to(&mut h, due);
+    h.settle_store();
+    let until = match h.state(x.get()) {
+        Some(IdentityState::Quarantined { until }) => until,
+        other => panic!("{x} is not quarantined: {other:?}"),
+    };
+    while !pending_kinds(&h).contains(&"delete_tombstone") {
+        assert!(h.now <= until.plus(ms(2_000)), "the quarantine never ended");
+        h.advance(ms(100));
+    }
+    h.fail_store();
+    // An agent reports the id for other labels, which it may take now.
+    let (_, c) = connected(&mut h, N1, 20);
+    ok(h.snapshot(N1, c, 1, vec![mk_endpoint("b", x.get(), "app=b")]));
+    assert_eq!(pending_kinds(&h), ["create_identity"]);
+    h.settle_store();
+    let scan = h.alloc.core.gc.next_tomb_scan;
+    advance_to(&mut h, scan);
+    assert_eq!(
+        pending_kinds(&h),
+        Vec::<&str>::new(),
+        "the id is bound again"
+    );
+}
+
+#[test]
+fn a_delete_retry_left_from_an_earlier_failure_does_not_hurry_a_later_one() {
+    let mut h = Harness::new(Config {
+        grace: ms(1),
+        retry_base: ms(4_000),
+        retry_max: ms(8_000),
+        ..patient()
+    });
+    let (ids, _) = released(&mut h, 1);
+    let x = ids[0];
+    h.advance(ms(1));
+    assert_eq!(deleted(&h), [x]);
+    h.fail_store();
+    let Some(&(first, _)) = h.alloc.core.gc.delete_retries.first() else {
+        panic!("no delete retry queued");
+    };
+    // Wanted again at once: the binding is asserted again, then dropped again, and
+    // its delete fails again, with a backoff that ends after the first one's.
+    let (s, c) = connected(&mut h, N1, 20);
+    assert_eq!(ok(h.allocate(N1, s, "app=r0")), None, "waits for the store");
+    h.settle_store();
+    assert_eq!(h.state(x.get()), Some(IdentityState::Live));
+    h.advance(h.alloc.config().hold_timeout);
+    ok(h.snapshot(N1, c, 1, vec![]));
+    h.advance(ms(1));
+    assert_eq!(deleted(&h), [x, x]);
+    h.fail_store();
+    let second = h.alloc.core.gc.delete_retries.last().map(|&(at, _)| at);
+    assert!(
+        second.is_some_and(|s| s > first),
+        "{second:?} after {first}"
+    );
+    advance_to(&mut h, first);
+    assert_eq!(deleted(&h), [x, x], "the first backoff is not this one's");
+    if let Some(second) = second {
+        advance_to(&mut h, second);
+    }
+    assert_eq!(deleted(&h), [x, x, x], "when its own backoff ends");
 }

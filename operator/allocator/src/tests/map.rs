@@ -1108,3 +1108,34 @@ fn map_memory_per_entry_at_550k() {
     );
     assert_eq!(entries, nodes * per_node);
 }
+
+#[test]
+fn an_address_left_to_one_claimant_changes_identity_without_a_conflict() {
+    let mut h = Harness::new(small_config());
+    let (s1, c1) = connected(&mut h, N1, 10);
+    let (s2, c2) = connected(&mut h, N2, 10);
+    let x = ok(h.allocate_now(N1, s1, "app=a")).get();
+    let y = ok(h.allocate_now(N2, s2, "app=b")).get();
+    // "ab" and "ba" are given the same address: a conflict.
+    ok(h.upsert(N1, c1, 1, mk_endpoint("ab", x, "app=a")));
+    ok(h.upsert(N2, c2, 1, mk_endpoint("ba", y, "app=b")));
+    assert_eq!(h.alloc.map_stats().conflicts_total, 1);
+    // node-2 lets it go; node-1's endpoint, alone on it, changes identity.
+    ok(h.delete(N2, c2, 2, "ba"));
+    ok(h.upsert(N1, c1, 2, mk_endpoint("ab", y, "app=b")));
+    assert_eq!(
+        h.alloc.map_stats().conflicts_total,
+        1,
+        "no one else's claim met"
+    );
+}
+
+#[test]
+fn a_node_given_no_addresses_or_gone_unknown_takes_no_slot() {
+    let mut h = Harness::new(small_config());
+    h.alloc
+        .set_node_addresses(&node("node-x"), Vec::new(), h.now);
+    h.alloc.node_gone(&node("node-y"));
+    h.route();
+    assert_eq!(h.alloc.core.map.nodes.len(), 0);
+}

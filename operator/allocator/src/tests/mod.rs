@@ -2,6 +2,7 @@
 //! model-based property test of the invariants, and the small builders they share.
 
 mod accounting;
+mod capacity;
 mod gc;
 mod invariants;
 mod map;
@@ -22,6 +23,10 @@ use census_proto::{
 
 use super::*;
 use crate::{Loaded, StoreError, StoreOp, StoredIdentity, Tombstone};
+
+/// The nodes of the focused tests.
+pub(super) const N1: &str = "node-1";
+pub(super) const N2: &str = "node-2";
 
 pub(super) fn labels(text: &str) -> LabelSet {
     let list: Vec<String> = text

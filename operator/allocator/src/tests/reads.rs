@@ -121,7 +121,8 @@ fn stats(a: &Allocator, all: &[IdentityInfo]) {
     let stale = a
         .nodes
         .values()
-        .filter(|n| !n.hidden() && !(n.awaited && n.session.is_none()))
+        .filter(|n| !n.hidden())
+        .filter(|n| n.session.is_some() || !n.awaited)
         .filter(|n| cluster && n.stale_since.is_some())
         .count() as u64;
     // Ids of the range in use: bound, quarantined or blocked, each once.

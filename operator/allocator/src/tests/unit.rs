@@ -2,9 +2,6 @@
 
 use super::*;
 
-const N1: &str = "node-1";
-const N2: &str = "node-2";
-
 /// Nodes that stay alive however long a test lets time pass without snapshots.
 fn patient_config() -> Config {
     Config {
@@ -1558,4 +1555,129 @@ fn a_create_refused_for_labels_bound_at_an_id_it_cannot_take_leaves_nothing_behi
     assert_eq!(h.alloc.core.ids.id_of(&labels("app=web")), None);
     assert_eq!(h.store.identities.get(&id(256)), Some(&labels("app=db")));
     assert_eq!(h.refs(256), 1);
+}
+
+// ---- edges mutation testing found ----
+
+fn snapshot_asks(h: &Harness, n: &str) -> usize {
+    h.agent_msgs
+        .iter()
+        .filter(|(to, _, m)| *to == node(n) && matches!(m, AgentMsg::SnapshotNow))
+        .count()
+}
+
+#[test]
+fn an_identity_moved_inside_the_adoption_window_asks_only_its_users_to_snapshot_again() {
+    let cfg = small_config();
+    let mut h = Harness::with_store(
+        cfg.clone(),
+        ModelStore::new(cfg.quarantine),
+        Timestamp::from_millis(5_000),
+    );
+    let (_, c1) = connected(&mut h, N1, 10);
+    let (_, c2) = connected(&mut h, N2, 10);
+    ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("a", 400, "app=a")]));
+    ok(h.snapshot(N2, c2, 1, vec![]));
+    h.settle_store();
+    // 400's object is edited: app=a needs another id, which the window withholds.
+    h.store.identities.insert(id(400), labels("app=evil"));
+    h.alloc
+        .binding_invalid(id(400), "labels edited to k8s:app=evil".into(), h.now);
+    h.route();
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.endpoints), Some(0));
+    h.advance(cfg.adoption_window);
+    assert_eq!(snapshot_asks(&h, N1), 1, "node-1 lost an endpoint");
+    assert_eq!(snapshot_asks(&h, N2), 0, "node-2 lost nothing");
+}
+
+#[test]
+fn an_identity_moved_with_the_range_full_after_the_window_asks_nobody_to_snapshot() {
+    let mut h = Harness::new(Config {
+        range: match IdRange::new(256, 256) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    });
+    let (s, c1) = connected(&mut h, N1, 10);
+    connected(&mut h, N2, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.upsert(N1, c1, 1, mk_endpoint("a", x.get(), "app=a")));
+    h.store.identities.insert(x, labels("app=evil"));
+    h.alloc
+        .binding_invalid(x, "labels edited to k8s:app=evil".into(), h.now);
+    h.route();
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.endpoints), Some(0));
+    h.advance(ms(100));
+    assert_eq!(snapshot_asks(&h, N1) + snapshot_asks(&h, N2), 0);
+}
+
+#[test]
+fn an_upsert_that_rebinds_or_cannot_resolve_says_so_and_counts_it() {
+    let mut h = Harness::new(Config {
+        range: match IdRange::new(256, 257) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    });
+    let (s, c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=a"));
+    // Claims x for other labels: a new id, and a Rebind.
+    let applied = ok(h.upsert(N1, c, 1, mk_endpoint("b", x.get(), "app=b")));
+    assert_eq!((applied.rebinds, applied.unresolved), (1, 0), "{applied:?}");
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.rebinds), Some(1));
+    assert_eq!(h.alloc.counters().allocations_new, 2, "x, then b's id");
+    // The range is full now: no id for a third label set.
+    let applied = ok(h.upsert(N1, c, 2, mk_endpoint("c", x.get(), "app=c")));
+    assert_eq!((applied.rebinds, applied.unresolved), (0, 1), "{applied:?}");
+    assert_eq!(h.alloc.counters().unresolved, 1);
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.rebinds), Some(1));
+}
+
+#[test]
+fn a_node_known_at_start_is_not_stale_until_its_agent_says_hello() {
+    let cfg = Config {
+        liveness: Liveness::Cluster {
+            stale_view_limit: ms(60_000),
+        },
+        ..small_config()
+    };
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.nodes.insert(node(N1), ());
+    let mut h = Harness::with_store(cfg, store, Timestamp::from_millis(1_000_000));
+    h.advance(ms(4_000));
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.stale), Some(false));
+    assert_eq!(h.alloc.stats().stale_nodes, 0);
+    // Its Hello (no snapshot yet) makes it a node like any other: silent, stale.
+    if let Err(e) = h.hello(N1, session(10)) {
+        panic!("hello: {e}");
+    }
+    h.advance(ms(4_000));
+    assert_eq!(h.alloc.node(&node(N1)).map(|n| n.stale), Some(true));
+    assert_eq!(h.alloc.stats().stale_nodes, 1);
+}
+
+#[test]
+fn blocking_a_quarantined_or_blocked_id_uses_it_once() {
+    let cfg = small_config();
+    let now = Timestamp::from_millis(1_000_000);
+    let mut store = ModelStore::new(cfg.quarantine);
+    store.tombstones.insert(
+        id(300),
+        Tombstone {
+            id: id(300),
+            labels_hash: labels("app=web").stable_hash(),
+            until_ms: now.plus(ms(5_000)).as_millis(),
+        },
+    );
+    let mut h = Harness::with_store(cfg, store, now);
+    assert_eq!(h.alloc.stats().range_used, 1);
+    for _ in 0..2 {
+        h.alloc
+            .binding_invalid(id(300), "labels \"not a label\"".into(), h.now);
+        h.route();
+        assert_eq!(h.state(300), Some(IdentityState::Blocked));
+        assert_eq!(h.alloc.stats().range_used, 1);
+    }
 }
