@@ -445,9 +445,9 @@ impl EndpointIndex {
                 .slot(ix)
                 .map(|s| s.addresses.clone())
                 .unwrap_or_default(),
-            None if addresses.is_empty() => return,
             None => Box::default(),
         };
+        // Nothing to change (a node without a slot given no addresses takes none).
         if *old == *addresses {
             return;
         }
