@@ -753,6 +753,10 @@ fn identities_made_and_dropped_in_the_restart_fence_go_while_a_known_node_is_awa
     let fresh = ok(h.allocate_now(N2, s2, "app=fresh"));
     ok(h.upsert(N2, c2, 1, mk_endpoint("fresh-0", fresh.get(), "app=fresh")));
     ok(h.delete(N2, c2, 2, "fresh-0"));
+    assert!(
+        matches!(h.state(fresh.get()), Some(IdentityState::Protected { .. })),
+        "until the fence's node TTL, the fence keeps {fresh} too"
+    );
     for seq in 3..13 {
         ok(h.snapshot(N2, c2, seq, vec![]));
         h.advance(ms(1_000));

@@ -46,6 +46,9 @@ use self::{
 use super::*;
 
 const AGENTS: usize = 3;
+/// Store writes answered in a row before a settling world is taken to loop (a
+/// healthy one writes at most about a hundred).
+const SETTLE_OPS: usize = 2_000;
 const PODS: u8 = 6;
 
 impl Sim {

@@ -16,7 +16,7 @@ use super::{
         AgentMsg, AllocError, CloseReason, ConnId, Harness, IpAddr, Ipv4Addr, ModelStore,
         RequestId, StoreError, StoreOp, SyncError, Timestamp, key, labels, ms, node, session,
     },
-    AGENTS,
+    AGENTS, SETTLE_OPS,
     actions::{Action, Answer, Fate, RebindFate, STALE_VIEW_LIMIT, Setup},
     truth::{Delivered, Start, Truth},
 };
@@ -1179,8 +1179,14 @@ impl Sim {
             while !self.events.is_empty() {
                 self.store_event();
             }
+            let mut answered = 0;
             while let Some(op) = self.h.pop_pending() {
                 self.answer(op, Answer::Ok);
+                answered += 1;
+                assert!(
+                    answered <= SETTLE_OPS,
+                    "the world does not settle: {answered} store writes in a row, each answered"
+                );
             }
             for i in 0..AGENTS {
                 while !self.agents[i].inbox.is_empty() {
