@@ -404,9 +404,13 @@ fn list(root: &Path, diff: Option<&Path>) -> anyhow::Result<Vec<String>> {
         );
     }
     let text = String::from_utf8(output.stdout).context("cargo mutants printed non-UTF-8")?;
+    // `--exclude-re` passes some mutants (deleted struct fields), so equivalent
+    // mutants are also taken out of the figures here.
+    let equivalent = regex::RegexSet::new(EQUIVALENT.iter().map(|(re, _)| *re))
+        .context("the EQUIVALENT patterns")?;
     Ok(text
         .lines()
-        .filter(|l| !l.is_empty())
+        .filter(|l| !l.is_empty() && !equivalent.is_match(l))
         .map(str::to_owned)
         .collect())
 }
