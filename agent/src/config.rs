@@ -1,6 +1,12 @@
 //! census-agent's command line. Every flag has a `CENSUS_*` environment variable.
 
-use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
+use std::{
+    fmt,
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    str::FromStr,
+    time::Duration,
+};
 
 use census_proto::domain::NodeName;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -161,6 +167,12 @@ pub struct DatapathArgs {
     /// (`--log info,census_datapath=debug`).
     #[arg(long, env = "CENSUS_DATAPATH_LOG", value_enum, default_value_t = DatapathLog::Off)]
     pub datapath_log: DatapathLog,
+    /// The node's own addresses (repeat the flag, or a comma-separated list; the
+    /// DaemonSet passes the downward API's `status.hostIPs`): census never attaches
+    /// to a device holding one. A device a default route leaves by is refused
+    /// without it.
+    #[arg(long = "node-ip", env = "CENSUS_NODE_IPS", value_delimiter = ',')]
+    pub node_ips: Vec<IpAddr>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -351,7 +363,15 @@ mod tests {
             "--nodes-max-entries",
             "5000",
             "--reassert-order",
+            "--node-ip",
+            "198.19.80.1,2001:db8::1",
+            "--node-ip",
+            "198.19.80.2",
         ])?;
+        assert_eq!(
+            cli.agent.datapath.node_ips,
+            ["198.19.80.1", "2001:db8::1", "198.19.80.2"].map(|ip| ip.parse::<IpAddr>().unwrap())
+        );
         assert_eq!(cli.agent.datapath.attach_mode, AttachModeArg::Tc);
         assert_eq!(cli.agent.datapath.flows_max_entries, 1024);
         assert_eq!(cli.agent.datapath.endpoints_max_entries, 600_000);
@@ -363,6 +383,7 @@ mod tests {
             ["--endpoints-max-entries", "0"],
             ["--nodes-max-entries", "0"],
             ["--nodes-max-entries", "65536"],
+            ["--node-ip", "198.19.80"],
         ] {
             assert!(Cli::try_parse_from([&["census-agent"][..], &bad[..]].concat()).is_err());
         }

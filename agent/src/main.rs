@@ -110,6 +110,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         nodes_max_entries,
         reassert_order,
         datapath_log,
+        node_ips,
     } = datapath;
     let datapath_options = bpf::DatapathOptions {
         attach_mode: attach_mode.into(),
@@ -117,6 +118,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         endpoints_max_entries: Some(endpoints_max_entries),
         nodes_max_entries: Some(nodes_max_entries),
         datapath_log,
+        node_addresses: node_ips.into_iter().collect(),
     };
     let datapath = Datapath::open_waiting(&pin_dir, &datapath_options, |holder| {
         tracing::warn!(

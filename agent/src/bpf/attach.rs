@@ -5,7 +5,9 @@
 //! Interface names are resolved in the calling thread's network namespace.
 
 use std::{
+    collections::BTreeSet,
     fmt, fs,
+    net::IpAddr,
     path::{Path, PathBuf},
 };
 
@@ -18,7 +20,7 @@ use census_common::{PROGRAM_EGRESS, PROGRAM_INGRESS};
 use nix::net::if_::if_nametoindex;
 
 use super::{
-    AttachMode, Datapath, Error, netlink,
+    AttachMode, Datapath, Error, NodeRole, netlink,
     pins::{detach_and_unpin, open_tcx_link, parse_link_name},
     sys,
     tc::{self, TcRecord},
@@ -174,7 +176,9 @@ impl Datapath {
     /// mode goes.
     ///
     /// Only an endpoint's own device is accepted: a veth or netkit with an
-    /// Ethernet link type ([`Error::UnsupportedInterface`] otherwise).
+    /// Ethernet link type ([`Error::UnsupportedInterface`] otherwise), and not
+    /// one of the node's ([`Error::NodeInterface`]: a device a default route
+    /// leaves by, or holding one of the node's addresses).
     ///
     /// The interface's INTERFACES entry ([`Datapath::set_interface`]) is the
     /// caller's to write, once this has returned.
@@ -182,6 +186,7 @@ impl Datapath {
         check_interface_name(interface)?;
         let ifindex = ifindex(interface)?;
         check_endpoint_device(interface, ifindex)?;
+        check_not_the_nodes(interface, ifindex, &self.node_addresses)?;
         let (ingress, egress) = match self.mode {
             AttachMode::Tcx => (
                 self.attach_one(interface, ifindex, Direction::Ingress)?,
@@ -519,6 +524,44 @@ fn check_endpoint_device(interface: &str, ifindex: u32) -> Result<(), Error> {
             kind: link.kind,
             ethernet: link.ethernet,
         })
+    }
+}
+
+/// Refuses one of the node's own devices, whatever its kind (a node in a
+/// container has veth uplinks): one a default route leaves by, or one holding an
+/// address of the node's (`--node-ip`). Counting there would give the node's
+/// traffic an endpoint's identity. A pod's device may hold addresses of its own,
+/// as a gateway (`ptp` puts the gateway on every pod's host side).
+fn check_not_the_nodes(
+    interface: &str,
+    ifindex: u32,
+    node_addresses: &BTreeSet<IpAddr>,
+) -> Result<(), Error> {
+    let netlink_error = |operation| {
+        move |source| Error::Netlink {
+            operation,
+            interface: interface.to_owned(),
+            source,
+        }
+    };
+    let uplinks =
+        netlink::default_route_interfaces().map_err(netlink_error("reading the default routes"))?;
+    if uplinks.contains(&ifindex) {
+        return Err(Error::NodeInterface {
+            interface: interface.to_owned(),
+            role: NodeRole::DefaultRoute,
+        });
+    }
+    if node_addresses.is_empty() {
+        return Ok(());
+    }
+    let held = netlink::addresses(ifindex).map_err(netlink_error("reading the addresses"))?;
+    match held.into_iter().find(|ip| node_addresses.contains(ip)) {
+        Some(address) => Err(Error::NodeInterface {
+            interface: interface.to_owned(),
+            role: NodeRole::Address(address),
+        }),
+        None => Ok(()),
     }
 }
 

@@ -277,6 +277,12 @@ pub enum Error {
         ethernet: bool,
     },
 
+    #[error(
+        "{interface} is one of the node's own devices ({role}): census attaches only to an \
+         endpoint's own device, where every packet is the endpoint's"
+    )]
+    NodeInterface { interface: String, role: NodeRole },
+
     #[error("pinning map {map} again at {path} failed")]
     Repin {
         map: &'static str,
@@ -324,5 +330,23 @@ pub struct CapabilityList(pub Vec<&'static str>);
 impl fmt::Display for CapabilityList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0.join(", "))
+    }
+}
+
+/// Why an interface is the node's, not an endpoint's ([`Error::NodeInterface`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeRole {
+    /// A default route leaves by it: the node's uplink.
+    DefaultRoute,
+    /// It holds this address of the node's (`--node-ip`).
+    Address(IpAddr),
+}
+
+impl fmt::Display for NodeRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DefaultRoute => f.write_str("a default route leaves by it: the node's uplink"),
+            Self::Address(ip) => write!(f, "it holds the node's address {ip}"),
+        }
     }
 }

@@ -2,7 +2,9 @@
 //! both programs verified by the kernel.
 
 use std::{
+    collections::BTreeSet,
     fmt,
+    net::IpAddr,
     os::fd::OwnedFd,
     path::{Path, PathBuf},
     time::Duration,
@@ -58,6 +60,8 @@ pub struct Datapath {
     /// full: the first such failure is logged as a warning, the others not until a
     /// write succeeds again.
     pub(super) endpoints_full: bool,
+    /// The node's own addresses ([`Options::node_addresses`]).
+    pub(super) node_addresses: BTreeSet<IpAddr>,
     /// Forwards the programs' aya-log records into `tracing` while logging is on.
     _log: Option<LogForwarder>,
 }
@@ -227,6 +231,7 @@ impl Datapath {
             endpoints_max_entries,
             nodes_max_entries,
             endpoints_full: false,
+            node_addresses: options.node_addresses.clone(),
             _log: log,
         })
     }
@@ -298,7 +303,7 @@ impl Datapath {
 }
 
 /// How [`Datapath::open_with_options`] loads the datapath.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Options {
     /// TCX, TC filters, or TCX where the kernel has it (probed).
     pub attach_mode: AttachModeChoice,
@@ -314,6 +319,9 @@ pub struct Options {
     /// The least severe of the programs' aya-log events forwarded into `tracing`
     /// (off by default).
     pub datapath_log: DatapathLog,
+    /// The node's own addresses (`--node-ip`; Kubernetes gives them to a pod as
+    /// `status.hostIPs`): [`Datapath::attach`] refuses a device holding one.
+    pub node_addresses: BTreeSet<IpAddr>,
 }
 
 /// Cumulative run statistics of one program, kept by the kernel while run-time

@@ -43,7 +43,7 @@ mod tc;
 pub use self::log::DatapathLog;
 pub use attach::{AttachOutcome, Attached, Attachment, AttachmentState, Direction, InFront};
 pub use census_common::{EndpointKey, LAYOUT_VERSION, identity, interface_slot};
-pub use error::{CapabilityList, Error};
+pub use error::{CapabilityList, Error, NodeRole};
 pub use inspect::{InspectError, Inspector, PinnedMapInfo, map_type_name};
 pub use loader::{
     Datapath, Options as DatapathOptions, ProgramStats, TestContext, TestRunOutcome,

@@ -1,15 +1,17 @@
 //! The rtnetlink requests attaching with TC filters needs and aya 0.14 does not
 //! expose: the filters on a clsact hook (to order census's before them, and to
-//! find census's own), deleting one filter, and an interface's kind and link
-//! type. Synchronous sockets opened per request in the calling thread's network
+//! find census's own), deleting one filter, an interface's kind and link type,
+//! its addresses, and the interfaces default routes leave by. Synchronous sockets opened per request in the calling thread's network
 //! namespace, as the route lookup of the pod source does.
 
-use std::io;
+use std::{collections::BTreeSet, io, net::IpAddr};
 
 use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
 use netlink_packet_route::{
-    RouteNetlinkMessage,
+    AddressFamily, RouteNetlinkMessage,
+    address::{AddressAttribute, AddressMessage},
     link::{InfoKind, LinkAttribute, LinkInfo, LinkLayerType, LinkMessage},
+    route::{RouteAttribute, RouteHeader, RouteMessage, RouteType},
     tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
@@ -207,6 +209,69 @@ pub(super) fn link_kind(ifindex: u32) -> io::Result<LinkKind> {
         kind,
         ethernet: link.header.link_layer_type == LinkLayerType::Ether,
     })
+}
+
+/// The addresses interface `ifindex` holds (each address's own: `IFA_LOCAL`
+/// where the kernel gives one, as for a point-to-point peer, else `IFA_ADDRESS`).
+pub(super) fn addresses(ifindex: u32) -> io::Result<Vec<IpAddr>> {
+    let answers = exchange(
+        RouteNetlinkMessage::GetAddress(AddressMessage::default()),
+        NLM_F_DUMP,
+    )?;
+    Ok(answers
+        .into_iter()
+        .filter_map(|answer| match answer {
+            RouteNetlinkMessage::NewAddress(message) if message.header.index == ifindex => {
+                Some(message)
+            }
+            _ => None,
+        })
+        .filter_map(|message| {
+            let (mut local, mut address) = (None, None);
+            for attribute in message.attributes {
+                match attribute {
+                    AddressAttribute::Local(ip) => local = Some(ip),
+                    AddressAttribute::Address(ip) => address = Some(ip),
+                    _ => {}
+                }
+            }
+            local.or(address)
+        })
+        .collect())
+}
+
+/// The interfaces the node's default routes leave by, IPv4 and IPv6, in every
+/// routing table but `local` (policy routing keeps an uplink's default route in
+/// a table of its own), every next hop of a multipath route: the node's uplinks.
+pub(super) fn default_route_interfaces() -> io::Result<BTreeSet<u32>> {
+    let mut interfaces = BTreeSet::new();
+    for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+        let mut request = RouteMessage::default();
+        request.header.address_family = family;
+        request.header.table = RouteHeader::RT_TABLE_UNSPEC;
+        for answer in exchange(RouteNetlinkMessage::GetRoute(request), NLM_F_DUMP)? {
+            let RouteNetlinkMessage::NewRoute(route) = answer else {
+                continue;
+            };
+            if route.header.destination_prefix_length != 0
+                || route.header.kind != RouteType::Unicast
+            {
+                continue;
+            }
+            for attribute in &route.attributes {
+                match attribute {
+                    RouteAttribute::Oif(oif) => {
+                        interfaces.insert(*oif);
+                    }
+                    RouteAttribute::MultiPath(hops) => {
+                        interfaces.extend(hops.iter().map(|hop| hop.interface_index));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok(interfaces)
 }
 
 fn index(ifindex: u32) -> io::Result<i32> {

@@ -1,16 +1,20 @@
 //! Attach modes against the kernel: TC filters ordered before the filters already
 //! there and adopted across restarts (also without their record), a switch
 //! between modes leaving one program per hook, and only a pod's own device
-//! accepted (macvlan, a NIC, the node's uplink refused).
+//! accepted (macvlan, a NIC, the node's uplink and a device holding a node
+//! address refused; a pod gateway's address accepted).
 
 use census_agent::{
-    bpf::{AttachMode, AttachModeChoice, AttachOutcome, Datapath, DatapathOptions, Error},
+    bpf::{
+        AttachMode, AttachModeChoice, AttachOutcome, Datapath, DatapathOptions, Error, NodeRole,
+    },
     source::kubernetes::{InterfaceLookup, RouteError, RouteLookup},
 };
 use census_netlab::Lab;
 
 use super::support::{
-    Fallible, PinDir, TestResult, frame_len, register, send, tc_filters, tcx_hook_programs,
+    Fallible, PinDir, TestResult, frame_len, hook_programs, register, send, tc_filters,
+    tcx_hook_programs,
 };
 
 const POD_A: u32 = 2000;
@@ -255,7 +259,8 @@ fn a_macvlan_pod_address_and_the_nodes_uplink_are_refused() -> TestResult {
     }
 
     // A node in a container: its uplink is a veth, holding the node's address
-    // and its default route. A pod address on its subnet is not a pod's device.
+    // and its default route. A pod address on its subnet routes there, and the
+    // datapath refuses it, named by the route or directly.
     node.ip(&[
         "link", "add", "uplink0", "type", "veth", "peer", "name", "uplink0p",
     ])?;
@@ -272,9 +277,84 @@ fn a_macvlan_pod_address_and_the_nodes_uplink_are_refused() -> TestResult {
         "uplink0",
     ])?;
     let ip = "198.19.70.9".parse()?;
-    match node.run(|| RouteLookup.host_interface(ip))? {
-        Err(RouteError::Uplink { interface, .. }) => assert_eq!(interface, "uplink0"),
-        other => return Err(format!("expected Uplink, got {other:?}").into()),
+    let routed = node.run(|| RouteLookup.host_interface(ip))??;
+    assert_eq!(routed, "uplink0");
+    match node.run(|| datapath.attach(&routed))? {
+        Err(
+            error @ Error::NodeInterface {
+                role: NodeRole::DefaultRoute,
+                ..
+            },
+        ) => {
+            assert!(error.to_string().contains("uplink0"), "{error}");
+        }
+        other => return Err(format!("expected NodeInterface, got {other:?}").into()),
+    }
+    assert_no_census_hooks(&lab, "uplink0")?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_device_holding_a_node_address_is_refused_and_a_pod_gateway_accepted() -> TestResult {
+    let pins = PinDir::new();
+    let lab = Lab::new()?;
+    let node = lab.node();
+    // A second network of the node's (storage, say) on a veth, without a default
+    // route: the node's address 198.19.80.1 is on it (`--node-ip`).
+    node.ip(&[
+        "link",
+        "add",
+        "storage0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "storage0p",
+    ])?;
+    node.ip(&["addr", "add", "198.19.80.1/24", "dev", "storage0"])?;
+    node.ip(&["link", "set", "storage0", "up"])?;
+    // A pod's device as `ptp` makes it: the pod's gateway on the host side.
+    node.ip(&[
+        "link", "add", "ptp0", "type", "veth", "peer", "name", "ptp0p",
+    ])?;
+    node.ip(&["addr", "add", "198.19.81.1/32", "dev", "ptp0"])?;
+    node.ip(&["link", "set", "ptp0", "up"])?;
+    let options = DatapathOptions {
+        attach_mode: crate::support::attach_mode(),
+        node_addresses: ["198.19.80.1".parse()?, "2001:db8:80::1".parse()?].into(),
+        ..DatapathOptions::default()
+    };
+    let mut datapath = Datapath::open_with_options(pins.path(), &options)?;
+    match node.run(|| datapath.attach("storage0"))? {
+        Err(
+            error @ Error::NodeInterface {
+                role: NodeRole::Address(address),
+                ..
+            },
+        ) => {
+            assert_eq!(address, "198.19.80.1".parse::<std::net::IpAddr>()?);
+            let text = error.to_string();
+            assert!(
+                text.contains("storage0") && text.contains("198.19.80.1"),
+                "{text}"
+            );
+        }
+        other => return Err(format!("expected NodeInterface, got {other:?}").into()),
+    }
+    assert_no_census_hooks(&lab, "storage0")?;
+    node.run(|| datapath.attach("ptp0"))??;
+    // Without the node's addresses, the storage network's device is taken for a pod's.
+    drop(datapath);
+    let mut unaware = open(&pins, crate::support::attach_mode())?;
+    node.run(|| unaware.attach("storage0"))??;
+    Ok(())
+}
+
+/// Nothing on either hook of `interface`: no TCX program, no TC filter.
+fn assert_no_census_hooks(lab: &Lab, interface: &str) -> TestResult {
+    for (hook, programs) in hook_programs(lab, interface)? {
+        assert!(programs.is_empty(), "{interface} {hook}: {programs:?}");
     }
     Ok(())
 }

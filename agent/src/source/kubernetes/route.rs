@@ -21,9 +21,9 @@
 //! Only a veth or netkit device with an Ethernet link type is a pod's own
 //! (the classifier parses an Ethernet header): a pod address on a connected
 //! subnet of the node's NIC (macvlan and ipvlan CNIs) routes to the NIC, which
-//! would give the whole node's traffic that pod's identity. And never the
-//! node's uplink, the device of its default route, which holds the node's
-//! addresses, whatever its kind (a node in a container has a veth uplink).
+//! would give the whole node's traffic that pod's identity. Whether a veth is one
+//! of the node's own (its uplink, when the node is a container) is the
+//! datapath's to refuse when attaching (`Datapath::attach`), for every source.
 
 use std::{io, net::IpAddr};
 
@@ -96,10 +96,6 @@ pub enum RouteError {
         kind: Option<String>,
         ethernet: bool,
     },
-    #[error(
-        "{ip} is routed to {interface}, the node's uplink (its default route), which holds the node's addresses"
-    )]
-    Uplink { ip: IpAddr, interface: String },
 }
 
 fn describe(kind: Option<&str>, ethernet: bool) -> String {
@@ -166,32 +162,8 @@ impl InterfaceLookup for RouteLookup {
                 ethernet: link.ethernet,
             });
         }
-        if uplink(&socket, ip) == Some(index) {
-            return Err(RouteError::Uplink {
-                ip,
-                interface: link.name,
-            });
-        }
         Ok(link.name)
     }
-}
-
-/// The output device of the node's default route for `ip`'s family (the route
-/// to an address no pod or node subnet holds), if it has one.
-fn uplink(socket: &Socket, ip: IpAddr) -> Option<u32> {
-    let outside: IpAddr = match ip {
-        // TEST-NET-3 and the IPv6 documentation prefix: only a default route leads there.
-        IpAddr::V4(_) => [203, 0, 113, 1].into(),
-        IpAddr::V6(_) => "2001:db8::1".parse().ok()?,
-    };
-    let route = route_to(socket, outside).ok()?;
-    if route.header.kind != RouteType::Unicast {
-        return None;
-    }
-    route.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Oif(oif) => Some(*oif),
-        _ => None,
-    })
 }
 
 fn unroutable(ip: IpAddr, kind: &'static str) -> RouteError {
