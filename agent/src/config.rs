@@ -368,10 +368,12 @@ mod tests {
             "--node-ip",
             "198.19.80.2",
         ])?;
-        assert_eq!(
-            cli.agent.datapath.node_ips,
-            ["198.19.80.1", "2001:db8::1", "198.19.80.2"].map(|ip| ip.parse::<IpAddr>().unwrap())
-        );
+        let expected: [IpAddr; 3] = [
+            [198, 19, 80, 1].into(),
+            IpAddr::V6(std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1)),
+            [198, 19, 80, 2].into(),
+        ];
+        assert_eq!(cli.agent.datapath.node_ips, expected);
         assert_eq!(cli.agent.datapath.attach_mode, AttachModeArg::Tc);
         assert_eq!(cli.agent.datapath.flows_max_entries, 1024);
         assert_eq!(cli.agent.datapath.endpoints_max_entries, 600_000);
