@@ -7,15 +7,21 @@
 //! values (a per-CPU cursor), then tail-calls the program in slot 0 of
 //! `BENCH_TARGET` (census's classifier, or `bench_empty` to measure the floor:
 //! the cycler and an empty program).
+//!
+//! `bench_lookup_src`/`bench_lookup_dst` are a second reference: one lookup of
+//! the cycled address in `BENCH_ENDPOINTS`, a map made and filled as census's
+//! ENDPOINTS is. The memory of one lookup among that many entries is what no
+//! classifier that names the peer by its address can avoid.
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
     bindings::TC_ACT_UNSPEC,
     macros::{classifier, map},
-    maps::{Array, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, PerCpuArray, ProgramArray},
     programs::TcContext,
 };
+use census_common::{ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue};
 
 #[map(name = "BENCH_TARGET")]
 static TARGET: ProgramArray = ProgramArray::with_max_entries(1, 0);
@@ -27,6 +33,16 @@ static CONFIG: Array<u32> = Array::with_max_entries(2, 0);
 
 #[map(name = "BENCH_CURSOR")]
 static CURSOR: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
+/// Shaped and flagged as census's ENDPOINTS; the bench sizes and fills it alike.
+#[map(name = "BENCH_ENDPOINTS")]
+static ENDPOINTS: HashMap<EndpointKey, EndpointValue> =
+    HashMap::with_max_entries(ENDPOINTS_MAX_ENTRIES, ENDPOINTS_MAP_FLAGS);
+
+/// Where the lookups leave the identity they found, so that they are not
+/// optimized away.
+#[map(name = "BENCH_SINK")]
+static SINK: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "license")]
@@ -63,6 +79,54 @@ fn bench_cycle_v6_src(ctx: TcContext) -> i32 {
 #[classifier]
 fn bench_cycle_v6_dst(ctx: TcContext) -> i32 {
     cycle::<IPV6_DST_LAST>(&ctx)
+}
+
+/// One ENDPOINTS-like lookup of the packet's source address.
+#[classifier]
+fn bench_lookup_src(ctx: TcContext) -> i32 {
+    lookup::<0>(&ctx)
+}
+
+/// One ENDPOINTS-like lookup of the packet's destination address.
+#[classifier]
+fn bench_lookup_dst(ctx: TcContext) -> i32 {
+    lookup::<1>(&ctx)
+}
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+
+/// Looks up address `WHICH` (0 the source, 1 the destination) of an IPv4 or
+/// IPv6 packet, as census's classifier reads it.
+#[inline(always)]
+fn lookup<const WHICH: usize>(ctx: &TcContext) -> i32 {
+    #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
+    let protocol = u16::from_be(ctx.skb.protocol() as u16);
+    let (start, end) = (ctx.data(), ctx.data_end());
+    let key = if protocol == ETH_P_IP {
+        let offset = ETH_HLEN + 12 + WHICH * 4;
+        if start + offset + 4 > end {
+            return TC_ACT_UNSPEC;
+        }
+        // SAFETY: bounds checked above.
+        EndpointKey::v4_word(unsafe { core::ptr::read_unaligned((start + offset) as *const u32) })
+    } else {
+        let offset = ETH_HLEN + 8 + WHICH * 16;
+        if start + offset + 16 > end {
+            return TC_ACT_UNSPEC;
+        }
+        // SAFETY: bounds checked above.
+        EndpointKey::v6_words(unsafe {
+            core::ptr::read_unaligned((start + offset) as *const [u32; 4])
+        })
+    };
+    // SAFETY: the value is copied out at once.
+    let identity = unsafe { ENDPOINTS.get(&key) }.map_or(0, |ep| ep.identity);
+    if let Some(sink) = SINK.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot.
+        unsafe { *sink = identity };
+    }
+    TC_ACT_UNSPEC
 }
 
 #[inline(always)]
