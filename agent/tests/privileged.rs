@@ -9,6 +9,8 @@
 mod attach;
 #[path = "privileged/cli.rs"]
 mod cli;
+#[path = "privileged/count_once.rs"]
+mod count_once;
 #[path = "privileged/datapath_stats.rs"]
 mod datapath_stats;
 #[path = "privileged/endpoint_map.rs"]

@@ -8,7 +8,8 @@
 //! nothing leaves the lab.
 //!
 //! A [`Cluster`] is two such nodes joined by a veth pair and routed to each other,
-//! each with its own pods, for what spans nodes. A [`Masquerade`] is a router
+//! each with its own pods, for what spans nodes; [`kube_proxy`] gives its nodes
+//! Services the way kube-proxy's iptables mode does. A [`Masquerade`] is a router
 //! namespace between two namespaces that source-NATs what one sends the other.
 //!
 //! Every namespace is a guard: dropping it (also while a failing test unwinds)
@@ -27,6 +28,7 @@
 pub mod certs;
 mod cluster;
 mod error;
+pub mod kube_proxy;
 mod lab;
 mod nat;
 mod netns;
@@ -38,4 +40,4 @@ pub use error::Error;
 pub use lab::{Lab, Pod};
 pub use nat::{Masquerade, TO_ROUTER};
 pub use netns::{ChildGuard, Netns, unique_name};
-pub use traffic::{UdpReceiver, UdpSender, exchange_udp, udp_echo};
+pub use traffic::{UdpReceiver, UdpSender, exchange_udp, udp_echo, udp_echo_through};

@@ -18,9 +18,14 @@ pub struct UdpReceiver {
 impl UdpReceiver {
     /// Binds `ip`, port chosen by the kernel, inside `ns`.
     pub fn bind(ns: &Netns, ip: IpAddr) -> Result<Self, Error> {
-        let what = format!("binding a UDP socket to {ip} in {}", ns.name());
+        Self::bind_addr(ns, SocketAddr::new(ip, 0))
+    }
+
+    /// Binds `addr` (port 0: chosen by the kernel) inside `ns`.
+    pub fn bind_addr(ns: &Netns, addr: SocketAddr) -> Result<Self, Error> {
+        let what = format!("binding a UDP socket to {addr} in {}", ns.name());
         let socket = ns
-            .run(|| UdpSocket::bind(SocketAddr::new(ip, 0)))?
+            .run(|| UdpSocket::bind(addr))?
             .map_err(Error::io(what.clone()))?;
         let addr = socket.local_addr().map_err(Error::io(what))?;
         Ok(Self { socket, addr })
@@ -120,6 +125,41 @@ pub fn udp_echo(
 ) -> Result<usize, Error> {
     let server = UdpReceiver::bind(server_ns, server_ip)?;
     let client = UdpReceiver::bind(client_ns, client_ip)?;
+    let target = server.addr;
+    echo(&client, target, &server, count, payload, wait)
+}
+
+/// [`udp_echo`] through another address: the client sends to `target` (a
+/// Service address and port, say), which the network leads to the server bound
+/// to `server` in `server_ns` (the Service's endpoint: its port is the one the
+/// rules translate to). The client takes replies from whatever source they come.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "both ends and the exchange's shape"
+)]
+pub fn udp_echo_through(
+    client_ns: &Netns,
+    client_ip: IpAddr,
+    target: SocketAddr,
+    server_ns: &Netns,
+    server: SocketAddr,
+    count: usize,
+    payload: usize,
+    wait: Duration,
+) -> Result<usize, Error> {
+    let server = UdpReceiver::bind_addr(server_ns, server)?;
+    let client = UdpReceiver::bind(client_ns, client_ip)?;
+    echo(&client, target, &server, count, payload, wait)
+}
+
+fn echo(
+    client: &UdpReceiver,
+    target: SocketAddr,
+    server: &UdpReceiver,
+    count: usize,
+    payload: usize,
+    wait: Duration,
+) -> Result<usize, Error> {
     let request = vec![0xc5u8; payload];
     let mut buf = vec![0u8; 65_536];
     for socket in [&server.socket, &client.socket] {
@@ -131,8 +171,8 @@ pub fn udp_echo(
     for _ in 0..count {
         client
             .socket
-            .send_to(&request, server.addr)
-            .map_err(Error::io(format!("sending a request to {}", server.addr)))?;
+            .send_to(&request, target)
+            .map_err(Error::io(format!("sending a request to {target}")))?;
         let from = match server.socket.recv_from(&mut buf) {
             Ok((len, from)) => {
                 server

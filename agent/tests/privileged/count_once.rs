@@ -1,0 +1,279 @@
+//! Each packet counted once in the cluster, with both identities after address
+//! translation (docs/design.md, "Counting traffic once"): two nodes' datapaths,
+//! each attached to its own pods, kube-proxy's iptables rules on both nodes, and
+//! the sum of both nodes' FLOWS compared with what each path's row says.
+//!
+//! The direct rows hold today. The Service rows are the rule's, which the
+//! classifier does not follow yet: today a request through a Service is counted as
+//! (client, world) where it leaves the client and its reply, arriving from the
+//! Service address, is counted again on the client's node when its backend is on
+//! the other node. They are in `needs_count_once::`, which `cargo xtask
+//! test-privileged` skips until the rule is built; run them by name to see how far
+//! today's classifier is from it.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr, SocketAddrV4},
+    num::NonZeroU16,
+    time::Duration,
+};
+
+use census_agent::bpf::{Datapath, Endpoint, Interface, identity};
+use census_netlab::{
+    Cluster, Pod, Side,
+    kube_proxy::{self, Protocol, Service, service_ip},
+    udp_echo, udp_echo_through,
+};
+
+use super::support::{Fallible, PinDir, TestResult, endpoint_flows, frame_len, open_datapath};
+
+const COUNT: usize = 20;
+const PAYLOAD: usize = 64;
+const WAIT: Duration = Duration::from_secs(1);
+/// How long the lab waits for its links' start-up chatter before a test begins.
+const SETTLE: Duration = Duration::from_millis(300);
+const NODE_A: NonZeroU16 = NonZeroU16::new(1).unwrap();
+const NODE_B: NonZeroU16 = NonZeroU16::new(2).unwrap();
+/// The Service's port, and the port its endpoints listen on.
+const SERVICE_PORT: u16 = 8053;
+const TARGET_PORT: u16 = 5353;
+
+/// (source identity, destination identity) -> (packets, bytes), over every node.
+type Counts = BTreeMap<(u32, u32), (u64, u64)>;
+
+/// Two nodes, pods on each with an identity of their own, both nodes' datapaths
+/// attached to their own pods and knowing every pod (their own LOCAL, the
+/// others' REMOTE with their node), and kube-proxy's fixed chains on both.
+struct Lab {
+    cluster: Cluster,
+    pods: Vec<(Side, Pod, u32)>,
+    datapaths: [Datapath; 2],
+    _pins: [PinDir; 2],
+    /// What FLOWS held when the lab was ready.
+    before: Counts,
+}
+
+impl Lab {
+    /// `pods`: the side and identity of each pod to create.
+    fn new(pods: &[(Side, u32)]) -> Fallible<Self> {
+        let mut cluster = Cluster::new("count-a", "count-b")?;
+        let pins = [PinDir::new(), PinDir::new()];
+        let mut datapaths = [
+            open_datapath(pins[0].path())?,
+            open_datapath(pins[1].path())?,
+        ];
+        let mut created = Vec::new();
+        for &(side, identity) in pods {
+            created.push((side, cluster.add_pod(side)?, identity));
+        }
+        for (at, datapath) in [Side::A, Side::B].into_iter().zip(&mut datapaths) {
+            for (side, pod, identity) in &created {
+                let endpoint = if *side == at {
+                    let attached = cluster
+                        .node(at)
+                        .ns()
+                        .run(|| datapath.attach(&pod.host_interface))??;
+                    // As the agent does once attached.
+                    datapath.set_interface(Interface {
+                        ifindex: attached.ifindex,
+                        identity: Some(*identity),
+                    })?;
+                    Endpoint::local(*identity)
+                } else {
+                    Endpoint::remote(*identity, node_index(*side))
+                };
+                datapath.upsert_endpoint(pod.ipv4.into(), endpoint)?;
+                datapath.upsert_endpoint(pod.ipv6.into(), endpoint)?;
+            }
+            // The other node's address, as the endpoint map gives it.
+            let other = cluster.node(at.other());
+            datapath.upsert_endpoint(
+                other.uplink_ip(false),
+                Endpoint::remote(identity::REMOTE_NODE, node_index(at.other())),
+            )?;
+            kube_proxy::install(cluster.node(at).ns())?;
+        }
+        let mut lab = Self {
+            cluster,
+            pods: created,
+            datapaths,
+            _pins: pins,
+            before: Counts::new(),
+        };
+        // The pods' links came up moments ago: the MLD reports they (and the
+        // nodes' side of their veths) send then, all at once, are not a test's
+        // packets. Whatever landed before the test's traffic is left out.
+        std::thread::sleep(SETTLE);
+        lab.before = lab.totals()?;
+        Ok(lab)
+    }
+
+    fn pod(&self, identity: u32) -> Fallible<&Pod> {
+        self.pods
+            .iter()
+            .find(|(_, _, id)| *id == identity)
+            .map(|(_, pod, _)| pod)
+            .ok_or_else(|| format!("no pod of identity {identity}").into())
+    }
+
+    /// Adds `service` on both nodes, as kube-proxy does on every node.
+    fn add_service(&self, service: &Service) -> TestResult {
+        for side in [Side::A, Side::B] {
+            kube_proxy::add(self.cluster.node(side).ns(), service)?;
+        }
+        Ok(())
+    }
+
+    /// Every node's FLOWS summed since the lab was made (the link-local
+    /// `world -> world` chatter of the namespaces left out).
+    fn counts(&self) -> Fallible<Counts> {
+        let mut counts = self.totals()?;
+        for (pair, (packets, bytes)) in &self.before {
+            if let Some(sum) = counts.get_mut(pair) {
+                sum.0 -= packets;
+                sum.1 -= bytes;
+            }
+        }
+        counts.retain(|_, (packets, _)| *packets > 0);
+        Ok(counts)
+    }
+
+    /// Every node's FLOWS summed.
+    fn totals(&self) -> Fallible<Counts> {
+        let mut counts = Counts::new();
+        for datapath in &self.datapaths {
+            for flow in endpoint_flows(datapath)? {
+                let sum = counts
+                    .entry((flow.src_identity, flow.dst_identity))
+                    .or_default();
+                sum.0 += flow.packets;
+                sum.1 += flow.bytes;
+            }
+        }
+        Ok(counts)
+    }
+}
+
+fn node_index(side: Side) -> NonZeroU16 {
+    match side {
+        Side::A => NODE_A,
+        Side::B => NODE_B,
+    }
+}
+
+/// `COUNT` datagrams each way, each of one `PAYLOAD`-byte UDP frame.
+fn each_way(pairs: &[(u32, u32)]) -> Counts {
+    let bytes = COUNT as u64 * frame_len(PAYLOAD, false);
+    pairs
+        .iter()
+        .map(|&pair| (pair, (COUNT as u64, bytes)))
+        .collect()
+}
+
+const CLIENT: u32 = 1000;
+const BACKEND: u32 = 1001;
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_request_and_its_reply_between_pods_of_one_node_are_counted_once() -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::A, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let replies = udp_echo(
+        &client.ns,
+        client.ipv4.into(),
+        &backend.ns,
+        backend.ipv4.into(),
+        COUNT,
+        PAYLOAD,
+        WAIT,
+    )?;
+    assert_eq!(replies, COUNT);
+    assert_eq!(
+        lab.counts()?,
+        each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_request_and_its_reply_across_nodes_are_counted_once() -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::B, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let replies = udp_echo(
+        &client.ns,
+        client.ipv4.into(),
+        &backend.ns,
+        backend.ipv4.into(),
+        COUNT,
+        PAYLOAD,
+        WAIT,
+    )?;
+    assert_eq!(replies, COUNT);
+    assert_eq!(
+        lab.counts()?,
+        each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+    );
+    Ok(())
+}
+
+/// A ClusterIP Service whose one endpoint is `backend`.
+fn cluster_ip(name: &str, n: u8, backend: &Pod) -> Service {
+    Service {
+        name: name.to_owned(),
+        address: SocketAddrV4::new(service_ip(n), SERVICE_PORT),
+        protocol: Protocol::Udp,
+        endpoints: vec![SocketAddrV4::new(backend.ipv4, TARGET_PORT)],
+        masquerade_all: false,
+    }
+}
+
+/// `COUNT` exchanges from `client` through `service` to `backend`.
+fn through(client: &Pod, service: &Service, backend: &Pod) -> Fallible<usize> {
+    Ok(udp_echo_through(
+        &client.ns,
+        IpAddr::V4(client.ipv4),
+        SocketAddr::V4(service.address),
+        &backend.ns,
+        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
+        COUNT,
+        PAYLOAD,
+        WAIT,
+    )?)
+}
+
+/// The rows of the rule that today's classifier does not follow (see the module
+/// documentation): `cargo xtask test-privileged` skips them.
+mod needs_count_once {
+    use super::*;
+
+    #[test]
+    #[ignore = "the count-once rule (docs/design.md) is not built yet: today (client, world) is counted"]
+    fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() -> TestResult {
+        let lab = Lab::new(&[(Side::A, CLIENT), (Side::A, BACKEND)])?;
+        let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+        let service = cluster_ip("same", 1, backend);
+        lab.add_service(&service)?;
+        assert_eq!(through(client, &service, backend)?, COUNT);
+        assert_eq!(
+            lab.counts()?,
+            each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+        );
+        Ok(())
+    }
+
+    #[test]
+    #[ignore = "the count-once rule (docs/design.md) is not built yet: today (client, world) is counted, and the reply twice"]
+    fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
+        let lab = Lab::new(&[(Side::A, CLIENT), (Side::B, BACKEND)])?;
+        let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+        let service = cluster_ip("other", 2, backend);
+        lab.add_service(&service)?;
+        assert_eq!(through(client, &service, backend)?, COUNT);
+        assert_eq!(
+            lab.counts()?,
+            each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+        );
+        Ok(())
+    }
+}
