@@ -121,7 +121,7 @@ fn lookup<const WHICH: usize>(ctx: &TcContext) -> i32 {
         })
     };
     // SAFETY: the value is copied out at once.
-    let identity = unsafe { ENDPOINTS.get(&key) }.map_or(0, |ep| ep.identity);
+    let identity = unsafe { ENDPOINTS.get(key) }.map_or(0, |ep| ep.identity);
     if let Some(sink) = SINK.get_ptr_mut(0) {
         // SAFETY: this CPU's slot.
         unsafe { *sink = identity };
