@@ -8,7 +8,7 @@
 //! (`CENSUS_TEST_ATTACH_MODE=tcx`, then `tc`). Only these tests need
 //! root: nothing sets a global `runner = "sudo -E"`.
 
-use std::{ffi::OsString, process::Command};
+use std::{ffi::OsString, path::PathBuf, process::Command};
 
 use anyhow::{Context as _, bail};
 
@@ -37,49 +37,116 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     }
     // The tests pin under /sys/fs/bpf, as the agent does on a node.
     setup::mount_bpffs()?;
-    if !no_build_ebpf {
-        ebpf::build(ebpf::Profile::Release)?;
-    }
-    let binaries = cmd::build_binaries(&[
-        "build",
-        "--package",
-        "census-operator",
-        "--package",
-        "census-agent",
-        "--bins",
-    ])?;
-    let binary = |name: &str| {
-        binaries
-            .get(name)
-            .cloned()
-            .with_context(|| format!("cargo built no {name} binary"))
-    };
-    let (operator, agent) = (binary("census-operator")?, binary("census-agent")?);
-    let executables = cmd::build_test_executables(&[
-        "test",
-        "--no-run",
-        "--package",
-        "census-agent",
-        "--test",
-        "privileged",
-        "--test",
-        "e2e",
-    ])?;
+    let suite = Suite::build(no_build_ebpf, Profile::Dev)?;
     // Every test in both attach modes: TCX, and TC filters forced (the path of
     // kernels before 6.6), on this kernel.
     for mode in ["tcx", "tc"] {
-        for executable in &executables {
-            cmd::run(
-                Command::new(executable)
-                    .args(["--ignored", "--test-threads=1"])
-                    // Devices this kernel may lack (ipvlan, netkit, wireguard).
-                    .args(["--skip", "needs_other_kernel::"])
-                    .args(&test_args)
-                    .env("CENSUS_TEST_ATTACH_MODE", mode)
-                    .env("CENSUS_OPERATOR_BIN", &operator)
-                    .env("CENSUS_AGENT_BIN", &agent),
-            )?;
+        // Devices this kernel may lack (ipvlan, netkit, wireguard).
+        for mut command in suite.commands(mode, &["needs_other_kernel::"], &test_args) {
+            cmd::run(&mut command)?;
         }
     }
     Ok(())
+}
+
+/// How the suite is compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Profile {
+    /// cargo's `dev` profile, as `cargo test` builds.
+    Dev,
+    /// `--release`: for an emulated CPU, where debug code is too slow for the
+    /// tests' deadlines.
+    Release,
+}
+
+/// The privileged suite, built: its test executables and the binaries the
+/// end-to-end tests run.
+#[derive(Debug)]
+pub(crate) struct Suite {
+    executables: Vec<PathBuf>,
+    operator: PathBuf,
+    agent: PathBuf,
+}
+
+impl Suite {
+    /// Builds the eBPF object (unless `no_build_ebpf`), the operator and agent
+    /// binaries, and the `privileged` and `e2e` test executables, in `profile`.
+    pub(crate) fn build(no_build_ebpf: bool, profile: Profile) -> anyhow::Result<Self> {
+        if !no_build_ebpf {
+            ebpf::build(ebpf::Profile::Release)?;
+        }
+        let release: &[&str] = match profile {
+            Profile::Dev => &[],
+            Profile::Release => &["--release"],
+        };
+        let binaries = cmd::build_binaries(
+            &[
+                &[
+                    "build",
+                    "--package",
+                    "census-operator",
+                    "--package",
+                    "census-agent",
+                    "--bins",
+                ],
+                release,
+            ]
+            .concat(),
+        )?;
+        let binary = |name: &str| {
+            binaries
+                .get(name)
+                .cloned()
+                .with_context(|| format!("cargo built no {name} binary"))
+        };
+        let (operator, agent) = (binary("census-operator")?, binary("census-agent")?);
+        let executables = cmd::build_test_executables(
+            &[
+                &[
+                    "test",
+                    "--no-run",
+                    "--package",
+                    "census-agent",
+                    "--test",
+                    "privileged",
+                    "--test",
+                    "e2e",
+                ],
+                release,
+            ]
+            .concat(),
+        )?;
+        Ok(Self {
+            executables,
+            operator,
+            agent,
+        })
+    }
+
+    /// One command per test executable running its tests in attach `mode` (`tcx`,
+    /// `tc` or `auto`), one at a time, without the tests whose names contain one
+    /// of `skip`, with `test_args` after.
+    pub(crate) fn commands(
+        &self,
+        mode: &str,
+        skip: &[&str],
+        test_args: &[OsString],
+    ) -> Vec<Command> {
+        self.executables
+            .iter()
+            .map(|executable| {
+                let mut command = Command::new(executable);
+                command.args(["--ignored", "--test-threads=1"]);
+                for name in skip {
+                    command.args(["--skip", name]);
+                }
+                command
+                    .args(test_args)
+                    .env("CENSUS_TEST_ATTACH_MODE", mode)
+                    .env("CENSUS_OPERATOR_BIN", &self.operator)
+                    .env("CENSUS_AGENT_BIN", &self.agent);
+                command
+            })
+            .collect()
+    }
 }
