@@ -15,6 +15,7 @@ mod mutants;
 mod privileged;
 mod setup;
 mod test;
+mod test_kernel;
 
 use clap::{Parser, Subcommand};
 
@@ -42,6 +43,9 @@ enum Command {
     BuildEbpf(ebpf::Options),
     /// Build the privileged tests and run them as root.
     TestPrivileged(privileged::Options),
+    /// Run the privileged suite on Debian 12's 6.1 kernel under qemu/KVM, as root; not
+    /// part of `cargo xtask test`.
+    TestKernel(test_kernel::Options),
     /// Measure the agent: reconcile throughput at 1,000 endpoints, endpoints-file-to-map
     /// latency (p50/p99), RSS at 110 endpoints; as root.
     BenchAgent(bench_agent::Options),
@@ -74,6 +78,7 @@ fn main() -> anyhow::Result<()> {
         Command::Setup(options) => setup::run(options),
         Command::BuildEbpf(options) => ebpf::run(options),
         Command::TestPrivileged(options) => privileged::run(options),
+        Command::TestKernel(options) => test_kernel::run(options),
         Command::BenchAgent(options) => bench_agent::run(options),
         Command::BenchClassifier(options) => bench_classifier::run(options),
         Command::Test(options) => test::run(options),
