@@ -8,7 +8,11 @@
 //! (`CENSUS_TEST_ATTACH_MODE=tcx`, then `tc`). Only these tests need
 //! root: nothing sets a global `runner = "sudo -E"`.
 
-use std::{ffi::OsString, path::PathBuf, process::Command};
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context as _, bail};
 
@@ -126,6 +130,11 @@ impl Suite {
             operator,
             agent,
         })
+    }
+
+    /// The `census-agent` binary the end-to-end tests run.
+    pub(crate) fn agent(&self) -> &Path {
+        &self.agent
     }
 
     /// One command per test executable running its tests in attach `mode` (`tcx`,

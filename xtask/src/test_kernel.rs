@@ -132,7 +132,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         fs::remove_dir_all(&results).with_context(|| format!("removing {}", results.display()))?;
     }
     fs::create_dir_all(&results).with_context(|| format!("creating {}", results.display()))?;
-    let stage2 = stage2_script(&kernel, &commands)?;
+    let stage2 = stage2_script(&kernel, &commands, suite.agent())?;
     let initramfs = cache.join("initramfs.cpio");
     fs::write(&initramfs, initramfs_archive(&kernel, &busybox, &stage2)?)
         .with_context(|| format!("writing {}", initramfs.display()))?;
@@ -425,7 +425,7 @@ exec switch_root /newroot /census-stage2
 
 /// The second stage, run as init on the host's root: mounts, modules, the commands
 /// (each exit status to the results share as `<status> <label>`, then `done`), off.
-fn stage2_script(kernel: &Kernel, commands: &[Command]) -> anyhow::Result<String> {
+fn stage2_script(kernel: &Kernel, commands: &[Command], agent: &Path) -> anyhow::Result<String> {
     let modules = quote(utf8(kernel.modules.as_os_str())?);
     let cwd = std::env::current_dir().context("the current directory")?;
     let mut script = format!(
@@ -449,6 +449,26 @@ ip link set lo up
 ulimit -n {nofile}
 echo "census-test-kernel: in the guest, Linux $(uname -r), $(nproc) CPUs"
 cd {cwd}
+# The agent alone (no operator, no endpoints) in attach mode auto: it must pass
+# its kernel check and choose TC filters here.
+auto_picks_tc() {{
+    dir=$(mktemp -d)
+    echo '[]' > "$dir/endpoints.json"
+    "$1" --node-name test-kernel --endpoints-file "$dir/endpoints.json" \
+        --pin-dir /sys/fs/bpf/census-test-kernel --attach-mode auto --log info \
+        2> "$dir/agent.log" &
+    agent=$!
+    for _ in $(seq 120); do
+        grep -q 'census datapath loaded' "$dir/agent.log" && break
+        kill -0 "$agent" 2> /dev/null || break
+        sleep 1
+    done
+    kill "$agent" 2> /dev/null
+    wait "$agent"
+    cat "$dir/agent.log"
+    "$1" uninstall --pin-dir /sys/fs/bpf/census-test-kernel
+    sed 's/\x1b\[[0-9;]*m//g' "$dir/agent.log" | grep -q 'census datapath loaded.*attach_mode=tc'
+}}
 suite() {{
     label=$1
     shift
@@ -497,6 +517,13 @@ suite() {{
         script.push_str(&line);
         script.push('\n');
     }
+    // The suite's harness knows TCX and TC, not `auto`: this is the agent's own
+    // choice on this kernel, from its log.
+    let _ = writeln!(
+        script,
+        "suite 'census-agent --attach-mode auto picks tc' auto_picks_tc {}",
+        quote(utf8(agent.as_os_str())?)
+    );
     script.push_str(
         "echo done >> /run/census-results/status\n\
          sync\n\
