@@ -235,7 +235,8 @@ pub(crate) fn tc_filters(lab: &Lab, interface: &str, hook: &str) -> Fallible<Vec
 }
 
 /// The names of the programs on each TCX hook of `interface` (in the node
-/// namespace), in order, as the kernel reports them (`BPF_PROG_QUERY`).
+/// namespace), in order, as the kernel reports them (`BPF_PROG_QUERY`); none in
+/// TC mode on a kernel without TCX (before 6.6 the query answers `EINVAL`).
 pub(crate) fn tcx_hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
     let query = || -> Result<Hooks, aya::programs::ProgramError> {
         let mut hooks = Vec::new();
@@ -243,7 +244,16 @@ pub(crate) fn tcx_hook_programs(lab: &Lab, interface: &str) -> Fallible<Hooks> {
             ("ingress", TcAttachType::Ingress),
             ("egress", TcAttachType::Egress),
         ] {
-            let (_, programs) = SchedClassifier::query_tcx(interface, attach_type)?;
+            let programs = match SchedClassifier::query_tcx(interface, attach_type) {
+                Ok((_, programs)) => programs,
+                // A kernel before 6.6 has no TCX hook to query: no TCX program.
+                Err(aya::programs::ProgramError::SyscallError(error))
+                    if error.io_error.raw_os_error() == Some(libc::EINVAL) && tc_mode() =>
+                {
+                    Vec::new()
+                }
+                Err(error) => return Err(error),
+            };
             let names = programs
                 .iter()
                 .map(|p| p.name_as_str().unwrap_or("?").to_owned())
