@@ -8,18 +8,34 @@
 //! packet is, not what its header claims: an endpoint cannot be counted as another
 //! by sending with that one's address.
 //!
-//! Each packet is counted exactly once, also between two endpoints on the same
-//! node:
+//! Each packet is counted exactly once in the cluster, with both identities after
+//! address translation (docs/design.md, "Counting traffic once"):
 //!
-//! - `census_ingress` (host-side ingress: the packet leaves the endpoint) always
-//!   counts; the source is the interface's endpoint;
-//! - `census_egress` (host-side egress: the packet enters the endpoint) counts only
-//!   packets that did not arrive through an interface census counts on
-//!   (`skb->ingress_ifindex` has no INTERFACES entry): the others were counted when
-//!   they left it. Nor does it count packets from a pod on another node (an
-//!   ENDPOINTS entry flagged REMOTE, other than a node address): census on that
-//!   node counted them when they left the pod. The destination is the interface's
-//!   endpoint.
+//! - `census_ingress` (host-side ingress: the packet leaves the endpoint) counts
+//!   every packet, the source being the interface's endpoint, except one for a
+//!   Service address (SERVICES, matched on the address alone: a non-first fragment
+//!   carries no ports). Such a packet is not translated yet (kube-proxy's DNAT runs
+//!   after this hook): it gets census's mark bit instead, and is counted where it
+//!   is seen translated;
+//! - `census_egress` (host-side egress: the packet enters the endpoint) counts a
+//!   marked packet, as (its sender, the endpoint), clearing the bit. Of the
+//!   others it counts only packets that did not arrive through an interface
+//!   census counts on (`skb->ingress_ifindex` has no INTERFACES entry): the others
+//!   were counted when they left it. Nor does it count packets from a pod on
+//!   another node (an ENDPOINTS entry flagged REMOTE, other than a node address):
+//!   census on that node counted them when they left the pod; nor packets from a
+//!   Service address (a reply, reverse-translated on this node: its sender
+//!   counted it when it left). The destination is the interface's endpoint;
+//! - `census_uplink` (egress of an uplink or tunnel device) counts marked packets
+//!   only, as (sender, destination), clearing the bit: a Service request whose
+//!   backend is on another node, translated. Everything else leaving the node was
+//!   counted when it left its endpoint. Cleared here, the bit never leaves the
+//!   node, and a tunnel's outer packet is not counted again.
+//!
+//! The sender of a marked packet is the endpoint behind the interface it came in
+//! by (`skb->ingress_ifindex`'s INTERFACES entry), else its source address: so a
+//! request that kube-proxy masqueraded to the node's address is still its
+//! sender's.
 //!
 //! INTERFACES only ever speeds counting up and pins the local side: without an
 //! entry for an interface (not written yet, or its slot taken by another), both
@@ -51,7 +67,7 @@ use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
     macros::{classifier, map},
-    maps::{Array, HashMap, LruPerCpuHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, lpm_trie::Key},
     programs::TcContext,
 };
 use aya_log_ebpf::{
@@ -62,7 +78,8 @@ use aya_log_ebpf::{
 use census_common::{
     ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES,
     FlowKey, FlowValue, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue,
-    META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue, STATS_MAX_ENTRIES, flags,
+    MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
+    SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAX_ENTRIES, flags,
     identity, interface_slot, stats,
 };
 
@@ -86,6 +103,16 @@ static FLOWS: LruPerCpuHashMap<FlowKey, FlowValue> =
 #[map(name = "INTERFACES")]
 static INTERFACES: Array<InterfaceValue> =
     Array::with_max_entries(INTERFACES_MAX_ENTRIES, INTERFACES_MAP_FLAGS);
+
+/// The cluster's Service addresses, by longest prefix; written by the agent.
+#[map(name = "SERVICES")]
+static SERVICES: LpmTrie<EndpointKey, u32> =
+    LpmTrie::with_max_entries(SERVICES_MAX_ENTRIES, SERVICES_MAP_FLAGS);
+
+/// census's bit of `skb->mark` (`census_common::MARK_BIT_GLOBAL`): the agent sets
+/// it at load, as read-only data, so the verifier sees a constant.
+#[unsafe(no_mangle)]
+static CENSUS_MARK_BIT: u32 = MARK_BIT_DEFAULT;
 
 #[map(name = "STATS")]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_MAX_ENTRIES, 0);
@@ -153,6 +180,12 @@ enum Hook {
 }
 
 #[classifier]
+fn census_uplink(ctx: TcContext) -> i32 {
+    count_marked(&ctx);
+    TC_ACT_UNSPEC
+}
+
+#[classifier]
 fn census_ingress(ctx: TcContext) -> i32 {
     count(&ctx, Hook::Ingress);
     TC_ACT_UNSPEC
@@ -186,16 +219,32 @@ fn count(ctx: &TcContext, hook: Hook) {
         )
     };
     let key = match hook {
-        Hook::Ingress => FlowKey {
-            src_identity: local_identity(ctx, ifindex, &src),
-            dst_identity: identity_of(endpoint(&dst)),
-        },
+        Hook::Ingress => {
+            let to = endpoint(&dst);
+            if to.is_none() && is_service(&dst) {
+                // Counted once translated, where the mark is seen.
+                set_mark(ctx, mark(ctx) | mark_bit());
+                return;
+            }
+            FlowKey {
+                src_identity: local_identity(ctx, ifindex, &src),
+                dst_identity: identity_of(to),
+            }
+        }
+        Hook::Egress if is_marked(ctx) => {
+            clear_mark_bit(ctx);
+            FlowKey {
+                src_identity: sender_identity(ingress_ifindex, &src),
+                dst_identity: local_identity(ctx, ifindex, &dst),
+            }
+        }
         Hook::Egress => {
             if interface(ingress_ifindex).is_some() {
                 // Counted when it left that interface.
                 return;
             }
-            let src = endpoint(&src);
+            let src_key = src;
+            let src = endpoint(&src_key);
             if src.is_some_and(|ep| ep.is_local()) {
                 // From an endpoint whose interface has no entry (yet): it was
                 // counted when it left, by address.
@@ -205,18 +254,111 @@ fn count(ctx: &TcContext, hook: Hook) {
                 // From a pod on another node: counted when it left the pod, there.
                 return;
             }
+            if src.is_none() && is_service(&src_key) {
+                // A reply reverse-translated on this node: counted when it left
+                // its sender.
+                return;
+            }
             FlowKey {
                 src_identity: identity_of(src),
                 dst_identity: local_identity(ctx, ifindex, &dst),
             }
         }
     };
+    add_packet(ctx, family, &key, len, gso_segs);
+}
+
+/// `census_uplink`: counts a marked packet, as (sender, destination), clearing
+/// the bit; nothing else (counted when it left its endpoint).
+#[inline(always)]
+fn count_marked(ctx: &TcContext) {
+    // Before the headers: most packets leaving the node are not marked.
+    if !is_marked(ctx) {
+        return;
+    }
+    clear_mark_bit(ctx);
+    let (family, src, dst) = match frame(ctx) {
+        Frame::Ip(family, src, dst) => (family, src, dst),
+        Frame::NotIp => return,
+        Frame::Truncated(family) => {
+            unparsable(ctx, family);
+            return;
+        }
+    };
+    // SAFETY: as in `count`.
+    let (ingress_ifindex, len, gso_segs) = unsafe {
+        let skb = ctx.skb.skb;
+        ((*skb).ingress_ifindex, (*skb).len, (*skb).gso_segs)
+    };
+    let key = FlowKey {
+        src_identity: sender_identity(ingress_ifindex, &src),
+        dst_identity: identity_of(endpoint(&dst)),
+    };
+    add_packet(ctx, family, &key, len, gso_segs);
+}
+
+/// Counts one packet of `len` bytes and `gso_segs` segments under `key`:
+/// `max(1, gso_segs)` packets, and the link-layer bytes of every segment.
+#[inline(always)]
+fn add_packet(ctx: &TcContext, family: Family, key: &FlowKey, len: u32, gso_segs: u32) {
     let segments = gso_segs.max(1);
     let mut bytes = u64::from(len);
     if segments > 1 {
         bytes += u64::from(segments - 1) * u64::from(header_len(ctx, family));
     }
-    add(ctx, &key, u64::from(segments), bytes);
+    add(ctx, key, u64::from(segments), bytes);
+}
+
+/// census's mark bit, as the agent set it at load.
+#[inline(always)]
+fn mark_bit() -> u32 {
+    // SAFETY: a plain read of a static; volatile so that the compiler keeps the
+    // load the loader's value replaces (read-only data, folded by the verifier).
+    unsafe { core::ptr::read_volatile(&raw const CENSUS_MARK_BIT) }
+}
+
+#[inline(always)]
+fn mark(ctx: &TcContext) -> u32 {
+    // SAFETY: as in `count`; `mark` is a readable field of a TC program's context.
+    unsafe { (*ctx.skb.skb).mark }
+}
+
+#[inline(always)]
+fn set_mark(ctx: &TcContext, mark: u32) {
+    // SAFETY: `mark` is a writable field of a TC program's context; the kernel
+    // passes a valid `__sk_buff` for the program's whole run.
+    unsafe { (*ctx.skb.skb).mark = mark };
+}
+
+/// Whether the packet carries census's mark bit: it left an endpoint for a
+/// Service address, and has not been counted yet.
+#[inline(always)]
+fn is_marked(ctx: &TcContext) -> bool {
+    mark(ctx) & mark_bit() != 0
+}
+
+/// Clears census's mark bit, leaving every other bit as it is.
+#[inline(always)]
+fn clear_mark_bit(ctx: &TcContext) {
+    set_mark(ctx, mark(ctx) & !mark_bit());
+}
+
+/// Whether `address` is in a Service range or is a Service's address.
+#[inline(always)]
+fn is_service(address: &EndpointKey) -> bool {
+    SERVICES
+        .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
+        .is_some()
+}
+
+/// The identity of a marked packet's sender: the endpoint behind the interface
+/// it came in by, else its source address's.
+#[inline(always)]
+fn sender_identity(ingress_ifindex: u32, src: &EndpointKey) -> u32 {
+    match interface(ingress_ifindex) {
+        Some(entry) if entry.identity != identity::INVALID => entry.identity,
+        _ => identity_of(endpoint(src)),
+    }
 }
 
 /// The headers every segment of a GSO packet carries: Ethernet, IP (IPv4 with

@@ -13,7 +13,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use census_common::{ENDPOINTS_MAX_ENTRIES, FLOWS_MAX_ENTRIES, NODES_MAX_ENTRIES};
 
-use crate::bpf::{AttachModeChoice, DEFAULT_PIN_DIR, DatapathLog};
+use crate::bpf::{AttachModeChoice, DEFAULT_PIN_DIR, DatapathLog, MarkBit};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -173,6 +173,18 @@ pub struct DatapathArgs {
     /// without it.
     #[arg(long = "node-ip", env = "CENSUS_NODE_IPS", value_delimiter = ',')]
     pub node_ips: Vec<IpAddr>,
+    /// census's bit of `skb->mark` (one bit, hexadecimal or decimal): set on a packet
+    /// an endpoint sends to a Service address, cleared where it is counted,
+    /// translated. The default is a bit kube-proxy, Cilium, Calico, Istio and the AWS
+    /// VPC CNI leave alone.
+    #[arg(long, env = "CENSUS_MARK_BIT", default_value_t = MarkBit::default())]
+    pub mark_bit: MarkBit,
+    /// The devices Service requests leave the node by, translated, where census
+    /// counts those whose backend is on another node (repeat the flag, or a
+    /// comma-separated list). Default: every device a default route leaves by and
+    /// every VXLAN or Geneve device.
+    #[arg(long = "uplink", env = "CENSUS_UPLINKS", value_delimiter = ',')]
+    pub uplinks: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

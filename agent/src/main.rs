@@ -111,6 +111,8 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         reassert_order,
         datapath_log,
         node_ips,
+        mark_bit,
+        uplinks,
     } = datapath;
     let datapath_options = bpf::DatapathOptions {
         attach_mode: attach_mode.into(),
@@ -119,6 +121,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         nodes_max_entries: Some(nodes_max_entries),
         datapath_log,
         node_addresses: node_ips.into_iter().collect(),
+        mark_bit,
     };
     let datapath = Datapath::open_waiting(&pin_dir, &datapath_options, |holder| {
         tracing::warn!(
@@ -128,6 +131,8 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         );
     })
     .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
+    let mut datapath = datapath;
+    attach_uplinks(&mut datapath, uplinks);
     let pinned = Inspector::open(&pin_dir)
         .with_context(|| format!("cannot open the maps pinned in {}", pin_dir.display()))?;
 
@@ -215,4 +220,32 @@ fn host_name() -> anyhow::Result<NodeName> {
         .with_context(|| format!("reading the host name from {}", path.display()))?;
     let name = name.trim().to_lowercase();
     NodeName::new(&name).with_context(|| "the host name is not a valid node name: pass --node-name")
+}
+
+/// Attaches the uplink program to the devices given (`--uplink`), else to the
+/// node's default-route and tunnel devices. A device that cannot take it is
+/// reported and skipped: Service requests leaving the node by it go uncounted,
+/// everything else is counted as before.
+fn attach_uplinks(datapath: &mut Datapath, given: Vec<String>) {
+    let uplinks = if given.is_empty() {
+        match bpf::default_uplinks() {
+            Ok(found) => found.into_iter().collect(),
+            Err(error) => {
+                tracing::warn!(%error, "cannot list the node's uplinks: Service requests to other nodes go uncounted");
+                return;
+            }
+        }
+    } else {
+        given
+    };
+    for uplink in uplinks {
+        match datapath.attach_uplink(&uplink) {
+            Ok(outcome) => tracing::info!(uplink, ?outcome, "uplink attached"),
+            Err(error) => tracing::warn!(
+                uplink,
+                %error,
+                "cannot attach to this uplink: Service requests leaving by it go uncounted"
+            ),
+        }
+    }
 }

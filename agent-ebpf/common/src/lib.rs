@@ -27,13 +27,20 @@ use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// names the nodes. Layouts 2 and 3 are migrated: ENDPOINTS is created anew and
 /// every entry copied into it (see [`EndpointValue::from_layout3`]), the other
 /// maps are taken over as they are.
-pub const LAYOUT_VERSION: u32 = 4;
+/// 5: [`SERVICES_MAP`] (the cluster's Service addresses: a packet leaving an
+/// endpoint for one is marked, and counted once translated). Layout 4's maps are
+/// taken over as they are, SERVICES created beside them.
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over,
 /// keeping every entry and counter: the maps whose shape did not change are
 /// reused in place, ENDPOINTS is copied into a map of this layout, and the maps
 /// they lack are created beside them.
-pub const MIGRATES_FROM: [u32; 2] = [2, 3];
+pub const MIGRATES_FROM: [u32; 3] = [2, 3, 4];
+
+/// The layouts of [`MIGRATES_FROM`] whose ENDPOINTS has another shape (before 4):
+/// taking them over copies ENDPOINTS into a new map.
+pub const ENDPOINTS_COPIED_FROM: [u32; 2] = [2, 3];
 
 /// `endpoint address -> identity + flags + node`: [`EndpointKey`] -> [`EndpointValue`].
 pub const ENDPOINTS_MAP: &str = "ENDPOINTS";
@@ -53,6 +60,13 @@ pub const INTERFACES_MAP: &str = "INTERFACES";
 /// constants of [`stats`]. Slots past the last one a layout names read 0, so a
 /// counter can be added in a free slot without a new layout.
 pub const STATS_MAP: &str = "STATS";
+/// `Service address range -> kind`: a longest-prefix-match trie keyed by
+/// [`ServiceKey`] (`prefix_len` bits of the family and address, an
+/// [`EndpointKey`]), valued by one of [`service`]'s kinds (`u32`). Every
+/// ClusterIP range, LoadBalancer and external IP of the cluster: a packet leaving
+/// an endpoint for one of them is not counted there but marked
+/// ([`MARK_BIT_GLOBAL`]), and counted where it is seen translated.
+pub const SERVICES_MAP: &str = "SERVICES";
 /// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
 /// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
 /// so any agent, older or newer, can read it before touching the other maps.
@@ -70,6 +84,23 @@ pub const ENDPOINTS_MAP_FLAGS: u32 = BPF_F_NO_PREALLOC;
 pub const NODES_MAX_ENTRIES: u32 = 65_535;
 /// NODES' map flags: `BPF_F_NO_PREALLOC`.
 pub const NODES_MAP_FLAGS: u32 = BPF_F_NO_PREALLOC;
+/// Entries of SERVICES: ranges and single addresses (a LoadBalancer or external
+/// IP is one entry each).
+pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
+/// SERVICES' map flags: `BPF_F_NO_PREALLOC`, which the kernel requires of a
+/// longest-prefix-match trie.
+pub const SERVICES_MAP_FLAGS: u32 = BPF_F_NO_PREALLOC;
+/// The `prefix_len` of a SERVICES lookup: every bit of an [`EndpointKey`] (the
+/// family's 32 and the address's 128; an IPv4 key's trailing bytes are zero, so
+/// IPv4 prefixes, at most 32 + 32 bits, match it).
+pub const SERVICE_LOOKUP_PREFIX_LEN: u32 = 32 + 128;
+/// The program's global holding census's bit of `skb->mark` (set at load, read
+/// only: the verifier sees a constant).
+pub const MARK_BIT_GLOBAL: &str = "CENSUS_MARK_BIT";
+/// census's mark bit unless the agent is told otherwise (`--mark-bit`): a bit that
+/// kube-proxy (0x4000, 0x8000), Cilium (0x0F00, 0xFFFF0000), Calico (its mask,
+/// 0xFFFF0000), Istio (0x200, 0x539) and the AWS VPC CNI (0x80) leave alone.
+pub const MARK_BIT_DEFAULT: u32 = 0x40;
 /// `BPF_F_NO_PREALLOC` (uapi `linux/bpf.h`).
 pub const BPF_F_NO_PREALLOC: u32 = 1 << 0;
 /// Bytes of a node name a [`NodeValue`] holds: a Kubernetes node name is a DNS
@@ -99,6 +130,48 @@ pub const PROGRAM_INGRESS: &str = "census_ingress";
 /// Name of the program attached to the host side's egress hook (packets
 /// entering the endpoint).
 pub const PROGRAM_EGRESS: &str = "census_egress";
+
+/// Name of the program attached to the egress hook of uplink and tunnel devices
+/// (packets leaving the node, translated): it counts the packets an endpoint
+/// sent to a Service whose backend is on another node.
+pub const PROGRAM_UPLINK: &str = "census_uplink";
+
+/// The key of [`SERVICES_MAP`], laid out as the kernel's `bpf_lpm_trie_key`:
+/// `prefix_len` bits of `address` match, the family's 32 first. An IPv4 range
+/// `a.b.c.d/n` is `prefix_len` 32 + n.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub prefix_len: u32,
+    pub address: EndpointKey,
+}
+
+impl ServiceKey {
+    /// The key of the range of `address`'s first `bits` bits (at most 32 for
+    /// IPv4, 128 for IPv6; the caller checks).
+    pub const fn range(address: EndpointKey, bits: u8) -> Self {
+        Self {
+            prefix_len: 32 + bits as u32,
+            address,
+        }
+    }
+
+    /// The bits of the address this range matches (`prefix_len` less the
+    /// family's 32).
+    pub const fn bits(&self) -> u32 {
+        self.prefix_len.saturating_sub(32)
+    }
+}
+
+/// What a [`SERVICES_MAP`] entry is (its value).
+pub mod service {
+    /// A range of ClusterIPs (a `ServiceCIDR`, or `--service-cidr`).
+    pub const CLUSTER_IP_RANGE: u32 = 1;
+    /// A Service's LoadBalancer ingress IP.
+    pub const LOAD_BALANCER_IP: u32 = 2;
+    /// A Service's external IP (`spec.externalIPs`).
+    pub const EXTERNAL_IP: u32 = 3;
+}
 
 /// Reserved identities (1..=255 are reserved, 0 is invalid).
 pub mod identity {
@@ -407,13 +480,17 @@ const _: () = {
     assert!(INTERFACES_MAX_ENTRIES.is_power_of_two());
     assert!(stats::ALL.len() <= STATS_MAX_ENTRIES as usize);
     assert!(size_of::<FlowKey>() == 8);
+    assert!(size_of::<ServiceKey>() == 24);
+    assert!(core::mem::offset_of!(ServiceKey, address) == 4);
     assert!(size_of::<FlowValue>() == 16);
     assert!(align_of::<FlowValue>() == 8);
 };
 
 #[cfg(feature = "user")]
 mod user {
-    use super::{EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue};
+    use super::{
+        EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue, ServiceKey,
+    };
 
     // SAFETY: `#[repr(C)]`, only integer fields, no implicit padding (the sizes are
     // asserted above), so every bit pattern is a valid value and every byte is
@@ -429,6 +506,8 @@ mod user {
     unsafe impl aya::Pod for InterfaceValue {}
     // SAFETY: as above (the name's padding is part of the array).
     unsafe impl aya::Pod for NodeValue {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for ServiceKey {}
 }
 
 #[cfg(test)]

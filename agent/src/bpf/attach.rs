@@ -16,7 +16,7 @@ use aya::programs::{
     links::{FdLink, PinnedLink},
     tc::{SchedClassifierLink, TcAttachOptions},
 };
-use census_common::{PROGRAM_EGRESS, PROGRAM_INGRESS};
+use census_common::{PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_UPLINK};
 use nix::net::if_::if_nametoindex;
 
 use super::{
@@ -26,16 +26,21 @@ use super::{
     tc::{self, TcRecord},
 };
 
-/// A hook on the host side of an endpoint's interface.
+/// A hook census attaches a program to: the two of an endpoint's host-side
+/// interface, and the egress of an uplink or tunnel device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Direction {
     /// Packets the endpoint sends (they arrive on the host side).
     Ingress,
     /// Packets the endpoint receives (they leave through the host side).
     Egress,
+    /// Packets leaving the node by an uplink or tunnel device (its egress hook):
+    /// marked Service requests, counted once translated.
+    Uplink,
 }
 
 impl Direction {
+    /// The hooks of an endpoint's interface.
     pub const BOTH: [Self; 2] = [Self::Ingress, Self::Egress];
 
     /// The program that runs on this hook.
@@ -43,13 +48,14 @@ impl Direction {
         match self {
             Self::Ingress => PROGRAM_INGRESS,
             Self::Egress => PROGRAM_EGRESS,
+            Self::Uplink => PROGRAM_UPLINK,
         }
     }
 
-    const fn attach_type(self) -> TcAttachType {
+    pub(super) const fn attach_type(self) -> TcAttachType {
         match self {
             Self::Ingress => TcAttachType::Ingress,
-            Self::Egress => TcAttachType::Egress,
+            Self::Egress | Self::Uplink => TcAttachType::Egress,
         }
     }
 
@@ -57,8 +63,13 @@ impl Direction {
     const fn tcx_attach_type(self) -> u32 {
         match self {
             Self::Ingress => 46,
-            Self::Egress => 47,
+            Self::Egress | Self::Uplink => 47,
         }
+    }
+
+    /// Whether this is a hook of an endpoint's interface.
+    pub const fn is_endpoint_hook(self) -> bool {
+        matches!(self, Self::Ingress | Self::Egress)
     }
 }
 
@@ -67,6 +78,7 @@ impl fmt::Display for Direction {
         f.write_str(match self {
             Self::Ingress => "ingress",
             Self::Egress => "egress",
+            Self::Uplink => "uplink",
         })
     }
 }
@@ -132,7 +144,7 @@ pub enum AttachmentState {
 
 /// Checks `name` is a valid Linux interface name (as `dev_valid_name` does),
 /// which also makes it a safe pin file name.
-fn check_interface_name(name: &str) -> Result<(), Error> {
+pub(super) fn check_interface_name(name: &str) -> Result<(), Error> {
     let invalid = |reason| {
         Err(Error::InvalidInterfaceName {
             name: name.to_owned(),
@@ -157,7 +169,7 @@ fn check_interface_name(name: &str) -> Result<(), Error> {
     Ok(())
 }
 
-fn ifindex(name: &str) -> Result<u32, Error> {
+pub(super) fn ifindex(name: &str) -> Result<u32, Error> {
     if_nametoindex(name).map_err(|source| Error::InterfaceNotFound {
         name: name.to_owned(),
         source,
@@ -204,7 +216,7 @@ impl Datapath {
         })
     }
 
-    fn attach_one(
+    pub(super) fn attach_one(
         &mut self,
         interface: &str,
         ifindex: u32,

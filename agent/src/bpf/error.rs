@@ -197,6 +197,12 @@ pub enum Error {
     },
 
     #[error(
+        "SERVICES is full ({max_entries} entries): Service range {range} was not written; \
+         packets to it are counted as to `world` where they leave their endpoint"
+    )]
+    ServicesFull { max_entries: u32, range: String },
+
+    #[error(
         "migrating {map} in {pin_dir} from layout {from} failed ({step}); the next start \
          of the agent finishes or redoes the migration"
     )]
@@ -276,6 +282,23 @@ pub enum Error {
         kind: Option<String>,
         ethernet: bool,
     },
+
+    #[error(
+        "census counts Service requests leaving the node only on a device with an Ethernet \
+         link type (its program reads an Ethernet header); uplink {interface} is {}",
+        describe_link(kind.as_deref(), *ethernet)
+    )]
+    UnsupportedUplink {
+        interface: String,
+        kind: Option<String>,
+        ethernet: bool,
+    },
+
+    #[error(
+        "{interface} is an endpoint's interface (census counts its traffic there): it is \
+         never an uplink"
+    )]
+    EndpointInterfaceAsUplink { interface: String },
 
     #[error(
         "{interface} is one of the node's own devices ({role}): census attaches only to an \

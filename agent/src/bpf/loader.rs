@@ -16,8 +16,8 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
 use census_common::{
-    ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, META_MAP, NODES_MAP,
-    NODES_MAX_ENTRIES, STATS_MAP,
+    ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
+    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP,
 };
 
 use super::log::{DatapathLog, LogForwarder};
@@ -30,6 +30,7 @@ use super::{
     object,
     pins::{self, Layout, Pins},
     privileges,
+    services::{MarkBit, ServicesMap},
 };
 
 /// census's datapath on this node: the loaded programs and the pinned maps.
@@ -53,6 +54,7 @@ pub struct Datapath {
     pub(super) flows: FlowsMap,
     pub(super) stats: StatsMap,
     pub(super) nodes: NodesMap,
+    pub(super) services: ServicesMap,
     /// ENDPOINTS' and NODES' sizes, as created (for the errors of a full map).
     pub(super) endpoints_max_entries: u32,
     pub(super) nodes_max_entries: u32,
@@ -147,10 +149,13 @@ impl Datapath {
         // aya-log-ebpf's default is every level on: always say which.
         let log_level = options.datapath_log.aya_level();
         loader.override_global(aya_log::LEVEL, &log_level, true);
+        let mark_bit = options.mark_bit.get();
+        loader.override_global(MARK_BIT_GLOBAL, &mark_bit, true);
         let mut ebpf = loader.load(bytes).map_err(Error::Load)?;
         for direction in Direction::BOTH {
             load_program(&mut ebpf, direction.program())?;
         }
+        load_program(&mut ebpf, PROGRAM_UPLINK)?;
 
         let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
         let mut stats: StatsMap = take_map(&mut ebpf, STATS_MAP)?;
@@ -170,6 +175,7 @@ impl Datapath {
         }
         let mut endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
         let nodes: NodesMap = take_map(&mut ebpf, NODES_MAP)?;
+        let services: ServicesMap = take_map(&mut ebpf, SERVICES_MAP)?;
         let max_entries = |map: &'static str, data: &MapData| {
             data.info()
                 .map(|info| info.max_entries())
@@ -228,6 +234,7 @@ impl Datapath {
             flows,
             stats,
             nodes,
+            services,
             endpoints_max_entries,
             nodes_max_entries,
             endpoints_full: false,
@@ -322,6 +329,9 @@ pub struct Options {
     /// The node's own addresses (`--node-ip`; Kubernetes gives them to a pod as
     /// `status.hostIPs`): [`Datapath::attach`] refuses a device holding one.
     pub node_addresses: BTreeSet<IpAddr>,
+    /// census's bit of `skb->mark` (`--mark-bit`): set on a packet for a Service
+    /// address until it is counted.
+    pub mark_bit: MarkBit,
 }
 
 /// Cumulative run statistics of one program, kept by the kernel while run-time

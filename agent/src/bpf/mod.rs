@@ -37,8 +37,10 @@ mod pins;
 mod privileges;
 mod probe;
 mod repin;
+mod services;
 mod sys;
 mod tc;
+mod uplink;
 
 pub use self::log::DatapathLog;
 pub use attach::{AttachOutcome, Attached, Attachment, AttachmentState, Direction, InFront};
@@ -57,3 +59,5 @@ pub use pins::{DEFAULT_PIN_DIR, Uninstalled, uninstall};
 pub use privileges::check_capabilities;
 pub use probe::{AttachMode, AttachModeChoice, MINIMUM_KERNEL, check_kernel};
 pub use repin::Repinned;
+pub use services::{MarkBit, MarkBitError, ServiceKind};
+pub use uplink::default_uplinks;

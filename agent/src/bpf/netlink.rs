@@ -36,7 +36,7 @@ const fn parent(direction: Direction) -> TcHandle {
         major: 0xFFFF,
         minor: match direction {
             Direction::Ingress => TcHandle::MIN_INGRESS,
-            Direction::Egress => TcHandle::MIN_EGRESS,
+            Direction::Egress | Direction::Uplink => TcHandle::MIN_EGRESS,
         },
     }
 }
@@ -191,6 +191,46 @@ pub(super) fn link_kind(ifindex: u32) -> io::Result<LinkKind> {
     let Some(RouteNetlinkMessage::NewLink(link)) = answers.into_iter().next() else {
         return Err(io::ErrorKind::InvalidData.into());
     };
+    Ok(kind_of(&link))
+}
+
+/// One interface of a link dump.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct LinkEntry {
+    pub(super) name: String,
+    pub(super) ifindex: u32,
+    pub(super) link: LinkKind,
+}
+
+/// Every interface of the calling thread's network namespace.
+pub(super) fn links() -> io::Result<Vec<LinkEntry>> {
+    let answers = exchange(
+        RouteNetlinkMessage::GetLink(LinkMessage::default()),
+        NLM_F_DUMP,
+    )?;
+    Ok(answers
+        .into_iter()
+        .filter_map(|answer| {
+            let RouteNetlinkMessage::NewLink(link) = answer else {
+                return None;
+            };
+            let name = link
+                .attributes
+                .iter()
+                .find_map(|attribute| match attribute {
+                    LinkAttribute::IfName(name) => Some(name.clone()),
+                    _ => None,
+                })?;
+            Some(LinkEntry {
+                name,
+                ifindex: link.header.index,
+                link: kind_of(&link),
+            })
+        })
+        .collect())
+}
+
+fn kind_of(link: &LinkMessage) -> LinkKind {
     let mut kind = None;
     for attribute in &link.attributes {
         if let LinkAttribute::LinkInfo(infos) = attribute {
@@ -205,10 +245,10 @@ pub(super) fn link_kind(ifindex: u32) -> io::Result<LinkKind> {
             }
         }
     }
-    Ok(LinkKind {
+    LinkKind {
         kind,
         ethernet: link.header.link_layer_type == LinkLayerType::Ether,
-    })
+    }
 }
 
 /// The addresses interface `ifindex` holds (each address's own: `IFA_LOCAL`

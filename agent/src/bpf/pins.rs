@@ -23,11 +23,12 @@ use std::{
 
 use aya::maps::{Array, MapData, MapError, MapInfo, MapType};
 use census_common::{
-    ENDPOINTS_MAP, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue,
-    FLOWS_MAP, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP, INTERFACES_MAP_FLAGS,
-    INTERFACES_MAX_ENTRIES, InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP,
-    META_MAX_ENTRIES, MIGRATES_FROM, NODES_MAP, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
-    STATS_MAP, STATS_MAX_ENTRIES,
+    ENDPOINTS_COPIED_FROM, ENDPOINTS_MAP, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey,
+    EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP,
+    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, LAYOUT_VERSION,
+    META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES, MIGRATES_FROM, NODES_MAP, NODES_MAP_FLAGS,
+    NODES_MAX_ENTRIES, NodeValue, SERVICES_MAP, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES,
+    STATS_MAP, STATS_MAX_ENTRIES, ServiceKey,
 };
 
 use super::{Direction, Error, maps::MapShape, privileges, sys};
@@ -38,21 +39,23 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 const LINKS_DIR: &str = "links";
 
 /// Every map census pins, the layout version map first.
-pub(super) const MAPS: [&str; 6] = [
+pub(super) const MAPS: [&str; 7] = [
     META_MAP,
     ENDPOINTS_MAP,
     FLOWS_MAP,
     INTERFACES_MAP,
     STATS_MAP,
     NODES_MAP,
+    SERVICES_MAP,
 ];
 /// The maps of [`MAPS`] that a layout version guards.
-pub(super) const DATA_MAPS: [&str; 5] = [
+pub(super) const DATA_MAPS: [&str; 6] = [
     ENDPOINTS_MAP,
     FLOWS_MAP,
     INTERFACES_MAP,
     STATS_MAP,
     NODES_MAP,
+    SERVICES_MAP,
 ];
 /// The maps a layout sizes as the agent is told (`--*-max-entries`): any size is
 /// that map.
@@ -104,6 +107,7 @@ pub(super) fn parse_link_name(name: &str) -> Option<(&str, Direction)> {
     let direction = match direction {
         "ingress" => Direction::Ingress,
         "egress" => Direction::Egress,
+        "uplink" => Direction::Uplink,
         _ => return None,
     };
     (!interface.is_empty()).then_some((interface, direction))
@@ -150,6 +154,15 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             size_of::<u64>(),
             STATS_MAX_ENTRIES,
         )),
+        SERVICES_MAP => Some(MapShape {
+            map_flags: SERVICES_MAP_FLAGS,
+            ..shape(
+                MapType::LpmTrie,
+                size_of::<ServiceKey>(),
+                size_of::<u32>(),
+                SERVICES_MAX_ENTRIES,
+            )
+        }),
         INTERFACES_MAP => Some(MapShape {
             map_flags: INTERFACES_MAP_FLAGS,
             ..shape(
@@ -178,7 +191,7 @@ pub(super) fn old_endpoints_shape() -> MapShape {
 /// The shape `map` has in the maps of layout `layout` (this one or one of
 /// [`MIGRATES_FROM`]).
 pub(super) fn expected_shape_in(layout: u32, map: &str) -> Option<MapShape> {
-    if map == ENDPOINTS_MAP && MIGRATES_FROM.contains(&layout) {
+    if map == ENDPOINTS_MAP && ENDPOINTS_COPIED_FROM.contains(&layout) {
         return Some(old_endpoints_shape());
     }
     expected_shape(map)
@@ -502,12 +515,14 @@ mod tests {
     fn endpoints_has_one_shape_per_layout_and_any_size() -> Result<(), &'static str> {
         let current = expected_shape(ENDPOINTS_MAP).ok_or("no shape")?;
         assert_eq!(current.map_flags, 1, "BPF_F_NO_PREALLOC");
-        for older in MIGRATES_FROM {
+        for older in ENDPOINTS_COPIED_FROM {
             assert_eq!(
                 expected_shape_in(older, ENDPOINTS_MAP),
                 Some(old_endpoints_shape())
             );
         }
+        // Layout 4's ENDPOINTS is this layout's: taken over in place.
+        assert_eq!(expected_shape_in(4, ENDPOINTS_MAP), Some(current));
         assert_eq!(
             expected_shape_in(LAYOUT_VERSION, ENDPOINTS_MAP),
             Some(current)

@@ -323,7 +323,7 @@ impl Datapath {
     pub(super) fn detach_tc(&mut self, interface: &str) -> Result<bool, Error> {
         let mut detached = false;
         for record in records(&self.pins.links_dir())? {
-            if record.interface == interface {
+            if record.interface == interface && record.direction.is_endpoint_hook() {
                 record.remove()?;
                 detached = true;
             }
@@ -339,10 +339,7 @@ fn keep_attached(link: SchedClassifierLink) {
 }
 
 pub(super) const fn tc_attach_type(direction: Direction) -> TcAttachType {
-    match direction {
-        Direction::Ingress => TcAttachType::Ingress,
-        Direction::Egress => TcAttachType::Egress,
-    }
+    direction.attach_type()
 }
 
 #[cfg(test)]

@@ -148,7 +148,7 @@ pub(crate) trait DatapathPort {
     /// Attaches (or adopts the pinned link on) both hooks of `interface`; its ifindex.
     fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error>;
     fn detach(&mut self, interface: &str) -> Result<bool, bpf::Error>;
-    /// The pinned links, one per hook.
+    /// The pinned links of endpoints' interfaces, one per hook.
     fn attachments(&self) -> Result<Vec<Link>, bpf::Error>;
     /// Removes the pins of links whose interface is gone; how many.
     fn prune_defunct(&mut self) -> Result<usize, bpf::Error>;
@@ -218,8 +218,10 @@ impl DatapathPort for Datapath {
     }
 
     fn attachments(&self) -> Result<Vec<Link>, bpf::Error> {
+        // Endpoints' interfaces only: the uplinks' hooks are not reconcile's.
         Ok(Datapath::attachments(self)?
             .into_iter()
+            .filter(|a| a.direction.is_endpoint_hook())
             .map(|a| Link {
                 interface: a.interface,
                 state: a.state,
@@ -715,6 +717,7 @@ impl Reconciler {
                     direction: match p.direction {
                         bpf::Direction::Ingress => "ingress",
                         bpf::Direction::Egress => "egress",
+                        bpf::Direction::Uplink => "uplink",
                     },
                     program: p.program,
                     program_id: p.program_id,
