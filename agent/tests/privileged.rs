@@ -27,6 +27,8 @@ mod metrics_lint;
 mod pin_lock;
 #[path = "privileged/pod_route.rs"]
 mod pod_route;
+#[path = "privileged/services.rs"]
+mod services;
 #[path = "privileged/snat.rs"]
 mod snat;
 #[path = "privileged/support.rs"]
@@ -566,7 +568,7 @@ fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
     // In the agent's network namespace: TC filters are found there by ifindex.
     let removed = lab.node().run(|| uninstall(pins.path()))??;
     assert_eq!(removed.links.len(), 2);
-    assert_eq!(removed.pins.len(), 6, "the six maps: {removed:?}");
+    assert_eq!(removed.pins.len(), 7, "the seven maps: {removed:?}");
     assert!(!pins.path().exists());
     assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
 

@@ -3,13 +3,12 @@
 //! each attached to its own pods, kube-proxy's iptables rules on both nodes, and
 //! the sum of both nodes' FLOWS compared with what each path's row says.
 //!
-//! The direct rows hold today. The Service rows are the rule's, which the
-//! classifier does not follow yet: today a request through a Service is counted as
-//! (client, world) where it leaves the client and its reply, arriving from the
-//! Service address, is counted again on the client's node when its backend is on
-//! the other node. They are in `needs_count_once::`, which `cargo xtask
-//! test-privileged` skips until the rule is built; run them by name to see how far
-//! today's classifier is from it.
+//! Each node's datapath knows the Service range (SERVICES, as the operator sends
+//! it) and has its uplink program on the link between the nodes, as the agent
+//! attaches it to a node's uplinks. Before the rule, a request through a Service
+//! was counted as (client, world) where it left the client, and its reply,
+//! arriving from the Service address, was counted again on the client's node when
+//! its backend was on the other node.
 
 use std::{
     collections::BTreeMap,
@@ -18,9 +17,9 @@ use std::{
     time::Duration,
 };
 
-use census_agent::bpf::{Datapath, Endpoint, Interface, identity};
+use census_agent::bpf::{Datapath, Endpoint, Interface, ServiceKind, identity};
 use census_netlab::{
-    Cluster, Pod, Side,
+    Cluster, Pod, Side, UPLINK,
     kube_proxy::{self, Protocol, Service, service_ip},
     udp_echo, udp_echo_through,
 };
@@ -42,8 +41,9 @@ const TARGET_PORT: u16 = 5353;
 type Counts = BTreeMap<(u32, u32), (u64, u64)>;
 
 /// Two nodes, pods on each with an identity of their own, both nodes' datapaths
-/// attached to their own pods and knowing every pod (their own LOCAL, the
-/// others' REMOTE with their node), and kube-proxy's fixed chains on both.
+/// attached to their own pods and their uplink, knowing every pod (their own
+/// LOCAL, the others' REMOTE with their node) and the Service range, and
+/// kube-proxy's fixed chains on both.
 struct Lab {
     cluster: Cluster,
     pods: Vec<(Side, Pod, u32)>,
@@ -91,6 +91,12 @@ impl Lab {
                 other.uplink_ip(false),
                 Endpoint::remote(identity::REMOTE_NODE, node_index(at.other())),
             )?;
+            let services = ipnet::IpNet::new(service_ip(0).into(), 24)?;
+            datapath.upsert_service(services, ServiceKind::ClusterIpRange)?;
+            cluster
+                .node(at)
+                .ns()
+                .run(|| datapath.attach_uplink(UPLINK))??;
             kube_proxy::install(cluster.node(at).ns())?;
         }
         let mut lab = Self {
@@ -232,35 +238,29 @@ fn through(client: &Pod, service: &Service, backend: &Pod) -> Fallible<usize> {
     )?)
 }
 
-/// The rows of the rule that today's classifier does not follow (see the module
-/// documentation): `cargo xtask test-privileged` skips them.
-mod needs_count_once {
-    use super::*;
+/// `COUNT` exchanges from a client pod on node A through a ClusterIP whose
+/// endpoint is a pod on `backend_side`: (client, backend) and (backend, client).
+fn service_exchange_is_counted_client_to_backend(backend_side: Side, n: u8) -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip(&format!("svc{n}"), n, backend);
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, backend)?, COUNT);
+    assert_eq!(
+        lab.counts()?,
+        each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+    );
+    Ok(())
+}
 
-    /// `COUNT` exchanges from a client pod on node A through a ClusterIP whose
-    /// endpoint is a pod on `backend_side`: (client, backend) and (backend, client).
-    fn service_exchange_is_counted_client_to_backend(backend_side: Side, n: u8) -> TestResult {
-        let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
-        let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
-        let service = cluster_ip(&format!("svc{n}"), n, backend);
-        lab.add_service(&service)?;
-        assert_eq!(through(client, &service, backend)?, COUNT);
-        assert_eq!(
-            lab.counts()?,
-            each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
-        );
-        Ok(())
-    }
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() -> TestResult {
+    service_exchange_is_counted_client_to_backend(Side::A, 1)
+}
 
-    #[test]
-    #[ignore = "the count-once rule (docs/design.md) is not built yet: today (client, world) is counted"]
-    fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() -> TestResult {
-        service_exchange_is_counted_client_to_backend(Side::A, 1)
-    }
-
-    #[test]
-    #[ignore = "the count-once rule (docs/design.md) is not built yet: today (client, world) is counted, and the reply twice"]
-    fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
-        service_exchange_is_counted_client_to_backend(Side::B, 2)
-    }
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
+    service_exchange_is_counted_client_to_backend(Side::B, 2)
 }
