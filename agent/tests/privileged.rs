@@ -31,6 +31,8 @@ mod pod_route;
 mod services;
 #[path = "privileged/snat.rs"]
 mod snat;
+#[path = "privileged/sockets.rs"]
+mod sockets;
 #[path = "privileged/support.rs"]
 mod support;
 #[path = "privileged/two_node.rs"]
@@ -231,12 +233,18 @@ fn unknown_sources_count_as_world_and_node_addresses_as_host() -> TestResult {
         "counted once, entering B, as world"
     );
 
+    // The node's own sockets are counted where they send (the root cgroup's
+    // egress), not on delivery: without that hook, nothing counts them.
+    let received = send(lab.node(), b.gateway_v4.into(), &b, false, COUNT, PAYLOAD)?;
+    assert_eq!(received, COUNT);
+    assert_eq!(flow(&datapath, identity::HOST, POD_B)?, (0, 0));
+    datapath.attach_sockets(&census_agent::bpf::find_cgroup2_root()?)?;
     let received = send(lab.node(), b.gateway_v4.into(), &b, false, COUNT, PAYLOAD)?;
     assert_eq!(received, COUNT);
     assert_eq!(
         flow(&datapath, identity::HOST, POD_B)?,
         (COUNT as u64, COUNT as u64 * frame_len(PAYLOAD, false)),
-        "the node's own address is the host identity"
+        "the node's own address is the host identity, counted once"
     );
     Ok(())
 }

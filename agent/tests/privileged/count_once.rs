@@ -85,7 +85,12 @@ impl Lab {
                 datapath.upsert_endpoint(pod.ipv4.into(), endpoint)?;
                 datapath.upsert_endpoint(pod.ipv6.into(), endpoint)?;
             }
-            // The other node's address, as the endpoint map gives it.
+            // The node's own addresses, and the other node's, as the endpoint map
+            // gives them.
+            let own = cluster.node(at);
+            for address in [own.uplink_ip(false), own.pod_gateway(false)] {
+                datapath.upsert_endpoint(address, Endpoint::host())?;
+            }
             let other = cluster.node(at.other());
             datapath.upsert_endpoint(
                 other.uplink_ip(false),
@@ -97,6 +102,7 @@ impl Lab {
                 .node(at)
                 .ns()
                 .run(|| datapath.attach_uplink(UPLINK))??;
+            datapath.attach_sockets(&census_agent::bpf::find_cgroup2_root()?)?;
             kube_proxy::install(cluster.node(at).ns())?;
         }
         let mut lab = Self {
@@ -263,4 +269,106 @@ fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() ->
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
     service_exchange_is_counted_client_to_backend(Side::B, 2)
+}
+
+/// `COUNT` exchanges between node `from`'s own socket and a pod on node A: the
+/// request counted where the node's socket sent it, as (host, pod) on that node,
+/// the reply where it left the pod, as (pod, host) or (pod, remote-node).
+fn node_exchange_is_counted_once(from: Side) -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT)])?;
+    let pod = lab.pod(CLIENT)?;
+    let node = lab.cluster.node(from);
+    // The address a node's socket sends from toward that pod.
+    let source = if from == Side::A {
+        node.pod_gateway(false)
+    } else {
+        node.uplink_ip(false)
+    };
+    let replies = udp_echo(
+        node.ns(),
+        source,
+        &pod.ns,
+        pod.ipv4.into(),
+        COUNT,
+        PAYLOAD,
+        WAIT,
+    )?;
+    assert_eq!(replies, COUNT);
+    let reply_to = if from == Side::A {
+        identity::HOST
+    } else {
+        identity::REMOTE_NODE
+    };
+    assert_eq!(
+        lab.counts()?,
+        each_way(&[(identity::HOST, CLIENT), (CLIENT, reply_to)])
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_node_and_a_pod_of_its_own_are_counted_once_each_way() -> TestResult {
+    node_exchange_is_counted_once(Side::A)
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_node_and_a_pod_of_another_node_are_counted_once_each_way() -> TestResult {
+    node_exchange_is_counted_once(Side::B)
+}
+
+/// The sum `COUNT` exchanges through `service` gave, each way `COUNT` once:
+/// `request` and `reply` the pairs they were counted as.
+fn counted_as(lab: &Lab, request: (u32, u32), reply: (u32, u32)) -> TestResult {
+    assert_eq!(lab.counts()?, each_way(&[request, reply]));
+    Ok(())
+}
+
+/// A pod reaching itself through a Service (kube-proxy masquerades the hairpin
+/// to the node's address): the request counted where it enters the pod, as the
+/// pod's own (the interface it came in by names the sender, not the masqueraded
+/// source); the reply where it leaves, to the node's address it was sent from.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_hairpin_is_counted_once_each_way() -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT)])?;
+    let client = lab.pod(CLIENT)?;
+    let service = cluster_ip("hairpin", 3, client);
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, client)?, COUNT);
+    counted_as(&lab, (CLIENT, CLIENT), (CLIENT, identity::HOST))
+}
+
+/// kube-proxy's `--masquerade-all`: every request through the Service leaves
+/// with the node's address. Counted once each way: the request with its client
+/// (by the interface it came in by), the reply to the address it was sent from
+/// (this node's, or the other node's where the backend is there).
+fn masquerade_all_is_counted_once(backend_side: Side, n: u8) -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = Service {
+        masquerade_all: true,
+        ..cluster_ip(&format!("masq{n}"), n, backend)
+    };
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, backend)?, COUNT);
+    let reply_to = if backend_side == Side::A {
+        identity::HOST
+    } else {
+        identity::REMOTE_NODE
+    };
+    counted_as(&lab, (CLIENT, BACKEND), (BACKEND, reply_to))
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn masquerade_all_to_a_pod_of_the_same_node_is_counted_once_each_way() -> TestResult {
+    masquerade_all_is_counted_once(Side::A, 4)
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn masquerade_all_to_a_pod_of_another_node_is_counted_once_each_way() -> TestResult {
+    masquerade_all_is_counted_once(Side::B, 5)
 }
