@@ -12,7 +12,8 @@
 
 use std::{
     collections::BTreeMap,
-    net::{IpAddr, SocketAddr, SocketAddrV4},
+    io::{Read as _, Write as _},
+    net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
     num::NonZeroU16,
     time::Duration,
 };
@@ -371,4 +372,90 @@ fn masquerade_all_to_a_pod_of_the_same_node_is_counted_once_each_way() -> TestRe
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn masquerade_all_to_a_pod_of_another_node_is_counted_once_each_way() -> TestResult {
     masquerade_all_is_counted_once(Side::B, 5)
+}
+
+/// A datagram of three fragments each way through a Service to a pod of the
+/// same node: netfilter reassembles it for the DNAT and fragments it again, each
+/// fragment keeping the mark; the Service is matched on the address alone, so
+/// the two fragments without ports are marked too. Each way three packets a
+/// datagram, with the client and the backend, never more.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_fragmented_datagram_through_a_service_is_counted_once_per_fragment() -> TestResult {
+    /// 3,008 bytes of UDP over a 1,500-byte MTU: 1,480 + 1,480 + 48 bytes of IP
+    /// payload, each fragment with its Ethernet and IPv4 headers.
+    const DATAGRAM: usize = 3000;
+    const FRAGMENT_FRAMES: u64 = (14 + 20 + 1480) * 2 + (14 + 20 + 48);
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::A, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip("frag", 6, backend);
+    lab.add_service(&service)?;
+    let replies = udp_echo_through(
+        &client.ns,
+        IpAddr::V4(client.ipv4),
+        SocketAddr::V4(service.address),
+        &backend.ns,
+        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
+        COUNT,
+        DATAGRAM,
+        WAIT,
+    )?;
+    assert_eq!(replies, COUNT);
+    let each = (3 * COUNT as u64, COUNT as u64 * FRAGMENT_FRAMES);
+    assert_eq!(
+        lab.counts()?,
+        Counts::from([((CLIENT, BACKEND), each), ((BACKEND, CLIENT), each)])
+    );
+    Ok(())
+}
+
+/// One TCP connection through a ClusterIP to a pod of the other node, 4 MiB
+/// each way: counted at the uplink (request) and where the reply leaves the
+/// backend, with the two pods only, and in segments (`gso_segs` per skb), not
+/// skbs: no counted packet is on average larger than a 1,500-byte MTU frame.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_tcp_connection_through_a_service_across_nodes_is_counted_in_segments() -> TestResult {
+    const LEN: usize = 4 << 20;
+    const MAX_FRAME: u64 = 1514;
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::B, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = Service {
+        protocol: Protocol::Tcp,
+        ..cluster_ip("tcp", 7, backend)
+    };
+    lab.add_service(&service)?;
+    let listener = backend
+        .ns
+        .run(|| TcpListener::bind(SocketAddr::new(backend.ipv4.into(), TARGET_PORT)))??;
+    // The backend sends back what it received.
+    let server = std::thread::spawn(move || -> std::io::Result<usize> {
+        let (mut stream, _) = listener.accept()?;
+        let mut received = vec![0u8; LEN];
+        stream.read_exact(&mut received)?;
+        stream.write_all(&received)?;
+        Ok(received.len())
+    });
+    let mut stream = client
+        .ns
+        .run(|| TcpStream::connect(SocketAddr::V4(service.address)))??;
+    stream.write_all(&vec![7u8; LEN])?;
+    let mut back = vec![0u8; LEN];
+    stream.read_exact(&mut back)?;
+    drop(stream);
+    assert_eq!(server.join().map_err(|_| "server panicked")??, LEN);
+    // The FINs and last ACKs.
+    std::thread::sleep(Duration::from_millis(200));
+
+    let counts = lab.counts()?;
+    let pairs: Vec<(u32, u32)> = counts.keys().copied().collect();
+    assert_eq!(pairs, [(CLIENT, BACKEND), (BACKEND, CLIENT)], "{counts:?}");
+    for (pair, (packets, bytes)) in &counts {
+        assert!(*bytes >= LEN as u64, "{pair:?}: {bytes} B for {LEN} B sent");
+        assert!(
+            *bytes <= packets * MAX_FRAME,
+            "{pair:?}: {packets} packets for {bytes} B: skbs counted, not segments"
+        );
+    }
+    Ok(())
 }
