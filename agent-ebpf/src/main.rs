@@ -38,9 +38,12 @@
 //!   packets from one of this node's addresses to a pod, as (host, pod).
 //!
 //! The sender of a marked packet is the endpoint behind the interface it came in
-//! by (`skb->ingress_ifindex`'s INTERFACES entry), else its source address: so a
-//! request that kube-proxy masqueraded to the node's address is still its
-//! sender's.
+//! by (`skb->ingress_ifindex`'s INTERFACES entry): so a request that kube-proxy
+//! masqueraded to the node's address is still its sender's. The mark is taken
+//! as census's only on a packet that came in by such an interface, and
+//! `census_ingress` marks only there: a packet carrying the bit otherwise (a
+//! socket's `SO_MARK`, another program's rule) is neither counted nor cleared as
+//! census's.
 //!
 //! INTERFACES only ever speeds counting up and pins the local side: without an
 //! entry for an interface (not written yet, or its slot taken by another), both
@@ -230,9 +233,13 @@ fn count(ctx: &TcContext, hook: Hook) {
     let key = match hook {
         Hook::Ingress => {
             let to = endpoint(&dst);
-            if to.is_none() && is_service(&dst) {
+            // Marked only where the interface is known: the hooks that count a
+            // marked packet take the mark as census's only on a packet that came
+            // in by such an interface, and name the sender by it.
+            if to.is_none() && interface(ifindex).is_some() && is_service(&dst) {
                 // Counted once translated, where the mark is seen.
                 set_mark(ctx, mark(ctx) | mark_bit());
+                count_event(stats::SERVICE_MARKED);
                 return;
             }
             FlowKey {
@@ -240,10 +247,10 @@ fn count(ctx: &TcContext, hook: Hook) {
                 dst_identity: identity_of(to),
             }
         }
-        Hook::Egress if is_marked(ctx) => {
+        Hook::Egress if let Some(sender) = marked_by(ctx, ingress_ifindex) => {
             clear_mark_bit(ctx);
             FlowKey {
-                src_identity: sender_identity(ingress_ifindex, &src),
+                src_identity: sender_identity(&sender, &src),
                 dst_identity: local_identity(ctx, ifindex, &dst),
             }
         }
@@ -287,6 +294,11 @@ fn count_marked(ctx: &TcContext) {
     if !is_marked(ctx) {
         return;
     }
+    // SAFETY: as in `count`.
+    let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    let Some(sender) = marked_by(ctx, ingress_ifindex) else {
+        return;
+    };
     clear_mark_bit(ctx);
     let (family, src, dst) = match frame(ctx) {
         Frame::Ip(family, src, dst) => (family, src, dst),
@@ -296,10 +308,8 @@ fn count_marked(ctx: &TcContext) {
             return;
         }
     };
-    // SAFETY: as in `count`.
-    let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     let key = FlowKey {
-        src_identity: sender_identity(ingress_ifindex, &src),
+        src_identity: sender_identity(&sender, &src),
         dst_identity: identity_of(endpoint(&dst)),
     };
     add_packet(ctx, family, &key);
@@ -384,10 +394,12 @@ fn is_marked(ctx: &TcContext) -> bool {
     mark(ctx) & mark_bit() != 0
 }
 
-/// Clears census's mark bit, leaving every other bit as it is.
+/// Clears census's mark bit, leaving every other bit as it is: the packet is
+/// counted here.
 #[inline(always)]
 fn clear_mark_bit(ctx: &TcContext) {
     set_mark(ctx, mark(ctx) & !mark_bit());
+    count_event(stats::MARKED_COUNTED);
 }
 
 /// Whether `address` is in a Service range or is a Service's address.
@@ -398,13 +410,27 @@ fn is_service(address: &EndpointKey) -> bool {
         .is_some()
 }
 
-/// The identity of a marked packet's sender: the endpoint behind the interface
-/// it came in by, else its source address's.
+/// The interface a packet carrying census's mark came in by, if census counts
+/// on it: only then is the mark census's (`census_ingress` marks nothing else).
+/// A packet that carries the bit otherwise (a local socket's `SO_MARK`, another
+/// program's rule) is not census's to count or clear.
 #[inline(always)]
-fn sender_identity(ingress_ifindex: u32, src: &EndpointKey) -> u32 {
-    match interface(ingress_ifindex) {
-        Some(entry) if entry.identity != identity::INVALID => entry.identity,
-        _ => identity_of(endpoint(src)),
+fn marked_by(ctx: &TcContext, ingress_ifindex: u32) -> Option<InterfaceValue> {
+    if !is_marked(ctx) {
+        return None;
+    }
+    interface(ingress_ifindex)
+}
+
+/// The identity of a marked packet's sender: the endpoint behind the interface
+/// it came in by, else (endpoints of several identities behind it) its source
+/// address's.
+#[inline(always)]
+fn sender_identity(interface: &InterfaceValue, src: &EndpointKey) -> u32 {
+    if interface.identity != identity::INVALID {
+        interface.identity
+    } else {
+        identity_of(endpoint(src))
     }
 }
 

@@ -443,6 +443,8 @@ fn encode_stats(
         unparsable,
         interface_misses,
         log_suppressed,
+        service_marked,
+        marked_counted,
     } = *stats;
     for (name, help, value) in [
         (
@@ -476,6 +478,22 @@ fn encode_stats(
             "census_agent_datapath_log_suppressed",
             "Datapath log events held back by the programs' rate limit",
             log_suppressed,
+        ),
+        (
+            "census_agent_service_marked",
+            "Packets endpoints sent to a Service address, marked to be counted once translated",
+            service_marked,
+        ),
+        (
+            "census_agent_marked_counted",
+            "Marked packets counted once translated (entering a pod or leaving the node)",
+            marked_counted,
+        ),
+        (
+            "census_agent_marks_lost",
+            "Marked packets never counted: delivered to a host-network backend, dropped, or \
+             stripped of the mark by a rule that rewrites the whole skb mark",
+            stats.marks_lost(),
         ),
     ] {
         let counter = ConstCounter::new(value);
@@ -523,6 +541,8 @@ mod tests {
             unparsable: 2,
             interface_misses: 5,
             log_suppressed: 7,
+            service_marked: 30,
+            marked_counted: 20,
         };
         let mut registry = Registry::default();
         registry.register_collector(Box::new(StatsOnly(stats, 65_000)));
@@ -535,6 +555,9 @@ mod tests {
             "census_agent_datapath_unparsable_total 2",
             "census_agent_datapath_interface_misses_total 5",
             "census_agent_datapath_log_suppressed_total 7",
+            "census_agent_service_marked_total 30",
+            "census_agent_marked_counted_total 20",
+            "census_agent_marks_lost_total 10",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in {text}");
         }

@@ -208,13 +208,22 @@ pub mod stats {
     pub const INTERFACE_MISSES: u32 = 3;
     /// Datapath log events not sent because of the rate limit.
     pub const LOG_SUPPRESSED: u32 = 4;
+    /// Packets an endpoint sent to a Service address, marked where they left it.
+    pub const SERVICE_MARKED: u32 = 5;
+    /// Marked packets counted once translated (where they entered a pod or left
+    /// the node). Fewer than [`SERVICE_MARKED`] over time: the others were
+    /// delivered to a host-network backend, dropped, or lost the mark to a rule
+    /// that rewrites the whole of `skb->mark`.
+    pub const MARKED_COUNTED: u32 = 6;
     /// Every slot this layout uses.
-    pub const ALL: [u32; 5] = [
+    pub const ALL: [u32; 7] = [
         FLOW_INSERTS,
         FLOW_INSERT_FAILURES,
         UNPARSABLE,
         INTERFACE_MISSES,
         LOG_SUPPRESSED,
+        SERVICE_MARKED,
+        MARKED_COUNTED,
     ];
 }
 

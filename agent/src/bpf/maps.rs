@@ -261,6 +261,10 @@ pub struct DatapathStats {
     pub interface_misses: u64,
     /// Datapath log events the programs' rate limit held back.
     pub log_suppressed: u64,
+    /// Packets sent to a Service address, marked where they left their endpoint.
+    pub service_marked: u64,
+    /// Marked packets counted once translated.
+    pub marked_counted: u64,
 }
 
 impl DatapathStats {
@@ -269,6 +273,15 @@ impl DatapathStats {
     /// was evicted.
     pub fn flow_evictions(&self, pairs_present: u64) -> u64 {
         self.flow_inserts.saturating_sub(pairs_present)
+    }
+
+    /// Marked packets not counted: delivered to a host-network backend on this
+    /// node, dropped, or stripped of the mark by a rule that rewrites the whole
+    /// of `skb->mark` (a `CONNMARK --restore-mark` without a mask, say). A count
+    /// that grows with Service traffic, on a node without host-network backends,
+    /// is such a rule.
+    pub fn marks_lost(&self) -> u64 {
+        self.service_marked.saturating_sub(self.marked_counted)
     }
 
     /// Reads STATS.
@@ -283,6 +296,8 @@ impl DatapathStats {
             unparsable: slot(stats::UNPARSABLE)?,
             interface_misses: slot(stats::INTERFACE_MISSES)?,
             log_suppressed: slot(stats::LOG_SUPPRESSED)?,
+            service_marked: slot(stats::SERVICE_MARKED)?,
+            marked_counted: slot(stats::MARKED_COUNTED)?,
         })
     }
 }

@@ -459,3 +459,72 @@ fn a_tcp_connection_through_a_service_across_nodes_is_counted_in_segments() -> T
     }
     Ok(())
 }
+
+/// Marked packets sent and counted, over both nodes.
+fn marks(lab: &Lab) -> Fallible<(u64, u64)> {
+    let mut sum = (0, 0);
+    for datapath in &lab.datapaths {
+        let stats = datapath.stats()?;
+        sum.0 += stats.service_marked;
+        sum.1 += stats.marked_counted;
+    }
+    Ok(sum)
+}
+
+/// Every marked request is counted once translated; a foreign rule that
+/// rewrites the whole mark (`CONNMARK --restore-mark` without a mask, restoring a
+/// connection mark of 0) takes the bit off: those requests go uncounted, and the
+/// datapath's counters report them as marks lost.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_rule_that_rewrites_the_whole_mark_shows_as_marks_lost() -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::A, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip("marks", 8, backend);
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, backend)?, COUNT);
+    assert_eq!(marks(&lab)?, (COUNT as u64, COUNT as u64));
+    let stats = lab.datapaths[0].stats()?;
+    assert_eq!(stats.marks_lost(), 0);
+
+    let node = lab.cluster.node(Side::A).ns();
+    let mangle = |args: &[&str]| -> TestResult {
+        let output = node.output("iptables", args)?;
+        if !output.status.success() {
+            return Err(format!(
+                "iptables {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        Ok(())
+    };
+    mangle(&[
+        "-t",
+        "mangle",
+        "-A",
+        "PREROUTING",
+        "-j",
+        "CONNMARK",
+        "--restore-mark",
+    ])?;
+    assert_eq!(through(client, &service, backend)?, COUNT);
+    assert_eq!(marks(&lab)?, (2 * COUNT as u64, COUNT as u64));
+    assert_eq!(lab.datapaths[0].stats()?.marks_lost(), COUNT as u64);
+    // The requests went uncounted (nothing counted them as the client's, nor
+    // twice); the replies were counted as always.
+    assert_eq!(
+        lab.counts()?,
+        Counts::from([
+            (
+                (CLIENT, BACKEND),
+                each_way(&[(CLIENT, BACKEND)])[&(CLIENT, BACKEND)]
+            ),
+            ((BACKEND, CLIENT), {
+                let (packets, bytes) = each_way(&[(BACKEND, CLIENT)])[&(BACKEND, CLIENT)];
+                (2 * packets, 2 * bytes)
+            }),
+        ])
+    );
+    Ok(())
+}

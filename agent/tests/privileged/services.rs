@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use aya::maps::{Array, Map, MapData};
 use census_agent::bpf::{
-    AttachOutcome, Direction, Endpoint, Error, Inspector, LAYOUT_VERSION, ServiceKind, TestContext,
+    AttachOutcome, Direction, Endpoint, Error, Inspector, Interface, LAYOUT_VERSION, ServiceKind,
+    TestContext,
 };
 use census_netlab::{Lab, packet};
 use ipnet::IpNet;
@@ -131,17 +132,28 @@ fn a_packet_to_a_service_address_is_not_counted_where_it_leaves() -> TestResult 
     let mut datapath = open_datapath(pins.path())?;
     datapath.upsert_endpoint("198.18.1.2".parse()?, Endpoint::local(POD))?;
     datapath.upsert_service(net("198.19.96.0/24")?, ServiceKind::ClusterIpRange)?;
+    // The endpoint's interface, as the agent writes it once attached (loopback
+    // stands for it: the program runs on an interface of this namespace).
+    datapath.set_interface(Interface {
+        ifindex: 1,
+        identity: Some(POD),
+    })?;
+    let on_its_interface = TestContext {
+        ifindex: 1,
+        ingress_ifindex: 0,
+    };
     let to_service =
         packet::udp_frame("198.18.1.2".parse()?, "198.19.96.1".parse()?, 10).ok_or("frame")?;
     let to_world =
         packet::udp_frame("198.18.1.2".parse()?, "198.19.97.1".parse()?, 10).ok_or("frame")?;
-    datapath.test_run(Direction::Ingress, &to_service, TestContext::default(), 5)?;
+    datapath.test_run(Direction::Ingress, &to_service, on_its_interface, 5)?;
     assert_eq!(
         datapath.flows()?,
         Vec::new(),
         "a Service request is counted later"
     );
-    datapath.test_run(Direction::Ingress, &to_world, TestContext::default(), 2)?;
+    assert_eq!(datapath.stats()?.service_marked, 5);
+    datapath.test_run(Direction::Ingress, &to_world, on_its_interface, 2)?;
     let flows = datapath.flows()?;
     assert_eq!(flows.len(), 1, "{flows:?}");
     assert_eq!(

@@ -64,6 +64,8 @@ pub(crate) enum Counters {
         unparsable: u64,
         interface_misses: u64,
         log_suppressed: u64,
+        service_marked: u64,
+        marked_counted: u64,
     },
 }
 
@@ -82,6 +84,8 @@ impl Counters {
                 unparsable: stats.unparsable,
                 interface_misses: stats.interface_misses,
                 log_suppressed: stats.log_suppressed,
+                service_marked: stats.service_marked,
+                marked_counted: stats.marked_counted,
             }),
             _ => None,
         }
@@ -105,12 +109,16 @@ impl Counters {
                 unparsable,
                 interface_misses,
                 log_suppressed,
+                service_marked,
+                marked_counted,
             } => vec![
                 ("flow_inserts", flow_inserts),
                 ("flow_insert_failures", flow_insert_failures),
                 ("unparsable", unparsable),
                 ("interface_misses", interface_misses),
                 ("log_suppressed", log_suppressed),
+                ("service_marked", service_marked),
+                ("marked_counted", marked_counted),
             ],
         };
         let cells: Vec<String> = pairs
@@ -204,6 +212,8 @@ mod tests {
             unparsable: 0,
             interface_misses: 4,
             log_suppressed: 0,
+            service_marked: 9,
+            marked_counted: 8,
         };
         let mut maps = vec![
             map("CENSUS_META", 11, "array", 4, 4, 1, 1),
@@ -230,7 +240,7 @@ CENSUS_META  11  array            4B   4B     1      1        3       /sys/fs/bp
 ENDPOINTS    12  hash             20B  8B     65536  3        3       /sys/fs/bpf/census/ENDPOINTS
 FLOWS        13  lru_percpu_hash  8B   16B    65536  2        3       /sys/fs/bpf/census/FLOWS        inserts=5 evictions=3 insert_failures=1
 INTERFACES   14  array            4B   8B     65536  2        3       /sys/fs/bpf/census/INTERFACES
-STATS        15  percpu_array     4B   8B     16     16       3       /sys/fs/bpf/census/STATS        flow_inserts=5 flow_insert_failures=1 unparsable=0 interface_misses=4 log_suppressed=0
+STATS        15  percpu_array     4B   8B     16     16       3       /sys/fs/bpf/census/STATS        flow_inserts=5 flow_insert_failures=1 unparsable=0 interface_misses=4 log_suppressed=0 service_marked=9 marked_counted=8
 "
         );
         Ok(())
