@@ -232,7 +232,7 @@ pub async fn run_cidrs(addresses: Arc<ServiceAddresses>, client: Client) {
                 }
             }
             Err(e) => {
-                warn!(error = %e, "the watch of ServiceCIDRs failed; it resumes with backoff")
+                warn!(error = %e, "the watch of ServiceCIDRs failed; it resumes with backoff");
             }
         }
     }
