@@ -165,7 +165,8 @@ pub struct MapBatchParts<'a> {
     pub removes: &'a [IpAddr],
     pub removed_nodes: &'a [MapNodeIndex],
     /// The cluster's Service addresses, the whole set: in the first chunk of a full
-    /// map and in the first batch after the set changed; `None` otherwise.
+    /// map (once they are known) and in the first batch after the set changed;
+    /// `None` otherwise.
     pub services: Option<&'a ServiceSet>,
     pub built_at_ms: u64,
     pub version: u64,
@@ -220,8 +221,9 @@ pub trait Api: Send + Sync + fmt::Debug + 'static {
     /// Whether this replica leads, and who does if not.
     fn role(&self) -> Role;
 
-    /// The cluster's Service addresses as the operator knows them now (HelloReply).
-    fn services(&self) -> Arc<ServiceSet>;
+    /// The cluster's Service addresses as the operator knows them now (HelloReply);
+    /// `None` until their sources have been read in full.
+    fn services(&self) -> Option<Arc<ServiceSet>>;
 
     /// The range ids are allocated from.
     fn id_range(&self) -> IdRange;

@@ -16,6 +16,11 @@ use tracing::{debug, warn};
 
 use crate::runtime::Runtime;
 
+/// The ServiceCIDRs, as a source still to be read.
+const CIDRS: u8 = 1;
+/// The Services, as a source still to be read.
+const SERVICES: u8 = 2;
+
 /// A Service's addresses, as [`ServiceAddresses`] keeps them.
 pub type Addresses = Box<[(IpAddr, ServiceKind)]>;
 
@@ -30,6 +35,9 @@ pub struct ServiceAddresses {
 
 #[derive(Debug, Default)]
 struct Sources {
+    /// Sources not read in full yet ([`CIDRS`], [`SERVICES`]): nothing is given
+    /// to the runtime before they are, so agents never take a partial set.
+    pending: u8,
     /// ServiceCIDR name -> its ranges.
     cidrs: HashMap<Box<str>, Box<[IpNet]>>,
     /// Service `namespace/name` -> its LoadBalancer and external IPs (never empty).
@@ -37,20 +45,39 @@ struct Sources {
 }
 
 impl ServiceAddresses {
-    /// The sources with `fixed` alone so far; the runtime has their set at once.
+    /// `fixed` alone (embedded mode): the runtime has the set at once.
     pub fn new(fixed: Vec<IpNet>, runtime: Arc<Runtime>) -> Arc<Self> {
+        Self::with_pending(fixed, runtime, 0)
+    }
+
+    /// `fixed` and what the ServiceCIDR and Service watches will list: the runtime
+    /// has the set once both have listed (or the API server serves no
+    /// ServiceCIDRs, [`ServiceAddresses::cidrs_not_served`]).
+    pub fn listing(fixed: Vec<IpNet>, runtime: Arc<Runtime>) -> Arc<Self> {
+        Self::with_pending(fixed, runtime, CIDRS | SERVICES)
+    }
+
+    fn with_pending(fixed: Vec<IpNet>, runtime: Arc<Runtime>, pending: u8) -> Arc<Self> {
         let this = Self {
             fixed: fixed.into_boxed_slice(),
-            sources: Mutex::default(),
+            sources: Mutex::new(Sources {
+                pending,
+                ..Sources::default()
+            }),
             runtime,
         };
         this.publish(&this.sources.lock());
         Arc::new(this)
     }
 
-    /// The union as it is now.
-    pub fn set(&self) -> ServiceSet {
-        self.union(&self.sources.lock())
+    /// The API server serves no ServiceCIDRs (before Kubernetes 1.33): there are
+    /// none to wait for.
+    pub fn cidrs_not_served(&self) {
+        let mut sources = self.sources.lock();
+        if sources.pending & CIDRS != 0 {
+            sources.pending &= !CIDRS;
+            self.publish(&sources);
+        }
     }
 
     /// Replaces every ServiceCIDR's ranges with a fresh list (a watch's restart:
@@ -61,6 +88,7 @@ impl ServiceAddresses {
             .into_iter()
             .map(|(name, ranges)| (name.into_boxed_str(), ranges.into_boxed_slice()))
             .collect();
+        sources.pending &= !CIDRS;
         self.publish(&sources);
     }
 
@@ -89,6 +117,7 @@ impl ServiceAddresses {
             .map(|(key, addresses)| (key.into_boxed_str(), addresses))
             .collect();
         sources.services.shrink_to_fit();
+        sources.pending &= !SERVICES;
         self.publish(&sources);
     }
 
@@ -131,8 +160,12 @@ impl ServiceAddresses {
         fixed.chain(addresses).collect()
     }
 
-    /// Gives the runtime the union (it takes an unchanged set as no change).
+    /// Gives the runtime the union (it takes an unchanged set as no change), once
+    /// every source has been read in full.
     fn publish(&self, sources: &Sources) {
+        if sources.pending != 0 {
+            return;
+        }
         let mut set = self.union(sources);
         if set.len() > ServiceSet::MAX_RANGES {
             warn!(
@@ -146,5 +179,103 @@ impl ServiceAddresses {
         if self.runtime.set_services(set) {
             debug!(ranges, "the cluster's Service addresses changed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use census_proto::{convert::WireLimits, labels::LabelFilter};
+
+    use super::*;
+    use crate::{
+        allocator::{Allocator, Config},
+        api::Settings,
+        metrics::Metrics,
+        runtime::Clock,
+        store::Loaded,
+    };
+
+    fn runtime() -> Arc<Runtime> {
+        let settings = Settings {
+            filter: LabelFilter::default(),
+            wire: WireLimits::default(),
+            snapshot_interval: Duration::from_secs(30),
+            max_message_bytes: 4 << 20,
+            store_kind: "test",
+        };
+        let clock = Clock::new();
+        let alloc = Allocator::new(Config::default(), Loaded::default(), clock.now());
+        Runtime::new(alloc, clock, settings, Metrics::default()).0
+    }
+
+    fn net(text: &str) -> IpNet {
+        text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
+    }
+
+    fn ranges(runtime: &Runtime) -> Option<Vec<(String, ServiceKind)>> {
+        runtime.services().map(|set| {
+            set.iter()
+                .map(|(range, kind)| (range.to_string(), kind))
+                .collect()
+        })
+    }
+
+    #[tokio::test]
+    async fn agents_are_given_a_set_only_once_every_source_is_listed() {
+        let runtime = runtime();
+        let addresses = ServiceAddresses::listing(vec![net("10.0.0.0/16")], runtime.clone());
+        assert_eq!(ranges(&runtime), None, "nothing listed yet");
+        addresses.reset_services([(
+            "shop/web".to_owned(),
+            vec![(IpAddr::from([203, 0, 113, 7]), ServiceKind::LoadBalancerIp)].into(),
+        )]);
+        assert_eq!(
+            ranges(&runtime),
+            None,
+            "the ServiceCIDRs are not listed yet"
+        );
+        addresses.reset_cidrs([("kubernetes".to_owned(), vec![net("10.96.0.0/12")])]);
+        assert_eq!(
+            ranges(&runtime),
+            Some(vec![
+                ("10.0.0.0/16".to_owned(), ServiceKind::ClusterIpRange),
+                ("10.96.0.0/12".to_owned(), ServiceKind::ClusterIpRange),
+                ("203.0.113.7/32".to_owned(), ServiceKind::LoadBalancerIp),
+            ])
+        );
+        // A Service with no address holds nothing; one losing its address goes.
+        addresses.set_service("shop/db", Box::default());
+        addresses.set_service("shop/web", Box::default());
+        assert_eq!(addresses.services_with_addresses(), 0);
+        addresses.remove_cidrs("kubernetes");
+        assert_eq!(
+            ranges(&runtime),
+            Some(vec![(
+                "10.0.0.0/16".to_owned(),
+                ServiceKind::ClusterIpRange
+            )])
+        );
+    }
+
+    #[tokio::test]
+    async fn without_servicecidrs_the_services_alone_are_waited_for() {
+        let runtime = runtime();
+        let addresses = ServiceAddresses::listing(vec![net("10.96.0.0/12")], runtime.clone());
+        addresses.cidrs_not_served();
+        assert_eq!(ranges(&runtime), None);
+        addresses.reset_services([]);
+        assert_eq!(
+            ranges(&runtime),
+            Some(vec![(
+                "10.96.0.0/12".to_owned(),
+                ServiceKind::ClusterIpRange
+            )])
+        );
+        // Embedded mode: at once.
+        let runtime = self::runtime();
+        ServiceAddresses::new(Vec::new(), runtime.clone());
+        assert_eq!(ranges(&runtime), Some(Vec::new()));
     }
 }

@@ -228,7 +228,7 @@ impl Replica {
                         node_bytes: cluster.nodes.approx_bytes(),
                         identities: cluster.store.cached_objects(),
                         services_kept: cluster.services.services_with_addresses(),
-                        service_ranges: running.runtime.services().len(),
+                        service_ranges: running.runtime.services().map_or(0, |s| s.len()),
                     });
                 }
                 op.shut_down().await

@@ -200,7 +200,7 @@ impl EndpointStreams {
                     max_ips_per_endpoint: settings.wire.max_ips_per_endpoint as u32,
                     max_message_bytes: settings.max_message_bytes as u64,
                 }),
-                services: Some(services_to_wire(&self.operator.services())),
+                services: self.operator.services().map(|s| services_to_wire(&s)),
             })),
         };
         // The reply is queued before the stream is registered, so it is always first.

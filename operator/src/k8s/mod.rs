@@ -212,7 +212,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             admission: nodes.clone(),
         },
     );
-    let services = ServiceAddresses::new(service_cidrs, runtime.clone());
+    let services = ServiceAddresses::listing(service_cidrs, runtime.clone());
     let mut tasks = vec![
         tokio::spawn(
             services::run_cidrs(services.clone(), reads.clone())

@@ -224,6 +224,7 @@ pub async fn run_cidrs(addresses: Arc<ServiceAddresses>, client: Client) {
                 }
             }
             Err(e) if not_served(&e) => {
+                addresses.cidrs_not_served();
                 if !said_not_served {
                     said_not_served = true;
                     info!(

@@ -286,7 +286,7 @@ impl Runtime {
         }
         let mut pieces = split(delta, hub.cfg.batch_entries);
         if services {
-            pieces[0].services = Some(Arc::clone(&inner.services));
+            pieces[0].services = inner.services.clone();
         }
         for piece in &mut pieces {
             inner.map_version += 1;
@@ -311,7 +311,7 @@ impl Runtime {
         term::current(&inner, term)?;
         let pieces = self.take_pieces(&mut inner, hub);
         let (nodes, entries) = inner.alloc.map_full();
-        let services = Arc::clone(&inner.services);
+        let services = inner.services.clone();
         let version = inner.map_version;
         let built_at = self.clock.now().as_millis();
         let mut sent = hub.sent.lock();
@@ -331,7 +331,7 @@ impl Runtime {
             hub.cfg.batch_entries,
         );
         let last = chunks.len() - 1;
-        chunks[0].services = Some(services);
+        chunks[0].services = services;
         let mut encoded = Vec::with_capacity(chunks.len());
         for (i, chunk) in chunks.iter_mut().enumerate() {
             chunk.version = version;

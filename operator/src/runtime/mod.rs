@@ -60,8 +60,9 @@ struct Inner {
     /// The endpoint map's last batch version, taken with the core's delta.
     map_version: u64,
     /// The cluster's Service addresses (not the core's: every replica has them,
-    /// whatever its role), and whether they changed since the last map batch.
-    services: Arc<ServiceSet>,
+    /// whatever its role), `None` until their sources have been read in full, and
+    /// whether they changed since the last map batch.
+    services: Option<Arc<ServiceSet>>,
     services_changed: bool,
 }
 
@@ -155,7 +156,7 @@ impl Runtime {
                 writers: None,
                 next_req: 1,
                 map_version: 0,
-                services: Arc::default(),
+                services: None,
                 services_changed: false,
             }),
             clock,
@@ -190,17 +191,18 @@ impl Runtime {
     /// carry them, and the endpoint map's next batch if they changed.
     pub fn set_services(&self, services: ServiceSet) -> bool {
         let mut inner = self.inner.lock();
-        if *inner.services == services {
+        if inner.services.as_deref() == Some(&services) {
             return false;
         }
-        inner.services = Arc::new(services);
+        inner.services = Some(Arc::new(services));
         inner.services_changed = true;
         true
     }
 
-    /// The cluster's Service addresses as they are now.
-    pub fn services(&self) -> Arc<ServiceSet> {
-        Arc::clone(&self.inner.lock().services)
+    /// The cluster's Service addresses as they are now; `None` until their sources
+    /// have been read in full (agents are then told nothing, and keep theirs).
+    pub fn services(&self) -> Option<Arc<ServiceSet>> {
+        self.inner.lock().services.clone()
     }
 
     pub fn tick(&self) {

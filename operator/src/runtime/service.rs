@@ -45,7 +45,7 @@ impl Api for Runtime {
         Runtime::role(self)
     }
 
-    fn services(&self) -> std::sync::Arc<census_proto::domain::ServiceSet> {
+    fn services(&self) -> Option<std::sync::Arc<census_proto::domain::ServiceSet>> {
         Runtime::services(self)
     }
 

@@ -130,7 +130,7 @@ async fn service_addresses_reach_agents_and_follow_the_objects() -> TestResult {
     eventually(
         "the operator has listed the Service addresses",
         WAIT,
-        || async { Ok((*op.running().runtime.services() == want).then_some(())) },
+        || async { Ok((op.running().runtime.services().as_deref() == Some(&want)).then_some(())) },
     )
     .await?;
     // A Service without an address is not kept.

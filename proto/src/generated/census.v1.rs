@@ -288,8 +288,10 @@ pub struct HelloReply {
     #[prost(message, optional, tag = "5")]
     pub limits: ::core::option::Option<Limits>,
     /// The cluster's Service addresses as the operator knows them now (the same set
-    /// the endpoint map stream carries; see `ServiceSet`). Unset from an operator that
-    /// does not send them: the agent keeps what SERVICES holds.
+    /// the endpoint map stream carries; see `ServiceSet`). Unset while the operator
+    /// has not read its sources in full yet (a cluster's ServiceCIDRs and Services),
+    /// or from an operator that does not send them: the agent keeps what SERVICES
+    /// holds.
     #[prost(message, optional, tag = "6")]
     pub services: ::core::option::Option<ServiceSet>,
 }
@@ -428,8 +430,8 @@ pub struct EndpointMapBatch {
     pub version: u64,
     /// Set: the cluster's Service addresses are now this set, the whole of it (it
     /// replaces the one of HelloReply or of an earlier batch). Carried by the first
-    /// batch of a full map, and by the first batch built after every change of the
-    /// set; unset: unchanged.
+    /// batch of a full map (once the operator has read its sources in full), and by
+    /// the first batch built after every change of the set; unset: unchanged.
     #[prost(message, optional, tag = "9")]
     pub services: ::core::option::Option<ServiceSet>,
 }
