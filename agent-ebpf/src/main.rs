@@ -1,5 +1,6 @@
-//! census's TC classifier: counts packets and bytes per (source identity,
-//! destination identity) on the host side of each endpoint's interface.
+//! census's programs: count packets and bytes per (source identity, destination
+//! identity) on the host side of each endpoint's interface, on the node's uplinks
+//! and at its own sockets.
 //!
 //! The same code runs on both hooks of the host-side veth. One side of every
 //! packet is the endpoint behind that interface, and INTERFACES says who it is
@@ -22,15 +23,19 @@
 //!   others it counts only packets that did not arrive through an interface
 //!   census counts on (`skb->ingress_ifindex` has no INTERFACES entry): the others
 //!   were counted when they left it. Nor does it count packets from a pod on
-//!   another node (an ENDPOINTS entry flagged REMOTE, other than a node address):
-//!   census on that node counted them when they left the pod; nor packets from a
-//!   Service address (a reply, reverse-translated on this node: its sender
-//!   counted it when it left). The destination is the interface's endpoint;
+//!   another node (an ENDPOINTS entry flagged REMOTE): census on that node counted
+//!   them when they left the pod; nor packets from a node's address (this node's,
+//!   HOST, or another's, `remote-node`): `census_sockets` counted them on the node
+//!   that sent them; nor packets from a Service address (a reply,
+//!   reverse-translated on this node: its sender counted it when it left). The
+//!   destination is the interface's endpoint;
 //! - `census_uplink` (egress of an uplink or tunnel device) counts marked packets
 //!   only, as (sender, destination), clearing the bit: a Service request whose
 //!   backend is on another node, translated. Everything else leaving the node was
 //!   counted when it left its endpoint. Cleared here, the bit never leaves the
-//!   node, and a tunnel's outer packet is not counted again.
+//!   node, and a tunnel's outer packet is not counted again;
+//! - `census_sockets` (egress of the root cgroup: the node's own sockets) counts
+//!   packets from one of this node's addresses to a pod, as (host, pod).
 //!
 //! The sender of a marked packet is the endpoint behind the interface it came in
 //! by (`skb->ingress_ifindex`'s INTERFACES entry), else its source address: so a
@@ -42,7 +47,7 @@
 //! sides are looked up by address, and egress skips packets whose source address
 //! is a LOCAL endpoint, as before INTERFACES existed.
 //!
-//! Both always return `TC_ACT_UNSPEC` (TCX "next"): the packet goes on to whatever
+//! The TC programs always return `TC_ACT_UNSPEC` (TCX "next"): the packet goes on to whatever
 //! runs after census (a CNI's policy), never dropped, never redirected.
 //!
 //! The maps are declared unpinned here: the agent decides where they are pinned
@@ -64,11 +69,13 @@
 #![no_main]
 
 use aya_ebpf::{
+    EbpfContext,
     bindings::{BPF_NOEXIST, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
+    macros::cgroup_skb,
     macros::{classifier, map},
     maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, lpm_trie::Key},
-    programs::TcContext,
+    programs::{SkBuffContext, TcContext},
 };
 use aya_log_ebpf::{
     debug, info,
@@ -137,7 +144,6 @@ static CENSUS_META: Array<u32> = Array::with_max_entries(META_MAX_ENTRIES, 0);
 static LICENSE: [u8; 11] = *b"Apache-2.0\0";
 
 const ETH_HLEN: usize = 14;
-const ETH_HLEN_U32: u32 = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 /// Offset of the source address in an IPv4 header; the destination follows it.
@@ -179,6 +185,14 @@ enum Hook {
     Egress,
 }
 
+/// The node's own sockets' packets (egress of the root cgroup, after
+/// netfilter's OUTPUT and POSTROUTING: translated). Always lets the packet go.
+#[cgroup_skb(egress)]
+fn census_sockets(ctx: SkBuffContext) -> i32 {
+    count_from_node(&ctx);
+    1
+}
+
 #[classifier]
 fn census_uplink(ctx: TcContext) -> i32 {
     count_marked(&ctx);
@@ -209,14 +223,9 @@ fn count(ctx: &TcContext, hook: Hook) {
     };
     // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole run;
     // these are readable context fields of a TC program.
-    let (ifindex, ingress_ifindex, len, gso_segs) = unsafe {
+    let (ifindex, ingress_ifindex) = unsafe {
         let skb = ctx.skb.skb;
-        (
-            (*skb).ifindex,
-            (*skb).ingress_ifindex,
-            (*skb).len,
-            (*skb).gso_segs,
-        )
+        ((*skb).ifindex, (*skb).ingress_ifindex)
     };
     let key = match hook {
         Hook::Ingress => {
@@ -250,8 +259,10 @@ fn count(ctx: &TcContext, hook: Hook) {
                 // counted when it left, by address.
                 return;
             }
-            if src.is_some_and(|ep| is_remote_pod(&ep)) {
-                // From a pod on another node: counted when it left the pod, there.
+            if src.is_some_and(|ep| ep.is_remote() || ep.flags & flags::HOST != 0) {
+                // From a pod on another node (counted when it left the pod, there)
+                // or from a node's address (counted by `census_sockets` on the
+                // node that sent it).
                 return;
             }
             if src.is_none() && is_service(&src_key) {
@@ -265,7 +276,7 @@ fn count(ctx: &TcContext, hook: Hook) {
             }
         }
     };
-    add_packet(ctx, family, &key, len, gso_segs);
+    add_packet(ctx, family, &key);
 }
 
 /// `census_uplink`: counts a marked packet, as (sender, destination), clearing
@@ -286,27 +297,63 @@ fn count_marked(ctx: &TcContext) {
         }
     };
     // SAFETY: as in `count`.
-    let (ingress_ifindex, len, gso_segs) = unsafe {
-        let skb = ctx.skb.skb;
-        ((*skb).ingress_ifindex, (*skb).len, (*skb).gso_segs)
-    };
+    let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     let key = FlowKey {
         src_identity: sender_identity(ingress_ifindex, &src),
         dst_identity: identity_of(endpoint(&dst)),
     };
-    add_packet(ctx, family, &key, len, gso_segs);
+    add_packet(ctx, family, &key);
 }
 
-/// Counts one packet of `len` bytes and `gso_segs` segments under `key`:
-/// `max(1, gso_segs)` packets, and the link-layer bytes of every segment.
+/// `census_sockets`: counts a packet from one of this node's addresses (HOST)
+/// to a pod, on this node or another, as (host, pod); nothing else. A pod's own
+/// sockets pass this hook too (their cgroups are the root's descendants): their
+/// packets were counted where they left the pod, and are skipped, as are packets
+/// to anything but a pod (the node's own, other nodes, outside).
 #[inline(always)]
-fn add_packet(ctx: &TcContext, family: Family, key: &FlowKey, len: u32, gso_segs: u32) {
-    let segments = gso_segs.max(1);
-    let mut bytes = u64::from(len);
-    if segments > 1 {
-        bytes += u64::from(segments - 1) * u64::from(header_len(ctx, family));
+fn count_from_node(ctx: &SkBuffContext) {
+    let (family, src, dst) = match frame(ctx) {
+        Frame::Ip(family, src, dst) => (family, src, dst),
+        Frame::NotIp => return,
+        Frame::Truncated(family) => {
+            unparsable(ctx, family);
+            return;
+        }
+    };
+    if endpoint(&src).is_none_or(|ep| ep.flags & flags::HOST == 0) {
+        return;
     }
-    add(ctx, key, u64::from(segments), bytes);
+    let Some(pod) = endpoint(&dst).filter(is_pod) else {
+        return;
+    };
+    let key = FlowKey {
+        src_identity: identity::HOST,
+        dst_identity: pod.identity,
+    };
+    add_packet(ctx, family, &key);
+}
+
+/// Whether an ENDPOINTS entry is a pod (here or on another node): not one of
+/// this node's addresses, nor another node's.
+#[inline(always)]
+fn is_pod(ep: &EndpointValue) -> bool {
+    ep.flags & flags::HOST == 0 && ep.identity != identity::REMOTE_NODE
+}
+
+/// Counts the packet under `key`: `max(1, gso_segs)` packets, and the
+/// link-layer bytes of every segment, each with its Ethernet, IP and transport
+/// headers (a cgroup hook's `skb->len` starts at the IP header: each segment's
+/// Ethernet header is added).
+#[inline(always)]
+fn add_packet<P: Packet>(packet: &P, family: Family, key: &FlowKey) {
+    let (len, gso_segs) = packet.len_and_segments();
+    let segments = u64::from(gso_segs.max(1));
+    let link = (ETH_HLEN - P::L2_LEN) as u64;
+    let mut bytes = u64::from(len) + segments * link;
+    if segments > 1 {
+        bytes += (segments - 1) * (ETH_HLEN as u64 + u64::from(header_len(packet, family)));
+    }
+    add(packet, key, segments, bytes);
 }
 
 /// census's mark bit, as the agent set it at load.
@@ -361,38 +408,44 @@ fn sender_identity(ingress_ifindex: u32, src: &EndpointKey) -> u32 {
     }
 }
 
-/// The headers every segment of a GSO packet carries: Ethernet, IP (IPv4 with
-/// its options; IPv6's fixed header) and TCP (with its options) or UDP. An IPv6
-/// packet whose transport header follows extension headers counts Ethernet and
-/// IPv6 only (GSO is for TCP and UDP, which rarely follow extension headers).
+/// The IP and transport headers every segment of a GSO packet carries: IP
+/// (IPv4 with its options; IPv6's fixed header) and TCP (with its options) or UDP.
+/// An IPv6 packet whose transport header follows extension headers counts IPv6's
+/// only (GSO is for TCP and UDP, which rarely follow extension headers).
 #[inline(always)]
-fn header_len(ctx: &TcContext, family: Family) -> u32 {
+fn header_len<P: Packet>(packet: &P, family: Family) -> u32 {
+    let l3 = P::L2_LEN;
     // Every field is read as the first of two bytes: a one-byte bounds check
     // compiles to a comparison the verifier cannot use for a variable offset.
     let (ip_len, protocol) = match family {
         Family::V4 => {
-            let Some([version_ihl, _]) = read::<[u8; 2]>(ctx, ETH_HLEN) else {
-                return ETH_HLEN_U32;
+            let Some([version_ihl, _]) = packet.read::<[u8; 2]>(l3) else {
+                return 0;
             };
             let ihl = usize::from(version_ihl & 0x0f) * 4;
             // TTL, then protocol.
-            let protocol = read::<[u8; 2]>(ctx, ETH_HLEN + IPV4_PROTOCOL - 1).map(|[_, p]| p);
+            let protocol = packet
+                .read::<[u8; 2]>(l3 + IPV4_PROTOCOL - 1)
+                .map(|[_, p]| p);
             (ihl, protocol)
         }
         Family::V6 => (
             IPV6_HLEN,
-            read::<[u8; 2]>(ctx, ETH_HLEN + IPV6_NEXT_HEADER).map(|[next, _]| next),
+            packet
+                .read::<[u8; 2]>(l3 + IPV6_NEXT_HEADER)
+                .map(|[next, _]| next),
         ),
     };
     let transport = match protocol {
-        Some(IPPROTO_TCP) => read::<[u8; 2]>(ctx, ETH_HLEN + ip_len + TCP_DATA_OFFSET)
+        Some(IPPROTO_TCP) => packet
+            .read::<[u8; 2]>(l3 + ip_len + TCP_DATA_OFFSET)
             .map_or(0, |[offset, _]| u32::from(offset >> 4) * 4),
         Some(IPPROTO_UDP) => UDP_HLEN,
         _ => 0,
     };
-    #[expect(clippy::cast_possible_truncation, reason = "at most 14 + 60")]
-    let fixed = (ETH_HLEN + ip_len) as u32;
-    fixed + transport
+    #[expect(clippy::cast_possible_truncation, reason = "at most 60")]
+    let ip_len = ip_len as u32;
+    ip_len + transport
 }
 
 /// The entry of interface `ifindex` in INTERFACES, if census counts on it.
@@ -422,15 +475,12 @@ fn local_identity(ctx: &TcContext, ifindex: u32, address: &EndpointKey) -> u32 {
     }
 }
 
-/// The family, source and destination of an IPv4 or IPv6 packet with an
-/// Ethernet header.
+/// The family, source and destination of an IPv4 or IPv6 packet.
 #[inline(always)]
-fn frame(ctx: &TcContext) -> Frame {
-    // `skb->protocol` is the EtherType in network order in the low 16 bits.
-    #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
-    let protocol = u16::from_be(ctx.skb.protocol() as u16);
-    match protocol {
-        ETH_P_IP => match read::<[u32; 2]>(ctx, ETH_HLEN + IPV4_SADDR) {
+fn frame<P: Packet>(packet: &P) -> Frame {
+    let l3 = P::L2_LEN;
+    match packet.protocol() {
+        ETH_P_IP => match packet.read::<[u32; 2]>(l3 + IPV4_SADDR) {
             Some([src, dst]) => Frame::Ip(
                 Family::V4,
                 EndpointKey::v4_word(src),
@@ -438,7 +488,7 @@ fn frame(ctx: &TcContext) -> Frame {
             ),
             None => Frame::Truncated(Family::V4),
         },
-        ETH_P_IPV6 => match read::<[[u32; 4]; 2]>(ctx, ETH_HLEN + IPV6_SADDR) {
+        ETH_P_IPV6 => match packet.read::<[[u32; 4]; 2]>(l3 + IPV6_SADDR) {
             Some([src, dst]) => Frame::Ip(
                 Family::V6,
                 EndpointKey::v6_words(src),
@@ -450,18 +500,73 @@ fn frame(ctx: &TcContext) -> Frame {
     }
 }
 
-/// Reads a `T` at `offset` of the packet: straight from the linear data when it
-/// is there (the common case, and the cheapest), else through
-/// `bpf_skb_load_bytes`, which also reads paged data.
-#[inline(always)]
-fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
-    let start = ctx.data();
-    if start + offset + size_of::<T>() <= ctx.data_end() {
-        // SAFETY: the bounds check above is the one the verifier requires for
-        // direct packet access; the read is unaligned-safe.
-        return Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) });
+/// What the programs read of a packet, on a TC hook (from its Ethernet header)
+/// or a cgroup hook (from its IP header).
+trait Packet: EbpfContext {
+    /// Bytes before the IP header.
+    const L2_LEN: usize;
+
+    /// A `T` at `offset` of the packet, if it has that many bytes.
+    fn read<T: Copy>(&self, offset: usize) -> Option<T>;
+
+    /// `skb->protocol`: the EtherType.
+    fn protocol(&self) -> u16;
+
+    /// `skb->len` and `skb->gso_segs`.
+    fn len_and_segments(&self) -> (u32, u32);
+}
+
+impl Packet for TcContext {
+    const L2_LEN: usize = ETH_HLEN;
+
+    /// Straight from the linear data when it is there (the common case, and the
+    /// cheapest), else through `bpf_skb_load_bytes`, which also reads paged data.
+    #[inline(always)]
+    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
+        let start = self.data();
+        if start + offset + size_of::<T>() <= self.data_end() {
+            // SAFETY: the bounds check above is the one the verifier requires for
+            // direct packet access; the read is unaligned-safe.
+            return Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) });
+        }
+        self.load(offset).ok()
     }
-    ctx.load(offset).ok()
+
+    #[inline(always)]
+    fn protocol(&self) -> u16 {
+        // The EtherType in network order in the low 16 bits.
+        #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
+        u16::from_be(self.skb.protocol() as u16)
+    }
+
+    #[inline(always)]
+    fn len_and_segments(&self) -> (u32, u32) {
+        // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
+        // run; these are readable context fields of a TC program.
+        unsafe { ((*self.skb.skb).len, (*self.skb.skb).gso_segs) }
+    }
+}
+
+impl Packet for SkBuffContext {
+    const L2_LEN: usize = 0;
+
+    #[inline(always)]
+    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
+        self.load(offset).ok()
+    }
+
+    #[inline(always)]
+    fn protocol(&self) -> u16 {
+        #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
+        u16::from_be(self.skb.protocol() as u16)
+    }
+
+    #[inline(always)]
+    fn len_and_segments(&self) -> (u32, u32) {
+        // SAFETY: as for TC; `len` and `gso_segs` are readable fields of a
+        // cgroup_skb program's context.
+        unsafe { ((*self.skb.skb).len, (*self.skb.skb).gso_segs) }
+    }
 }
 
 #[inline(always)]
@@ -469,13 +574,6 @@ fn endpoint(key: &EndpointKey) -> Option<EndpointValue> {
     // SAFETY: the value is copied out at once; an entry the agent rewrites
     // concurrently can at worst yield one stale identity for this packet.
     unsafe { ENDPOINTS.get(key) }.copied()
-}
-
-/// Whether an entry is a pod on another node: REMOTE, and not one of that node's
-/// addresses (`remote-node`), whose traffic no census hook counts yet but this one.
-#[inline(always)]
-fn is_remote_pod(ep: &EndpointValue) -> bool {
-    ep.is_remote() && ep.identity != identity::REMOTE_NODE
 }
 
 #[inline(always)]
@@ -488,7 +586,7 @@ fn identity_of(ep: Option<EndpointValue>) -> u32 {
 }
 
 #[inline(always)]
-fn add(ctx: &TcContext, key: &FlowKey, packets: u64, bytes: u64) {
+fn add<C: EbpfContext>(ctx: &C, key: &FlowKey, packets: u64, bytes: u64) {
     if bump(key, packets, bytes) {
         return;
     }
@@ -539,7 +637,7 @@ fn may_log(level: Level) -> bool {
 }
 
 #[inline(never)]
-fn insert_failed(ctx: &TcContext, key: &FlowKey, error: i32) {
+fn insert_failed<C: EbpfContext>(ctx: &C, key: &FlowKey, error: i32) {
     count_event(stats::FLOW_INSERT_FAILURES);
     if may_log(Level::Warn) {
         warn!(
@@ -553,10 +651,13 @@ fn insert_failed(ctx: &TcContext, key: &FlowKey, error: i32) {
 }
 
 #[inline(never)]
-fn unparsable(ctx: &TcContext, family: Family) {
+fn unparsable<P: Packet>(ctx: &P, family: Family) {
     count_event(stats::UNPARSABLE);
     if may_log(Level::Info) {
-        let (version, len) = (if family == Family::V4 { 4u8 } else { 6 }, ctx.len());
+        let (version, len) = (
+            if family == Family::V4 { 4u8 } else { 6 },
+            ctx.len_and_segments().0,
+        );
         info!(
             ctx,
             "an IPv{} frame of {} bytes is too short to hold its addresses: not counted",

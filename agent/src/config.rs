@@ -185,6 +185,12 @@ pub struct DatapathArgs {
     /// every VXLAN or Geneve device.
     #[arg(long = "uplink", env = "CENSUS_UPLINKS", value_delimiter = ',')]
     pub uplinks: Vec<String>,
+    /// The root of the node's cgroup v2 hierarchy, where census counts what the
+    /// node's own sockets send to pods. Default: `/sys/fs/cgroup`, or
+    /// `/sys/fs/cgroup/unified` in the hybrid layout. In a pod, the host's,
+    /// mounted in (the DaemonSet mounts it at `/run/census/cgroup`).
+    #[arg(long, env = "CENSUS_CGROUP_ROOT")]
+    pub cgroup_root: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

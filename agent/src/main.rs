@@ -113,6 +113,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         node_ips,
         mark_bit,
         uplinks,
+        cgroup_root,
     } = datapath;
     let datapath_options = bpf::DatapathOptions {
         attach_mode: attach_mode.into(),
@@ -133,6 +134,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
     .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
     let mut datapath = datapath;
     attach_uplinks(&mut datapath, uplinks);
+    attach_sockets(&mut datapath, cgroup_root);
     let pinned = Inspector::open(&pin_dir)
         .with_context(|| format!("cannot open the maps pinned in {}", pin_dir.display()))?;
 
@@ -247,5 +249,28 @@ fn attach_uplinks(datapath: &mut Datapath, given: Vec<String>) {
                 "cannot attach to this uplink: Service requests leaving by it go uncounted"
             ),
         }
+    }
+}
+
+/// Attaches the socket program at the root of the node's cgroup v2 hierarchy
+/// (`--cgroup-root`, else where it is found). Without it what the node's own
+/// sockets send to pods goes uncounted; everything else is counted as before.
+fn attach_sockets(datapath: &mut Datapath, given: Option<PathBuf>) {
+    let root = match given.map_or_else(bpf::find_cgroup2_root, Ok) {
+        Ok(root) => root,
+        Err(error) => {
+            tracing::warn!(%error, "what the node's own sockets send to pods goes uncounted");
+            return;
+        }
+    };
+    match datapath.attach_sockets(&root) {
+        Ok(outcome) => {
+            tracing::info!(cgroup = %root.display(), ?outcome, "socket program attached");
+        }
+        Err(error) => tracing::warn!(
+            cgroup = %root.display(),
+            %error,
+            "cannot attach at the node's root cgroup: what the node's own sockets send to pods goes uncounted"
+        ),
     }
 }

@@ -82,7 +82,10 @@ fn our_tc_filters(world: &World) -> Fallible<Vec<CensusLink>> {
             .file_name()
             .and_then(|n| n.to_str())
             .ok_or("a record without a name")?;
-        let (hook, place) = name.rsplit_once(":tc:").ok_or("not a TC filter record")?;
+        // `links/sockets` is the socket program's cgroup link, no filter.
+        let Some((hook, place)) = name.rsplit_once(":tc:") else {
+            continue;
+        };
         let (interface, direction) = hook.rsplit_once('-').ok_or("no direction")?;
         let place: Vec<u32> = place.split(':').map(str::parse).collect::<Result<_, _>>()?;
         let (priority, handle) = (place[1], place[2]);

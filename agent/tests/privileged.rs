@@ -27,8 +27,12 @@ mod metrics_lint;
 mod pin_lock;
 #[path = "privileged/pod_route.rs"]
 mod pod_route;
+#[path = "privileged/services.rs"]
+mod services;
 #[path = "privileged/snat.rs"]
 mod snat;
+#[path = "privileged/sockets.rs"]
+mod sockets;
 #[path = "privileged/support.rs"]
 mod support;
 #[path = "privileged/two_node.rs"]
@@ -229,12 +233,18 @@ fn unknown_sources_count_as_world_and_node_addresses_as_host() -> TestResult {
         "counted once, entering B, as world"
     );
 
+    // The node's own sockets are counted where they send (the root cgroup's
+    // egress), not on delivery: without that hook, nothing counts them.
+    let received = send(lab.node(), b.gateway_v4.into(), &b, false, COUNT, PAYLOAD)?;
+    assert_eq!(received, COUNT);
+    assert_eq!(flow(&datapath, identity::HOST, POD_B)?, (0, 0));
+    datapath.attach_sockets(&census_agent::bpf::find_cgroup2_root()?)?;
     let received = send(lab.node(), b.gateway_v4.into(), &b, false, COUNT, PAYLOAD)?;
     assert_eq!(received, COUNT);
     assert_eq!(
         flow(&datapath, identity::HOST, POD_B)?,
         (COUNT as u64, COUNT as u64 * frame_len(PAYLOAD, false)),
-        "the node's own address is the host identity"
+        "the node's own address is the host identity, counted once"
     );
     Ok(())
 }
@@ -566,7 +576,7 @@ fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
     // In the agent's network namespace: TC filters are found there by ifindex.
     let removed = lab.node().run(|| uninstall(pins.path()))??;
     assert_eq!(removed.links.len(), 2);
-    assert_eq!(removed.pins.len(), 6, "the six maps: {removed:?}");
+    assert_eq!(removed.pins.len(), 7, "the seven maps: {removed:?}");
     assert!(!pins.path().exists());
     assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
 

@@ -45,18 +45,14 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     // Every test in both attach modes: TCX, and TC filters forced (the path of
     // kernels before 6.6), on this kernel.
     for mode in ["tcx", "tc"] {
-        // Devices this kernel may lack (ipvlan, netkit, wireguard), and the rows
-        // of the count-once rule today's classifier does not follow yet.
-        let skip = ["needs_other_kernel::", NOT_BUILT_YET];
+        // Devices this kernel may lack (ipvlan, netkit, wireguard).
+        let skip = ["needs_other_kernel::"];
         for mut command in suite.commands(mode, &skip, &test_args) {
             cmd::run(&mut command)?;
         }
     }
     Ok(())
 }
-
-/// The tests of what is not built yet (`agent/tests/privileged/count_once.rs`).
-pub(crate) const NOT_BUILT_YET: &str = "needs_count_once::";
 
 /// How the suite is compiled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -136,6 +136,10 @@ pub const PROGRAM_EGRESS: &str = "census_egress";
 /// sent to a Service whose backend is on another node.
 pub const PROGRAM_UPLINK: &str = "census_uplink";
 
+/// Name of the program attached to the egress of the root cgroup: packets the
+/// node's own sockets send to pods.
+pub const PROGRAM_SOCKETS: &str = "census_sockets";
+
 /// The key of [`SERVICES_MAP`], laid out as the kernel's `bpf_lpm_trie_key`:
 /// `prefix_len` bits of `address` match, the family's 32 first. An IPv4 range
 /// `a.b.c.d/n` is `prefix_len` 32 + n.

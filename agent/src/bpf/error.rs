@@ -145,8 +145,11 @@ pub enum Error {
         source: aya::programs::ProgramError,
     },
 
-    #[error("the object pinned at {path} is not a TCX link (link type {link_type})")]
-    NotTcxLink { path: PathBuf, link_type: u32 },
+    #[error(
+        "the object pinned at {path} is not a link census pins (link type {link_type}; census \
+         pins TCX and cgroup links)"
+    )]
+    NotCensusLink { path: PathBuf, link_type: u32 },
 
     #[error("pinning the link of {interface} ({direction}) at {path} failed")]
     PinLink {
@@ -281,6 +284,39 @@ pub enum Error {
         interface: String,
         kind: Option<String>,
         ethernet: bool,
+    },
+
+    #[error(
+        "{path} is not a cgroup v2 hierarchy: census counts the node's own sockets at the \
+         root of its cgroup v2 hierarchy (`--cgroup-root`)"
+    )]
+    NotCgroup2 { path: PathBuf },
+
+    #[error(
+        "no cgroup v2 hierarchy is mounted (looked in {looked_in}): give its root with \
+         `--cgroup-root`"
+    )]
+    NoCgroup2 { looked_in: String },
+
+    #[error("attaching census's socket program to cgroup {cgroup} failed")]
+    AttachCgroup {
+        cgroup: PathBuf,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+
+    #[error("the socket program's attachment (to be pinned at {path}) is not a bpf link")]
+    CgroupLinkHandle {
+        path: PathBuf,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+
+    #[error("pinning the link of census's socket program at {path} failed")]
+    PinCgroupLink {
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
     },
 
     #[error(

@@ -13,11 +13,11 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, IterableMap as _, Map, MapData},
-    programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
+    programs::{CgroupSkb, ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
-    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP,
+    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_SOCKETS, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP,
 };
 
 use super::log::{DatapathLog, LogForwarder};
@@ -156,6 +156,7 @@ impl Datapath {
             load_program(&mut ebpf, direction.program())?;
         }
         load_program(&mut ebpf, PROGRAM_UPLINK)?;
+        load_sockets_program(&mut ebpf)?;
 
         let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
         let mut stats: StatsMap = take_map(&mut ebpf, STATS_MAP)?;
@@ -397,6 +398,24 @@ pub struct TestRunOutcome {
     pub mean_duration: Duration,
 }
 
+fn load_sockets_program(ebpf: &mut Ebpf) -> Result<(), Error> {
+    let program_error = |source| Error::Program {
+        program: PROGRAM_SOCKETS,
+        source,
+    };
+    let program: &mut CgroupSkb = ebpf
+        .program_mut(PROGRAM_SOCKETS)
+        .ok_or(Error::MissingFromObject {
+            kind: "program",
+            name: PROGRAM_SOCKETS,
+        })?
+        .try_into()
+        .map_err(program_error)?;
+    program
+        .load()
+        .map_err(|source| rejected(PROGRAM_SOCKETS, source))
+}
+
 fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {
     let classifier: &mut SchedClassifier = ebpf
         .program_mut(name)
@@ -409,20 +428,22 @@ fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {
             program: name,
             source,
         })?;
-    classifier.load().map_err(|source| match source {
+    classifier.load().map_err(|source| rejected(name, source))
+}
+
+/// The error of loading `program`: the verifier's log when the kernel refused it.
+fn rejected(program: &'static str, source: ProgramError) -> Error {
+    match source {
         ProgramError::LoadError {
             io_error,
             verifier_log,
         } => Error::ProgramRejected {
-            program: name,
+            program,
             source: io_error,
             verifier_log: verifier_log.to_string(),
         },
-        source => Error::Program {
-            program: name,
-            source,
-        },
-    })
+        source => Error::Program { program, source },
+    }
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error>

@@ -422,6 +422,15 @@ pub fn uninstall(pin_dir: impl AsRef<Path>) -> Result<Uninstalled, Error> {
 
 /// Opens the TCX link pinned at `path` and reads its info.
 pub(super) fn open_tcx_link(path: &Path) -> Result<(OwnedFd, sys::LinkInfo), Error> {
+    open_link(path, &[sys::BPF_LINK_TYPE_TCX])
+}
+
+/// Opens the link pinned at `path`, one of census's kinds (`link_types`), and
+/// reads its info.
+pub(super) fn open_link(
+    path: &Path,
+    link_types: &[u32],
+) -> Result<(OwnedFd, sys::LinkInfo), Error> {
     let link_error = |operation| {
         move |source| Error::Link {
             operation,
@@ -431,8 +440,8 @@ pub(super) fn open_tcx_link(path: &Path) -> Result<(OwnedFd, sys::LinkInfo), Err
     };
     let fd = sys::obj_get(path).map_err(link_error("opening"))?;
     let info = sys::link_info(fd.as_fd()).map_err(link_error("reading the info"))?;
-    if info.link_type != sys::BPF_LINK_TYPE_TCX {
-        return Err(Error::NotTcxLink {
+    if !link_types.contains(&info.link_type) {
+        return Err(Error::NotCensusLink {
             path: path.to_owned(),
             link_type: info.link_type,
         });
@@ -443,7 +452,7 @@ pub(super) fn open_tcx_link(path: &Path) -> Result<(OwnedFd, sys::LinkInfo), Err
 /// Detaches the link pinned at `path` from its hook now (a link whose interface
 /// is gone is already detached) and removes the pin.
 pub(super) fn detach_and_unpin(path: &Path) -> Result<(), Error> {
-    let (fd, _) = open_tcx_link(path)?;
+    let fd = open_link(path, &[sys::BPF_LINK_TYPE_TCX, sys::BPF_LINK_TYPE_CGROUP])?.0;
     sys::link_detach(fd.as_fd()).map_err(|source| Error::Link {
         operation: "detaching",
         path: path.to_owned(),

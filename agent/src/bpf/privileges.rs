@@ -67,14 +67,25 @@ fn missing_capabilities(effective: u64) -> Vec<&'static str> {
 
 /// Whether `path` is on a BPF file system.
 pub(super) fn is_bpffs(path: &Path) -> Result<bool, Error> {
+    Ok(fs_type(path)? == BPF_FS_MAGIC)
+}
+
+/// `CGROUP2_SUPER_MAGIC`.
+const CGROUP2_MAGIC: u64 = 0x6367_7270;
+
+/// Whether `path` is on a cgroup v2 file system.
+pub(super) fn is_cgroup2(path: &Path) -> Result<bool, Error> {
+    Ok(fs_type(path)? == CGROUP2_MAGIC)
+}
+
+fn fs_type(path: &Path) -> Result<u64, Error> {
     let stat = statfs(path).map_err(|errno| Error::Io {
         operation: "statfs",
         path: path.to_owned(),
         source: errno.into(),
     })?;
     // `f_type` is signed on glibc and its width differs between libcs.
-    let fs_type = u64::try_from(stat.filesystem_type().0).unwrap_or_default();
-    Ok(fs_type == BPF_FS_MAGIC)
+    Ok(u64::try_from(stat.filesystem_type().0).unwrap_or_default())
 }
 
 /// Makes sure `pin_dir` is, or can be created, on a BPF file system: its closest

@@ -1,5 +1,5 @@
-//! What aya 0.14 does not expose: three `bpf(2)` commands (the TCX part of a link's
-//! info, which interface it is attached to, `BPF_LINK_DETACH`, and
+//! What aya 0.14 does not expose: four `bpf(2)` commands (the TCX and cgroup part
+//! of a link's info, `BPF_LINK_UPDATE` of a pinned cgroup link, `BPF_LINK_DETACH`, and
 //! `BPF_OBJ_GET` with `BPF_F_RDONLY`), and a read-only mapping of an mmapable
 //! array map.
 #![allow(unsafe_code)]
@@ -17,8 +17,11 @@ use std::{
 
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_DETACH: libc::c_long = 34;
 
+/// `enum bpf_link_type`'s `BPF_LINK_TYPE_CGROUP`.
+pub(super) const BPF_LINK_TYPE_CGROUP: u32 = 3;
 /// `enum bpf_link_type`'s `BPF_LINK_TYPE_TCX`.
 pub(super) const BPF_LINK_TYPE_TCX: u32 = 11;
 
@@ -38,6 +41,35 @@ pub(super) struct LinkInfo {
 }
 
 const _: () = assert!(size_of::<LinkInfo>() == 24);
+
+impl LinkInfo {
+    /// For a cgroup link: the cgroup's id (`cgroup.cgroup_id`, a `u64` where a
+    /// TCX link has its ifindex and attach type).
+    pub(super) fn cgroup_id(&self) -> u64 {
+        (u64::from(self.tcx_attach_type) << 32) | u64::from(self.tcx_ifindex)
+    }
+}
+
+/// `union bpf_attr` for `BPF_LINK_UPDATE`.
+#[repr(C)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+/// Makes the link `link` run the program `program` instead of its own, in
+/// place (`BPF_LINK_UPDATE`): the hook is never without a program.
+pub(super) fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = LinkUpdateAttr {
+        link_fd: fd_u32(link)?,
+        new_prog_fd: fd_u32(program)?,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
 
 /// `union bpf_attr` for `BPF_OBJ_GET`.
 #[repr(C)]

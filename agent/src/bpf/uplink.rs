@@ -17,7 +17,7 @@
 use std::collections::BTreeSet;
 
 use super::{
-    AttachMode, AttachOutcome, Attachment, Datapath, Direction, Error,
+    AttachMode, AttachOutcome, Attachment, AttachmentState, Datapath, Direction, Error,
     attach::{check_interface_name, ifindex},
     netlink,
 };
@@ -45,7 +45,7 @@ impl Datapath {
                 ethernet: link.ethernet,
             });
         }
-        if self.interface(ifindex).is_some() {
+        if self.interface(ifindex).is_some() || self.has_endpoint_hooks(interface, ifindex)? {
             return Err(Error::EndpointInterfaceAsUplink {
                 interface: interface.to_owned(),
             });
@@ -54,6 +54,15 @@ impl Datapath {
             AttachMode::Tcx => self.attach_one(interface, ifindex, Direction::Uplink),
             AttachMode::Tc => self.attach_tc(interface, ifindex, Direction::Uplink),
         }
+    }
+
+    /// Whether census's endpoint programs are attached to `interface`.
+    fn has_endpoint_hooks(&self, interface: &str, ifindex: u32) -> Result<bool, Error> {
+        Ok(self.attachments()?.iter().any(|a| {
+            a.direction.is_endpoint_hook()
+                && a.interface == interface
+                && a.state == AttachmentState::Attached { ifindex }
+        }))
     }
 
     /// Detaches `census_uplink` from `interface` and removes its pin or record;

@@ -3,24 +3,24 @@
 //! each attached to its own pods, kube-proxy's iptables rules on both nodes, and
 //! the sum of both nodes' FLOWS compared with what each path's row says.
 //!
-//! The direct rows hold today. The Service rows are the rule's, which the
-//! classifier does not follow yet: today a request through a Service is counted as
-//! (client, world) where it leaves the client and its reply, arriving from the
-//! Service address, is counted again on the client's node when its backend is on
-//! the other node. They are in `needs_count_once::`, which `cargo xtask
-//! test-privileged` skips until the rule is built; run them by name to see how far
-//! today's classifier is from it.
+//! Each node's datapath knows the Service range (SERVICES, as the operator sends
+//! it) and has its uplink program on the link between the nodes, as the agent
+//! attaches it to a node's uplinks. Before the rule, a request through a Service
+//! was counted as (client, world) where it left the client, and its reply,
+//! arriving from the Service address, was counted again on the client's node when
+//! its backend was on the other node.
 
 use std::{
     collections::BTreeMap,
-    net::{IpAddr, SocketAddr, SocketAddrV4},
+    io::{Read as _, Write as _},
+    net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
     num::NonZeroU16,
     time::Duration,
 };
 
-use census_agent::bpf::{Datapath, Endpoint, Interface, identity};
+use census_agent::bpf::{Datapath, Endpoint, Interface, ServiceKind, identity};
 use census_netlab::{
-    Cluster, Pod, Side,
+    Cluster, Pod, Side, UPLINK,
     kube_proxy::{self, Protocol, Service, service_ip},
     udp_echo, udp_echo_through,
 };
@@ -42,8 +42,9 @@ const TARGET_PORT: u16 = 5353;
 type Counts = BTreeMap<(u32, u32), (u64, u64)>;
 
 /// Two nodes, pods on each with an identity of their own, both nodes' datapaths
-/// attached to their own pods and knowing every pod (their own LOCAL, the
-/// others' REMOTE with their node), and kube-proxy's fixed chains on both.
+/// attached to their own pods and their uplink, knowing every pod (their own
+/// LOCAL, the others' REMOTE with their node) and the Service range, and
+/// kube-proxy's fixed chains on both.
 struct Lab {
     cluster: Cluster,
     pods: Vec<(Side, Pod, u32)>,
@@ -85,12 +86,24 @@ impl Lab {
                 datapath.upsert_endpoint(pod.ipv4.into(), endpoint)?;
                 datapath.upsert_endpoint(pod.ipv6.into(), endpoint)?;
             }
-            // The other node's address, as the endpoint map gives it.
+            // The node's own addresses, and the other node's, as the endpoint map
+            // gives them.
+            let own = cluster.node(at);
+            for address in [own.uplink_ip(false), own.pod_gateway(false)] {
+                datapath.upsert_endpoint(address, Endpoint::host())?;
+            }
             let other = cluster.node(at.other());
             datapath.upsert_endpoint(
                 other.uplink_ip(false),
                 Endpoint::remote(identity::REMOTE_NODE, node_index(at.other())),
             )?;
+            let services = ipnet::IpNet::new(service_ip(0).into(), 24)?;
+            datapath.upsert_service(services, ServiceKind::ClusterIpRange)?;
+            cluster
+                .node(at)
+                .ns()
+                .run(|| datapath.attach_uplink(UPLINK))??;
+            datapath.attach_sockets(&census_agent::bpf::find_cgroup2_root()?)?;
             kube_proxy::install(cluster.node(at).ns())?;
         }
         let mut lab = Self {
@@ -232,35 +245,217 @@ fn through(client: &Pod, service: &Service, backend: &Pod) -> Fallible<usize> {
     )?)
 }
 
-/// The rows of the rule that today's classifier does not follow (see the module
-/// documentation): `cargo xtask test-privileged` skips them.
-mod needs_count_once {
-    use super::*;
+/// `COUNT` exchanges from a client pod on node A through a ClusterIP whose
+/// endpoint is a pod on `backend_side`: (client, backend) and (backend, client).
+fn service_exchange_is_counted_client_to_backend(backend_side: Side, n: u8) -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip(&format!("svc{n}"), n, backend);
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, backend)?, COUNT);
+    assert_eq!(
+        lab.counts()?,
+        each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+    );
+    Ok(())
+}
 
-    /// `COUNT` exchanges from a client pod on node A through a ClusterIP whose
-    /// endpoint is a pod on `backend_side`: (client, backend) and (backend, client).
-    fn service_exchange_is_counted_client_to_backend(backend_side: Side, n: u8) -> TestResult {
-        let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
-        let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
-        let service = cluster_ip(&format!("svc{n}"), n, backend);
-        lab.add_service(&service)?;
-        assert_eq!(through(client, &service, backend)?, COUNT);
-        assert_eq!(
-            lab.counts()?,
-            each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() -> TestResult {
+    service_exchange_is_counted_client_to_backend(Side::A, 1)
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
+    service_exchange_is_counted_client_to_backend(Side::B, 2)
+}
+
+/// `COUNT` exchanges between node `from`'s own socket and a pod on node A: the
+/// request counted where the node's socket sent it, as (host, pod) on that node,
+/// the reply where it left the pod, as (pod, host) or (pod, remote-node).
+fn node_exchange_is_counted_once(from: Side) -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT)])?;
+    let pod = lab.pod(CLIENT)?;
+    let node = lab.cluster.node(from);
+    // The address a node's socket sends from toward that pod.
+    let source = if from == Side::A {
+        node.pod_gateway(false)
+    } else {
+        node.uplink_ip(false)
+    };
+    let replies = udp_echo(
+        node.ns(),
+        source,
+        &pod.ns,
+        pod.ipv4.into(),
+        COUNT,
+        PAYLOAD,
+        WAIT,
+    )?;
+    assert_eq!(replies, COUNT);
+    let reply_to = if from == Side::A {
+        identity::HOST
+    } else {
+        identity::REMOTE_NODE
+    };
+    assert_eq!(
+        lab.counts()?,
+        each_way(&[(identity::HOST, CLIENT), (CLIENT, reply_to)])
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_node_and_a_pod_of_its_own_are_counted_once_each_way() -> TestResult {
+    node_exchange_is_counted_once(Side::A)
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_node_and_a_pod_of_another_node_are_counted_once_each_way() -> TestResult {
+    node_exchange_is_counted_once(Side::B)
+}
+
+/// The sum `COUNT` exchanges through `service` gave, each way `COUNT` once:
+/// `request` and `reply` the pairs they were counted as.
+fn counted_as(lab: &Lab, request: (u32, u32), reply: (u32, u32)) -> TestResult {
+    assert_eq!(lab.counts()?, each_way(&[request, reply]));
+    Ok(())
+}
+
+/// A pod reaching itself through a Service (kube-proxy masquerades the hairpin
+/// to the node's address): the request counted where it enters the pod, as the
+/// pod's own (the interface it came in by names the sender, not the masqueraded
+/// source); the reply where it leaves, to the node's address it was sent from.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_hairpin_is_counted_once_each_way() -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT)])?;
+    let client = lab.pod(CLIENT)?;
+    let service = cluster_ip("hairpin", 3, client);
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, client)?, COUNT);
+    counted_as(&lab, (CLIENT, CLIENT), (CLIENT, identity::HOST))
+}
+
+/// kube-proxy's `--masquerade-all`: every request through the Service leaves
+/// with the node's address. Counted once each way: the request with its client
+/// (by the interface it came in by), the reply to the address it was sent from
+/// (this node's, or the other node's where the backend is there).
+fn masquerade_all_is_counted_once(backend_side: Side, n: u8) -> TestResult {
+    let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = Service {
+        masquerade_all: true,
+        ..cluster_ip(&format!("masq{n}"), n, backend)
+    };
+    lab.add_service(&service)?;
+    assert_eq!(through(client, &service, backend)?, COUNT);
+    let reply_to = if backend_side == Side::A {
+        identity::HOST
+    } else {
+        identity::REMOTE_NODE
+    };
+    counted_as(&lab, (CLIENT, BACKEND), (BACKEND, reply_to))
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn masquerade_all_to_a_pod_of_the_same_node_is_counted_once_each_way() -> TestResult {
+    masquerade_all_is_counted_once(Side::A, 4)
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn masquerade_all_to_a_pod_of_another_node_is_counted_once_each_way() -> TestResult {
+    masquerade_all_is_counted_once(Side::B, 5)
+}
+
+/// A datagram of three fragments each way through a Service to a pod of the
+/// same node: netfilter reassembles it for the DNAT and fragments it again, each
+/// fragment keeping the mark; the Service is matched on the address alone, so
+/// the two fragments without ports are marked too. Each way three packets a
+/// datagram, with the client and the backend, never more.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_fragmented_datagram_through_a_service_is_counted_once_per_fragment() -> TestResult {
+    /// 3,008 bytes of UDP over a 1,500-byte MTU: 1,480 + 1,480 + 48 bytes of IP
+    /// payload, each fragment with its Ethernet and IPv4 headers.
+    const DATAGRAM: usize = 3000;
+    const FRAGMENT_FRAMES: u64 = (14 + 20 + 1480) * 2 + (14 + 20 + 48);
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::A, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip("frag", 6, backend);
+    lab.add_service(&service)?;
+    let replies = udp_echo_through(
+        &client.ns,
+        IpAddr::V4(client.ipv4),
+        SocketAddr::V4(service.address),
+        &backend.ns,
+        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
+        COUNT,
+        DATAGRAM,
+        WAIT,
+    )?;
+    assert_eq!(replies, COUNT);
+    let each = (3 * COUNT as u64, COUNT as u64 * FRAGMENT_FRAMES);
+    assert_eq!(
+        lab.counts()?,
+        Counts::from([((CLIENT, BACKEND), each), ((BACKEND, CLIENT), each)])
+    );
+    Ok(())
+}
+
+/// One TCP connection through a ClusterIP to a pod of the other node, 4 MiB
+/// each way: counted at the uplink (request) and where the reply leaves the
+/// backend, with the two pods only, and in segments (`gso_segs` per skb), not
+/// skbs: no counted packet is on average larger than a 1,500-byte MTU frame.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_tcp_connection_through_a_service_across_nodes_is_counted_in_segments() -> TestResult {
+    const LEN: usize = 4 << 20;
+    const MAX_FRAME: u64 = 1514;
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::B, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = Service {
+        protocol: Protocol::Tcp,
+        ..cluster_ip("tcp", 7, backend)
+    };
+    lab.add_service(&service)?;
+    let listener = backend
+        .ns
+        .run(|| TcpListener::bind(SocketAddr::new(backend.ipv4.into(), TARGET_PORT)))??;
+    // The backend sends back what it received.
+    let server = std::thread::spawn(move || -> std::io::Result<usize> {
+        let (mut stream, _) = listener.accept()?;
+        let mut received = vec![0u8; LEN];
+        stream.read_exact(&mut received)?;
+        stream.write_all(&received)?;
+        Ok(received.len())
+    });
+    let mut stream = client
+        .ns
+        .run(|| TcpStream::connect(SocketAddr::V4(service.address)))??;
+    stream.write_all(&vec![7u8; LEN])?;
+    let mut back = vec![0u8; LEN];
+    stream.read_exact(&mut back)?;
+    drop(stream);
+    assert_eq!(server.join().map_err(|_| "server panicked")??, LEN);
+    // The FINs and last ACKs.
+    std::thread::sleep(Duration::from_millis(200));
+
+    let counts = lab.counts()?;
+    let pairs: Vec<(u32, u32)> = counts.keys().copied().collect();
+    assert_eq!(pairs, [(CLIENT, BACKEND), (BACKEND, CLIENT)], "{counts:?}");
+    for (pair, (packets, bytes)) in &counts {
+        assert!(*bytes >= LEN as u64, "{pair:?}: {bytes} B for {LEN} B sent");
+        assert!(
+            *bytes <= packets * MAX_FRAME,
+            "{pair:?}: {packets} packets for {bytes} B: skbs counted, not segments"
         );
-        Ok(())
     }
-
-    #[test]
-    #[ignore = "the count-once rule (docs/design.md) is not built yet: today (client, world) is counted"]
-    fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() -> TestResult {
-        service_exchange_is_counted_client_to_backend(Side::A, 1)
-    }
-
-    #[test]
-    #[ignore = "the count-once rule (docs/design.md) is not built yet: today (client, world) is counted, and the reply twice"]
-    fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
-        service_exchange_is_counted_client_to_backend(Side::B, 2)
-    }
+    Ok(())
 }

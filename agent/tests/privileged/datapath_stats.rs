@@ -383,10 +383,15 @@ fn transfer(from: &Netns, to_ns: &Netns, to: IpAddr, len: usize) -> Fallible<boo
     Ok(segments - segments_before > skbs)
 }
 
-/// The skbs pod A's eth0 sent (a veth counts each skb once, GSO or not).
+/// The skbs pod A's eth0 sent (a veth counts each skb once, GSO or not), as
+/// rtnetlink reports them in the pod's namespace (`/sys/class/net` would be the
+/// sysfs of the namespace it was mounted in, not the pod's).
 fn tx_packets(ns: &Netns) -> Fallible<u64> {
-    let output = ns.output("cat", &["/sys/class/net/eth0/statistics/tx_packets"])?;
-    Ok(String::from_utf8_lossy(&output.stdout).trim().parse()?)
+    let output = ns.output("ip", &["-s", "-j", "link", "show", "dev", "eth0"])?;
+    let links: Value = serde_json::from_slice(&output.stdout)?;
+    links[0]["stats64"]["tx"]["packets"]
+        .as_u64()
+        .ok_or_else(|| format!("no tx packets in {links}").into())
 }
 
 fn census_json(pins: &Path, args: &[&str]) -> Fallible<Value> {
@@ -460,6 +465,5 @@ fn layout_2_maps_are_taken_over_with_their_counters() -> TestResult {
         ],
     )?;
     assert_eq!(u32_at(&meta[0]["value"], 0)?, LAYOUT_VERSION, "{meta}");
-    assert_eq!(LAYOUT_VERSION, 4);
     Ok(())
 }

@@ -88,8 +88,8 @@ fn a_remote_pod_is_counted_where_it_sent_not_where_it_arrives() -> TestResult {
         "not counted again where it arrives (nor as world)"
     );
 
-    // The same source as another node's address: counted on delivery, as
-    // remote-node.
+    // The same source as another node's address: not counted on delivery
+    // either (the node that sent it counts it, at its own sockets).
     node_b.upsert_endpoint(
         a.ipv4.into(),
         Endpoint::remote(identity::REMOTE_NODE, NODE_A),
@@ -98,10 +98,7 @@ fn a_remote_pod_is_counted_where_it_sent_not_where_it_arrives() -> TestResult {
         send(&a.ns, a.ipv4.into(), &b, false, COUNT, PAYLOAD)?,
         COUNT
     );
-    assert_eq!(
-        flow(&node_b, identity::REMOTE_NODE, POD_B)?,
-        (COUNT as u64, bytes)
-    );
+    assert_eq!(flow(&node_b, identity::REMOTE_NODE, POD_B)?, (0, 0));
 
     // And with the program alone: from a remote pod, through no interface census
     // counts on, into B's pod; then as an unattached local endpoint, counted.
@@ -155,7 +152,9 @@ fn endpoints_and_nodes_are_not_preallocated() -> TestResult {
         );
     }
     // The kernel accounts an entry when it is written: memory grows with the
-    // entries, from (nearly) nothing.
+    // entries, from (nearly) nothing. Before 6.4 the kernel reports a map's
+    // memory as its size times its entry size, whatever it holds: there only the
+    // flag above says the map is not preallocated.
     let memlock = |name: &str| -> Fallible<u64> {
         show(name)?["bytes_memlock"]
             .as_u64()
@@ -167,12 +166,14 @@ fn endpoints_and_nodes_are_not_preallocated() -> TestResult {
         datapath.upsert_endpoint(ip, Endpoint::local(POD_A))?;
     }
     let filled = memlock("ENDPOINTS")?;
-    assert!(
-        filled >= empty + 4096 * (20 + 8),
-        "{empty} B empty, {filled} B with 4096 entries"
-    );
-    // Preallocated, 524,288 entries of at least 28 bytes would be 14 MiB, empty.
-    assert!(empty < 524_288 * 28, "{empty} B empty");
+    if kernel_at_least(6, 4)? {
+        assert!(
+            filled >= empty + 4096 * (20 + 8),
+            "{empty} B empty, {filled} B with 4096 entries"
+        );
+        // Preallocated, 524,288 entries of at least 28 bytes would be 14 MiB, empty.
+        assert!(empty < 524_288 * 28, "{empty} B empty");
+    }
     drop(datapath);
 
     let other = PinDir::new();

@@ -31,14 +31,38 @@ pub(crate) fn attach_mode() -> AttachModeChoice {
     }
 }
 
-/// Whether the suite runs in TC mode.
+/// Whether the suite's datapaths attach with TC filters: `tc`, or `auto` on a
+/// kernel without TCX (before 6.6).
 pub(crate) fn tc_mode() -> bool {
-    attach_mode() == AttachModeChoice::Tc
+    match attach_mode() {
+        AttachModeChoice::Tc => true,
+        AttachModeChoice::Auto => !kernel_at_least(6, 6).unwrap_or(false),
+        AttachModeChoice::Tcx => false,
+    }
 }
 
 /// `--attach-mode` for an agent process of the suite.
 pub(crate) fn attach_mode_arg() -> &'static str {
-    if tc_mode() { "tc" } else { "tcx" }
+    match attach_mode() {
+        AttachModeChoice::Auto => "auto",
+        _ if tc_mode() => "tc",
+        _ => "tcx",
+    }
+}
+
+/// Whether the running kernel is at least `major.minor` (from `uname -r`).
+pub(crate) fn kernel_at_least(major: u32, minor: u32) -> Fallible<bool> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    let mut parts = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(found_major)), Some(Ok(found_minor))) => {
+            Ok((found_major, found_minor) >= (major, minor))
+        }
+        _ => Err(format!("cannot read the kernel version from {release:?}").into()),
+    }
 }
 
 /// Opens the datapath in `pins` in the suite's attach mode.

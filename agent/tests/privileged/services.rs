@@ -1,0 +1,202 @@
+//! Layout 5 against the real kernel: SERVICES (the cluster's Service addresses)
+//! written, read back and seen by bpftool as an LPM trie; layout 4's pins taken
+//! over in place; the uplink program attached, adopted and refused where it does
+//! not belong; a packet to a Service address not counted where it leaves its
+//! endpoint.
+
+use std::collections::BTreeMap;
+
+use aya::maps::{Array, Map, MapData};
+use census_agent::bpf::{
+    AttachOutcome, Direction, Endpoint, Error, Inspector, LAYOUT_VERSION, ServiceKind, TestContext,
+};
+use census_netlab::{Lab, packet};
+use ipnet::IpNet;
+
+use super::support::{
+    Fallible, PinDir, TestResult, bpftool, open_attached, open_datapath, path_str, register,
+};
+
+const POD: u32 = 1000;
+
+fn net(text: &str) -> Fallible<IpNet> {
+    Ok(text.parse()?)
+}
+
+fn layout_of(pins: &PinDir) -> Fallible<u32> {
+    let meta: Array<MapData, u32> =
+        Array::try_from(Map::Array(MapData::from_pin(pins.join("CENSUS_META"))?))?;
+    Ok(meta.get(&0, 0)?)
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn service_ranges_are_written_read_back_and_replaced() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = open_datapath(pins.path())?;
+    assert_eq!(datapath.services()?, BTreeMap::new());
+    datapath.upsert_service(net("10.96.0.0/12")?, ServiceKind::ClusterIpRange)?;
+    datapath.upsert_service(net("fd00:10:96::/108")?, ServiceKind::ClusterIpRange)?;
+    datapath.upsert_service(net("203.0.113.7/32")?, ServiceKind::LoadBalancerIp)?;
+    // Host bits are not part of a range: this replaces the first entry's kind.
+    datapath.upsert_service(net("10.96.3.4/12")?, ServiceKind::ExternalIp)?;
+    let expected = BTreeMap::from([
+        (net("10.96.0.0/12")?, ServiceKind::ExternalIp),
+        (net("fd00:10:96::/108")?, ServiceKind::ClusterIpRange),
+        (net("203.0.113.7/32")?, ServiceKind::LoadBalancerIp),
+    ]);
+    assert_eq!(datapath.services()?, expected);
+
+    // bpftool sees an LPM trie of three entries; the CLI's reader the same ranges.
+    let shown = bpftool(
+        None,
+        &["map", "show", "pinned", path_str(&pins.join("SERVICES"))?],
+    )?;
+    assert_eq!(shown["type"], "lpm_trie", "{shown}");
+    assert_eq!(shown["flags"], 1, "BPF_F_NO_PREALLOC: {shown}");
+    let dumped = bpftool(
+        None,
+        &["map", "dump", "pinned", path_str(&pins.join("SERVICES"))?],
+    )?;
+    assert_eq!(dumped.as_array().map(Vec::len), Some(3), "{dumped}");
+
+    assert!(datapath.delete_service(net("203.0.113.7/32")?)?);
+    assert!(!datapath.delete_service(net("203.0.113.7/32")?)?);
+    assert_eq!(datapath.services()?.len(), 2);
+    drop(datapath);
+    // The entries live in the pinned map, across agents.
+    let datapath = open_datapath(pins.path())?;
+    assert_eq!(datapath.services()?.len(), 2);
+    Ok(())
+}
+
+/// An agent of layout 5 takes layout 4's pins over in place: the same ENDPOINTS
+/// map (not copied), its entries, FLOWS' counters, SERVICES created, the layout
+/// stamped 5.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn layout_4_pins_are_taken_over_in_place() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = open_datapath(pins.path())?;
+    datapath.upsert_endpoint("198.18.1.2".parse()?, Endpoint::local(POD))?;
+    let frame =
+        packet::udp_frame("198.18.1.2".parse()?, "198.18.9.9".parse()?, 10).ok_or("frame")?;
+    datapath.test_run(Direction::Ingress, &frame, TestContext::default(), 3)?;
+    let flows = datapath.flows()?;
+    assert_eq!(flows.len(), 1, "{flows:?}");
+    drop(datapath);
+    let endpoints_id = |pins: &PinDir| -> Fallible<serde_json::Value> {
+        let shown = bpftool(
+            None,
+            &["map", "show", "pinned", path_str(&pins.join("ENDPOINTS"))?],
+        )?;
+        Ok(shown["id"].clone())
+    };
+    let id_before = endpoints_id(&pins)?;
+
+    // What layout 4 left: no SERVICES, meta saying 4.
+    std::fs::remove_file(pins.join("SERVICES"))?;
+    let mut meta: Array<MapData, u32> =
+        Array::try_from(Map::Array(MapData::from_pin(pins.join("CENSUS_META"))?))?;
+    meta.set(0, 4, 0)?;
+    drop(meta);
+    let old = Inspector::open(pins.path())?;
+    assert_eq!(old.layout_version(), 4);
+    assert_eq!(old.endpoints()?.len(), 1);
+    drop(old);
+
+    let mut datapath = open_datapath(pins.path())?;
+    assert_eq!(layout_of(&pins)?, LAYOUT_VERSION);
+    assert_eq!(LAYOUT_VERSION, 5);
+    assert_eq!(
+        endpoints_id(&pins)?,
+        id_before,
+        "ENDPOINTS taken over, not copied"
+    );
+    assert_eq!(datapath.endpoints()?.len(), 1);
+    assert_eq!(datapath.flows()?, flows, "counters kept");
+    assert!(pins.join("SERVICES").exists());
+    datapath.upsert_service(net("10.96.0.0/12")?, ServiceKind::ClusterIpRange)?;
+    assert_eq!(datapath.services()?.len(), 1);
+    Ok(())
+}
+
+/// A packet an endpoint sends to a Service address is not counted where it
+/// leaves the endpoint (it is marked, and counted once translated); one to any
+/// other address outside the cluster is, as `world`.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_packet_to_a_service_address_is_not_counted_where_it_leaves() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = open_datapath(pins.path())?;
+    datapath.upsert_endpoint("198.18.1.2".parse()?, Endpoint::local(POD))?;
+    datapath.upsert_service(net("198.19.96.0/24")?, ServiceKind::ClusterIpRange)?;
+    let to_service =
+        packet::udp_frame("198.18.1.2".parse()?, "198.19.96.1".parse()?, 10).ok_or("frame")?;
+    let to_world =
+        packet::udp_frame("198.18.1.2".parse()?, "198.19.97.1".parse()?, 10).ok_or("frame")?;
+    datapath.test_run(Direction::Ingress, &to_service, TestContext::default(), 5)?;
+    assert_eq!(
+        datapath.flows()?,
+        Vec::new(),
+        "a Service request is counted later"
+    );
+    datapath.test_run(Direction::Ingress, &to_world, TestContext::default(), 2)?;
+    let flows = datapath.flows()?;
+    assert_eq!(flows.len(), 1, "{flows:?}");
+    assert_eq!(
+        (
+            flows[0].src_identity,
+            flows[0].dst_identity,
+            flows[0].packets
+        ),
+        (POD, census_agent::bpf::identity::WORLD, 2)
+    );
+    Ok(())
+}
+
+/// The uplink program attaches to an Ethernet device that is no endpoint's,
+/// is adopted when attached again, and is listed apart from the endpoints'
+/// hooks; an endpoint's interface and a device without Ethernet are refused.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn the_uplink_program_goes_only_where_packets_leave_the_node() -> TestResult {
+    let mut lab = Lab::new()?;
+    let pod = lab.add_pod()?;
+    let pins = PinDir::new();
+    let mut datapath = open_attached(&pins, &lab, &[&pod])?;
+    register(&mut datapath, &pod, POD)?;
+    let ns = lab.node();
+    // A veth stands for the node's NIC (this kernel may have no dummy device).
+    ns.ip(&[
+        "link", "add", "uplink0", "type", "veth", "peer", "name", "uplink0p",
+    ])?;
+    ns.ip(&["link", "set", "uplink0", "up"])?;
+    ns.ip(&["tuntap", "add", "tun0", "mode", "tun"])?;
+
+    let first = ns.run(|| datapath.attach_uplink("uplink0"))??;
+    let again = ns.run(|| datapath.attach_uplink("uplink0"))??;
+    assert_eq!(
+        (first, again),
+        (AttachOutcome::Attached, AttachOutcome::Adopted)
+    );
+    let uplinks = ns.run(|| datapath.uplinks())??;
+    assert_eq!(uplinks.len(), 1, "{uplinks:?}");
+    assert_eq!(uplinks[0].interface, "uplink0");
+    assert_eq!(uplinks[0].direction, Direction::Uplink);
+
+    let endpoint = ns.run(|| datapath.attach_uplink(&pod.host_interface))?;
+    assert!(
+        matches!(endpoint, Err(Error::EndpointInterfaceAsUplink { .. })),
+        "{endpoint:?}"
+    );
+    let l3 = ns.run(|| datapath.attach_uplink("tun0"))?;
+    assert!(matches!(l3, Err(Error::UnsupportedUplink { .. })), "{l3:?}");
+    // The endpoint's own hooks are untouched by all of this, and detaching the
+    // endpoint leaves the uplink attached.
+    assert!(ns.run(|| datapath.detach(&pod.host_interface))??);
+    assert_eq!(ns.run(|| datapath.uplinks())??.len(), 1);
+    assert!(ns.run(|| datapath.detach_uplink("uplink0"))??);
+    assert_eq!(ns.run(|| datapath.uplinks())??.len(), 0);
+    Ok(())
+}
