@@ -9,6 +9,8 @@ use std::{
     num::{NonZeroU16, NonZeroU32},
 };
 
+use ipnet::IpNet;
+
 use census_proto::{
     domain::{IdentityId, NodeName},
     labels::LabelSet,
@@ -263,6 +265,18 @@ impl DatapathPort for Discard {
     }
 
     fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        Ok(BTreeMap::new())
+    }
+
+    fn write_service(&mut self, _: IpNet, _: bpf::ServiceKind) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn delete_service(&mut self, _: IpNet) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+
+    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
         Ok(BTreeMap::new())
     }
 }

@@ -28,7 +28,7 @@ use bytes::Bytes;
 
 use census_proto::{
     convert::WireLimits,
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, ServiceSet, SessionId},
     labels::{LabelFilter, LabelSet},
 };
 use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
@@ -164,6 +164,10 @@ pub struct MapBatchParts<'a> {
     pub upserts: &'a [MapEntry],
     pub removes: &'a [IpAddr],
     pub removed_nodes: &'a [MapNodeIndex],
+    /// The cluster's Service addresses, the whole set: in the first chunk of a full
+    /// map (once they are known) and in the first batch after the set changed;
+    /// `None` otherwise.
+    pub services: Option<&'a ServiceSet>,
     pub built_at_ms: u64,
     pub version: u64,
 }
@@ -216,6 +220,10 @@ pub trait Api: Send + Sync + fmt::Debug + 'static {
 
     /// Whether this replica leads, and who does if not.
     fn role(&self) -> Role;
+
+    /// The cluster's Service addresses as the operator knows them now (HelloReply);
+    /// `None` until their sources have been read in full.
+    fn services(&self) -> Option<Arc<ServiceSet>>;
 
     /// The range ids are allocated from.
     fn id_range(&self) -> IdRange;

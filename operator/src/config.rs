@@ -36,6 +36,8 @@ pub struct Cli {
     #[command(flatten)]
     pub map: MapArgs,
     #[command(flatten)]
+    pub services: ServiceArgs,
+    #[command(flatten)]
     pub log: census_daemon::LogArgs,
     #[command(flatten)]
     pub profiling: census_daemon::ProfilingArgs,
@@ -429,6 +431,44 @@ fn period(text: &str) -> Result<Duration, String> {
     Ok(period)
 }
 
+/// The cluster's Service addresses besides what the API server says.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServiceArgs {
+    /// A range of ClusterIPs (CIDR, IPv4 or IPv6, host bits clear), sent to agents
+    /// as a Service address. Repeatable, or a comma-separated list. For embedded
+    /// mode and clusters before Kubernetes 1.33; with --store kubernetes the
+    /// ServiceCIDR objects' ranges, LoadBalancer and external IPs are added to it.
+    #[arg(
+        long = "service-cidr",
+        env = "CENSUS_SERVICE_CIDRS",
+        value_name = "CIDR",
+        value_delimiter = ','
+    )]
+    pub service_cidrs: Vec<ServiceCidr>,
+}
+
+impl ServiceArgs {
+    /// The ranges, each once.
+    pub fn ranges(&self) -> Vec<ipnet::IpNet> {
+        let mut ranges: Vec<ipnet::IpNet> = self.service_cidrs.iter().map(|c| c.0).collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        ranges
+    }
+}
+
+/// One `--service-cidr`: a range in CIDR form with its host bits clear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServiceCidr(pub ipnet::IpNet);
+
+impl std::str::FromStr for ServiceCidr {
+    type Err = census_proto::domain::CidrError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        census_proto::domain::parse_cidr(text).map(Self)
+    }
+}
+
 /// How the cluster-wide endpoint map is served (EndpointMap.Watch).
 #[derive(Debug, Clone, Args)]
 pub struct MapArgs {
@@ -545,6 +585,42 @@ mod tests {
         assert_eq!(cfg.quarantine, Duration::from_secs(600));
         assert_eq!(cli.limits.max_snapshot_endpoints, 10_000);
         assert!(cli.limits.max_message_bytes() >= 10_000 * ENDPOINT_WIRE_BYTES);
+        Ok(())
+    }
+
+    #[test]
+    fn service_cidrs_repeat_or_list_and_refuse_host_bits() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let cli = Cli::try_parse_from([
+            "census-operator",
+            "--service-cidr",
+            "10.96.0.0/12,fd00:10:96::/108",
+            "--service-cidr",
+            "10.96.0.0/12",
+        ])?;
+        let want: Vec<ipnet::IpNet> = vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?];
+        assert_eq!(cli.services.ranges(), want);
+        assert!(
+            Cli::try_parse_from(["census-operator"])?
+                .services
+                .ranges()
+                .is_empty()
+        );
+        let err = Cli::try_parse_from(["census-operator", "--service-cidr", "10.96.1.0/12"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("bits set past its prefix length")),
+            "{err:?}"
+        );
+        let err = Cli::try_parse_from(["census-operator", "--service-cidr", "10.96.0.1"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("CIDR form")),
+            "{err:?}"
+        );
         Ok(())
     }
 

@@ -18,6 +18,7 @@ use crate::{
     metrics::Metrics,
     runtime::{Clock, CoreCollector, Runtime},
     security::{self, AuthMode, SecurityError},
+    services::ServiceAddresses,
     store::{
         Store, StoreError,
         redb::{RedbOptions, RedbStore},
@@ -109,6 +110,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
         labels,
         limits,
         map,
+        services: service_args,
         log: _,
         profiling,
         kubernetes,
@@ -212,6 +214,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
             let (runtime, queues) =
                 Runtime::new(alloc, clock, settings(store.kind()), metrics.clone());
             let writers = writer::spawn(queues, store, metrics.clone(), store_timeout);
+            ServiceAddresses::new(service_args.ranges(), runtime.clone());
             (runtime, writers, None)
         }
         StoreKind::Kubernetes => {
@@ -225,6 +228,7 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
                 settings,
                 metrics: metrics.clone(),
                 readiness: readiness.clone(),
+                service_cidrs: service_args.ranges(),
             };
             let cluster = k8s::start(&kubernetes, parts).await?;
             registry.register_collector(cluster.store.collector());

@@ -5,7 +5,7 @@
 //! benchmarks compose: the core ([`allocator`]), the [`store`]s, leadership
 //! ([`replica`], [`k8s`]), the [`runtime`] that feeds the core and its store
 //! [`writer`]s, the [`api`] through which the gRPC services reach the runtime,
-//! [`metrics`], the command line ([`config`]) and the [`daemon`] that starts it all.
+//! the cluster's Service addresses ([`services`]), [`metrics`], the command line ([`config`]) and the [`daemon`] that starts it all.
 //! The gRPC services and the admin port are reached only over the network, and are
 //! private.
 #![forbid(unsafe_code)]
@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod replica;
 pub mod runtime;
 pub mod security;
+pub mod services;
 pub mod store;
 mod summary;
 pub mod writer;

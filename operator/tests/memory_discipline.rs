@@ -1,8 +1,10 @@
 //! Memory discipline of the operator in a cluster (`--store kubernetes`): among
-//! 5,000 ConfigMaps and Secrets and 2,000 pods, it asks the API server only for
-//! Nodes, its Lease and its Identity objects (and writes the leader EndpointSlice),
-//! its Node cache is a projection (name -> addresses), and what it holds does not
-//! grow with the objects it has no business with.
+//! 5,000 ConfigMaps and Secrets, 2,000 pods and 2,000 Services, it asks the API
+//! server only for Nodes, its Lease, its Identity objects, the ServiceCIDRs and
+//! the Services (and writes the leader EndpointSlice), its Node cache is a
+//! projection (name -> addresses), it keeps of the Services only the addresses of
+//! those that have one, and what it holds does not grow with the objects it has no
+//! business with.
 //!
 //! What the operator holds is measured: each replica runs on a current-thread
 //! runtime on a thread of its own (its gRPC server, watches, leader election and
@@ -33,6 +35,8 @@ const NAMESPACE: &str = "census";
 const POD: &str = "op-a";
 const NODES: usize = 20;
 const WAIT: Duration = Duration::from_secs(30);
+const SERVICES: usize = 2_000;
+const SERVICES_WITH_ADDRESS: usize = 10;
 
 /// A Node as a kubelet reports it: addresses, and a status that is mostly what
 /// census has no use for (images, conditions, capacity, node info).
@@ -60,7 +64,7 @@ fn node(i: usize) -> Value {
 
 /// 2,500 ConfigMaps, 2,500 Secrets and 2,000 pods on the nodes, ~1 KiB of data each.
 fn unrelated() -> Vec<Value> {
-    let mut objects = Vec::with_capacity(7_000);
+    let mut objects = Vec::with_capacity(9_001);
     for i in 0..2_500 {
         objects.push(json!({
             "apiVersion": "v1", "kind": "ConfigMap",
@@ -83,6 +87,36 @@ fn unrelated() -> Vec<Value> {
                      "containers": [{"name": "c", "image": "registry.example/web:1.2.3",
                                      "env": [{"name": "A", "value": "y".repeat(512)}]}]},
             "status": {"phase": "Running", "podIP": format!("10.{}.{}.{}", i % NODES, i / 250, 1 + i % 250)},
+        }));
+    }
+    objects.extend(services(0..SERVICES));
+    objects.push(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes"},
+        "spec": {"cidrs": ["10.96.0.0/12"]},
+    }));
+    objects
+}
+
+/// Services, with what `kubectl apply` and controllers leave on them; only the
+/// first few have an address census keeps (a LoadBalancer IP).
+fn services(numbers: std::ops::Range<usize>) -> Vec<Value> {
+    let mut objects = Vec::with_capacity(numbers.len());
+    for i in numbers {
+        let status = if i < SERVICES_WITH_ADDRESS {
+            json!({"loadBalancer": {"ingress": [{"ip": format!("203.0.113.{}", i + 1)}]}})
+        } else {
+            json!({"loadBalancer": {}})
+        };
+        objects.push(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": format!("team-{}", i % 50), "name": format!("svc-{i}"),
+                         "labels": {"app": "web"},
+                         "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x".repeat(1024)}},
+            "spec": {"clusterIP": format!("10.96.{}.{}", i / 250, 1 + i % 250),
+                     "selector": {"app": "web"},
+                     "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]},
+            "status": status,
         }));
     }
     objects
@@ -154,6 +188,10 @@ struct Measure {
     node_bytes: usize,
     /// Identity objects in the store's cache.
     identities: usize,
+    /// Services whose addresses are kept.
+    services_kept: usize,
+    /// Ranges of the Service addresses agents are sent.
+    service_ranges: usize,
 }
 
 enum Ask {
@@ -189,6 +227,8 @@ impl Replica {
                         nodes_synced: cluster.nodes.is_synced(),
                         node_bytes: cluster.nodes.approx_bytes(),
                         identities: cluster.store.cached_objects(),
+                        services_kept: cluster.services.services_with_addresses(),
+                        service_ranges: running.runtime.services().map_or(0, |s| s.len()),
                     });
                 }
                 op.shut_down().await
@@ -242,8 +282,15 @@ impl Replica {
 /// hundred bytes, a lease renewal in flight); holding them would cost megabytes.
 const SLACK: i64 = 64 * 1024;
 
+/// The read buffer of one pooled HTTP/1 connection of kube's client at its
+/// largest (hyper's `DEFAULT_MAX_BUFFER_SIZE`, 8 KiB + 400 KiB): reading pages of
+/// Services grows it, and it stays with the idle connection. A bound, not a cost
+/// per object (twice the Services hold no more: checked below).
+const READ_BUFFER: i64 = 8192 + 4096 * 100;
+
 #[test]
-fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> Fallible<()> {
+fn the_operator_watches_nodes_leases_identities_and_services_and_holds_nothing_else() -> Fallible<()>
+{
     let server_runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -261,24 +308,32 @@ fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> 
 
     // Then one among everything else a cluster holds.
     let unrelated = unrelated();
+    let unrelated_count = unrelated.len();
     let unrelated_bytes: usize = unrelated.iter().map(|o| o.to_string().len()).sum();
     server.insert_many(unrelated)?;
     server.clear_requests();
-    let second = Replica::start(kubeconfig);
+    let second = Replica::start(kubeconfig.clone());
     let among = second.settled()?;
     second.stop()?;
+
+    // And one among twice the Services.
+    server.insert_many(services(SERVICES..2 * SERVICES))?;
+    let third = Replica::start(kubeconfig);
+    let more = third.settled()?;
+    third.stop()?;
 
     let node_json: usize = (0..NODES).map(|i| node(i).to_string().len()).sum();
     #[expect(clippy::print_stderr, reason = "the figures for the record")]
     {
         eprintln!(
-            "unrelated objects in the API server: 7000 ({:.1} MiB of JSON)",
+            "unrelated objects in the API server: {unrelated_count} ({:.1} MiB of JSON)",
             unrelated_bytes as f64 / 1_048_576.0
         );
         eprintln!(
             "operator replica, bytes held: {} with {NODES} Nodes alone; {} started among \
-             the unrelated objects; Node index {} bytes for {} bytes of Node JSON",
-            alone.net, among.net, among.node_bytes, node_json
+             the unrelated objects; {} among {} more Services; Node index {} bytes for {} \
+             bytes of Node JSON",
+            alone.net, among.net, more.net, SERVICES, among.node_bytes, node_json
         );
     }
 
@@ -290,10 +345,19 @@ fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> 
         among.node_bytes
     );
     assert_eq!(among.identities, 0, "no Identity objects, none cached");
+    assert_eq!(among.services_kept, SERVICES_WITH_ADDRESS);
+    assert_eq!(among.service_ranges, SERVICES_WITH_ADDRESS + 1);
     assert!(
-        (among.net - alone.net).abs() < SLACK,
+        (among.net - alone.net).abs() < SLACK + READ_BUFFER,
         "a replica among the unrelated objects holds {} bytes more",
         among.net - alone.net
+    );
+    // Twice the Services (none with an address): not a byte more held for them.
+    assert_eq!(more.services_kept, SERVICES_WITH_ADDRESS);
+    assert!(
+        (more.net - among.net).abs() < SLACK,
+        "a replica among {SERVICES} more Services holds {} bytes more",
+        more.net - among.net
     );
 
     // The request log of the second replica: list/watch only Nodes and Identities,
@@ -311,7 +375,7 @@ fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> 
     for r in &requests {
         let what = format!("{} {} {:?}", r.verb.as_str(), r.path, r.query);
         match (r.resource.as_str(), r.verb) {
-            ("nodes" | "identities", Verb::List | Verb::Watch) => {
+            ("nodes" | "identities" | "servicecidrs" | "services", Verb::List | Verb::Watch) => {
                 if r.verb == Verb::Watch {
                     watched.insert(r.resource.clone());
                 }
@@ -339,13 +403,15 @@ fn the_operator_watches_nodes_leases_and_identities_and_holds_nothing_else() -> 
         }
     }
     assert!(
-        watched.contains("nodes") && watched.contains("identities"),
+        ["nodes", "identities", "servicecidrs", "services"]
+            .iter()
+            .all(|r| watched.contains(*r)),
         "{watched:?}"
     );
     assert!(
-        watched
-            .iter()
-            .all(|r| ["nodes", "leases", "identities"].contains(&r.as_str())),
+        watched.iter().all(|r| {
+            ["nodes", "leases", "identities", "servicecidrs", "services"].contains(&r.as_str())
+        }),
         "{watched:?}"
     );
     drop(server);

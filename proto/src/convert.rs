@@ -12,9 +12,14 @@
 
 use std::{collections::HashSet, fmt, net::IpAddr};
 
+use ipnet::IpNet;
+
 use crate::{
     PROTOCOL_VERSION,
-    domain::{Endpoint, EndpointKey, IdentityId, NameError, NodeName, SessionId, canonical_ips},
+    domain::{
+        Endpoint, EndpointKey, IdentityId, NameError, NodeName, ServiceKind, ServiceSet, SessionId,
+        canonical_ips,
+    },
     labels::{LabelError, LabelFilter, LabelLimits, LabelSet, PatternError},
     pb,
 };
@@ -79,6 +84,30 @@ pub enum Problem {
     /// The label set is valid but the operator's label filter leaves it invalid.
     #[error("after the label filter: {0}")]
     Filtered(LabelError),
+    #[error(transparent)]
+    ServiceRange(#[from] ServiceRangeError),
+}
+
+/// Why a `ServiceRange` of the wire is refused; each names the range as far as it
+/// can be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServiceRangeError {
+    #[error("address of {len} bytes (neither 4 nor 16), prefix length {prefix_len}")]
+    AddressLength { len: usize, prefix_len: u32 },
+    #[error("{address}/{prefix_len}: prefix length over {max}")]
+    PrefixTooLong {
+        address: IpAddr,
+        prefix_len: u32,
+        max: u8,
+    },
+    #[error("{address}/{prefix_len} has bits set past its prefix length (the range is {range})")]
+    HostBits {
+        address: IpAddr,
+        prefix_len: u32,
+        range: IpNet,
+    },
+    #[error("{range}: kind {kind} is not a ServiceKind census knows")]
+    Kind { range: IpNet, kind: i32 },
 }
 
 /// A refused field: where, and why.
@@ -270,7 +299,7 @@ impl Rejected {
             Problem::Label(LabelError::TooMany { .. }) => "too_many_labels",
             Problem::Label(_) => "labels",
             Problem::Filtered(_) => "labels_after_filter",
-            Problem::Pattern(_) => "other",
+            Problem::Pattern(_) | Problem::ServiceRange(_) => "other",
         }
     }
 
@@ -435,6 +464,103 @@ pub fn filter_from_wire(filter: Option<&pb::LabelFilter>) -> Result<LabelFilter,
     let filter = filter.ok_or_else(|| FieldError::new("hello_reply.filter", Problem::Missing))?;
     LabelFilter::from_parts(&filter.include, &filter.exclude)
         .map_err(|e| FieldError::new("hello_reply.filter", e))
+}
+
+/// `set` for the wire: every range with its kind, in the set's order.
+pub fn services_to_wire(set: &ServiceSet) -> pb::ServiceSet {
+    pb::ServiceSet {
+        ranges: set
+            .iter()
+            .map(|(range, kind)| pb::ServiceRange {
+                address: match range.addr() {
+                    IpAddr::V4(v4) => v4.octets().to_vec(),
+                    IpAddr::V6(v6) => v6.octets().to_vec(),
+                },
+                prefix_len: u32::from(range.prefix_len()),
+                kind: match kind {
+                    ServiceKind::ClusterIpRange => pb::ServiceKind::ClusterIpRange,
+                    ServiceKind::LoadBalancerIp => pb::ServiceKind::LoadBalancerIp,
+                    ServiceKind::ExternalIp => pb::ServiceKind::ExternalIp,
+                } as i32,
+            })
+            .collect(),
+    }
+}
+
+/// One range of the wire, or why not.
+fn service_range_from_wire(
+    range: &pb::ServiceRange,
+) -> Result<(IpNet, ServiceKind), ServiceRangeError> {
+    let prefix_len = range.prefix_len;
+    let address = if let Ok(v4) = <[u8; 4]>::try_from(range.address.as_slice()) {
+        IpAddr::from(v4)
+    } else if let Ok(v6) = <[u8; 16]>::try_from(range.address.as_slice()) {
+        IpAddr::from(v6)
+    } else {
+        return Err(ServiceRangeError::AddressLength {
+            len: range.address.len(),
+            prefix_len,
+        });
+    };
+    let max = if address.is_ipv4() { 32 } else { 128 };
+    let net = u8::try_from(prefix_len)
+        .ok()
+        .and_then(|bits| IpNet::new(address, bits).ok())
+        .ok_or(ServiceRangeError::PrefixTooLong {
+            address,
+            prefix_len,
+            max,
+        })?;
+    if net.trunc() != net {
+        return Err(ServiceRangeError::HostBits {
+            address,
+            prefix_len,
+            range: net.trunc(),
+        });
+    }
+    let kind = match pb::ServiceKind::try_from(range.kind) {
+        Ok(pb::ServiceKind::ClusterIpRange) => ServiceKind::ClusterIpRange,
+        Ok(pb::ServiceKind::LoadBalancerIp) => ServiceKind::LoadBalancerIp,
+        Ok(pb::ServiceKind::ExternalIp) => ServiceKind::ExternalIp,
+        Ok(pb::ServiceKind::Unspecified) | Err(_) => {
+            return Err(ServiceRangeError::Kind {
+                range: net,
+                kind: range.kind,
+            });
+        }
+    };
+    Ok((net, kind))
+}
+
+/// A set of Service ranges from the wire (`field` names it: `hello_reply.services`).
+/// A set over [`ServiceSet::MAX_RANGES`] is refused as a whole; otherwise each
+/// range that cannot be read is refused alone, named (`field.ranges[3]`) among the
+/// errors returned, and left out of the set; the others are the set.
+pub fn services_from_wire(
+    set: &pb::ServiceSet,
+    field: &str,
+) -> Result<(ServiceSet, Vec<FieldError>), FieldError> {
+    if set.ranges.len() > ServiceSet::MAX_RANGES {
+        return Err(FieldError::new(
+            format_args!("{field}.ranges"),
+            Problem::TooMany {
+                count: set.ranges.len(),
+                max: ServiceSet::MAX_RANGES,
+            },
+        ));
+    }
+    let mut services = ServiceSet::new();
+    let mut refused = Vec::new();
+    for (i, range) in set.ranges.iter().enumerate() {
+        match service_range_from_wire(range) {
+            Ok((net, kind)) => services.insert(net, kind),
+            Err(problem) => refused.push(FieldError::new(
+                format_args!("{field}.ranges[{i}]"),
+                problem,
+            )),
+        }
+    }
+    Ok((services, refused))
 }
 
 #[cfg(test)]
@@ -799,5 +925,89 @@ mod tests {
         let back = filter_from_wire(Some(&filter_to_wire(&filter)))?;
         assert_eq!(back, filter);
         Ok(())
+    }
+
+    fn wire_range(address: &[u8], prefix_len: u32, kind: pb::ServiceKind) -> pb::ServiceRange {
+        pb::ServiceRange {
+            address: address.to_vec(),
+            prefix_len,
+            kind: kind as i32,
+        }
+    }
+
+    #[test]
+    fn services_round_trip() -> Result<(), Box<dyn std::error::Error>> {
+        let set: ServiceSet = [
+            ("10.96.0.0/12".parse()?, ServiceKind::ClusterIpRange),
+            ("fd00:10:96::/108".parse()?, ServiceKind::ClusterIpRange),
+            ("203.0.113.7/32".parse()?, ServiceKind::LoadBalancerIp),
+            ("2001:db8::7/128".parse()?, ServiceKind::ExternalIp),
+        ]
+        .into_iter()
+        .collect();
+        let wire = services_to_wire(&set);
+        assert_eq!(wire.ranges.len(), 4);
+        assert_eq!(
+            wire.ranges[0],
+            wire_range(&[10, 96, 0, 0], 12, pb::ServiceKind::ClusterIpRange)
+        );
+        let (back, refused) = services_from_wire(&wire, "services")?;
+        assert!(refused.is_empty(), "{refused:?}");
+        assert_eq!(back, set);
+        Ok(())
+    }
+
+    #[test]
+    fn a_malformed_service_range_is_refused_named_and_left_out() -> Result<(), FieldError> {
+        let wire = pb::ServiceSet {
+            ranges: vec![
+                wire_range(&[10, 96, 0, 0], 12, pb::ServiceKind::ClusterIpRange),
+                wire_range(&[10, 96, 0], 12, pb::ServiceKind::ClusterIpRange),
+                wire_range(&[10, 96, 0, 0], 33, pb::ServiceKind::ClusterIpRange),
+                wire_range(&[10, 96, 3, 0], 12, pb::ServiceKind::ClusterIpRange),
+                wire_range(&[203, 0, 113, 7], 32, pb::ServiceKind::Unspecified),
+                pb::ServiceRange {
+                    address: vec![203, 0, 113, 8],
+                    prefix_len: 32,
+                    kind: 42,
+                },
+                wire_range(&[0; 16], 129, pb::ServiceKind::ExternalIp),
+                wire_range(&[198, 51, 100, 1], 32, pb::ServiceKind::ExternalIp),
+            ],
+        };
+        let (set, refused) = services_from_wire(&wire, "hello_reply.services")?;
+        let ranges: Vec<String> = set.iter().map(|(r, _)| r.to_string()).collect();
+        assert_eq!(ranges, ["10.96.0.0/12", "198.51.100.1/32"]);
+        let messages: Vec<String> = refused.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            messages,
+            [
+                "hello_reply.services.ranges[1]: address of 3 bytes (neither 4 nor 16), prefix length 12",
+                "hello_reply.services.ranges[2]: 10.96.0.0/33: prefix length over 32",
+                "hello_reply.services.ranges[3]: 10.96.3.0/12 has bits set past its prefix length (the range is 10.96.0.0/12)",
+                "hello_reply.services.ranges[4]: 203.0.113.7/32: kind 0 is not a ServiceKind census knows",
+                "hello_reply.services.ranges[5]: 203.0.113.8/32: kind 42 is not a ServiceKind census knows",
+                "hello_reply.services.ranges[6]: ::/129: prefix length over 128",
+            ]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_service_set_over_the_limit_is_refused_as_a_whole() {
+        let range = wire_range(&[10, 0, 0, 1], 32, pb::ServiceKind::ExternalIp);
+        let wire = pb::ServiceSet {
+            ranges: vec![range; ServiceSet::MAX_RANGES + 1],
+        };
+        assert_eq!(
+            services_from_wire(&wire, "batch.services").map(|_| ()),
+            Err(FieldError::new(
+                "batch.services.ranges",
+                Problem::TooMany {
+                    count: ServiceSet::MAX_RANGES + 1,
+                    max: ServiceSet::MAX_RANGES
+                }
+            ))
+        );
     }
 }

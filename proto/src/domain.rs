@@ -1,8 +1,10 @@
 //! Domain types shared by agent and operator: identities, id ranges, node names,
-//! endpoint keys, sessions and endpoints. Values of these types are valid by
+//! endpoint keys, sessions, endpoints and the cluster's Service addresses. Values of these types are valid by
 //! construction; the wire edge ([`crate::convert`]) builds them or says precisely why not.
 
-use std::{fmt, net::IpAddr, ops::RangeInclusive, str::FromStr};
+use std::{collections::BTreeMap, fmt, net::IpAddr, ops::RangeInclusive, str::FromStr};
+
+use ipnet::IpNet;
 
 use serde::{Deserialize, Serialize};
 
@@ -310,4 +312,216 @@ pub fn canonical_ips(mut ips: Vec<IpAddr>) -> Box<[IpAddr]> {
     ips.sort_unstable();
     ips.dedup();
     ips.into_boxed_slice()
+}
+
+/// What a Service address range is. The order is the precedence when one range
+/// is more than one kind: a ClusterIP range first, then a LoadBalancer IP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ServiceKind {
+    /// A range of ClusterIPs (a `ServiceCIDR`, or the operator's `--service-cidr`).
+    ClusterIpRange,
+    /// A Service's LoadBalancer ingress IP.
+    LoadBalancerIp,
+    /// A Service's external IP (`spec.externalIPs`).
+    ExternalIp,
+}
+
+impl ServiceKind {
+    /// How the CLI and the logs name it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::ClusterIpRange => "cluster-ip-range",
+            Self::LoadBalancerIp => "load-balancer-ip",
+            Self::ExternalIp => "external-ip",
+        }
+    }
+}
+
+impl fmt::Display for ServiceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The cluster's Service addresses: each range once (its host bits clear), with
+/// its kind. What the operator sends and what SERVICES holds on every node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ServiceSet(BTreeMap<IpNet, ServiceKind>);
+
+impl ServiceSet {
+    /// Ranges a set holds at most: what SERVICES holds.
+    pub const MAX_RANGES: usize = 65_536;
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `range` (its host bits cleared) as `kind`. A range already there keeps
+    /// the kind that comes first in [`ServiceKind`]'s order, whatever the order of
+    /// insertion.
+    pub fn insert(&mut self, range: IpNet, kind: ServiceKind) {
+        self.0
+            .entry(range.trunc())
+            .and_modify(|have| *have = (*have).min(kind))
+            .or_insert(kind);
+    }
+
+    /// The kind of exactly `range`, if the set holds it.
+    pub fn get(&self, range: &IpNet) -> Option<ServiceKind> {
+        self.0.get(range).copied()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Every range with its kind, IPv4 first, by address then prefix length.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (IpNet, ServiceKind)> + '_ {
+        self.0.iter().map(|(range, kind)| (*range, *kind))
+    }
+
+    /// What changes from `self` to `newer`: each range added or whose kind
+    /// changed with its new kind, each range gone with `None`.
+    pub fn changes_to(&self, newer: &ServiceSet) -> BTreeMap<IpNet, Option<ServiceKind>> {
+        let gone = self
+            .0
+            .keys()
+            .filter(|range| !newer.0.contains_key(range))
+            .map(|range| (*range, None));
+        let set = newer
+            .iter()
+            .filter(|(range, kind)| self.get(range) != Some(*kind))
+            .map(|(range, kind)| (range, Some(kind)));
+        gone.chain(set).collect()
+    }
+}
+
+impl FromIterator<(IpNet, ServiceKind)> for ServiceSet {
+    fn from_iter<I: IntoIterator<Item = (IpNet, ServiceKind)>>(iter: I) -> Self {
+        let mut set = Self::new();
+        set.extend(iter);
+        set
+    }
+}
+
+impl Extend<(IpNet, ServiceKind)> for ServiceSet {
+    fn extend<I: IntoIterator<Item = (IpNet, ServiceKind)>>(&mut self, iter: I) {
+        for (range, kind) in iter {
+            self.insert(range, kind);
+        }
+    }
+}
+
+/// Why a text is not a Service range (`--service-cidr`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CidrError {
+    #[error("{0:?} is not an IPv4 or IPv6 range in CIDR form (e.g. 10.96.0.0/12)")]
+    Syntax(String),
+    #[error("{text:?} has bits set past its prefix length (the range is {range})")]
+    HostBits { text: String, range: IpNet },
+}
+
+/// A range in CIDR form with its host bits clear: `10.96.0.0/12`, `fd00:10:96::/108`.
+pub fn parse_cidr(text: &str) -> Result<IpNet, CidrError> {
+    let trimmed = text.trim();
+    let range: IpNet = trimmed
+        .parse()
+        .map_err(|_| CidrError::Syntax(clip(trimmed)))?;
+    if range.trunc() != range {
+        return Err(CidrError::HostBits {
+            text: clip(trimmed),
+            range: range.trunc(),
+        });
+    }
+    Ok(range)
+}
+
+#[cfg(test)]
+mod service_tests {
+    use super::*;
+
+    fn net(text: &str) -> IpNet {
+        text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
+    }
+
+    #[test]
+    fn a_range_is_held_once_with_the_kind_that_comes_first() {
+        let mut set = ServiceSet::new();
+        set.insert(net("203.0.113.7/32"), ServiceKind::ExternalIp);
+        set.insert(net("203.0.113.7/32"), ServiceKind::LoadBalancerIp);
+        set.insert(net("203.0.113.7/32"), ServiceKind::ExternalIp);
+        // Host bits are cleared: one range, one entry.
+        set.insert(net("10.96.3.4/12"), ServiceKind::ClusterIpRange);
+        set.insert(net("10.96.0.0/12"), ServiceKind::ClusterIpRange);
+        assert_eq!(set.len(), 2);
+        assert_eq!(
+            set.get(&net("203.0.113.7/32")),
+            Some(ServiceKind::LoadBalancerIp)
+        );
+        assert_eq!(
+            set.get(&net("10.96.0.0/12")),
+            Some(ServiceKind::ClusterIpRange)
+        );
+    }
+
+    #[test]
+    fn changes_name_every_range_added_changed_or_gone() {
+        let old: ServiceSet = [
+            (net("10.96.0.0/12"), ServiceKind::ClusterIpRange),
+            (net("203.0.113.7/32"), ServiceKind::ExternalIp),
+            (net("fd00:10:96::/108"), ServiceKind::ClusterIpRange),
+        ]
+        .into_iter()
+        .collect();
+        let new: ServiceSet = [
+            (net("10.96.0.0/12"), ServiceKind::ClusterIpRange),
+            (net("203.0.113.7/32"), ServiceKind::LoadBalancerIp),
+            (net("198.51.100.1/32"), ServiceKind::ExternalIp),
+        ]
+        .into_iter()
+        .collect();
+        let changes: Vec<_> = old.changes_to(&new).into_iter().collect();
+        assert_eq!(
+            changes,
+            [
+                (net("198.51.100.1/32"), Some(ServiceKind::ExternalIp)),
+                (net("203.0.113.7/32"), Some(ServiceKind::LoadBalancerIp)),
+                (net("fd00:10:96::/108"), None),
+            ]
+        );
+        assert!(new.changes_to(&new).is_empty());
+    }
+
+    #[test]
+    fn a_cidr_is_a_range_with_its_host_bits_clear() {
+        assert_eq!(parse_cidr(" 10.96.0.0/12"), Ok(net("10.96.0.0/12")));
+        assert_eq!(parse_cidr("fd00:10:96::/108"), Ok(net("fd00:10:96::/108")));
+        assert_eq!(
+            parse_cidr("10.96.3.0/12"),
+            Err(CidrError::HostBits {
+                text: "10.96.3.0/12".to_owned(),
+                range: net("10.96.0.0/12"),
+            })
+        );
+        assert_eq!(
+            parse_cidr("10.96.0.0"),
+            Err(CidrError::Syntax("10.96.0.0".to_owned()))
+        );
+        assert_eq!(
+            parse_cidr("10.96.0.0/33"),
+            Err(CidrError::Syntax("10.96.0.0/33".to_owned()))
+        );
+        let message = parse_cidr("10.96.3.0/12").map_err(|e| e.to_string());
+        assert_eq!(
+            message,
+            Err(
+                "\"10.96.3.0/12\" has bits set past its prefix length (the range is 10.96.0.0/12)"
+                    .to_owned()
+            )
+        );
+    }
 }

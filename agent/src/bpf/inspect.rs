@@ -12,7 +12,8 @@
 //! It reads the maps of this layout and of the older layouts an agent takes over
 //! ([`MIGRATES_FROM`]): what a newer census reads of an older map is what that
 //! map means, never a guess (STATS, new in layout 3, is absent from layout 2;
-//! NODES, new in layout 4, from both; their ENDPOINTS values have no node). While
+//! NODES, new in layout 4, from both, and their ENDPOINTS values have no node;
+//! SERVICES, new in layout 5, from all three: they show none). While
 //! an agent migrates ENDPOINTS, the old map set aside is read: it is complete, the
 //! new one may not be yet.
 #![forbid(unsafe_code)]
@@ -31,8 +32,9 @@ use aya::{
 };
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
-    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, STATS_MAP,
+    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, SERVICES_MAP, STATS_MAP,
 };
+use ipnet::IpNet;
 
 use super::{
     DatapathStats, Error, Flow, Interface, MapShape,
@@ -41,6 +43,7 @@ use super::{
     nodes::{self, NodeRecord, NodesMap},
     pins::{self, Pins},
     privileges,
+    services::{self, ServiceKind, ServicesMap},
     sys::{self, MappedArray},
     tc,
 };
@@ -180,6 +183,8 @@ pub struct Inspector {
     endpoints: Endpoints,
     /// `None` in the maps of a layout before NODES existed.
     nodes: Option<NodesMap>,
+    /// `None` in the maps of a layout before SERVICES existed.
+    services: Option<ServicesMap>,
     /// INTERFACES' slots, mapped read-only.
     interfaces: MappedArray,
     flows: FlowsMap,
@@ -304,12 +309,26 @@ impl Inspector {
         } else {
             None
         };
+        let services_path = dir.join(SERVICES_MAP);
+        // Layouts before 5 had no SERVICES.
+        let services = if layout == LAYOUT_VERSION || exists(&services_path)? {
+            let (services, services_info) = open_map(SERVICES_MAP, &services_path)?;
+            let services = ServicesMap::try_from(services).map_err(|source| InspectError::Map {
+                path: services_path.clone(),
+                source,
+            })?;
+            infos.push((SERVICES_MAP, services_path, services_info));
+            Some(services)
+        } else {
+            None
+        };
         Ok(Self {
             dir,
             layout,
             infos,
             endpoints,
             nodes,
+            services,
             interfaces,
             flows,
             stats,
@@ -395,6 +414,10 @@ impl Inspector {
                     Some(nodes) => count(nodes.keys(), pin)?,
                     None => 0,
                 },
+                SERVICES_MAP => match &self.services {
+                    Some(services) => count(services.keys(), pin)?,
+                    None => 0,
+                },
                 INTERFACES_MAP => used_slots(&self.interfaces).len() as u64,
                 _ => u64::from(shape.max_entries),
             };
@@ -444,6 +467,21 @@ impl Inspector {
             Error::Map { source, .. } => self.map_error(NODES_MAP, source),
             other => InspectError::Check {
                 path: self.dir.join(NODES_MAP),
+                source: Box::new(other),
+            },
+        })
+    }
+
+    /// Every SERVICES entry census writes, by range; empty in the maps of a layout
+    /// without SERVICES.
+    pub fn services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, InspectError> {
+        let Some(map) = &self.services else {
+            return Ok(BTreeMap::new());
+        };
+        services::read_all(map).map_err(|error| match error {
+            Error::Map { source, .. } => self.map_error(SERVICES_MAP, source),
+            other => InspectError::Check {
+                path: self.dir.join(SERVICES_MAP),
                 source: Box::new(other),
             },
         })

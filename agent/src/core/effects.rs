@@ -8,7 +8,8 @@ use std::{
     num::NonZeroU16,
 };
 
-use census_proto::domain::{Endpoint, EndpointKey, IdentityId};
+use census_proto::domain::{Endpoint, EndpointKey, IdentityId, ServiceKind, ServiceSet};
+use ipnet::IpNet;
 
 use super::{AllocationId, AllocationRequest, NodeEntry};
 
@@ -75,6 +76,8 @@ pub(crate) struct Effects {
     /// has completed a resync since start (or the agent is local-only). Until then
     /// the remote entries and nodes pinned by a previous run stay in force.
     pub(crate) prune_remote: bool,
+    /// The SERVICES entries that changed, as they should be now (`None`: no entry).
+    pub(crate) services: BTreeMap<IpNet, Option<ServiceKind>>,
 }
 
 impl Effects {
@@ -84,6 +87,7 @@ impl Effects {
             && self.entries.is_empty()
             && self.interfaces.is_empty()
             && self.nodes.is_empty()
+            && self.services.is_empty()
     }
 
     /// `later`'s effects after these: a change of the same address or interface is
@@ -97,7 +101,9 @@ impl Effects {
             prune,
             nodes,
             prune_remote,
+            services,
         } = later;
+        self.services.extend(services);
         self.allocations.extend(allocations);
         self.reports.extend(reports);
         self.entries.extend(entries);
@@ -130,4 +136,7 @@ pub(crate) struct Desired {
     /// Whether the remote part is the whole truth (see [`Effects::prune_remote`]):
     /// only then are REMOTE entries and nodes it lacks removed.
     pub(crate) remote_complete: bool,
+    /// What SERVICES should hold; `None` until the operator has said (then
+    /// SERVICES is left as it is).
+    pub(crate) services: Option<ServiceSet>,
 }

@@ -8,7 +8,7 @@ use std::{
 };
 
 use census_proto::{
-    domain::{EndpointKey, IdentityId, NodeName},
+    domain::{EndpointKey, IdentityId, NodeName, ServiceSet},
     labels::{LabelFilter, LabelLimits, LabelSet},
 };
 
@@ -59,6 +59,8 @@ pub(crate) enum OperatorEvent {
     },
     /// What an Ack said of the entries of its message.
     Verdict(Verdict),
+    /// The cluster's Service addresses, from HelloReply.
+    Services(ServiceSet),
 }
 
 /// What the operator's Acks say about the endpoints it was sent.
@@ -149,6 +151,8 @@ pub(crate) struct MapBatch {
     /// has no clock and does not read it.
     pub(crate) built_at_ms: u64,
     pub(crate) version: u64,
+    /// The cluster's Service addresses, the whole set, when the batch carries it.
+    pub(crate) services: Option<ServiceSet>,
 }
 
 /// A node of the map, by the operator's index.

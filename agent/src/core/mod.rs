@@ -5,6 +5,14 @@
 //! the admin API) feed it events and carry out its effects, and the daemon wires
 //! them.
 //!
+//! The cluster's Service addresses come from the operator, as a whole set each
+//! time (in HelloReply, and on the endpoint map stream at its start and after every
+//! change); the core wants SERVICES to be the latest set and says what changes
+//! (`range -> Option<kind>`). The map stream's set is the newer one while its stream
+//! lasts: a HelloReply then does not overwrite it. Until the first set comes,
+//! SERVICES keeps what a previous run left (fail-static); the first set's changes
+//! are against that.
+//!
 //! Events come in — the source's sets and changes ([`Core::on_source`]), allocation
 //! answers ([`Core::on_allocation`]), the operator's settings, Rebinds and verdicts
 //! ([`Core::on_operator`]), the stream's state ([`Core::set_operator_link`]), the
@@ -36,6 +44,8 @@ mod identities;
 #[cfg(test)]
 pub(crate) mod map_tests;
 mod remote;
+#[cfg(test)]
+mod service_tests;
 mod status;
 #[cfg(test)]
 mod tests;
@@ -48,9 +58,10 @@ use std::{
 };
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdentityId, NodeName},
+    domain::{Endpoint, EndpointKey, IdentityId, NodeName, ServiceKind, ServiceSet},
     labels::{LabelFilter, LabelSet},
 };
+use ipnet::IpNet;
 use tracing::{debug, info, warn};
 
 pub(crate) use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
@@ -104,6 +115,18 @@ struct Queue {
     ips: BTreeSet<IpAddr>,
     interfaces: BTreeSet<String>,
     nodes: BTreeSet<NonZeroU16>,
+    services: BTreeMap<IpNet, Option<ServiceKind>>,
+}
+
+/// The cluster's Service addresses as the core wants SERVICES.
+#[derive(Debug, Default)]
+struct Services {
+    /// The operator's latest set; until one comes, what SERVICES held at start.
+    set: ServiceSet,
+    /// Whether a set came from the operator.
+    known: bool,
+    /// Whether the current map stream gave one (a HelloReply's is not newer).
+    from_map: bool,
 }
 
 /// See the module documentation.
@@ -137,6 +160,7 @@ pub(crate) struct Core {
     /// The cluster-wide map: other nodes' endpoints and addresses.
     remote: RemoteMap,
     map_link: MapLink,
+    services: Services,
 }
 
 impl Core {
@@ -165,6 +189,13 @@ impl Core {
     ) -> Self {
         self.remote = RemoteMap::new(Some(node));
         self.remote.seed_nodes(pinned);
+        self
+    }
+
+    /// What SERVICES held at start (a previous run's): in force until the
+    /// operator's first set, which changes only what differs from it.
+    pub(crate) fn with_services(mut self, pinned: ServiceSet) -> Self {
+        self.services.set = pinned;
         self
     }
 
@@ -446,7 +477,37 @@ impl Core {
                 }
             }
             OperatorEvent::Verdict(verdict) => self.on_verdict(verdict),
+            OperatorEvent::Services(set) => {
+                if self.services.from_map {
+                    debug!("HelloReply's Service addresses: the map stream's are newer");
+                } else {
+                    self.set_services(set, "HelloReply");
+                }
+            }
         }
+    }
+
+    /// SERVICES is to be `set`: queues what differs from the set in force.
+    fn set_services(&mut self, set: ServiceSet, from: &'static str) {
+        let changes = self.services.set.changes_to(&set);
+        if !changes.is_empty() || !self.services.known {
+            info!(
+                ranges = set.len(),
+                changed = changes.len(),
+                from,
+                "the cluster's Service addresses"
+            );
+        }
+        self.queue.services.extend(changes);
+        self.services.set = set;
+        self.services.known = true;
+    }
+
+    /// The cluster's Service addresses in force, and whether the operator said them
+    /// (else they are what SERVICES held at start).
+    #[cfg(test)]
+    pub(crate) fn services(&self) -> (&ServiceSet, bool) {
+        (&self.services.set, self.services.known)
     }
 
     /// The operator says `key` must use `id`: every endpoint of the same label set
@@ -572,18 +633,33 @@ impl Core {
 
     /// A batch of the cluster-wide map, or word that there is none.
     pub(crate) fn on_map(&mut self, event: MapEvent) -> MapApplied {
-        let Queue { ips, nodes, .. } = &mut self.queue;
         match event {
-            MapEvent::Batch(batch) => self.remote.apply(batch, ips, nodes),
-            MapEvent::LocalOnly => MapApplied {
-                changed: self.remote.local_only(ips, nodes),
-                skipped: 0,
-            },
+            MapEvent::Batch(mut batch) => {
+                if let Some(set) = batch.services.take() {
+                    self.set_services(set, "the endpoint map");
+                    self.services.from_map = true;
+                }
+                let Queue { ips, nodes, .. } = &mut self.queue;
+                self.remote.apply(batch, ips, nodes)
+            }
+            MapEvent::LocalOnly => {
+                self.services.from_map = false;
+                let Queue { ips, nodes, .. } = &mut self.queue;
+                MapApplied {
+                    changed: self.remote.local_only(ips, nodes),
+                    skipped: 0,
+                }
+            }
         }
     }
 
     /// The EndpointMap watch's state, for the status.
     pub(crate) fn set_map_link(&mut self, link: MapLink) {
+        if link.state != MapState::Connected {
+            // The next stream starts with the operator's set again; until then a
+            // HelloReply's is the newest.
+            self.services.from_map = false;
+        }
         self.map_link = link;
     }
 
@@ -658,6 +734,7 @@ impl Core {
             ips,
             interfaces,
             nodes,
+            services,
         } = mem::take(&mut self.queue);
         let identities = self.interface_identities();
         Effects {
@@ -683,6 +760,7 @@ impl Core {
                 })
                 .collect(),
             prune: self.synced,
+            services,
         }
     }
 
@@ -751,6 +829,7 @@ impl Core {
         Desired {
             nodes: self.remote.nodes().collect(),
             remote_complete: self.remote.complete(),
+            services: self.services.known.then(|| self.services.set.clone()),
             entries,
             ..self.desired_interfaces()
         }

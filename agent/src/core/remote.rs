@@ -233,6 +233,8 @@ impl RemoteMap {
             removed_nodes,
             built_at_ms: _,
             version,
+            // The core's, not the map's.
+            services: _,
         } = batch;
         self.version = version;
         let mut applied = MapApplied::default();

@@ -148,6 +148,7 @@ where
     let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
     let attached = reconcile::attached_at_start(&maps);
     let pinned_nodes = reconcile::pinned_nodes(&maps);
+    let pinned_services = reconcile::pinned_services(&maps);
     info!(%node, %session, operator, entries = found.len(), "starting");
 
     let metrics = Metrics::default();
@@ -217,7 +218,8 @@ where
 
     let mut core = Core::new(reconcile::adoptable(&found))
         .with_attached(attached)
-        .with_node(node.clone(), pinned_nodes);
+        .with_node(node.clone(), pinned_nodes)
+        .with_services(pinned_services);
     if endpoint_map {
         let map = MapClient {
             channel: channel.clone(),

@@ -608,3 +608,96 @@ async fn without_the_map_the_agent_is_local_only_and_says_so() -> TestResult {
     a.running.shut_down().await;
     Ok(())
 }
+
+fn services_of(maps: &Arc<Mutex<FakeMaps>>) -> Vec<(String, bpf::ServiceKind)> {
+    maps.lock()
+        .services
+        .iter()
+        .map(|(range, kind)| (range.to_string(), *kind))
+        .collect()
+}
+
+/// The operator's `--service-cidr` reaches SERVICES (through HelloReply without the
+/// endpoint map, and through the map stream with it, which also carries each
+/// change); what a previous run left that the set lacks goes.
+#[tokio::test]
+async fn the_operators_service_addresses_become_services() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = Operator::start_in(
+        dir.path(),
+        &[
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--snapshot-interval",
+            "1s",
+            "--service-cidr",
+            "10.96.0.0/12,fd00:10:96::/108",
+        ],
+    )
+    .await?;
+    let want = vec![
+        ("10.96.0.0/12".to_owned(), bpf::ServiceKind::ClusterIpRange),
+        (
+            "fd00:10:96::/108".to_owned(),
+            bpf::ServiceKind::ClusterIpRange,
+        ),
+    ];
+    let (d1, d2) = (dir.path().join("n1"), dir.path().join("n2"));
+    std::fs::create_dir_all(&d1)?;
+    std::fs::create_dir_all(&d2)?;
+    write(&d1, "[]\n")?;
+    write(&d2, "[]\n")?;
+    // A previous run's entry, in neither set.
+    let stale = fake_maps();
+    stale
+        .lock()
+        .services
+        .insert("192.0.2.0/24".parse()?, bpf::ServiceKind::ExternalIp);
+    let mapped = agent_on("n1", "198.18.0.1", &d1, op.grpc_addr, stale, true).await?;
+    let local = agent_on("n2", "198.18.0.2", &d2, op.grpc_addr, fake_maps(), false).await?;
+    for (agent, how) in [(&mapped, "with the map"), (&local, "without the map")] {
+        until_some(WAIT, || async {
+            (services_of(&agent.maps) == want).then_some(())
+        })
+        .await
+        .ok_or_else(|| format!("{how}: SERVICES is {:?}", services_of(&agent.maps)))?;
+    }
+
+    // The set changes: the map stream carries it.
+    let changed: census_proto::domain::ServiceSet = [
+        (
+            "10.96.0.0/12".parse()?,
+            census_proto::domain::ServiceKind::ClusterIpRange,
+        ),
+        (
+            "203.0.113.7/32".parse()?,
+            census_proto::domain::ServiceKind::LoadBalancerIp,
+        ),
+    ]
+    .into_iter()
+    .collect();
+    assert!(op.running().runtime.set_services(changed));
+    let want = vec![
+        ("10.96.0.0/12".to_owned(), bpf::ServiceKind::ClusterIpRange),
+        (
+            "203.0.113.7/32".to_owned(),
+            bpf::ServiceKind::LoadBalancerIp,
+        ),
+    ];
+    until_some(WAIT, || async {
+        (services_of(&mapped.maps) == want).then_some(())
+    })
+    .await
+    .ok_or_else(|| format!("the change: SERVICES is {:?}", services_of(&mapped.maps)))?;
+
+    // Changed behind the agent's back: the full pass repairs it.
+    mapped.maps.lock().services.clear();
+    until_some(WAIT, || async {
+        (services_of(&mapped.maps) == want).then_some(())
+    })
+    .await
+    .ok_or("the full pass did not repair SERVICES")?;
+    mapped.running.shut_down().await;
+    local.running.shut_down().await;
+    op.shut_down().await
+}

@@ -21,7 +21,7 @@ use std::{net::IpAddr, num::NonZeroU32, time::Duration};
 
 use census_proto::{
     PROTOCOL_VERSION,
-    convert::session_to_wire,
+    convert::{services_from_wire, session_to_wire},
     domain::{IdentityId, NodeName, SessionId},
     pb::{self, endpoint_map_client::EndpointMapClient},
     status::code_label,
@@ -250,8 +250,28 @@ fn decode(batch: pb::EndpointMapBatch) -> (MapBatch, usize) {
         removed_nodes,
         built_at_ms,
         version,
+        services,
     } = batch;
     let mut malformed = 0;
+    // A malformed range is left out (and counted); a set over the limit is left
+    // out as a whole, and SERVICES stays as it is.
+    let services =
+        services.and_then(
+            |set| match services_from_wire(&set, "endpoint_map_batch.services") {
+                Ok((set, refused)) => {
+                    for error in &refused {
+                        warn!(%error, "refused a Service range of the operator's");
+                    }
+                    malformed += refused.len();
+                    Some(set)
+                }
+                Err(error) => {
+                    warn!(%error, "refused the operator's Service addresses");
+                    malformed += 1;
+                    None
+                }
+            },
+        );
     let nodes = nodes
         .into_iter()
         .filter_map(|n| {
@@ -296,6 +316,7 @@ fn decode(batch: pb::EndpointMapBatch) -> (MapBatch, usize) {
         removed_nodes,
         built_at_ms,
         version,
+        services,
     };
     (batch, malformed)
 }

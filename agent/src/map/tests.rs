@@ -458,3 +458,40 @@ fn malformed_items_are_skipped_and_counted() {
     assert_eq!(batch.removes.len(), 1);
     assert_eq!(batch.removed_nodes.len(), 1);
 }
+
+#[test]
+fn a_batchs_service_addresses_are_decoded_without_their_malformed_ranges() {
+    let range = |address: Vec<u8>, prefix_len: u32, kind: pb::ServiceKind| pb::ServiceRange {
+        address,
+        prefix_len,
+        kind: kind as i32,
+    };
+    let (batch, malformed) = decode(pb::EndpointMapBatch {
+        services: Some(pb::ServiceSet {
+            ranges: vec![
+                range(v4("10.96.0.0"), 12, pb::ServiceKind::ClusterIpRange),
+                range(v4("10.96.0.1"), 12, pb::ServiceKind::ClusterIpRange),
+                range(vec![10, 96], 16, pb::ServiceKind::ClusterIpRange),
+                range(v4("203.0.113.7"), 32, pb::ServiceKind::Unspecified),
+            ],
+        }),
+        ..Default::default()
+    });
+    assert_eq!(malformed, 3);
+    let ranges: Vec<String> = batch
+        .services
+        .iter()
+        .flat_map(|s| s.iter())
+        .map(|(r, k)| format!("{r} {k}"))
+        .collect();
+    assert_eq!(ranges, ["10.96.0.0/12 cluster-ip-range"]);
+    // Unset: no set, not an empty one.
+    let (batch, malformed) = decode(pb::EndpointMapBatch::default());
+    assert_eq!((batch.services, malformed), (None, 0));
+    // An empty set is a set: SERVICES is to be empty.
+    let (batch, _) = decode(pb::EndpointMapBatch {
+        services: Some(pb::ServiceSet::default()),
+        ..Default::default()
+    });
+    assert_eq!(batch.services.map(|s| s.len()), Some(0));
+}

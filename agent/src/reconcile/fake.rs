@@ -38,6 +38,12 @@ pub(crate) struct FakeMaps {
     /// entries fails with [`bpf::Error::MapFull`], as the kernel's does (`None`:
     /// no limit).
     pub(crate) endpoints_max_entries: Option<usize>,
+    /// SERVICES, by range.
+    pub(crate) services: BTreeMap<IpNet, bpf::ServiceKind>,
+    /// SERVICES writes and deletes.
+    pub(crate) service_writes: usize,
+    /// Why SERVICES refuses writes, while it does.
+    pub(crate) services_refuse: Option<&'static str>,
 }
 
 impl FakeMaps {
@@ -223,6 +229,34 @@ impl DatapathPort for FakeMaps {
     fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
         Ok(self.nodes.clone())
     }
+
+    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error> {
+        if let Some(reason) = self.services_refuse {
+            return Err(bpf::Error::InvalidInterfaceName {
+                name: "SERVICES".to_owned(),
+                reason,
+            });
+        }
+        self.service_writes += 1;
+        // As the trie does: one entry per range, host bits ignored.
+        self.services.insert(range.trunc(), kind);
+        Ok(())
+    }
+
+    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
+        if let Some(reason) = self.services_refuse {
+            return Err(bpf::Error::InvalidInterfaceName {
+                name: "SERVICES".to_owned(),
+                reason,
+            });
+        }
+        self.service_writes += 1;
+        Ok(self.services.remove(&range.trunc()).is_some())
+    }
+
+    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+        Ok(self.services.clone())
+    }
 }
 
 impl FakeMaps {
@@ -308,5 +342,17 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
         self.lock().read_nodes()
+    }
+
+    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error> {
+        self.lock().write_service(range, kind)
+    }
+
+    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
+        self.lock().delete_service(range)
+    }
+
+    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+        self.lock().read_services()
     }
 }

@@ -29,6 +29,11 @@
 //! it also looks for programs attached in front of census's and reports them
 //! (and, if asked, attaches census first again).
 //!
+//! SERVICES (the cluster's Service addresses) is written range by range as the
+//! operator's set changes, only where it differs from what this agent wrote; the
+//! full pass compares it with the set and repairs every difference, once the
+//! operator has given a set (until then a previous run's entries stay).
+//!
 //! Nothing is removed while `prune` is false: until the endpoint source has given
 //! its first full set the agent does not know what is unwanted, and what the maps
 //! hold (from a previous run of the agent) stays in force.
@@ -39,7 +44,8 @@ use std::{
     num::NonZeroU16,
 };
 
-use census_proto::domain::IdentityId;
+use census_proto::domain::{IdentityId, ServiceKind, ServiceSet};
+use ipnet::IpNet;
 use tracing::{debug, info, warn};
 
 use written::Written;
@@ -56,6 +62,39 @@ use crate::{
 const ENDPOINTS: &str = "ENDPOINTS";
 const INTERFACES: &str = "INTERFACES";
 const NODES: &str = "NODES";
+const SERVICES: &str = "SERVICES";
+
+/// SERVICES' value of `kind`.
+fn to_bpf_kind(kind: ServiceKind) -> bpf::ServiceKind {
+    match kind {
+        ServiceKind::ClusterIpRange => bpf::ServiceKind::ClusterIpRange,
+        ServiceKind::LoadBalancerIp => bpf::ServiceKind::LoadBalancerIp,
+        ServiceKind::ExternalIp => bpf::ServiceKind::ExternalIp,
+    }
+}
+
+fn from_bpf_kind(kind: bpf::ServiceKind) -> ServiceKind {
+    match kind {
+        bpf::ServiceKind::ClusterIpRange => ServiceKind::ClusterIpRange,
+        bpf::ServiceKind::LoadBalancerIp => ServiceKind::LoadBalancerIp,
+        bpf::ServiceKind::ExternalIp => ServiceKind::ExternalIp,
+    }
+}
+
+/// What SERVICES holds (a previous run's, at start), for the core: in force until
+/// the operator's first set. Empty if it cannot be read.
+pub(crate) fn pinned_services<M: DatapathPort + ?Sized>(maps: &M) -> ServiceSet {
+    match maps.read_services() {
+        Ok(found) => found
+            .into_iter()
+            .map(|(range, kind)| (range, from_bpf_kind(kind)))
+            .collect(),
+        Err(error) => {
+            warn!(%error, "cannot read SERVICES at start");
+            ServiceSet::new()
+        }
+    }
+}
 
 /// A raw ENDPOINTS key, as the map holds it.
 pub(crate) type MapKey = bpf::EndpointKey;
@@ -168,6 +207,12 @@ pub(crate) trait DatapathPort {
     fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error>;
     /// Every NODES entry, by index.
     fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error>;
+    /// Writes (creates or replaces) SERVICES' entry of `range`.
+    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error>;
+    /// Removes SERVICES' entry of `range`; `false` if there was none.
+    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error>;
+    /// Every SERVICES entry census writes, by range.
+    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error>;
 }
 
 impl DatapathPort for Datapath {
@@ -257,6 +302,18 @@ impl DatapathPort for Datapath {
     fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
         self.nodes()
     }
+
+    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error> {
+        self.upsert_service(range, kind)
+    }
+
+    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
+        Datapath::delete_service(self, range)
+    }
+
+    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+        self.services()
+    }
 }
 
 /// What one full pass did.
@@ -271,6 +328,8 @@ pub(crate) struct PassReport {
     pub(crate) removed: usize,
     /// Links whose interface was gone.
     pub(crate) pruned: usize,
+    /// SERVICES entries that could not be written or removed.
+    pub(crate) service_errors: Vec<(IpNet, bpf::Error)>,
     pub(crate) entry_errors: Vec<(IpAddr, bpf::Error)>,
     pub(crate) interface_errors: Vec<(String, bpf::Error)>,
     /// Why the pins could not be put back (the pass did nothing else).
@@ -287,6 +346,8 @@ pub(crate) struct Reconciler {
     written: Written,
     /// NODES entries written by this agent.
     nodes: BTreeMap<NonZeroU16, NodeEntry>,
+    /// SERVICES entries written by this agent.
+    services: BTreeMap<IpNet, ServiceKind>,
     /// Interfaces attached (or adopted) by this process, and their ifindex.
     attached: BTreeMap<String, u32>,
     /// INTERFACES entries written by this agent: ifindex -> identity.
@@ -341,6 +402,9 @@ impl Reconciler {
         let interface_failures = self.apply_interfaces_of(maps, fx);
         for (interface, error) in &interface_failures {
             warn!(interface, %error, "attaching the classifier or writing its INTERFACES entry failed; the full pass retries");
+        }
+        for (range, error) in self.apply_services(maps, &fx.services) {
+            warn!(%range, %error, "writing SERVICES failed; the full pass retries");
         }
         self.reconciled(
             fx.entries.keys().copied().collect(),
@@ -411,6 +475,44 @@ impl Reconciler {
                 }
             }
         }
+    }
+
+    /// Brings each SERVICES entry of `changes` to what it should be (`None`: no
+    /// entry), writing only what differs from what this agent wrote; the failures.
+    pub(crate) fn apply_services<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        changes: &BTreeMap<IpNet, Option<ServiceKind>>,
+    ) -> Vec<(IpNet, bpf::Error)> {
+        let mut failures = Vec::new();
+        for (range, want) in changes {
+            match want {
+                Some(kind) if self.services.get(range) == Some(kind) => {}
+                Some(kind) => match maps.write_service(*range, to_bpf_kind(*kind)) {
+                    Ok(()) => {
+                        self.services.insert(*range, *kind);
+                    }
+                    Err(error) => {
+                        self.services.remove(range);
+                        failures.push((*range, self.write_failed(SERVICES, error)));
+                    }
+                },
+                // An entry this agent did not write may be a previous run's.
+                None => match maps.delete_service(*range) {
+                    Ok(_) => {
+                        self.services.remove(range);
+                    }
+                    Err(error) => failures.push((*range, self.write_failed(SERVICES, error))),
+                },
+            }
+        }
+        failures
+    }
+
+    /// SERVICES entries written by this agent.
+    #[cfg(test)]
+    fn written_services(&self) -> &BTreeMap<IpNet, ServiceKind> {
+        &self.services
     }
 
     /// The attachments and INTERFACES changes of `fx`; the failures.
@@ -673,6 +775,7 @@ impl Reconciler {
         if let Some(actual) = nodes {
             self.prune_nodes(maps, desired, &actual, &mut report);
         }
+        self.repair_services(maps, desired, &mut report);
         self.repair_links(maps, desired, prune, &mut report);
         self.check_order(maps, desired, &mut report);
         self.repair_interfaces(maps, desired, prune, &mut report);
@@ -912,6 +1015,69 @@ impl Reconciler {
             .retain(|index, _| desired.nodes.contains_key(index));
     }
 
+    /// Brings SERVICES to the operator's set: writes what it lacks or holds
+    /// otherwise, removes what the set does not name. Nothing before the operator
+    /// has given a set.
+    fn repair_services<M: DatapathPort + ?Sized>(
+        &mut self,
+        maps: &mut M,
+        desired: &Desired,
+        report: &mut PassReport,
+    ) {
+        let Some(want) = &desired.services else {
+            return;
+        };
+        let actual = match maps.read_services() {
+            Ok(actual) => actual,
+            Err(error) => {
+                warn!(%error, "cannot read SERVICES; the full pass skips it");
+                self.write_failed(SERVICES, error);
+                return;
+            }
+        };
+        for (range, kind) in want.iter() {
+            let have = actual.get(&range).copied().map(from_bpf_kind);
+            if have == Some(kind) {
+                self.services.insert(range, kind);
+                continue;
+            }
+            let repair = self.services.get(&range) == Some(&kind);
+            match maps.write_service(range, to_bpf_kind(kind)) {
+                Ok(()) => {
+                    if repair {
+                        warn!(%range, found = ?have, wanted = %kind, "repaired a SERVICES entry changed behind the agent's back");
+                        report.repaired += 1;
+                        self.metrics.map_repairs.inc();
+                    } else {
+                        report.written += 1;
+                    }
+                    self.services.insert(range, kind);
+                }
+                Err(error) => {
+                    self.services.remove(&range);
+                    let error = self.write_failed(SERVICES, error);
+                    warn!(%range, %error, "writing SERVICES failed");
+                    report.service_errors.push((range, error));
+                }
+            }
+        }
+        for range in actual.keys().filter(|range| want.get(range).is_none()) {
+            match maps.delete_service(*range) {
+                Ok(_) => {
+                    debug!(%range, "removed a SERVICES entry nothing wants");
+                    report.removed += 1;
+                    self.metrics.map_removals.inc();
+                }
+                Err(error) => {
+                    let error = self.write_failed(SERVICES, error);
+                    warn!(%range, %error, "cannot remove a SERVICES entry nothing wants");
+                    report.service_errors.push((*range, error));
+                }
+            }
+        }
+        self.services.retain(|range, _| want.get(range).is_some());
+    }
+
     fn repair_links<M: DatapathPort + ?Sized>(
         &mut self,
         maps: &mut M,
@@ -1077,5 +1243,7 @@ mod written;
 pub(crate) mod fake;
 #[cfg(test)]
 mod map_tests;
+#[cfg(test)]
+mod service_tests;
 #[cfg(test)]
 mod tests;

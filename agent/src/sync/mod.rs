@@ -37,7 +37,7 @@ use census_proto::{
     PROTOCOL_VERSION,
     convert::{
         endpoint_key_from_wire, endpoint_to_wire, filter_from_wire, identity_from_wire,
-        session_to_wire,
+        services_from_wire, session_to_wire,
     },
     domain::{EndpointKey, NodeName, SessionId},
     labels::LabelLimits,
@@ -367,7 +367,27 @@ impl SyncClient {
             .events
             .send(OperatorEvent::Settings(settings))
             .await
-            .map_err(|_| StreamError::Stopping)
+            .map_err(|_| StreamError::Stopping)?;
+        // An operator that sends none leaves SERVICES as it is.
+        let Some(services) = reply.services.as_ref() else {
+            return Ok(());
+        };
+        match services_from_wire(services, "hello_reply.services") {
+            Ok((set, refused)) => {
+                for error in &refused {
+                    warn!(%error, "refused a Service range of the operator's");
+                }
+                state
+                    .events
+                    .send(OperatorEvent::Services(set))
+                    .await
+                    .map_err(|_| StreamError::Stopping)
+            }
+            Err(error) => {
+                warn!(%error, "refused the operator's Service addresses; SERVICES stays as it is");
+                Ok(())
+            }
+        }
     }
 
     /// The connected stream's loop.

@@ -183,7 +183,11 @@ async fn hello_snapshot_deltas_and_rebind() -> TestResult {
         loop {
             match client.events.recv().await {
                 Some(OperatorEvent::Rebind { key, id }) => return Some((key, id)),
-                Some(OperatorEvent::Settings(_) | OperatorEvent::Verdict(_)) => {}
+                Some(
+                    OperatorEvent::Settings(_)
+                    | OperatorEvent::Verdict(_)
+                    | OperatorEvent::Services(_),
+                ) => {}
                 None => return None,
             }
         }
@@ -283,7 +287,9 @@ impl Node {
                 }
                 // Not this core's: its label limit stays the default, above the
                 // operator's, as in an agent built with other limits.
-                OperatorEvent::Settings(_) | OperatorEvent::Rebind { .. } => {}
+                OperatorEvent::Settings(_)
+                | OperatorEvent::Rebind { .. }
+                | OperatorEvent::Services(_) => {}
             }
         }
         Ok(())

@@ -22,8 +22,8 @@ use std::{
 
 use bytes::Bytes;
 use census_proto::{
-    convert::{check_version, node_from_wire, session_from_wire},
-    domain::SessionId,
+    convert::{check_version, node_from_wire, services_to_wire, session_from_wire},
+    domain::{ServiceSet, SessionId},
     pb,
 };
 use prometheus_client::metrics::{family::Family, gauge::Gauge};
@@ -55,6 +55,10 @@ const MAX_REQUEST_BYTES: usize = 4096;
 
 /// Bytes of one encoded item at most: an IPv6 entry, or a node of the longest name.
 const MAX_ITEM_BYTES: usize = 300;
+
+/// Bytes of a batch's Service addresses at most: the largest set, IPv6 ranges
+/// (a range is 16 address bytes, a prefix length and a kind, with their tags).
+const MAX_SERVICES_BYTES: usize = ServiceSet::MAX_RANGES * 32;
 
 /// Encodes map batches as `EndpointMapBatch`.
 #[derive(Debug, Default)]
@@ -94,6 +98,7 @@ impl MapEncoder for WireMap {
             removed_nodes: batch.removed_nodes.iter().map(|n| n.0.get()).collect(),
             built_at_ms: batch.built_at_ms,
             version: batch.version,
+            services: batch.services.map(services_to_wire),
         };
         wire::frame(&message)
     }
@@ -104,6 +109,7 @@ pub(crate) fn max_batch_bytes(batch_entries: usize) -> usize {
     batch_entries
         .saturating_mul(MAX_ITEM_BYTES)
         .max(4 * 1024 * 1024)
+        .saturating_add(MAX_SERVICES_BYTES)
 }
 
 /// The EndpointMap service.

@@ -23,7 +23,8 @@ use census_proto::{
     PROTOCOL_VERSION,
     convert::{
         Rejected, SentKey, addresses_from_wire, check_version, delete_from_wire, filter_to_wire,
-        node_from_wire, pending_to_wire, session_from_wire, snapshot_from_wire, upsert_from_wire,
+        node_from_wire, pending_to_wire, services_to_wire, session_from_wire, snapshot_from_wire,
+        upsert_from_wire,
     },
     pb::{self, agent_message::Body, endpoint_sync_server::SERVICE_NAME},
 };
@@ -199,6 +200,7 @@ impl EndpointStreams {
                     max_ips_per_endpoint: settings.wire.max_ips_per_endpoint as u32,
                     max_message_bytes: settings.max_message_bytes as u64,
                 }),
+                services: self.operator.services().map(|s| services_to_wire(&s)),
             })),
         };
         // The reply is queued before the stream is registered, so it is always first.

@@ -3,14 +3,16 @@
 //!
 //! Every replica watches the Identity objects (its read model and, when it leads, the
 //! source of `binding_lost`/`binding_invalid`) and the Nodes (Hello admission and
-//! `node_gone`), and tries the Lease; the one that holds it runs the core. No replica
-//! watches anything else: Leases and the leader EndpointSlice are read one at a time,
+//! `node_gone`), the ServiceCIDRs and the Services' addresses (what agents are sent
+//! as Service addresses, kept without the objects), and tries the Lease; the one
+//! that holds it runs the core. No replica watches anything else: Leases and the leader EndpointSlice are read one at a time,
 //! and no replica writes to any pod.
 
 pub mod endpointslice;
 mod leader;
 pub mod lease;
 pub mod nodes;
+pub mod services;
 pub mod tokenreview;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -39,6 +41,7 @@ use crate::{
     metrics::Metrics,
     replica::{Fence, Replica},
     runtime::{Clock, Runtime, feed_store_events},
+    services::ServiceAddresses,
     store::{
         Store as _,
         kubernetes::{EventsConfig, KubeStore, KubeStoreConfig},
@@ -79,6 +82,8 @@ pub struct Parts {
     pub settings: Settings,
     pub metrics: Metrics,
     pub readiness: Readiness,
+    /// `--service-cidr`: Service ranges besides the ServiceCIDR objects'.
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// A running replica's cluster side.
@@ -87,6 +92,8 @@ pub struct Cluster {
     pub runtime: Arc<Runtime>,
     pub store: Arc<KubeStore>,
     pub nodes: Arc<NodeIndex>,
+    /// The cluster's Service addresses (`--service-cidr`, ServiceCIDRs, Services).
+    pub services: Arc<ServiceAddresses>,
     /// The agents' ServiceAccount (`--agent-service-account`).
     pub agent_service_account: ServiceAccountRef,
     /// Checks agents' bearer tokens (TokenReview), binding them to their nodes.
@@ -146,6 +153,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         settings,
         metrics,
         readiness,
+        service_cidrs,
     } = parts;
     let config = kube_config(args).await?;
     let namespace = namespace
@@ -204,10 +212,21 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             admission: nodes.clone(),
         },
     );
-    let mut tasks = vec![tokio::spawn(
-        nodes::run(nodes.clone(), reads, runtime.clone())
-            .instrument(info_span!("watch", resource = "nodes")),
-    )];
+    let services = ServiceAddresses::listing(service_cidrs, runtime.clone());
+    let mut tasks = vec![
+        tokio::spawn(
+            services::run_cidrs(services.clone(), reads.clone())
+                .instrument(info_span!("watch", resource = "servicecidrs")),
+        ),
+        tokio::spawn(
+            services::run_services(services.clone(), reads.clone())
+                .instrument(info_span!("watch", resource = "services")),
+        ),
+        tokio::spawn(
+            nodes::run(nodes.clone(), reads, runtime.clone())
+                .instrument(info_span!("watch", resource = "nodes")),
+        ),
+    ];
     if let Some(events) = store.events() {
         tasks.push(tokio::spawn(feed_store_events(runtime.clone(), events)));
     }
@@ -276,6 +295,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         runtime,
         store,
         nodes,
+        services,
         agent_service_account: agent_service_account.clone(),
         tokens,
         stop,

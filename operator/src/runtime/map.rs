@@ -43,7 +43,7 @@ use crate::{
         Refused, Term,
     },
 };
-use census_proto::domain::{NodeName, SessionId};
+use census_proto::domain::{NodeName, ServiceSet, SessionId};
 
 /// How the map is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +136,8 @@ struct Piece {
     upserts: Vec<MapEntry>,
     removes: Vec<IpAddr>,
     removed_nodes: Vec<MapNodeIndex>,
+    /// The whole set of Service addresses, when the batch carries it.
+    services: Option<Arc<ServiceSet>>,
 }
 
 impl Piece {
@@ -186,6 +188,7 @@ impl MapHub {
             upserts: &piece.upserts,
             removes: &piece.removes,
             removed_nodes: &piece.removed_nodes,
+            services: piece.services.as_deref(),
             built_at_ms,
             version: piece.version,
         });
@@ -272,13 +275,19 @@ impl Runtime {
         }
     }
 
-    /// The core's delta as numbered pieces, under the core lock.
+    /// The core's delta as numbered pieces, under the core lock; the first carries
+    /// the Service addresses if they changed since the last take (then there is at
+    /// least one piece).
     fn take_pieces(&self, inner: &mut Inner, hub: &MapHub) -> Vec<Piece> {
         let delta = inner.alloc.take_map_delta();
-        if delta.is_empty() {
+        let services = std::mem::take(&mut inner.services_changed);
+        if delta.is_empty() && !services {
             return Vec::new();
         }
         let mut pieces = split(delta, hub.cfg.batch_entries);
+        if services {
+            pieces[0].services = inner.services.clone();
+        }
         for piece in &mut pieces {
             inner.map_version += 1;
             piece.version = inner.map_version;
@@ -302,6 +311,7 @@ impl Runtime {
         term::current(&inner, term)?;
         let pieces = self.take_pieces(&mut inner, hub);
         let (nodes, entries) = inner.alloc.map_full();
+        let services = inner.services.clone();
         let version = inner.map_version;
         let built_at = self.clock.now().as_millis();
         let mut sent = hub.sent.lock();
@@ -321,6 +331,7 @@ impl Runtime {
             hub.cfg.batch_entries,
         );
         let last = chunks.len() - 1;
+        chunks[0].services = services;
         let mut encoded = Vec::with_capacity(chunks.len());
         for (i, chunk) in chunks.iter_mut().enumerate() {
             chunk.version = version;

@@ -31,6 +31,7 @@ mod tests;
 
 use std::{collections::HashMap, sync::Arc};
 
+use census_proto::domain::ServiceSet;
 use parking_lot::Mutex;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
@@ -58,6 +59,11 @@ struct Inner {
     next_req: RequestId,
     /// The endpoint map's last batch version, taken with the core's delta.
     map_version: u64,
+    /// The cluster's Service addresses (not the core's: every replica has them,
+    /// whatever its role), `None` until their sources have been read in full, and
+    /// whether they changed since the last map batch.
+    services: Option<Arc<ServiceSet>>,
+    services_changed: bool,
 }
 
 /// The sending ends of the current term's writer queues.
@@ -150,6 +156,8 @@ impl Runtime {
                 writers: None,
                 next_req: 1,
                 map_version: 0,
+                services: None,
+                services_changed: false,
             }),
             clock,
             watch,
@@ -177,6 +185,24 @@ impl Runtime {
     /// Reads the core.
     pub fn read<R>(&self, f: impl FnOnce(&Allocator) -> R) -> R {
         f(&self.inner.lock().alloc)
+    }
+
+    /// The cluster's Service addresses are `services` from now on: HelloReplies
+    /// carry them, and the endpoint map's next batch if they changed.
+    pub fn set_services(&self, services: ServiceSet) -> bool {
+        let mut inner = self.inner.lock();
+        if inner.services.as_deref() == Some(&services) {
+            return false;
+        }
+        inner.services = Some(Arc::new(services));
+        inner.services_changed = true;
+        true
+    }
+
+    /// The cluster's Service addresses as they are now; `None` until their sources
+    /// have been read in full (agents are then told nothing, and keep theirs).
+    pub fn services(&self) -> Option<Arc<ServiceSet>> {
+        self.inner.lock().services.clone()
     }
 
     pub fn tick(&self) {

@@ -45,6 +45,10 @@ impl Api for Runtime {
         Runtime::role(self)
     }
 
+    fn services(&self) -> Option<std::sync::Arc<census_proto::domain::ServiceSet>> {
+        Runtime::services(self)
+    }
+
     fn id_range(&self) -> IdRange {
         self.read(Allocator::range)
     }

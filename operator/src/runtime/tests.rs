@@ -6,7 +6,7 @@ use std::{
 
 use census_proto::{
     convert::WireLimits,
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, ServiceKind, SessionId},
     labels::{LabelFilter, LabelSet},
 };
 use tokio::sync::{broadcast, mpsc};
@@ -254,6 +254,7 @@ struct RecordedBatch {
     resync: (bool, bool),
     upserts: Vec<IpAddr>,
     removes: Vec<IpAddr>,
+    services: Option<ServiceSet>,
 }
 
 impl crate::api::MapEncoder for Recorder {
@@ -263,6 +264,7 @@ impl crate::api::MapEncoder for Recorder {
             resync: (batch.resync_start, batch.resync_end),
             upserts: batch.upserts.iter().map(|e| e.ip).collect(),
             removes: batch.removes.to_vec(),
+            services: batch.services.cloned(),
         });
         bytes::Bytes::copy_from_slice(&batch.version.to_be_bytes())
     }
@@ -449,5 +451,89 @@ async fn a_follower_refuses_map_watches_and_a_change_of_term_ends_them()
         Err(Refused::NotLeader(_))
     ));
     let _ = watch.terms.borrow_and_update();
+    Ok(())
+}
+
+#[tokio::test]
+async fn service_addresses_go_whole_in_a_full_maps_first_chunk_and_after_each_change()
+-> Result<(), Box<dyn std::error::Error>> {
+    let (runtime, _queues) = Runtime::new(
+        Allocator::new(cfg()?, Loaded::default(), Clock::new().now()),
+        Clock::new(),
+        settings(),
+        Metrics::default(),
+    );
+    let rec = Arc::new(Recorder::default());
+    let (_stop_tx, stop) = watch::channel(false);
+    let cfg = MapConfig {
+        tick: Duration::from_secs(3600),
+        batch_entries: 1,
+        ..MapConfig::default()
+    };
+    let _ticker = runtime.serve_map(cfg, rec.clone(), stop);
+    let caller = caller()?;
+    let (tx, _rx) = mpsc::channel(8);
+    let stream = runtime.hello(&caller, SESSION, Vec::new(), tx)?;
+    let watch = runtime.map_watch(&caller, SESSION)?;
+    assert_eq!(runtime.services(), None, "not known before a source says");
+    let first: ServiceSet = [("10.96.0.0/12".parse()?, ServiceKind::ClusterIpRange)]
+        .into_iter()
+        .collect();
+    assert!(runtime.set_services(first.clone()));
+    assert!(
+        !runtime.set_services(first.clone()),
+        "the same set is no change"
+    );
+    assert_eq!(runtime.services().as_deref(), Some(&first));
+    runtime.map_tick();
+    let batch = rec.batch(1).ok_or("no batch for the changed set")?;
+    assert_eq!(batch.services.as_ref(), Some(&first));
+    assert!(batch.upserts.is_empty());
+    // Nothing changed: no batch.
+    runtime.map_tick();
+    assert!(rec.batch(2).is_none());
+
+    // A full map of two chunks (one entry each): the first carries the set.
+    runtime.snapshot(
+        &stream,
+        1,
+        vec![
+            web("web-0", [198, 18, 0, 2], 300)?,
+            web("web-1", [198, 18, 0, 3], 300)?,
+        ],
+    )?;
+    let resync = runtime.map_resync(watch.term)?;
+    let chunks: Vec<RecordedBatch> = rec
+        .0
+        .lock()
+        .iter()
+        .filter(|b| b.version == resync.full.version && b.resync != (false, false))
+        .cloned()
+        .collect();
+    assert_eq!(chunks.len(), 2);
+    assert_eq!(chunks[0].services.as_ref(), Some(&first));
+    assert_eq!(chunks[1].services, None);
+
+    // A change with map changes: the set rides on the first batch only.
+    let second: ServiceSet = [
+        ("10.96.0.0/12".parse()?, ServiceKind::ClusterIpRange),
+        ("203.0.113.7/32".parse()?, ServiceKind::LoadBalancerIp),
+    ]
+    .into_iter()
+    .collect();
+    runtime.set_services(second.clone());
+    runtime.snapshot(&stream, 2, Vec::new())?;
+    runtime.map_tick();
+    let after: Vec<RecordedBatch> = rec
+        .0
+        .lock()
+        .iter()
+        .filter(|b| b.version > resync.full.version && b.resync == (false, false))
+        .cloned()
+        .collect();
+    // Two removals and the node's index, one item a batch.
+    assert!(after.len() >= 2, "{after:?}");
+    assert_eq!(after[0].services.as_ref(), Some(&second));
+    assert!(after[1..].iter().all(|b| b.services.is_none()), "{after:?}");
     Ok(())
 }

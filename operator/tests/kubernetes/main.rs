@@ -16,5 +16,6 @@ mod manifests;
 mod node_addresses;
 mod operator;
 mod real;
+mod service_addresses;
 mod store;
 mod tokenreview;

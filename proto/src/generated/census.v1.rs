@@ -274,7 +274,7 @@ pub struct Limits {
     #[prost(uint64, tag = "4")]
     pub max_message_bytes: u64,
 }
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct HelloReply {
     #[prost(uint32, tag = "1")]
     pub protocol_version: u32,
@@ -287,6 +287,40 @@ pub struct HelloReply {
     pub snapshot_interval_ms: u64,
     #[prost(message, optional, tag = "5")]
     pub limits: ::core::option::Option<Limits>,
+    /// The cluster's Service addresses as the operator knows them now (the same set
+    /// the endpoint map stream carries; see `ServiceSet`). Unset while the operator
+    /// has not read its sources in full yet (a cluster's ServiceCIDRs and Services),
+    /// or from an operator that does not send them: the agent keeps what SERVICES
+    /// holds.
+    #[prost(message, optional, tag = "6")]
+    pub services: ::core::option::Option<ServiceSet>,
+}
+/// One Service address range.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ServiceRange {
+    /// The range's first address: 4 or 16 bytes, network order, its bits past
+    /// `prefix_len` zero.
+    #[prost(bytes = "vec", tag = "1")]
+    pub address: ::prost::alloc::vec::Vec<u8>,
+    /// At most 32 for IPv4, 128 for IPv6.
+    #[prost(uint32, tag = "2")]
+    pub prefix_len: u32,
+    #[prost(enumeration = "ServiceKind", tag = "3")]
+    pub kind: i32,
+}
+/// The whole set of the cluster's Service addresses: the union of the ServiceCIDR
+/// objects, the operator's `--service-cidr`, and the Services' LoadBalancer and
+/// external IPs, each range once (a range with two kinds is sent with the first
+/// kind of `ServiceKind`'s order). Always the whole set, never a change: it is
+/// small (at most 65,536 ranges). A range the agent cannot read (an address that is
+/// neither 4 nor 16 bytes, a prefix too long for its family, bits set past the
+/// prefix, an unspecified kind) is refused, named, and never applied; the rest of
+/// the set is.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct ServiceSet {
+    /// Sorted by address family, address, then prefix length.
+    #[prost(message, repeated, tag = "1")]
+    pub ranges: ::prost::alloc::vec::Vec<ServiceRange>,
 }
 /// Acknowledges the message with this seq. `ignored` is set when the message was
 /// older than one already applied and changed nothing (then `rejected` and `pending`
@@ -394,6 +428,12 @@ pub struct EndpointMapBatch {
     /// carries the version it is current to); for diagnostics.
     #[prost(uint64, tag = "8")]
     pub version: u64,
+    /// Set: the cluster's Service addresses are now this set, the whole of it (it
+    /// replaces the one of HelloReply or of an earlier batch). Carried by the first
+    /// batch of a full map (once the operator has read its sources in full), and by
+    /// the first batch built after every change of the set; unset: unchanged.
+    #[prost(message, optional, tag = "9")]
+    pub services: ::core::option::Option<ServiceSet>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct MapNode {
@@ -591,6 +631,43 @@ impl IdentityState {
             "IDENTITY_STATE_RESERVED" => Some(Self::Reserved),
             "IDENTITY_STATE_BLOCKED" => Some(Self::Blocked),
             "IDENTITY_STATE_PROTECTED" => Some(Self::Protected),
+            _ => None,
+        }
+    }
+}
+/// What a Service address range is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum ServiceKind {
+    Unspecified = 0,
+    /// A range of ClusterIPs: a `ServiceCIDR`'s `spec.cidrs`, or the operator's
+    /// `--service-cidr`.
+    ClusterIpRange = 1,
+    /// A Service's `status.loadBalancer.ingress\[\].ip` (a /32 or /128).
+    LoadBalancerIp = 2,
+    /// A Service's `spec.externalIPs` entry (a /32 or /128).
+    ExternalIp = 3,
+}
+impl ServiceKind {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "SERVICE_KIND_UNSPECIFIED",
+            Self::ClusterIpRange => "SERVICE_KIND_CLUSTER_IP_RANGE",
+            Self::LoadBalancerIp => "SERVICE_KIND_LOAD_BALANCER_IP",
+            Self::ExternalIp => "SERVICE_KIND_EXTERNAL_IP",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "SERVICE_KIND_UNSPECIFIED" => Some(Self::Unspecified),
+            "SERVICE_KIND_CLUSTER_IP_RANGE" => Some(Self::ClusterIpRange),
+            "SERVICE_KIND_LOAD_BALANCER_IP" => Some(Self::LoadBalancerIp),
+            "SERVICE_KIND_EXTERNAL_IP" => Some(Self::ExternalIp),
             _ => None,
         }
     }

@@ -200,6 +200,9 @@ pub(crate) fn builtins() -> Vec<ResourceSpec> {
         ResourceSpec::namespaced("", "v1", "ServiceAccount", "serviceaccounts"),
         ResourceSpec::namespaced("events.k8s.io", "v1", "Event", "events"),
         ResourceSpec::namespaced("coordination.k8s.io", "v1", "Lease", "leases"),
+        // Kubernetes 1.33+ (GA): the cluster's ClusterIP ranges.
+        ResourceSpec::cluster("networking.k8s.io", "v1", "ServiceCIDR", "servicecidrs")
+            .with_status(),
         // Served by every cluster since 1.21 (GA); no status subresource.
         ResourceSpec::namespaced("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
         ResourceSpec::cluster(CRD_GROUP, "v1", "CustomResourceDefinition", CRD_PLURAL)

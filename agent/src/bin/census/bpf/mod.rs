@@ -9,6 +9,7 @@ mod flows;
 mod interfaces;
 mod maps;
 mod nodes;
+mod services;
 
 use clap::Subcommand;
 
@@ -24,6 +25,9 @@ pub(crate) enum BpfCommand {
     Endpoints(endpoints::EndpointsArgs),
     /// The NODES map: the other nodes remote endpoints are on -> name, addresses.
     Nodes(nodes::NodesArgs),
+    /// The SERVICES map: the cluster's Service addresses (ClusterIP ranges,
+    /// LoadBalancer and external IPs) -> kind.
+    Services(services::ServicesArgs),
     /// The INTERFACES map: the interfaces census counts on -> the identity of the
     /// endpoint behind each.
     Interfaces(interfaces::InterfacesArgs),
@@ -37,6 +41,7 @@ pub(crate) async fn run(command: BpfCommand, ctx: &mut Ctx) -> Result<String, Cl
         BpfCommand::Maps(args) => maps::run(args, ctx),
         BpfCommand::Endpoints(args) => endpoints::run(args, ctx).await,
         BpfCommand::Nodes(args) => nodes::run(args, ctx),
+        BpfCommand::Services(args) => services::run(args, ctx),
         BpfCommand::Interfaces(args) => interfaces::run(args, ctx).await,
         BpfCommand::Flows(args) => flows::run(args, ctx).await,
     }

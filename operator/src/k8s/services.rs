@@ -1,0 +1,346 @@
+//! The cluster's Service addresses as the API server has them: the ranges of the
+//! ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+; before, the
+//! operator's `--service-cidr` says them) and each Service's external IPs
+//! (`spec.externalIPs`) and LoadBalancer IPs (`status.loadBalancer.ingress[].ip`).
+//!
+//! A Service is decoded into [`ServiceAddressObject`], which keeps its name,
+//! namespace and resource version and those two lists, and skips everything else
+//! while parsing (annotations, managed fields, ports, selectors), so neither a list
+//! page nor [`ServiceAddresses`] holds whole Service objects. A restart of a watch
+//! becomes one reset: objects gone during the gap are gone.
+
+use std::{borrow::Cow, net::IpAddr, sync::Arc};
+
+use census_proto::domain::ServiceKind;
+use futures::StreamExt;
+use ipnet::IpNet;
+use k8s_openapi::{
+    api::networking::v1::ServiceCIDR, apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use kube::{
+    Api, Client,
+    runtime::{WatchStreamExt, watcher},
+};
+use serde::{Deserialize, Deserializer};
+use tracing::{debug, info, warn};
+
+use crate::services::{Addresses, ServiceAddresses};
+
+/// Objects per list page.
+const PAGE: u32 = 500;
+
+/// A Service reduced to its addresses while decoding.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ServiceAddressObject {
+    #[serde(deserialize_with = "slim_meta")]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Option<Spec>,
+    #[serde(default)]
+    status: Option<Status>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct Spec {
+    #[serde(default, rename = "externalIPs")]
+    external_ips: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct Status {
+    #[serde(default, rename = "loadBalancer")]
+    load_balancer: Option<LoadBalancer>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct LoadBalancer {
+    #[serde(default)]
+    ingress: Option<Vec<Ingress>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct Ingress {
+    #[serde(default)]
+    ip: Option<String>,
+}
+
+/// `metadata` with what the watch needs (name, namespace, resource version, uid)
+/// and nothing else: annotations and managed fields are skipped unread.
+fn slim_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Slim {
+        name: Option<String>,
+        namespace: Option<String>,
+        resource_version: Option<String>,
+        uid: Option<String>,
+    }
+    let Slim {
+        name,
+        namespace,
+        resource_version,
+        uid,
+    } = Slim::deserialize(d)?;
+    Ok(ObjectMeta {
+        name,
+        namespace,
+        resource_version,
+        uid,
+        ..ObjectMeta::default()
+    })
+}
+
+impl ServiceAddressObject {
+    /// `namespace/name`, if the object has both.
+    pub fn key(&self) -> Option<String> {
+        let namespace = self.metadata.namespace.as_deref()?;
+        let name = self.metadata.name.as_deref()?;
+        Some(format!("{namespace}/{name}"))
+    }
+
+    /// Its LoadBalancer and external IPs, each once (an address both is a
+    /// LoadBalancer IP); text that is no address is skipped.
+    pub fn addresses(&self) -> Addresses {
+        let parse = |text: &str| {
+            text.trim()
+                .parse::<IpAddr>()
+                .ok()
+                .map(|ip| ip.to_canonical())
+        };
+        let ingress = self
+            .status
+            .iter()
+            .filter_map(|s| s.load_balancer.as_ref())
+            .filter_map(|lb| lb.ingress.as_ref())
+            .flatten()
+            .filter_map(|i| parse(i.ip.as_deref()?))
+            .map(|ip| (ip, ServiceKind::LoadBalancerIp));
+        let external = self
+            .spec
+            .iter()
+            .filter_map(|s| s.external_ips.as_ref())
+            .flatten()
+            .filter_map(|text| parse(text))
+            .map(|ip| (ip, ServiceKind::ExternalIp));
+        let mut addresses: Vec<(IpAddr, ServiceKind)> = ingress.chain(external).collect();
+        addresses.sort_unstable();
+        addresses.dedup_by_key(|(ip, _)| *ip);
+        addresses.into_boxed_slice()
+    }
+}
+
+impl kube::Resource for ServiceAddressObject {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        "Service".into()
+    }
+
+    fn group(_: &()) -> Cow<'_, str> {
+        "".into()
+    }
+
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+
+    fn plural(_: &()) -> Cow<'_, str> {
+        "services".into()
+    }
+
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// A ServiceCIDR's name and ranges (host bits cleared; text that is no range is
+/// skipped with a warning).
+fn cidr_ranges(object: &ServiceCIDR) -> Option<(String, Vec<IpNet>)> {
+    let name = object.metadata.name.clone()?;
+    let cidrs = object.spec.as_ref().and_then(|s| s.cidrs.as_ref());
+    let ranges = cidrs
+        .into_iter()
+        .flatten()
+        .filter_map(|text| match text.trim().parse::<IpNet>() {
+            Ok(range) => Some(range.trunc()),
+            Err(_) => {
+                warn!(
+                    servicecidr = name,
+                    cidr = text.chars().take(64).collect::<String>(),
+                    "skipping a ServiceCIDR range that is not a CIDR"
+                );
+                None
+            }
+        })
+        .collect();
+    Some((name, ranges))
+}
+
+/// Whether a watch failed because the API server does not serve the resource.
+fn not_served(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 404,
+        _ => false,
+    }
+}
+
+/// Watches the ServiceCIDR objects into `addresses` until the task is dropped. An
+/// API server that does not serve them (before 1.33) is asked again with backoff,
+/// said once.
+pub async fn run_cidrs(addresses: Arc<ServiceAddresses>, client: Client) {
+    let api: Api<ServiceCIDR> = Api::all(client);
+    let stream = watcher(api, watcher::Config::default().page_size(PAGE)).default_backoff();
+    let mut stream = std::pin::pin!(stream);
+    let mut listing: Option<Vec<(String, Vec<IpNet>)>> = None;
+    let mut said_not_served = false;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Init) => listing = Some(Vec::new()),
+            Ok(watcher::Event::InitApply(object)) => {
+                listing
+                    .get_or_insert_with(Vec::new)
+                    .extend(cidr_ranges(&object));
+            }
+            Ok(watcher::Event::InitDone) => {
+                let listed = listing.take().unwrap_or_default();
+                debug!(servicecidrs = listed.len(), "listed the ServiceCIDRs");
+                addresses.reset_cidrs(listed);
+            }
+            Ok(watcher::Event::Apply(object)) => {
+                if let Some((name, ranges)) = cidr_ranges(&object) {
+                    addresses.set_cidrs(&name, ranges);
+                }
+            }
+            Ok(watcher::Event::Delete(object)) => {
+                if let Some(name) = object.metadata.name.as_deref() {
+                    addresses.remove_cidrs(name);
+                }
+            }
+            Err(e) if not_served(&e) => {
+                addresses.cidrs_not_served();
+                if !said_not_served {
+                    said_not_served = true;
+                    info!(
+                        "the API server serves no ServiceCIDRs (Kubernetes before 1.33): the Service ranges are --service-cidr's"
+                    );
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "the watch of ServiceCIDRs failed; it resumes with backoff");
+            }
+        }
+    }
+}
+
+/// Watches the Services' LoadBalancer and external IPs into `addresses` until the
+/// task is dropped.
+pub async fn run_services(addresses: Arc<ServiceAddresses>, client: Client) {
+    let api: Api<ServiceAddressObject> = Api::all(client);
+    let stream = watcher(api, watcher::Config::default().page_size(PAGE)).default_backoff();
+    let mut stream = std::pin::pin!(stream);
+    let mut listing: Option<Vec<(String, Addresses)>> = None;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Init) => listing = Some(Vec::new()),
+            Ok(watcher::Event::InitApply(service)) => {
+                let found = service.addresses();
+                if let Some(key) = service.key().filter(|_| !found.is_empty()) {
+                    listing.get_or_insert_with(Vec::new).push((key, found));
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                let listed = listing.take().unwrap_or_default();
+                debug!(
+                    services = listed.len(),
+                    "listed the Services with addresses"
+                );
+                addresses.reset_services(listed);
+            }
+            Ok(watcher::Event::Apply(service)) => {
+                if let Some(key) = service.key() {
+                    addresses.set_service(&key, service.addresses());
+                }
+            }
+            Ok(watcher::Event::Delete(service)) => {
+                if let Some(key) = service.key() {
+                    addresses.remove_service(&key);
+                }
+            }
+            Err(e) => warn!(error = %e, "the watch of Services failed; it resumes with backoff"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(json: serde_json::Value) -> Result<ServiceAddressObject, serde_json::Error> {
+        serde_json::from_value(json)
+    }
+
+    #[test]
+    fn a_service_is_decoded_to_its_addresses_and_its_key() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let service = decode(serde_json::json!({
+            "metadata": {
+                "name": "web", "namespace": "shop", "resourceVersion": "7",
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"},
+                "managedFields": [{"manager": "kubectl"}],
+            },
+            "spec": {
+                "clusterIP": "10.96.0.10",
+                "externalIPs": ["198.51.100.7", "not an ip", "2001:db8::7", "203.0.113.1"],
+                "ports": [{"port": 80}],
+            },
+            "status": {"loadBalancer": {"ingress": [
+                {"ip": "203.0.113.1"},
+                {"hostname": "lb.example.com"},
+                {"ip": "::ffff:203.0.113.2"},
+            ]}},
+        }))?;
+        assert_eq!(service.key().as_deref(), Some("shop/web"));
+        assert_eq!(service.metadata.resource_version.as_deref(), Some("7"));
+        assert!(service.metadata.annotations.is_none());
+        assert!(service.metadata.managed_fields.is_none());
+        let want: Vec<(IpAddr, ServiceKind)> = vec![
+            ("198.51.100.7".parse()?, ServiceKind::ExternalIp),
+            // Both: a LoadBalancer IP.
+            ("203.0.113.1".parse()?, ServiceKind::LoadBalancerIp),
+            // IPv4-mapped: as IPv4.
+            ("203.0.113.2".parse()?, ServiceKind::LoadBalancerIp),
+            ("2001:db8::7".parse()?, ServiceKind::ExternalIp),
+        ];
+        assert_eq!(&*service.addresses(), want.as_slice());
+
+        let bare = decode(serde_json::json!({"metadata": {"name": "db", "namespace": "shop"}}))?;
+        assert!(bare.addresses().is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn a_servicecidr_is_its_ranges() -> Result<(), Box<dyn std::error::Error>> {
+        let object: ServiceCIDR = serde_json::from_value(serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "ServiceCIDR",
+            "metadata": {"name": "kubernetes"},
+            "spec": {"cidrs": ["10.96.0.0/12", "fd00:10:96::/112", "bogus", "10.200.3.0/16"]},
+        }))?;
+        let (name, ranges) = cidr_ranges(&object).ok_or("no name")?;
+        assert_eq!(name, "kubernetes");
+        let want: Vec<IpNet> = vec![
+            "10.96.0.0/12".parse()?,
+            "fd00:10:96::/112".parse()?,
+            "10.200.0.0/16".parse()?,
+        ];
+        assert_eq!(ranges, want);
+        Ok(())
+    }
+}
