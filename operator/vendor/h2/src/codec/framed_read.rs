@@ -21,6 +21,10 @@ use tokio_util::codec::{LengthDelimitedCodec, LengthDelimitedCodecError};
 // 16 MB "sane default" taken from golang http2
 const DEFAULT_SETTINGS_MAX_HEADER_LIST_SIZE: usize = 16 << 20;
 
+/// census: the read buffer reserved before a read when it was released (the
+/// capacity tokio_util's `FramedRead` starts with).
+const READ_BUFFER_CAPACITY: usize = 8 * 1024;
+
 #[derive(Debug)]
 pub struct FramedRead<T> {
     inner: InnerFramedRead<T, LengthDelimitedCodec>,
@@ -100,6 +104,20 @@ impl<T> FramedRead<T> {
     #[inline]
     pub fn set_header_table_size(&mut self, val: usize) {
         self.decoder.set_header_table_size(val);
+    }
+
+    /// census: the read buffer's length and capacity, for the tests of when it is
+    /// held.
+    #[cfg(test)]
+    pub(crate) fn read_buffer(&self) -> (usize, usize) {
+        let buf = self.inner.read_buffer();
+        (buf.len(), buf.capacity())
+    }
+
+    /// census: the HPACK decoder's scratch buffer capacity, for the same tests.
+    #[cfg(test)]
+    pub(crate) fn hpack_buffer_capacity(&self) -> usize {
+        self.decoder.hpack.buffer_capacity()
     }
 }
 
@@ -421,7 +439,19 @@ where
         let _e = span.enter();
         loop {
             tracing::trace!("poll");
-            let bytes = match ready!(Pin::new(&mut self.inner).poll_next(cx)) {
+            // census: the read buffer is released while the connection waits with
+            // nothing buffered (below), so reserve it again before reading.
+            if self.inner.read_buffer().capacity() == 0 {
+                self.inner.read_buffer_mut().reserve(READ_BUFFER_CAPACITY);
+            }
+            let polled = Pin::new(&mut self.inner).poll_next(cx);
+            // census: a read that would block with no byte of a frame buffered
+            // releases the buffer, so an idle connection holds none (it grows to a
+            // whole frame while one arrives, and a frame in pieces is kept).
+            if polled.is_pending() && self.inner.read_buffer().is_empty() {
+                *self.inner.read_buffer_mut() = BytesMut::new();
+            }
+            let bytes = match ready!(polled) {
                 Some(Ok(bytes)) => bytes,
                 Some(Err(e)) => return Poll::Ready(Some(Err(map_err(e)))),
                 None => return Poll::Ready(None),

@@ -60,10 +60,14 @@ enum Next<B> {
     Continuation(frame::Continuation),
 }
 
-/// Initialize the connection with this amount of write buffer.
+/// Reserve this amount of write buffer when a frame is buffered.
 ///
 /// The minimum MAX_FRAME_SIZE is 16kb, so always be able to send a HEADERS
 /// frame that big.
+///
+/// census: the buffer is reserved when a frame is buffered and released once a
+/// flush wrote everything, instead of allocated in `new` and kept for the life of
+/// the connection: an idle connection holds no write buffer.
 const DEFAULT_BUFFER_CAPACITY: usize = 16 * 1_024;
 
 /// Chain payloads bigger than this when vectored I/O is enabled. The remote
@@ -93,7 +97,8 @@ where
             final_flush_done: false,
             encoder: Encoder {
                 hpack: hpack::Encoder::default(),
-                buf: Cursor::new(BytesMut::with_capacity(DEFAULT_BUFFER_CAPACITY)),
+                // census: empty until a frame is buffered (see `Encoder::buffer`).
+                buf: Cursor::new(BytesMut::new()),
                 next: None,
                 last_data_frame: None,
                 max_frame_size: frame::DEFAULT_MAX_FRAME_SIZE,
@@ -169,6 +174,9 @@ where
             }
         }
 
+        // census: everything buffered is written; give the buffer back.
+        self.encoder.release_buf();
+
         tracing::trace!("flushing buffer");
         // Flush the upstream
         ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
@@ -220,9 +228,23 @@ where
         }
     }
 
+    /// census: drops the write buffer once it holds nothing more to write.
+    fn release_buf(&mut self) {
+        if self.next.is_none()
+            && self.buf.get_ref().is_empty()
+            && self.buf.get_ref().capacity() != 0
+        {
+            self.buf = Cursor::new(BytesMut::new());
+        }
+    }
+
     fn buffer(&mut self, item: Frame<B>) -> Result<(), UserError> {
         // Ensure that we have enough capacity to accept the write.
         assert!(self.has_capacity());
+        // census: the buffer is reserved on first use after a release.
+        if self.buf.get_ref().capacity() == 0 {
+            self.buf.get_mut().reserve(DEFAULT_BUFFER_CAPACITY);
+        }
         let span = tracing::trace_span!("FramedWrite::buffer", frame = ?item);
         let _e = span.enter();
 
@@ -307,9 +329,11 @@ where
     }
 
     fn has_capacity(&self) -> bool {
+        // census: a released buffer (capacity 0) has room: `buffer` reserves it.
         self.next.is_none()
-            && (self.buf.get_ref().capacity() - self.buf.get_ref().len()
-                >= self.min_buffer_capacity)
+            && (self.buf.get_ref().capacity() == 0
+                || self.buf.get_ref().capacity() - self.buf.get_ref().len()
+                    >= self.min_buffer_capacity)
     }
 
     fn is_empty(&self) -> bool {
@@ -350,6 +374,12 @@ impl<T, B> FramedWrite<T, B> {
 
     pub fn get_mut(&mut self) -> &mut T {
         &mut self.inner
+    }
+
+    /// census: the write buffer's capacity, for the tests of when it is held.
+    #[cfg(test)]
+    pub(crate) fn write_buffer_capacity(&self) -> usize {
+        self.encoder.buf.get_ref().capacity()
     }
 }
 

@@ -210,3 +210,139 @@ where
         Self::new(src)
     }
 }
+
+// census: what an idle connection holds, and that a frame arriving in pieces is
+// kept until it is whole (the buffers are released while idle, never mid-frame).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{Headers, Ping, Pseudo, StreamId};
+
+    use bytes::Bytes;
+    use http::{HeaderMap, Method, Uri};
+    use std::future::poll_fn;
+    use tokio::io::{duplex, AsyncWriteExt, DuplexStream};
+
+    type TestCodec = Codec<DuplexStream, Bytes>;
+
+    /// (write buffer capacity, read buffer length, read buffer capacity, HPACK
+    /// decoder scratch capacity)
+    fn held(codec: &TestCodec) -> (usize, usize, usize, usize) {
+        let (read_len, read_cap) = codec.inner.read_buffer();
+        (
+            codec.inner.get_ref().write_buffer_capacity(),
+            read_len,
+            read_cap,
+            codec.inner.hpack_buffer_capacity(),
+        )
+    }
+
+    async fn send(codec: &mut TestCodec, frame: Frame<Bytes>) {
+        poll_fn(|cx| codec.poll_ready(cx)).await.unwrap();
+        codec.buffer(frame).unwrap();
+        assert!(
+            codec.inner.get_ref().write_buffer_capacity() >= 16 * 1024,
+            "a buffered frame has a write buffer"
+        );
+        poll_fn(|cx| codec.flush(cx)).await.unwrap();
+    }
+
+    async fn next(codec: &mut TestCodec) -> Frame {
+        poll_fn(|cx| Pin::new(&mut *codec).poll_next(cx))
+            .await
+            .expect("a frame, not the end")
+            .expect("a frame, not an error")
+    }
+
+    /// Polls for a frame once: whether the read would block.
+    async fn would_block(codec: &mut TestCodec) -> bool {
+        poll_fn(|cx| Poll::Ready(Pin::new(&mut *codec).poll_next(cx).is_pending())).await
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_holds_no_buffer() {
+        let (a, b) = duplex(64 * 1024);
+        let mut server: TestCodec = Codec::new(a);
+        let mut client: TestCodec = Codec::new(b);
+        assert_eq!(held(&client).0, 0, "no write buffer before a frame is sent");
+
+        // A request's headers (Huffman-coded literals, so the HPACK decoder needs
+        // its scratch buffer) and a PING, each flushed at once.
+        let uri = Uri::from_static("http://census.example:8443/census.v1.EndpointSync/Sync");
+        let mut fields = HeaderMap::new();
+        fields.insert("content-type", "application/grpc".parse().unwrap());
+        fields.insert(
+            "user-agent",
+            "census-agent/0.1.0 tonic/0.14".parse().unwrap(),
+        );
+        let pseudo = Pseudo::request(Method::POST, uri, None);
+        send(
+            &mut client,
+            Headers::new(StreamId::from(1), pseudo, fields).into(),
+        )
+        .await;
+        assert_eq!(
+            held(&client).0,
+            0,
+            "the write buffer is released once flushed"
+        );
+        send(&mut client, Ping::new(*b"census!!").into()).await;
+        assert_eq!(
+            held(&client).0,
+            0,
+            "the write buffer is released once flushed"
+        );
+
+        match next(&mut server).await {
+            Frame::Headers(headers) => {
+                assert_eq!(
+                    headers.fields()["user-agent"],
+                    "census-agent/0.1.0 tonic/0.14"
+                );
+            }
+            other => panic!("expected HEADERS, got {other:?}"),
+        }
+        match next(&mut server).await {
+            Frame::Ping(ping) => assert_eq!(ping.payload(), b"census!!"),
+            other => panic!("expected PING, got {other:?}"),
+        }
+        assert!(would_block(&mut server).await);
+        assert_eq!(
+            held(&server),
+            (0, 0, 0, 0),
+            "idle: no write, read or HPACK buffer"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_frame_arriving_in_pieces_is_kept_until_whole() {
+        let (a, mut peer) = duplex(64 * 1024);
+        let mut server: TestCodec = Codec::new(a);
+
+        // A DATA frame of 1,000 bytes on stream 1, written in three pieces: part
+        // of its head, the rest of the head and part of its payload, the rest.
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        let mut wire = vec![0x00, 0x03, 0xe8, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01];
+        wire.extend_from_slice(&payload);
+        for piece in [0..4, 4..600] {
+            let end = piece.end;
+            peer.write_all(&wire[piece]).await.unwrap();
+            assert!(would_block(&mut server).await, "the frame is not whole yet");
+            assert_eq!(
+                held(&server).1,
+                end,
+                "every byte of the frame so far is kept"
+            );
+        }
+        peer.write_all(&wire[600..]).await.unwrap();
+        match next(&mut server).await {
+            Frame::Data(data) => {
+                assert_eq!(data.stream_id(), StreamId::from(1));
+                assert_eq!(data.payload(), &payload[..]);
+            }
+            other => panic!("expected DATA, got {other:?}"),
+        }
+        assert!(would_block(&mut server).await);
+        assert_eq!(held(&server).2, 0, "the read buffer is released once idle");
+    }
+}

@@ -158,8 +158,15 @@ impl Decoder {
             max_size_update: None,
             last_max_update: size,
             table: Table::new(size),
-            buffer: BytesMut::with_capacity(4096),
+            // census: empty; `decode` allocates it per header block.
+            buffer: BytesMut::new(),
         }
+    }
+
+    /// census: the scratch buffer's capacity, for the tests of when it is held.
+    #[cfg(test)]
+    pub(crate) fn buffer_capacity(&self) -> usize {
+        self.buffer.capacity()
     }
 
     /// Queues a potential size update
@@ -174,7 +181,19 @@ impl Decoder {
     }
 
     /// Decodes the headers found in the given buffer.
-    pub fn decode<F>(
+    pub fn decode<F>(&mut self, src: &mut Cursor<&mut BytesMut>, f: F) -> Result<(), DecoderError>
+    where
+        F: FnMut(Header) -> ControlFlow<()>,
+    {
+        let result = self.decode_block(src, f);
+        // census: the scratch buffer of Huffman-decoded strings is allocated as the
+        // block needs it and not kept: the decoded strings hold their own slices of
+        // it, and an idle connection holds none (it was 4 KiB, kept for good).
+        self.buffer = BytesMut::new();
+        result
+    }
+
+    fn decode_block<F>(
         &mut self,
         src: &mut Cursor<&mut BytesMut>,
         mut f: F,
