@@ -201,7 +201,7 @@ impl Allocator {
             && endpoints.iter().all(|ep| {
                 node.view
                     .mark_seen(&ep.key, mark)
-                    .is_some_and(|(first, v)| first && v.id == ep.identity && *v.ips == *ep.ips)
+                    .is_some_and(|(first, v)| first && v.id == ep.identity && v.ips.is(&ep.ips))
                     && core.ids.is_bound(ep.identity, &ep.labels)
             });
         if unchanged {
