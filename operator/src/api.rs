@@ -119,7 +119,7 @@ pub enum StreamEnd {
     Closed(CloseReason),
     /// This replica stopped leading. Boxed: every stream's channel of [`ToAgent`]
     /// is allocated a block of 32 slots when the stream starts, and this variant
-    /// (two strings) would make each slot 64 bytes instead of 32.
+    /// (two strings) would make each slot 48 bytes instead of 32.
     NotLeader(Box<NotLeader>),
     /// The operator is stopping.
     ShuttingDown,
