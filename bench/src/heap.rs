@@ -133,6 +133,10 @@ fn crate_of(file: &str) -> Option<String> {
             .map_or(dir, |(n, _)| n);
         return Some(name.to_owned());
     }
+    // A crate census vendors (operator/vendor/h2): the crate it is, not census's.
+    if let Some((_, rest)) = file.split_once("/vendor/") {
+        return rest.split_once("/src/").map(|(name, _)| name.to_owned());
+    }
     // A workspace crate: <dir>/src/<module path>.rs
     let (before, module) = file.rsplit_once("/src/")?;
     let dir = before.rsplit('/').next()?;
@@ -349,6 +353,12 @@ mod tests {
             });
         }
         p
+    }
+
+    #[test]
+    fn a_vendored_crate_is_that_crate_not_censuss() {
+        let file = "/work/main/operator/vendor/h2/src/proto/streams/buffer.rs";
+        assert_eq!(crate_of(file).as_deref(), Some("h2"));
     }
 
     #[test]

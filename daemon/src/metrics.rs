@@ -16,7 +16,14 @@
 //! - `process_resident_memory_bytes`: resident set size, from `/proc/self/statm`
 //!   (the name the Prometheus client libraries' process collectors use);
 //! - `census_process_heap_live_bytes`: bytes allocated and not yet freed, counted by
-//!   [`crate::CountingJemalloc`] (absent when it is not the global allocator).
+//!   [`crate::CountingJemalloc`] (absent when it is not the global allocator);
+//! - `census_process_jemalloc_{allocated,active,resident,metadata,retained}_bytes`:
+//!   jemalloc's own statistics (`stats.*`), which say where RSS above the live heap
+//!   goes: bytes handed out, rounded up to size classes (`allocated`); pages of runs
+//!   in use (`active`: those bytes and the free slots of partly used slabs); pages
+//!   jemalloc holds resident (`resident`: active, metadata, and dirty pages not yet
+//!   purged); its metadata; address space kept mapped but given back to the OS
+//!   (`retained`, not in RSS). Absent with any other global allocator.
 
 use std::fmt;
 
@@ -170,9 +177,50 @@ impl Collector for ProcessCollector {
                 "Heap bytes allocated and not yet freed (counted by the global allocator)",
                 live,
             )?;
+            for (name, help, value) in jemalloc_stats() {
+                gauge(&mut encoder, name, help, value)?;
+            }
         }
         Ok(())
     }
+}
+
+/// jemalloc's statistics, refreshed (`epoch`) at each read; none that cannot be read.
+fn jemalloc_stats() -> Vec<(&'static str, &'static str, u64)> {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    if epoch::advance().is_err() {
+        return Vec::new();
+    }
+    let read = [
+        (
+            "census_process_jemalloc_allocated_bytes",
+            "Bytes jemalloc has handed out and not had back (its own count of the live heap)",
+            stats::allocated::read(),
+        ),
+        (
+            "census_process_jemalloc_active_bytes",
+            "Bytes in pages of jemalloc's runs in use (the live heap and free slots of partly used slabs)",
+            stats::active::read(),
+        ),
+        (
+            "census_process_jemalloc_resident_bytes",
+            "Bytes in pages jemalloc holds resident (active, metadata, dirty pages not yet purged)",
+            stats::resident::read(),
+        ),
+        (
+            "census_process_jemalloc_metadata_bytes",
+            "Bytes of jemalloc's own metadata",
+            stats::metadata::read(),
+        ),
+        (
+            "census_process_jemalloc_retained_bytes",
+            "Bytes of address space jemalloc keeps mapped but has returned to the OS (not resident)",
+            stats::retained::read(),
+        ),
+    ];
+    read.into_iter()
+        .filter_map(|(name, help, value)| Some((name, help, value.ok()? as u64)))
+        .collect()
 }
 
 #[cfg(test)]

@@ -118,7 +118,11 @@ impl Allocator {
                 // A hold ends when an endpoint takes the id up, not when one that had
                 // it already is seen again (a sibling pod must not end a fresh pod's
                 // hold before the fresh pod is in the view).
-                let entry = ViewEntry { id, seen: 0, ips };
+                let entry = ViewEntry {
+                    id,
+                    seen: 0,
+                    ips: ips.into(),
+                };
                 match node.view.insert(&mut self.core.map, name, key, entry, now) {
                     Some(prev) if prev.id == id => {}
                     Some(prev) => {
@@ -197,7 +201,7 @@ impl Allocator {
             && endpoints.iter().all(|ep| {
                 node.view
                     .mark_seen(&ep.key, mark)
-                    .is_some_and(|(first, v)| first && v.id == ep.identity && v.ips == ep.ips)
+                    .is_some_and(|(first, v)| first && v.id == ep.identity && v.ips.is(&ep.ips))
                     && core.ids.is_bound(ep.identity, &ep.labels)
             });
         if unchanged {
@@ -252,7 +256,14 @@ impl Allocator {
                     changes += 1;
                 }
             }
-            view.insert(key, ViewEntry { id, seen: 0, ips });
+            view.insert(
+                key,
+                ViewEntry {
+                    id,
+                    seen: 0,
+                    ips: ips.into(),
+                },
+            );
         }
         for (key, prev) in node.view.replace(&mut core.map, name, view, now) {
             if !node.view.contains_key(&key) {

@@ -127,9 +127,9 @@ mod tests {
             name: "op-b".into(),
             address: Some("10.0.0.2:9460".into()),
         };
-        let moved = end(StreamEnd::NotLeader(NotLeader {
+        let moved = end(StreamEnd::NotLeader(Box::new(NotLeader {
             leader: Some(leader),
-        }))?;
+        })))?;
         assert_eq!(moved.code(), tonic::Code::Unavailable);
         assert!(moved.metadata().get("census-leader").is_some());
         let stopping = end(StreamEnd::ShuttingDown)?;

@@ -39,7 +39,9 @@ impl Runtime {
             leader: leader.clone(),
         };
         for (_, tx) in inner.streams.drain() {
-            let _ = tx.try_send(ToAgent::End(StreamEnd::NotLeader(refusal.clone())));
+            let _ = tx.try_send(ToAgent::End(StreamEnd::NotLeader(Box::new(
+                refusal.clone(),
+            ))));
         }
         for (_, tx) in inner.replies.drain() {
             let _ = tx.send(Err(AllocError::StoreUnavailable {

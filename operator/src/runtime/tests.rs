@@ -146,9 +146,9 @@ async fn roles_change_in_terms_and_followers_refuse_writes()
     assert!(terms.has_changed()?);
     assert_eq!(
         rx.recv().await,
-        Some(ToAgent::End(StreamEnd::NotLeader(NotLeader {
+        Some(ToAgent::End(StreamEnd::NotLeader(Box::new(NotLeader {
             leader: Some(leader)
-        })))
+        }))))
     );
     let key = EndpointKey::new("default", "web-1")?;
     assert!(matches!(

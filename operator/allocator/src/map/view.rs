@@ -11,7 +11,7 @@ use super::{
     super::{
         Timestamp,
         capacity::{settle_map, shrink_map},
-        nodes::ViewEntry,
+        nodes::{Addrs, ViewEntry},
     },
     MapNodeIndex,
     index::{EndpointIndex, key_hash},
@@ -194,11 +194,11 @@ fn claims_index(
 }
 
 /// The addresses of `ips`, each once.
-fn distinct(ips: &[IpAddr]) -> impl Iterator<Item = IpAddr> + '_ {
+fn distinct(ips: &Addrs) -> impl Iterator<Item = IpAddr> + '_ {
     ips.iter()
         .enumerate()
-        .filter(|(i, ip)| !ips[..*i].contains(ip))
-        .map(|(_, ip)| *ip)
+        .filter(|(i, ip)| !ips.iter().take(*i).any(|p| p == *ip))
+        .map(|(_, ip)| ip)
 }
 
 /// Ends the claims of `prev` that `next` (the entry replacing it, if any) does not

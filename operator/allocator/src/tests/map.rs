@@ -95,7 +95,7 @@ type Claims = BTreeMap<(IpAddr, NodeName, Option<EndpointKey>), IdentityId>;
 fn claims_of_view(claims: &mut Claims, name: &NodeName, view: &View) {
     for (key, v) in view.iter() {
         for ip in v.ips.iter() {
-            claims.insert((*ip, name.clone(), Some(key.clone())), v.id);
+            claims.insert((ip, name.clone(), Some(key.clone())), v.id);
         }
     }
 }
