@@ -291,6 +291,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("INTERFACES", "array", 4, 8),
             ("STATS", "percpu_array", 4, 8),
             ("NODES", "hash", 4, 580),
+            ("SERVICES", "lpm_trie", 24, 4),
         ]
     );
     for map in maps {
@@ -316,7 +317,11 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     let (code, table, _) = census(&["bpf", "maps", "--bpffs", &bpffs])?;
     assert_eq!(code, Some(0));
     assert!(table.starts_with("NAME "), "{table}");
-    assert_eq!(table.lines().count(), 7, "{table}");
+    assert_eq!(
+        table.lines().count(),
+        8,
+        "a header and the seven maps: {table}"
+    );
     let one = census_json(&[
         "bpf",
         "endpoints",
