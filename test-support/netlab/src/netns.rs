@@ -54,6 +54,13 @@ impl Netns {
                 )?;
             }
         }
+        // No router solicitations: nothing in a lab answers them, and a host sends
+        // one at link-up and again 4 and 8 seconds later (a pod's 70-byte
+        // solicitation to ff02::2 landed in a count-once row as (pod, world) on a
+        // slow kernel run).
+        for scope in ["all", "default"] {
+            netns.sysctl(&format!("net.ipv6.conf.{scope}.router_solicitations"), "0")?;
+        }
         Ok(netns)
     }
 
