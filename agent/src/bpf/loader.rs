@@ -13,7 +13,7 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, IterableMap as _, Map, MapData},
-    programs::{CgroupSkb, ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
+    programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
@@ -399,19 +399,7 @@ pub struct TestRunOutcome {
 }
 
 fn load_sockets_program(ebpf: &mut Ebpf) -> Result<(), Error> {
-    let program_error = |source| Error::Program {
-        program: PROGRAM_SOCKETS,
-        source,
-    };
-    let program: &mut CgroupSkb = ebpf
-        .program_mut(PROGRAM_SOCKETS)
-        .ok_or(Error::MissingFromObject {
-            kind: "program",
-            name: PROGRAM_SOCKETS,
-        })?
-        .try_into()
-        .map_err(program_error)?;
-    program
+    super::sockets::sockets_program(ebpf)?
         .load()
         .map_err(|source| rejected(PROGRAM_SOCKETS, source))
 }

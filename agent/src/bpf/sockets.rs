@@ -142,15 +142,19 @@ impl Datapath {
     }
 
     fn sockets_program(&mut self) -> Result<&mut CgroupSkb, Error> {
-        self.ebpf
-            .program_mut(PROGRAM_SOCKETS)
-            .ok_or(Error::MissingFromObject {
-                kind: "program",
-                name: PROGRAM_SOCKETS,
-            })?
-            .try_into()
-            .map_err(program_error)
+        sockets_program(&mut self.ebpf)
     }
+}
+
+/// `census_sockets` in the loaded object (the loader loads it through this too).
+pub(super) fn sockets_program(ebpf: &mut aya::Ebpf) -> Result<&mut CgroupSkb, Error> {
+    ebpf.program_mut(PROGRAM_SOCKETS)
+        .ok_or(Error::MissingFromObject {
+            kind: "program",
+            name: PROGRAM_SOCKETS,
+        })?
+        .try_into()
+        .map_err(program_error)
 }
 
 fn program_error(source: aya::programs::ProgramError) -> Error {
