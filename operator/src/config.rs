@@ -485,6 +485,10 @@ pub struct MapArgs {
     /// Full maps sent at once; other watchers wait for their turn.
     #[arg(long, env = "CENSUS_MAP_MAX_RESYNCS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub map_max_resyncs: u32,
+    /// How long the last full map built is kept for further resyncs after the last
+    /// one it served; then it and the batches that followed it are freed.
+    #[arg(long, env = "CENSUS_MAP_CACHE_IDLE", default_value = "10s", value_parser = period)]
+    pub map_cache_idle: Duration,
 }
 
 impl MapArgs {
@@ -494,6 +498,7 @@ impl MapArgs {
             batch_entries: self.map_batch_entries as usize,
             buffer: self.map_watch_buffer as usize,
             resyncs: self.map_max_resyncs as usize,
+            cache_idle: self.map_cache_idle,
         }
     }
 }

@@ -73,6 +73,9 @@ pub struct Metrics {
     pub map_bytes_sent: Counter,
     /// Open EndpointMap.Watch streams.
     pub map_watchers: Gauge,
+    /// Bytes kept to serve resyncs: the cached full map (`full`) and the batches
+    /// after it (`history`).
+    pub map_cache_bytes: Family<KindLabels, Gauge>,
     /// Full maps sent (or to be sent) to a watcher, by reason: `new_watcher`, `lagged`, `term`.
     pub map_resyncs: Family<ReasonLabels, Counter>,
     /// Resyncs waiting for their turn or being sent, by reason.
@@ -121,6 +124,7 @@ impl Default for Metrics {
             map_messages_sent: Family::default(),
             map_bytes_sent: Counter::default(),
             map_watchers: Gauge::default(),
+            map_cache_bytes: Family::default(),
             map_resyncs: Family::default(),
             map_resyncs_in_progress: Family::default(),
             map_watcher_lag: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
@@ -218,6 +222,11 @@ impl Metrics {
             "map_watchers",
             "Open EndpointMap.Watch streams",
             self.map_watchers.clone(),
+        );
+        r.register(
+            "map_cache_bytes",
+            "Bytes kept to serve resyncs, by kind (the cached full map, the batches of changes after it); freed when no resync has used them for --map-cache-idle",
+            self.map_cache_bytes.clone(),
         );
         r.register(
             "map_resyncs",

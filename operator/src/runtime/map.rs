@@ -21,6 +21,12 @@
 //! what followed it, so a thousand agents reconnecting at once cost one full map; and
 //! full maps are sent under a semaphore of `resyncs` permits, so a herd waits its
 //! turn instead of multiplying buffers.
+//!
+//! Memory at rest: the cached full map and its history serve resync herds only, so
+//! both are freed once no resync has used them for `cache_idle`, and the history holds
+//! only the batches after the cached map, no more bytes than the map itself (past
+//! that, a new full map is cheaper to send than the catch-up). An idle operator keeps
+//! neither: at 5,000 nodes that is a 8 MiB map and up to as much history.
 
 use std::{
     collections::VecDeque,
@@ -33,6 +39,7 @@ use parking_lot::Mutex;
 use tokio::{
     sync::{Semaphore, broadcast, watch},
     task::JoinHandle,
+    time::Instant,
 };
 
 use super::{Inner, Runtime, term};
@@ -56,6 +63,9 @@ pub struct MapConfig {
     pub buffer: usize,
     /// Full maps sent at once; other watchers wait for their turn.
     pub resyncs: usize,
+    /// How long the last full map built is kept for further resyncs after the last
+    /// one it served.
+    pub cache_idle: Duration,
 }
 
 impl Default for MapConfig {
@@ -65,14 +75,16 @@ impl Default for MapConfig {
             batch_entries: 4096,
             buffer: 64,
             resyncs: 32,
+            cache_idle: Duration::from_secs(10),
         }
     }
 }
 
 /// Batches kept after the full map last built, so that it serves later resyncs too.
 const HISTORY_BATCHES: usize = 1024;
-/// Bytes of those batches at most.
-const HISTORY_BYTES: usize = 16 << 20;
+/// Bytes of catch-up a resync is given at least, however small the full map: below
+/// this, a catch-up is cheaper than building a new map whatever their sizes.
+const MIN_CATCH_UP_BYTES: usize = 64 << 10;
 
 /// What the ticker and the watchers share.
 #[derive(Debug)]
@@ -90,17 +102,30 @@ pub(super) struct MapHub {
 #[derive(Debug)]
 struct Sent {
     tx: broadcast::Sender<MapBatch>,
-    /// The latest batches, in version order without a gap.
+    /// The latest batches after `keep.after`, in version order without a gap; empty
+    /// while no full map is cached.
     history: VecDeque<MapBatch>,
     history_bytes: usize,
+    /// What the history keeps, set with the cached full map.
+    keep: Option<Keep>,
     /// The version of the last batch sent.
     latest: u64,
+}
+
+/// The history a cached full map needs: the batches after its version, as many bytes
+/// as a resync may be given to catch up from it.
+#[derive(Debug, Clone, Copy)]
+struct Keep {
+    after: u64,
+    bytes: usize,
 }
 
 #[derive(Debug)]
 struct Cached {
     term: Term,
     map: Arc<FullMap>,
+    /// When it last served a resync (or was built).
+    used: Instant,
 }
 
 impl Sent {
@@ -111,6 +136,35 @@ impl Sent {
                 .history
                 .front()
                 .is_some_and(|first| first.version <= version + 1)
+    }
+
+    /// Keeps the batches after `after` from now on, `bytes` of them at most.
+    fn keep(&mut self, keep: Keep) {
+        self.keep = Some(keep);
+        while let Some(old) = self.history.front()
+            && old.version <= keep.after
+        {
+            self.history_bytes -= old.bytes.len();
+            self.history.pop_front();
+        }
+        self.trim();
+    }
+
+    /// Keeps no history: no full map is cached.
+    fn forget(&mut self) {
+        self.keep = None;
+        self.history = VecDeque::new();
+        self.history_bytes = 0;
+    }
+
+    fn trim(&mut self) {
+        let budget = self.keep.map_or(0, |k| k.bytes);
+        while self.history.len() > HISTORY_BATCHES || self.history_bytes > budget {
+            match self.history.pop_front() {
+                Some(old) => self.history_bytes -= old.bytes.len(),
+                None => break,
+            }
+        }
     }
 
     /// The batches after `version`, if the history still holds all of them.
@@ -200,13 +254,10 @@ impl MapHub {
 
     fn push(sent: &mut Sent, batch: MapBatch) {
         sent.latest = batch.version;
-        sent.history_bytes += batch.bytes.len();
-        sent.history.push_back(batch.clone());
-        while sent.history.len() > HISTORY_BATCHES || sent.history_bytes > HISTORY_BYTES {
-            match sent.history.pop_front() {
-                Some(old) => sent.history_bytes -= old.bytes.len(),
-                None => break,
-            }
+        if sent.keep.is_some_and(|k| batch.version > k.after) {
+            sent.history_bytes += batch.bytes.len();
+            sent.history.push_back(batch.clone());
+            sent.trim();
         }
         // No receiver is not an error: nobody watches yet.
         let _ = sent.tx.send(batch);
@@ -231,6 +282,7 @@ impl Runtime {
                 tx,
                 history: VecDeque::new(),
                 history_bytes: 0,
+                keep: None,
                 latest: 0,
             }),
             full: Mutex::new(None),
@@ -264,13 +316,17 @@ impl Runtime {
         } else {
             drop(inner);
         }
-        // A full map the history no longer covers serves nobody: free it.
+        // A full map the history no longer covers serves nobody, nor one no resync
+        // has wanted for a while: free it and its history.
         if let Some(mut cache) = hub.full.try_lock() {
-            let stale = cache
-                .as_ref()
-                .is_some_and(|c| !hub.sent.lock().covers(c.map.version));
-            if stale {
+            let done = cache.as_ref().is_some_and(|c| {
+                c.used.elapsed() >= hub.cfg.cache_idle || !hub.sent.lock().covers(c.map.version)
+            });
+            if done {
                 *cache = None;
+                hub.sent.lock().forget();
+                self.note_cache("full", 0);
+                self.note_cache("history", 0);
             }
         }
     }
@@ -303,6 +359,15 @@ impl Runtime {
             .get_or_create(&crate::metrics::KindLabels { kind: "batch" })
             .inc_by(batch.bytes.len() as u64);
         MapHub::push(sent, batch);
+        self.note_cache("history", sent.history_bytes);
+    }
+
+    /// Sets the gauge of bytes kept for resyncs of `kind`.
+    fn note_cache(&self, kind: &'static str, bytes: usize) {
+        self.metrics
+            .map_cache_bytes
+            .get_or_create(&crate::metrics::KindLabels { kind })
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// The full map at the current version, encoded in chunks.
@@ -319,6 +384,12 @@ impl Runtime {
         for piece in &pieces {
             self.send_piece(hub, &mut sent, piece, built_at);
         }
+        // From here on the history serves this map (the caller holds the `full` lock
+        // and caches it); its size is not known before it is encoded.
+        sent.keep(Keep {
+            after: version,
+            bytes: usize::MAX,
+        });
         drop(sent);
 
         let count = entries.len();
@@ -338,6 +409,14 @@ impl Runtime {
             encoded.push(hub.encode(chunk, (i == 0, i == last), built_at).bytes);
         }
         let bytes = encoded.iter().map(bytes::Bytes::len).sum();
+        let mut sent = hub.sent.lock();
+        sent.keep(Keep {
+            after: version,
+            bytes: catch_up_budget(bytes),
+        });
+        self.note_cache("history", sent.history_bytes);
+        drop(sent);
+        self.note_cache("full", bytes);
         self.metrics.map_full_maps_built.inc();
         self.metrics
             .map_bytes_encoded
@@ -377,14 +456,15 @@ impl Runtime {
         // A full map just built is only missed by what follows it if the history
         // overflowed in between: then again, a few times at most.
         for _ in 0..3 {
-            if let Some(cached) = cache.as_ref().filter(|c| c.term == term)
+            if let Some(cached) = cache.as_mut().filter(|c| c.term == term)
                 && *self.terms.borrow() == term
             {
                 let sent = hub.sent.lock();
                 if let Some(catch_up) = sent.after(cached.map.version) {
                     let behind: usize = catch_up.iter().map(|b| b.bytes.len()).sum();
                     // Past the size of a new full map, a new one is cheaper to send.
-                    if behind <= cached.map.bytes.max(64 << 10) {
+                    if behind <= catch_up_budget(cached.map.bytes) {
+                        cached.used = Instant::now();
                         return Ok(MapResync {
                             full: Arc::clone(&cached.map),
                             catch_up,
@@ -394,7 +474,11 @@ impl Runtime {
                 }
             }
             let map = self.build_full(hub, term)?;
-            *cache = Some(Cached { term, map });
+            *cache = Some(Cached {
+                term,
+                map,
+                used: Instant::now(),
+            });
         }
         Err(Refused::MapBusy)
     }
@@ -411,6 +495,12 @@ impl Runtime {
     pub fn map_version(&self) -> Option<u64> {
         self.map.get().map(|hub| hub.sent.lock().latest)
     }
+}
+
+/// Bytes of batches a resync from a full map of `map_bytes` may be given to catch up:
+/// past the map's own size, a new full map is cheaper to send.
+fn catch_up_budget(map_bytes: usize) -> usize {
+    map_bytes.max(MIN_CATCH_UP_BYTES)
 }
 
 /// Whether `session` is `node`'s current session, as Allocate checks it.

@@ -537,3 +537,144 @@ async fn service_addresses_go_whole_in_a_full_maps_first_chunk_and_after_each_ch
     assert!(after[1..].iter().all(|b| b.services.is_none()), "{after:?}");
     Ok(())
 }
+
+/// Encodes every batch and chunk as `0` bytes of a fixed size, so a test can tell
+/// how much the map keeps.
+#[derive(Debug)]
+struct Padded(usize);
+
+impl crate::api::MapEncoder for Padded {
+    fn encode(&self, _: &crate::api::MapBatchParts<'_>) -> bytes::Bytes {
+        bytes::Bytes::from(vec![0; self.0])
+    }
+}
+
+fn cache_bytes(metrics: &Metrics, kind: &'static str) -> i64 {
+    metrics
+        .map_cache_bytes
+        .get_or_create(&crate::metrics::KindLabels { kind })
+        .get()
+}
+
+/// A runtime serving the map with an encoder, ticking only when the test says, a
+/// node's stream to change the map with, and a watch's term.
+struct MapLab {
+    runtime: Arc<Runtime>,
+    metrics: Metrics,
+    stream: crate::api::Connected,
+    term: Term,
+    /// What must live as long as the lab: the writer queues, the ticker's stop, the
+    /// node's outbound queue.
+    _keep: Vec<Box<dyn std::any::Any>>,
+}
+
+impl MapLab {
+    fn new(
+        encoder: Arc<dyn crate::api::MapEncoder>,
+        cache_idle: Duration,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let metrics = Metrics::default();
+        let (runtime, queues) = Runtime::new(
+            Allocator::new(cfg()?, Loaded::default(), Clock::new().now()),
+            Clock::new(),
+            settings(),
+            metrics.clone(),
+        );
+        let (stop_tx, stop) = watch::channel(false);
+        let cfg = MapConfig {
+            tick: Duration::from_secs(3600),
+            cache_idle,
+            ..MapConfig::default()
+        };
+        let _ticker = runtime.serve_map(cfg, encoder, stop);
+        let caller = caller()?;
+        let (tx, rx) = mpsc::channel(8);
+        let stream = runtime.hello(&caller, SESSION, Vec::new(), tx)?;
+        let term = runtime.map_watch(&caller, SESSION)?.term;
+        Ok(Self {
+            runtime,
+            metrics,
+            stream,
+            term,
+            _keep: vec![Box::new(queues), Box::new(stop_tx), Box::new(rx)],
+        })
+    }
+
+    /// Snapshot `seq` of the node: web-0 alone on odd, none on even, so every one is a
+    /// change; then a tick, so it goes out as a batch.
+    fn change(&self, seq: u64) -> Result<(), Box<dyn std::error::Error>> {
+        let endpoints = if seq % 2 == 1 {
+            vec![web("web-0", [198, 18, 0, 2], 300)?]
+        } else {
+            Vec::new()
+        };
+        self.runtime.snapshot(&self.stream, seq, endpoints)?;
+        self.runtime.map_tick();
+        Ok(())
+    }
+
+    fn kept(&self, kind: &'static str) -> i64 {
+        cache_bytes(&self.metrics, kind)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_full_map_and_its_history_are_freed_once_no_resync_has_used_them_for_a_while()
+-> Result<(), Box<dyn std::error::Error>> {
+    let lab = MapLab::new(Arc::new(Padded(1000)), Duration::from_secs(10))?;
+    let first = lab.runtime.map_resync(lab.term)?;
+    assert_eq!(lab.kept("full"), 1000, "one chunk");
+    lab.change(1)?;
+    assert_eq!(lab.kept("history"), 1000, "the batch after the map");
+
+    // Used again 6 s later: kept 10 s from then, not from when it was built.
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let again = lab.runtime.map_resync(lab.term)?;
+    assert!(Arc::ptr_eq(&again.full, &first.full), "shared");
+    assert_eq!(again.catch_up.len(), 1);
+    tokio::time::advance(Duration::from_secs(6)).await;
+    lab.runtime.map_tick();
+    assert_eq!((lab.kept("full"), lab.kept("history")), (1000, 1000));
+
+    tokio::time::advance(Duration::from_secs(5)).await;
+    lab.runtime.map_tick();
+    assert_eq!((lab.kept("full"), lab.kept("history")), (0, 0), "freed");
+    lab.change(2)?;
+    assert_eq!(lab.kept("history"), 0, "no history without a cached map");
+
+    // The next resync builds a new map, exact at the latest version.
+    let later = lab.runtime.map_resync(lab.term)?;
+    assert!(!Arc::ptr_eq(&later.full, &first.full), "built anew");
+    assert_eq!(Some(later.full.version), lab.runtime.map_version());
+    assert!(later.catch_up.is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_history_keeps_no_more_bytes_than_a_resync_may_catch_up_and_then_a_new_map_is_built()
+-> Result<(), Box<dyn std::error::Error>> {
+    // A full map of one 16 KiB chunk: a resync may catch up 64 KiB (the floor) of
+    // 16 KiB batches, four of them.
+    let lab = MapLab::new(Arc::new(Padded(16 << 10)), Duration::from_secs(3600))?;
+    let first = lab.runtime.map_resync(lab.term)?;
+    for seq in 1..=4 {
+        lab.change(seq)?;
+    }
+    assert_eq!(lab.kept("history"), 64 << 10);
+    let again = lab.runtime.map_resync(lab.term)?;
+    assert!(
+        Arc::ptr_eq(&again.full, &first.full),
+        "four batches behind: shared"
+    );
+    assert_eq!(again.catch_up.len(), 4);
+
+    // A fifth pushes the first out: the map can no longer be caught up from, and the
+    // tick that sent it frees both.
+    lab.change(5)?;
+    assert_eq!((lab.kept("full"), lab.kept("history")), (0, 0));
+    let later = lab.runtime.map_resync(lab.term)?;
+    assert!(!Arc::ptr_eq(&later.full, &first.full), "built anew");
+    assert!(later.catch_up.is_empty());
+    assert_eq!(lab.kept("full"), 16 << 10);
+    Ok(())
+}
