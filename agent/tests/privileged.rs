@@ -9,7 +9,7 @@
 mod attach;
 #[path = "privileged/cli.rs"]
 mod cli;
-#[path = "privileged/count_once.rs"]
+#[path = "privileged/count_once/mod.rs"]
 mod count_once;
 #[path = "privileged/datapath_stats.rs"]
 mod datapath_stats;

@@ -8,10 +8,13 @@
 //! | pods | 198.18.k.2, .3, … /32 and 2001:2:0:k::2, ::3, … /128 |
 //! | the node's side of every pod link | 198.18.k.1/32, 2001:2:0:k::1/128 |
 //! | the link between the nodes (`uplink`) | 198.19.0.k/24, 2001:2:0:ff::k/64 |
+//! | the VXLAN device of an overlay ([`VXLAN`], [`Routing::Vxlan`]) | 198.19.1.k/24, 2001:2:0:fe::k/64 |
 //!
 //! Pods are routed one by one (a /32 and a /128 to the host side of their veth,
 //! as Calico does), and each node routes the other's block (198.18.k.0/24,
-//! 2001:2:0:k::/64) over the uplink. So an address can move from a pod on one node
+//! 2001:2:0:k::/64) over the uplink, or in an overlay over a VXLAN device whose
+//! underlay is the uplink (as flannel's `vxlan` backend does: the pods' packets
+//! cross the uplink encapsulated, between the nodes' uplink addresses). So an address can move from a pod on one node
 //! to a pod on the other ([`Cluster::add_pod_at`]): the more specific route wins on
 //! the new pod's node, and the other node is given one towards it.
 //!
@@ -27,6 +30,22 @@ use crate::{Error, Netns, Pod};
 const MAX_PODS: usize = 250;
 /// The uplink's name in both node namespaces.
 pub const UPLINK: &str = "uplink";
+/// The VXLAN device's name in both node namespaces of an overlay.
+pub const VXLAN: &str = "vxlan0";
+/// The overlay's VXLAN network identifier (flannel's default).
+const VXLAN_ID: &str = "1";
+/// VXLAN's IANA port.
+const VXLAN_PORT: &str = "4789";
+
+/// How a [`Cluster`]'s nodes route each other's pod blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Routing {
+    /// Over the uplink, unencapsulated.
+    #[default]
+    Direct,
+    /// Over a VXLAN device ([`VXLAN`]) on each node, its underlay the uplink.
+    Vxlan,
+}
 
 /// One node of a [`Cluster`]: its namespace (forwarding on inside it only) and
 /// its addresses.
@@ -68,6 +87,16 @@ impl ClusterNode {
             Ipv6Addr::new(0x2001, 2, 0, 0xff, 0, 0, 0, self.number.into()).into()
         } else {
             Ipv4Addr::new(198, 19, 0, self.number).into()
+        }
+    }
+
+    /// The node's address on its VXLAN device, in an overlay: where the other
+    /// node routes this node's pod block.
+    pub fn vxlan_ip(&self, v6: bool) -> IpAddr {
+        if v6 {
+            Ipv6Addr::new(0x2001, 2, 0, 0xfe, 0, 0, 0, self.number.into()).into()
+        } else {
+            Ipv4Addr::new(198, 19, 1, self.number).into()
         }
     }
 
@@ -125,6 +154,7 @@ impl Side {
 #[derive(Debug)]
 pub struct Cluster {
     nodes: [ClusterNode; 2],
+    routing: Routing,
     /// Pods created so far, on both nodes: names their host interfaces.
     created: usize,
 }
@@ -132,10 +162,16 @@ pub struct Cluster {
 impl Cluster {
     /// Creates the two nodes, named `a` and `b` (namespaces
     /// `census-<pid>-<n>-<name>`), the uplink between them and the routes of both
-    /// pod blocks.
+    /// pod blocks over it.
     pub fn new(a: &str, b: &str) -> Result<Self, Error> {
+        Self::with_routing(a, b, Routing::Direct)
+    }
+
+    /// [`Cluster::new`], the pod blocks routed as `routing` says.
+    pub fn with_routing(a: &str, b: &str, routing: Routing) -> Result<Self, Error> {
         let cluster = Self {
             nodes: [ClusterNode::new(a, 1)?, ClusterNode::new(b, 2)?],
+            routing,
             created: 0,
         };
         let [first, second] = &cluster.nodes;
@@ -169,13 +205,16 @@ impl Cluster {
                 "nodad",
             ])?;
             ns.ip(&["link", "set", UPLINK, "up"])?;
+            if routing == Routing::Vxlan {
+                add_vxlan(node, peer)?;
+            }
             let (v4, v6) = peer.block();
             ns.ip(&[
                 "route",
                 "add",
                 &v4,
                 "via",
-                &peer.uplink_ip(false).to_string(),
+                &cluster.gateway_to(peer, false).to_string(),
             ])?;
             ns.ip(&[
                 "-6",
@@ -183,10 +222,27 @@ impl Cluster {
                 "add",
                 &v6,
                 "via",
-                &peer.uplink_ip(true).to_string(),
+                &cluster.gateway_to(peer, true).to_string(),
             ])?;
         }
         Ok(cluster)
+    }
+
+    /// The device each node routes the other's pods over: [`UPLINK`], or
+    /// [`VXLAN`] in an overlay.
+    pub fn pod_route_device(&self) -> &'static str {
+        match self.routing {
+            Routing::Direct => UPLINK,
+            Routing::Vxlan => VXLAN,
+        }
+    }
+
+    /// The next hop towards `peer`'s pods.
+    fn gateway_to(&self, peer: &ClusterNode, v6: bool) -> IpAddr {
+        match self.routing {
+            Routing::Direct => peer.uplink_ip(v6),
+            Routing::Vxlan => peer.vxlan_ip(v6),
+        }
     }
 
     pub fn node(&self, side: Side) -> &ClusterNode {
@@ -296,7 +352,7 @@ impl Cluster {
                 "replace",
                 &format!("{ipv4}/32"),
                 "via",
-                &at.uplink_ip(false).to_string(),
+                &self.gateway_to(at, false).to_string(),
             ])?;
             other.ns.ip(&[
                 "-6",
@@ -304,9 +360,49 @@ impl Cluster {
                 "replace",
                 &format!("{ipv6}/128"),
                 "via",
-                &at.uplink_ip(true).to_string(),
+                &self.gateway_to(at, true).to_string(),
             ])?;
         }
         Ok(pod)
     }
+}
+
+/// `node`'s VXLAN device towards `peer`: its underlay the uplink, from `node`'s
+/// uplink address to `peer`'s (a unicast remote: every frame goes there), and
+/// `node`'s overlay addresses on it.
+fn add_vxlan(node: &ClusterNode, peer: &ClusterNode) -> Result<(), Error> {
+    let ns = &node.ns;
+    ns.ip(&[
+        "link",
+        "add",
+        VXLAN,
+        "type",
+        "vxlan",
+        "id",
+        VXLAN_ID,
+        "local",
+        &node.uplink_ip(false).to_string(),
+        "remote",
+        &peer.uplink_ip(false).to_string(),
+        "dstport",
+        VXLAN_PORT,
+        "dev",
+        UPLINK,
+    ])?;
+    ns.ip(&[
+        "addr",
+        "add",
+        &format!("{}/24", node.vxlan_ip(false)),
+        "dev",
+        VXLAN,
+    ])?;
+    ns.ip(&[
+        "addr",
+        "add",
+        &format!("{}/64", node.vxlan_ip(true)),
+        "dev",
+        VXLAN,
+        "nodad",
+    ])?;
+    ns.ip(&["link", "set", VXLAN, "up"])
 }

@@ -9,7 +9,8 @@
 //!
 //! A [`Cluster`] is two such nodes joined by a veth pair and routed to each other,
 //! each with its own pods, for what spans nodes; [`kube_proxy`] gives its nodes
-//! Services the way kube-proxy's iptables mode does. A [`Masquerade`] is a router
+//! Services the way kube-proxy's iptables mode does, and a [`World`] is a namespace
+//! outside the cluster behind one of its nodes. A [`Masquerade`] is a router
 //! namespace between two namespaces that source-NATs what one sends the other.
 //!
 //! Every namespace is a guard: dropping it (also while a failing test unwinds)
@@ -34,10 +35,12 @@ mod nat;
 mod netns;
 pub mod packet;
 mod traffic;
+mod world;
 
-pub use cluster::{Cluster, ClusterNode, Side, UPLINK};
+pub use cluster::{Cluster, ClusterNode, Routing, Side, UPLINK, VXLAN};
 pub use error::Error;
 pub use lab::{Lab, Pod};
 pub use nat::{Masquerade, TO_ROUTER};
 pub use netns::{ChildGuard, Netns, unique_name};
 pub use traffic::{UdpReceiver, UdpSender, exchange_udp, udp_echo, udp_echo_through};
+pub use world::{WORLD_LINK, World};

@@ -9,6 +9,15 @@
 //! was counted as (client, world) where it left the client, and its reply,
 //! arriving from the Service address, was counted again on the client's node when
 //! its backend was on the other node.
+//!
+//! The rows of host-network backends are in [`host_network`], those with the
+//! world outside the cluster (a pod reaching it, NodePorts) in [`world`], and
+//! those of a VXLAN overlay in [`overlay`]; the lab and the exchanges they share
+//! are here.
+
+mod host_network;
+mod overlay;
+mod world;
 
 use std::{
     collections::BTreeMap,
@@ -20,7 +29,7 @@ use std::{
 
 use census_agent::bpf::{Datapath, Endpoint, Interface, ServiceKind, identity};
 use census_netlab::{
-    Cluster, Pod, Side, UPLINK,
+    Cluster, Pod, Routing, Side, WORLD_LINK, World,
     kube_proxy::{self, Protocol, Service, service_ip},
     udp_echo, udp_echo_through,
 };
@@ -41,12 +50,35 @@ const TARGET_PORT: u16 = 5353;
 /// (source identity, destination identity) -> (packets, bytes), over every node.
 type Counts = BTreeMap<(u32, u32), (u64, u64)>;
 
+/// What a [`Lab`] is made of besides its pods.
+#[derive(Debug, Clone, Copy, Default)]
+struct Shape {
+    /// How the nodes route each other's pods: the uplink program is on the
+    /// device they are routed over (the VXLAN device in an overlay, never its
+    /// underlay), as the agent attaches it.
+    routing: Routing,
+    /// A [`World`] behind node A, its link one of node A's uplinks.
+    world: bool,
+}
+
+impl Shape {
+    const OVERLAY: Self = Self {
+        routing: Routing::Vxlan,
+        world: false,
+    };
+    const WITH_WORLD: Self = Self {
+        routing: Routing::Direct,
+        world: true,
+    };
+}
+
 /// Two nodes, pods on each with an identity of their own, both nodes' datapaths
-/// attached to their own pods and their uplink, knowing every pod (their own
+/// attached to their own pods and their uplinks, knowing every pod (their own
 /// LOCAL, the others' REMOTE with their node) and the Service range, and
 /// kube-proxy's fixed chains on both.
 struct Lab {
     cluster: Cluster,
+    world: Option<World>,
     pods: Vec<(Side, Pod, u32)>,
     datapaths: [Datapath; 2],
     _pins: [PinDir; 2],
@@ -57,7 +89,16 @@ struct Lab {
 impl Lab {
     /// `pods`: the side and identity of each pod to create.
     fn new(pods: &[(Side, u32)]) -> Fallible<Self> {
-        let mut cluster = Cluster::new("count-a", "count-b")?;
+        Self::with(Shape::default(), pods)
+    }
+
+    /// [`Lab::new`], shaped as `shape` says.
+    fn with(shape: Shape, pods: &[(Side, u32)]) -> Fallible<Self> {
+        let mut cluster = Cluster::with_routing("count-a", "count-b", shape.routing)?;
+        let world = shape
+            .world
+            .then(|| World::behind(cluster.node(Side::A).ns()))
+            .transpose()?;
         let pins = [PinDir::new(), PinDir::new()];
         let mut datapaths = [
             open_datapath(pins[0].path())?,
@@ -99,15 +140,23 @@ impl Lab {
             )?;
             let services = ipnet::IpNet::new(service_ip(0).into(), 24)?;
             datapath.upsert_service(services, ServiceKind::ClusterIpRange)?;
-            cluster
-                .node(at)
-                .ns()
-                .run(|| datapath.attach_uplink(UPLINK))??;
+            let mut uplinks = vec![cluster.pod_route_device()];
+            if world.is_some() && at == Side::A {
+                uplinks.push(WORLD_LINK);
+                datapath.upsert_endpoint(World::NODE_IP.into(), Endpoint::host())?;
+            }
+            for uplink in uplinks {
+                cluster
+                    .node(at)
+                    .ns()
+                    .run(|| datapath.attach_uplink(uplink))??;
+            }
             datapath.attach_sockets(&census_agent::bpf::find_cgroup2_root()?)?;
             kube_proxy::install(cluster.node(at).ns())?;
         }
         let mut lab = Self {
             cluster,
+            world,
             pods: created,
             datapaths,
             _pins: pins,
@@ -119,6 +168,13 @@ impl Lab {
         std::thread::sleep(SETTLE);
         lab.before = lab.totals()?;
         Ok(lab)
+    }
+
+    /// The world behind node A, in a lab shaped with one.
+    fn world(&self) -> Fallible<&World> {
+        self.world
+            .as_ref()
+            .ok_or_else(|| "a lab without a world".into())
     }
 
     fn pod(&self, identity: u32) -> Fallible<&Pod> {
@@ -188,8 +244,9 @@ const BACKEND: u32 = 1001;
 
 /// `COUNT` exchanges between a client pod on node A and a backend pod on
 /// `backend_side`, addressed directly: each way counted once, with both pods.
-fn direct_exchange_is_counted_once(backend_side: Side) -> TestResult {
-    let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
+/// Returns the lab, for what a row checks besides.
+fn direct_exchange_is_counted_once(shape: Shape, backend_side: Side) -> Fallible<Lab> {
+    let lab = Lab::with(shape, &[(Side::A, CLIENT), (backend_side, BACKEND)])?;
     let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
     let replies = udp_echo(
         &client.ns,
@@ -205,19 +262,19 @@ fn direct_exchange_is_counted_once(backend_side: Side) -> TestResult {
         lab.counts()?,
         each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
     );
-    Ok(())
+    Ok(lab)
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn a_request_and_its_reply_between_pods_of_one_node_are_counted_once() -> TestResult {
-    direct_exchange_is_counted_once(Side::A)
+    direct_exchange_is_counted_once(Shape::default(), Side::A).map(drop)
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn a_request_and_its_reply_across_nodes_are_counted_once() -> TestResult {
-    direct_exchange_is_counted_once(Side::B)
+    direct_exchange_is_counted_once(Shape::default(), Side::B).map(drop)
 }
 
 /// A ClusterIP Service whose one endpoint is `backend`.
@@ -228,6 +285,7 @@ fn cluster_ip(name: &str, n: u8, backend: &Pod) -> Service {
         protocol: Protocol::Udp,
         endpoints: vec![SocketAddrV4::new(backend.ipv4, TARGET_PORT)],
         masquerade_all: false,
+        node_port: None,
     }
 }
 
@@ -247,8 +305,13 @@ fn through(client: &Pod, service: &Service, backend: &Pod) -> Fallible<usize> {
 
 /// `COUNT` exchanges from a client pod on node A through a ClusterIP whose
 /// endpoint is a pod on `backend_side`: (client, backend) and (backend, client).
-fn service_exchange_is_counted_client_to_backend(backend_side: Side, n: u8) -> TestResult {
-    let lab = Lab::new(&[(Side::A, CLIENT), (backend_side, BACKEND)])?;
+/// Returns the lab, for what a row checks besides.
+fn service_exchange_is_counted_client_to_backend(
+    shape: Shape,
+    backend_side: Side,
+    n: u8,
+) -> Fallible<Lab> {
+    let lab = Lab::with(shape, &[(Side::A, CLIENT), (backend_side, BACKEND)])?;
     let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
     let service = cluster_ip(&format!("svc{n}"), n, backend);
     lab.add_service(&service)?;
@@ -257,19 +320,19 @@ fn service_exchange_is_counted_client_to_backend(backend_side: Side, n: u8) -> T
         lab.counts()?,
         each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
     );
-    Ok(())
+    Ok(lab)
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn a_service_request_to_a_pod_of_the_same_node_is_counted_client_to_backend() -> TestResult {
-    service_exchange_is_counted_client_to_backend(Side::A, 1)
+    service_exchange_is_counted_client_to_backend(Shape::default(), Side::A, 1).map(drop)
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn a_service_request_to_a_pod_of_another_node_is_counted_client_to_backend() -> TestResult {
-    service_exchange_is_counted_client_to_backend(Side::B, 2)
+    service_exchange_is_counted_client_to_backend(Shape::default(), Side::B, 2).map(drop)
 }
 
 /// `COUNT` exchanges between node `from`'s own socket and a pod on node A: the
