@@ -28,6 +28,22 @@
 //! every event sent, rate-limited); the row whose interface has no INTERFACES
 //! entry while its endpoint is LOCAL raises an event on every packet.
 //!
+//! The paths of the rule for Services (docs/design.md, "Counting traffic once")
+//! have rows too: a packet leaving a pod for a Service address (ENDPOINTS miss,
+//! SERVICES hit: marked, not counted), one for an address in neither map (counted
+//! as world), and a marked packet where it is counted: entering a pod (E) and
+//! leaving by an uplink (U), each clearing the mark. SERVICES holds a ClusterIP
+//! range per family (10.96.0.0/12, a /108) and 64 LoadBalancer addresses each; the
+//! Service and world peers are cycled through as the others are. A test run keeps
+//! its packet between runs, mark included: the first run of a marked packet clears
+//! the mark, and the other runs would measure the unmarked path. So the marked rows
+//! (and their floor and lookup) are measured one run per test run (`repeat` 1,
+//! `--repeat` / 100 test runs a round), each run with the mark set from the
+//! context; the kernel's timer around a single run adds its own cost to every
+//! figure of those rows alike, floor included. Every row of these paths checks
+//! STATS: each run marked, counted a marked packet, or marked nothing, as its path
+//! says.
+//!
 //! Needs root: run it with `cargo xtask bench-classifier`. Without root (as in
 //! `cargo bench --workspace`) it says so and exits successfully.
 //!
@@ -46,12 +62,16 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, ProgramArray},
+    maps::{
+        Array, HashMap, MapData, PerCpuArray, ProgramArray,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{ProgramFd, SchedClassifier, TestRun as _, TestRunOptions},
 };
 use census_common::{
-    ENDPOINTS_MAP, EndpointKey, EndpointValue, INTERFACES_MAP, InterfaceValue, PROGRAM_EGRESS,
-    PROGRAM_INGRESS, flags, interface_slot,
+    ENDPOINTS_MAP, EndpointKey, EndpointValue, INTERFACES_MAP, InterfaceValue, MARK_BIT_DEFAULT,
+    PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP, ServiceKey, flags,
+    interface_slot, service, stats,
 };
 use census_netlab::packet;
 
@@ -85,6 +105,20 @@ const V4_REMOTE: u32 = u32::from_be_bytes([10, 128, 0, 0]);
 const V6_LOCAL: u32 = 0x0100_0000;
 const V6_REMOTE: u32 = 0x8000_0000;
 const V6_PREFIX: [u16; 6] = [0x2001, 0xdb8, 0, 0, 0, 0];
+/// Service peers: in the ClusterIP ranges, never in ENDPOINTS (kubeadm's default
+/// 10.96.0.0/12; for IPv6 a /108, the longest prefix Kubernetes allows).
+const V4_SERVICE: u32 = u32::from_be_bytes([10, 96, 0, 0]);
+const V4_SERVICE_BITS: u8 = 12;
+const V6_SERVICE: u32 = 0x4000_0000;
+const V6_SERVICE_BITS: u8 = 108;
+/// World peers: in neither ENDPOINTS nor SERVICES.
+const V4_WORLD: u32 = u32::from_be_bytes([10, 192, 0, 0]);
+const V6_WORLD: u32 = 0xc000_0000;
+/// LoadBalancer addresses in SERVICES besides the ranges, per family (from
+/// 203.0.113.0 and 2001:db8:1::), so that the trie is not one node.
+const LOAD_BALANCERS: u32 = 64;
+/// A marked row's test runs per round are `--repeat` divided by this.
+const SINGLE_RUN_DIVISOR: u32 = 100;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Family {
@@ -96,12 +130,30 @@ enum Family {
 enum Peer {
     Local,
     Remote,
+    /// An address in a SERVICES range, in no ENDPOINTS entry.
+    Service,
+    /// An address in neither map.
+    World,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Hook {
     Ingress,
     Egress,
+    Uplink,
+}
+
+/// What STATS must show after a scenario's runs: the path taken.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    /// Not checked (the rows from before the Service paths).
+    Any,
+    /// Every run marked the packet (a Service address at ingress).
+    Marked,
+    /// Every run counted a marked packet and cleared the mark.
+    CountedMarked,
+    /// No run marked the packet.
+    NotMarked,
 }
 
 struct Scenario {
@@ -113,6 +165,10 @@ struct Scenario {
     from: u32,
     /// Whether the loopback has its INTERFACES entry.
     interface_entry: bool,
+    /// Whether the packet carries census's mark (set from the context, one run
+    /// per test run: the program clears it).
+    marked: bool,
+    path: Path,
     /// Judged against the target.
     judged: bool,
 }
@@ -154,7 +210,65 @@ fn scenarios() -> Vec<Scenario> {
                 peer,
                 from,
                 interface_entry: true,
+                marked: false,
+                path: Path::Any,
                 judged: true,
+            });
+        }
+        for (hook, peer, from, marked, path, what) in [
+            (
+                Hook::Ingress,
+                Peer::Service,
+                0,
+                false,
+                Path::Marked,
+                "ingress, to a Service address (marked, not counted)",
+            ),
+            (
+                Hook::Ingress,
+                Peer::World,
+                0,
+                false,
+                Path::NotMarked,
+                "ingress, to the world (counted)",
+            ),
+            (
+                Hook::Egress,
+                Peer::Local,
+                POD_A_INTERFACE,
+                true,
+                Path::CountedMarked,
+                "egress, marked, from a local pod (counted) [1 run/test run]",
+            ),
+            (
+                Hook::Uplink,
+                Peer::Remote,
+                POD_A_INTERFACE,
+                true,
+                Path::CountedMarked,
+                "uplink, marked, to a remote pod (counted) [1 run/test run]",
+            ),
+            (
+                Hook::Uplink,
+                Peer::Remote,
+                POD_A_INTERFACE,
+                false,
+                Path::NotMarked,
+                "uplink, not marked (skipped: counted leaving its pod)",
+            ),
+        ] {
+            all.push(Scenario {
+                name: format!("{v} {what}"),
+                hook,
+                family,
+                peer,
+                from,
+                interface_entry: true,
+                marked,
+                path,
+                // One run per test run: the timer's own cost is in the floor too,
+                // which makes the ratio smaller; not judged against the target.
+                judged: !marked,
             });
         }
     }
@@ -165,6 +279,8 @@ fn scenarios() -> Vec<Scenario> {
         peer: Peer::Local,
         from: 0,
         interface_entry: false,
+        marked: false,
+        path: Path::Any,
         judged: false,
     });
     all
@@ -238,7 +354,7 @@ impl Census {
             .map_max_entries(ENDPOINTS_MAP, CLUSTER_ENTRIES)
             .override_global("AYA_LOG_LEVEL", &log_level, true)
             .load(object)?;
-        for name in [PROGRAM_INGRESS, PROGRAM_EGRESS] {
+        for name in [PROGRAM_INGRESS, PROGRAM_EGRESS, PROGRAM_UPLINK] {
             let program: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .ok_or_else(|| format!("no program {name}"))?
@@ -251,6 +367,49 @@ impl Census {
     fn endpoints(&mut self) -> Fallible<HashMap<&mut MapData, EndpointKey, EndpointValue>> {
         let map = self.ebpf.map_mut(ENDPOINTS_MAP).ok_or("no ENDPOINTS")?;
         Ok(HashMap::try_from(map)?)
+    }
+
+    /// SERVICES as the agent writes it: each family's ClusterIP range and
+    /// [`LOAD_BALANCERS`] LoadBalancer addresses.
+    fn fill_services(&mut self) -> Fallible<()> {
+        let map = self.ebpf.map_mut(SERVICES_MAP).ok_or("no SERVICES")?;
+        let mut services: LpmTrie<&mut MapData, EndpointKey, u32> = LpmTrie::try_from(map)?;
+        let mut insert = |ip: IpAddr, bits: u8, kind: u32| {
+            let key = ServiceKey::range(EndpointKey::from(ip), bits);
+            services.insert(&Key::new(key.prefix_len, key.address), kind, 0)
+        };
+        insert(
+            peer_ip(Family::V4, V4_SERVICE),
+            V4_SERVICE_BITS,
+            service::CLUSTER_IP_RANGE,
+        )?;
+        insert(
+            peer_ip(Family::V6, V6_SERVICE),
+            V6_SERVICE_BITS,
+            service::CLUSTER_IP_RANGE,
+        )?;
+        for i in 0..LOAD_BALANCERS {
+            let v4 = u32::from_be_bytes([203, 0, 113, 0]) + i;
+            insert(Ipv4Addr::from(v4).into(), 32, service::LOAD_BALANCER_IP)?;
+            let v6 = Ipv6Addr::from((0x2001_0db8_0001_u128 << 80) | u128::from(i));
+            insert(v6.into(), 128, service::LOAD_BALANCER_IP)?;
+        }
+        Ok(())
+    }
+
+    /// STATS' `index`, summed over CPUs.
+    fn stat(&self, index: u32) -> Fallible<u64> {
+        let map = self.ebpf.map(STATS_MAP).ok_or("no STATS")?;
+        let stats: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(map)?;
+        Ok(stats.get(&index, 0)?.iter().sum())
+    }
+
+    /// (packets marked, marked packets counted), from STATS.
+    fn marks(&self) -> Fallible<(u64, u64)> {
+        Ok((
+            self.stat(stats::SERVICE_MARKED)?,
+            self.stat(stats::MARKED_COUNTED)?,
+        ))
     }
 
     fn set_interface(&mut self, ifindex: u32, identity: Option<u32>) -> Fallible<()> {
@@ -268,6 +427,7 @@ impl Census {
         let name = match hook {
             Hook::Ingress => PROGRAM_INGRESS,
             Hook::Egress => PROGRAM_EGRESS,
+            Hook::Uplink => PROGRAM_UPLINK,
         };
         Ok(self
             .ebpf
@@ -325,7 +485,7 @@ impl Bench {
     /// The program looking up the peer's address in `scenario`'s packets.
     fn lookup(hook: Hook) -> &'static str {
         match hook {
-            Hook::Ingress => "bench_lookup_dst",
+            Hook::Ingress | Hook::Uplink => "bench_lookup_dst",
             Hook::Egress => "bench_lookup_src",
         }
     }
@@ -333,9 +493,9 @@ impl Bench {
     /// The cycler of the peer's address in `scenario`'s packets.
     fn cycler(hook: Hook, family: Family) -> &'static str {
         match (hook, family) {
-            (Hook::Ingress, Family::V4) => "bench_cycle_v4_dst",
+            (Hook::Ingress | Hook::Uplink, Family::V4) => "bench_cycle_v4_dst",
             (Hook::Egress, Family::V4) => "bench_cycle_v4_src",
-            (Hook::Ingress, Family::V6) => "bench_cycle_v6_dst",
+            (Hook::Ingress | Hook::Uplink, Family::V6) => "bench_cycle_v6_dst",
             (Hook::Egress, Family::V6) => "bench_cycle_v6_src",
         }
     }
@@ -375,6 +535,10 @@ fn first_word(family: Family, peer: Peer) -> u32 {
         (Family::V4, Peer::Remote) => V4_REMOTE,
         (Family::V6, Peer::Local) => V6_LOCAL,
         (Family::V6, Peer::Remote) => V6_REMOTE,
+        (Family::V4, Peer::Service) => V4_SERVICE,
+        (Family::V6, Peer::Service) => V6_SERVICE,
+        (Family::V4, Peer::World) => V4_WORLD,
+        (Family::V6, Peer::World) => V6_WORLD,
     }
 }
 
@@ -382,7 +546,8 @@ fn first_word(family: Family, peer: Peer) -> u32 {
 /// (first word, count).
 fn peers_of(entries: u32, family: Family, peer: Peer) -> (u32, u32) {
     // A quarter of the map per (family, kind), the remainder to the first ones:
-    // at 110 entries, 28, 28, 27 and 27.
+    // at 110 entries, 28, 28, 27 and 27. Service and world peers are in no map:
+    // as many of them as of local peers, like for like.
     let kind = u32::from(family == Family::V6) * 2 + u32::from(peer == Peer::Remote);
     let count = entries / 4 + u32::from(kind < entries % 4);
     (first_word(family, peer), count)
@@ -396,13 +561,10 @@ fn fill(
     already: u32,
 ) -> Fallible<()> {
     for family in [Family::V4, Family::V6] {
-        for peer in [Peer::Local, Peer::Remote] {
+        // Service and world peers are in no ENDPOINTS entry.
+        for (peer, flags) in [(Peer::Local, flags::LOCAL), (Peer::Remote, flags::REMOTE)] {
             let (first, count) = peers_of(entries, family, peer);
             let (_, done) = peers_of(already, family, peer);
-            let flags = match peer {
-                Peer::Local => flags::LOCAL,
-                Peer::Remote => flags::REMOTE,
-            };
             for i in done..count {
                 let value = EndpointValue {
                     identity: 256 + i % IDENTITY_POOL,
@@ -417,44 +579,111 @@ fn fill(
     Ok(())
 }
 
-fn context(ingress_ifindex: u32) -> [u8; 44] {
-    // `struct __sk_buff` (uapi, stable): ingress_ifindex at 36, ifindex at 40.
+fn context(ingress_ifindex: u32, mark: u32) -> [u8; 44] {
+    // `struct __sk_buff` (uapi, stable): mark at 8, ingress_ifindex at 36,
+    // ifindex at 40.
     let mut ctx = [0; 44];
+    ctx[8..12].copy_from_slice(&mark.to_ne_bytes());
     ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
     ctx[40..].copy_from_slice(&LOOPBACK.to_ne_bytes());
     ctx
 }
 
-/// The median of `rounds` kernel-reported means of `repeat` runs of `program`.
+/// How a measurement runs its program.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Runs {
+    /// `repeat` runs in one test run (the kernel's mean).
+    Repeated,
+    /// One run per test run, `repeat` / [`SINGLE_RUN_DIVISOR`] test runs (their
+    /// mean): each run gets the context's mark afresh.
+    Single,
+}
+
+/// The median of `rounds` means of `repeat` runs of `program`, and how many
+/// runs it made in all (warm-up included).
 fn measure(
     program: &SchedClassifier,
     frame: &[u8],
     ctx: &[u8],
     options: &Options,
     warm_up: u32,
-) -> Fallible<Duration> {
-    let run = |repeat| {
-        program.test_run(TestRunOptions {
+    runs: Runs,
+) -> Fallible<(Duration, u64)> {
+    let run = |repeat| -> Fallible<Duration> {
+        let result = program.test_run(TestRunOptions {
             data_in: Some(frame),
             ctx_in: Some(ctx),
             repeat,
             ..TestRunOptions::default()
-        })
-    };
-    // Every peer seen once: their FLOWS pairs exist, as in steady state.
-    run(warm_up.max(1_000))?;
-    let mut means = Vec::with_capacity(options.rounds);
-    for _ in 0..options.rounds {
-        let result = run(options.repeat)?;
+        })?;
         if result.return_value.cast_signed() != -1 {
             return Err(
                 format!("returned {} instead of TC_ACT_UNSPEC", result.return_value).into(),
             );
         }
-        means.push(result.duration);
+        Ok(result.duration)
+    };
+    // Every peer seen once: their FLOWS pairs exist, as in steady state.
+    let warm_up = warm_up.max(1_000);
+    let mut total = 0;
+    let mut means = Vec::with_capacity(options.rounds);
+    match runs {
+        Runs::Repeated => {
+            run(warm_up)?;
+            total += u64::from(warm_up);
+            for _ in 0..options.rounds {
+                means.push(run(options.repeat)?);
+                total += u64::from(options.repeat);
+            }
+        }
+        Runs::Single => {
+            for _ in 0..warm_up {
+                run(1)?;
+            }
+            total += u64::from(warm_up);
+            let calls = (options.repeat / SINGLE_RUN_DIVISOR).max(1);
+            for _ in 0..options.rounds {
+                let mut sum = Duration::ZERO;
+                for _ in 0..calls {
+                    sum += run(1)?;
+                }
+                means.push(sum / calls);
+                total += u64::from(calls);
+            }
+        }
     }
     means.sort();
-    Ok(means.get(means.len() / 2).copied().unwrap_or_default())
+    Ok((
+        means.get(means.len() / 2).copied().unwrap_or_default(),
+        total,
+    ))
+}
+
+/// Checks that `runs` runs of `scenario` took its path: STATS' marks went from
+/// `before` to `after`.
+fn check_path(
+    scenario: &Scenario,
+    runs: u64,
+    before: (u64, u64),
+    after: (u64, u64),
+) -> Fallible<()> {
+    let (marked, counted) = (after.0 - before.0, after.1 - before.1);
+    let took = match scenario.path {
+        Path::Any => true,
+        Path::Marked => marked == runs && counted == 0,
+        Path::CountedMarked => counted == runs && marked == 0,
+        Path::NotMarked => marked == 0 && counted == 0,
+    };
+    if took {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {runs} runs marked {marked} packets and counted {counted} marked ones: not the \
+             path {:?}",
+            scenario.name, scenario.path
+        )
+        .into())
+    }
 }
 
 struct Row {
@@ -477,7 +706,8 @@ fn run(objects: &Objects) -> Fallible<()> {
     let pod_a4: IpAddr = "198.18.1.2".parse()?;
     let pod_a6: IpAddr = "2001:2:0:1::2".parse()?;
     let remote_seed: IpAddr = "198.19.0.1".parse()?;
-    let remote_seed6: IpAddr = "2001:3::1".parse()?;
+    // In the peers' prefix: the cyclers rewrite only the address's last word.
+    let remote_seed6 = peer_ip(Family::V6, 1);
 
     println!(
         "census classifier, BPF_PROG_TEST_RUN ({} runs x {} rounds, median); no attachment is \
@@ -486,12 +716,13 @@ fn run(objects: &Objects) -> Fallible<()> {
     );
     let empty = bench.program("bench_empty")?;
     let frame4 = packet::udp_frame(pod_a4, remote_seed, 64).ok_or("frame")?;
-    let empty_ns = measure(empty, &frame4, &context(0), &options, 0)?;
+    let (empty_ns, _) = measure(empty, &frame4, &context(0, 0), &options, 0, Runs::Repeated)?;
     println!("empty TC program: {} ns/packet", empty_ns.as_nanos());
 
     let mut worst: Option<(f64, f64, String)> = None;
     for (log_name, log_level) in [("off", 0u8), ("on (debug)", aya_log::Level::Debug as u8)] {
         let mut census = Census::load(&census_object, log_level)?;
+        census.fill_services()?;
         let mut rows = Vec::new();
         let mut filled = 0;
         for entries in [NODE_ENTRIES, CLUSTER_ENTRIES] {
@@ -509,13 +740,13 @@ fn run(objects: &Objects) -> Fallible<()> {
                 };
                 census.set_interface(POD_A_INTERFACE, Some(POD_A))?;
                 let local = match scenario.hook {
-                    Hook::Ingress => POD_A,
+                    Hook::Ingress | Hook::Uplink => POD_A,
                     Hook::Egress => POD_B,
                 };
                 census.set_interface(LOOPBACK, scenario.interface_entry.then_some(local))?;
                 let (src, dst) = match (scenario.hook, scenario.family) {
-                    (Hook::Ingress, Family::V4) => (pod_a4, remote_seed),
-                    (Hook::Ingress, Family::V6) => (pod_a6, remote_seed6),
+                    (Hook::Ingress | Hook::Uplink, Family::V4) => (pod_a4, remote_seed),
+                    (Hook::Ingress | Hook::Uplink, Family::V6) => (pod_a6, remote_seed6),
                     (Hook::Egress, Family::V4) => (remote_seed, pod_a4),
                     (Hook::Egress, Family::V6) => (remote_seed6, pod_a6),
                 };
@@ -524,25 +755,40 @@ fn run(objects: &Objects) -> Fallible<()> {
                     // The local side is looked up by address: make it a LOCAL endpoint.
                     let local_ip = peer_ip(scenario.family, first);
                     frame = match scenario.hook {
-                        Hook::Ingress => packet::udp_frame(local_ip, dst, 64),
+                        Hook::Ingress | Hook::Uplink => packet::udp_frame(local_ip, dst, 64),
                         Hook::Egress => packet::udp_frame(src, local_ip, 64),
                     }
                     .ok_or("frame")?;
                 }
-                let ctx = context(scenario.from);
+                let mark = if scenario.marked { MARK_BIT_DEFAULT } else { 0 };
+                let runs = if scenario.marked {
+                    Runs::Single
+                } else {
+                    Runs::Repeated
+                };
+                let ctx = context(scenario.from, mark);
                 let cycler = Bench::cycler(scenario.hook, scenario.family);
                 let classifier = census.program(scenario.hook)?.fd()?.try_clone()?;
                 bench.aim(&classifier, peers, first)?;
-                let measured = measure(bench.program(cycler)?, &frame, &ctx, &options, peers * 2)?;
+                let marks = census.marks()?;
+                let (measured, made) = measure(
+                    bench.program(cycler)?,
+                    &frame,
+                    &ctx,
+                    &options,
+                    peers * 2,
+                    runs,
+                )?;
+                check_path(&scenario, made, marks, census.marks()?)?;
                 let empty = bench.program("bench_empty")?.fd()?.try_clone()?;
                 bench.aim(&empty, peers, first)?;
-                let floor = measure(bench.program(cycler)?, &frame, &ctx, &options, 0)?;
+                let (floor, _) = measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?;
                 let lookup = bench
                     .program(Bench::lookup(scenario.hook))?
                     .fd()?
                     .try_clone()?;
                 bench.aim(&lookup, peers, first)?;
-                let lookup = measure(bench.program(cycler)?, &frame, &ctx, &options, 0)?;
+                let (lookup, _) = measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?;
                 rows.push(Row {
                     name: scenario.name,
                     entries,

@@ -7,7 +7,10 @@
 //! and prints ns/packet for IPv4 and IPv6, local and remote peers, ENDPOINTS at 110
 //! and 524,288 entries, with at least 10,000 peers cycled through, each as a ratio
 //! to the floor (the peer cycler and an empty TC program) measured in the same
-//! run, with the datapath log off and on; then the kernel memory of ENDPOINTS (not
+//! run, with the datapath log off and on; the paths of Service traffic among them
+//! (a packet to a Service address, marked at ingress; one to the world; a marked
+//! packet counted at a pod's egress and at an uplink; an unmarked one skipped at
+//! the uplink), each checked against STATS; then the kernel memory of ENDPOINTS (not
 //! preallocated) empty and with 550,000 entries (the map's fdinfo `memlock`), and
 //! the rate of ENDPOINTS writes from userspace.
 

@@ -10,8 +10,14 @@
 //! It sends a little traffic between the pods, and from a pod to the other node's
 //! pod, and prints the identities (from the
 //! operator, over gRPC) and the per-identity-pair counters (from the kernel's FLOWS
-//! map, through the agent), then removes everything: processes, pins, namespaces,
-//! files, also on Ctrl-C or failure.
+//! map, through the agent). Then a Service: the operator is started with a
+//! `--service-cidr`, which reaches the agent's SERVICES map, and the node namespace
+//! has kube-proxy's iptables rules for a ClusterIP whose backend is `db-0`
+//! ([`census_netlab::kube_proxy`]); `web-1` exchanges datagrams with the ClusterIP,
+//! and the demo prints what that exchange added to FLOWS: the requests as (web, db)
+//! and the replies as (db, web), after kube-proxy's DNAT, not (web, world) (see
+//! docs/design.md, "Counting traffic once"). Then it removes everything: processes,
+//! pins, namespaces, files, also on Ctrl-C or failure.
 //!
 //! Without root it says so and runs what needs none: an operator, a session, a few
 //! identities allocated and reported over gRPC.
@@ -19,7 +25,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{
@@ -31,7 +37,11 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use census_netlab::{ChildGuard, Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp};
+use census_netlab::{
+    ChildGuard, Lab, Netns, Pod, UdpReceiver, UdpSender, exchange_udp,
+    kube_proxy::{self, Protocol, Service, service_ip},
+    udp_echo_through,
+};
 use census_proto::{
     PROTOCOL_VERSION,
     pb::{
@@ -53,6 +63,19 @@ const OPERATOR_PORT: u16 = 9460;
 const OPERATOR_ADMIN_PORT: u16 = 9461;
 const AGENT_ADMIN_PORT: u16 = 9462;
 const NODE: &str = "demo-node";
+/// The demo's Service range (`--service-cidr`): the ClusterIPs of netlab's
+/// kube-proxy rules, in 198.18.0.0/15 like everything else the demo addresses.
+const SERVICE_RANGE_BITS: u8 = 24;
+/// The ClusterIP's last octet, its port, and the port its backend listens on.
+const SERVICE_HOST: u8 = 10;
+const SERVICE_PORT: u16 = 8053;
+const TARGET_PORT: u16 = 5353;
+/// The Service's client and backend (indices into [`PODS`]), and the exchanges.
+const SERVICE_CLIENT: usize = 1;
+const SERVICE_BACKEND: usize = 2;
+const SERVICE_EXCHANGES: usize = 6;
+/// The reserved identity of addresses no endpoint lists.
+const WORLD: u32 = 2;
 
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub(crate) struct Options {
@@ -340,7 +363,9 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
             .arg(dir.path().join("census.redb"))
             .args(["--snapshot-interval", "5s"])
             // A new store in a demo: no agent has identities to re-report first.
-            .args(["--adoption-window", "0s"]),
+            .args(["--adoption-window", "0s"])
+            // No cluster to list ServiceCIDRs from: the range is given.
+            .args(["--service-cidr", &service_range()]),
     )?;
     wait_until(interrupted, Duration::from_secs(20), "the operator", || {
         if let Some(exit) = operator.exited() {
@@ -389,6 +414,54 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         },
     )?;
     print_endpoints(&listed);
+
+    step("Service addresses: the operator's --service-cidr in the agent's SERVICES map");
+    let mut services = Vec::new();
+    wait_until(
+        interrupted,
+        Duration::from_secs(20),
+        "the Service range in SERVICES",
+        || {
+            let output = Command::new(cli_bin)
+                .arg("--bpffs")
+                .arg(&pins.dir)
+                .args(["bpf", "services", "list", "-o", "json"])
+                .output()?;
+            if !output.status.success() {
+                return Ok(false);
+            }
+            let listed: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+            services = listed.as_array().cloned().unwrap_or_default();
+            Ok(services
+                .iter()
+                .any(|s| s["range"].as_str() == Some(service_range().as_str())))
+        },
+    )?;
+    say("    census bpf services list:");
+    for service in &services {
+        say(&format!(
+            "    {:<18} {}",
+            service["range"].as_str().unwrap_or("?"),
+            service["kind"].as_str().unwrap_or("?")
+        ));
+    }
+    let service = Service {
+        name: "db".to_owned(),
+        address: SocketAddrV4::new(service_ip(SERVICE_HOST), SERVICE_PORT),
+        protocol: Protocol::Udp,
+        endpoints: vec![SocketAddrV4::new(
+            pods[SERVICE_BACKEND].pod.ipv4,
+            TARGET_PORT,
+        )],
+        masquerade_all: false,
+    };
+    kube_proxy::install(lab.node()).context("installing kube-proxy's chains")?;
+    kube_proxy::add(lab.node(), &service).context("adding the Service's rules")?;
+    say(&format!(
+        "    a ClusterIP, as kube-proxy's iptables mode makes it in the node namespace: \
+         {} (udp) -> {} {}",
+        service.address, pods[SERVICE_BACKEND].name, service.endpoints[0]
+    ));
 
     step("a second node, over gRPC: Hello with its address, Allocate, a Snapshot of one pod");
     let remote = remote::RemoteNode::start(&lab.node().path(), OPERATOR_PORT, certs.clone())?;
@@ -504,37 +577,74 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     let names: BTreeMap<u32, String> = identities
         .iter()
         .map(|i| (i.id, short_name(&i.labels)))
-        .chain([(1, "host".to_owned()), (2, "world".to_owned())])
+        .chain([(1, "host".to_owned()), (WORLD, "world".to_owned())])
         .collect();
-    let (status, body) = http_get(lab.node(), AGENT_ADMIN_PORT, "/v1/flows")?;
-    if status != 200 {
-        bail!("GET /v1/flows: {status}: {body}");
-    }
-    let flows: serde_json::Value = serde_json::from_str(&body)?;
-    say(&format!(
-        "    {:<18} {:<18} {:>8} {:>8}",
-        "source", "destination", "packets", "bytes"
-    ));
-    for flow in flows["flows"].as_array().into_iter().flatten() {
-        let name = |key: &str| {
-            let id = flow[key]
-                .as_u64()
-                .and_then(|i| u32::try_from(i).ok())
-                .unwrap_or(0);
-            format!("{id} {}", names.get(&id).map_or("?", String::as_str))
-        };
-        say(&format!(
-            "    {:<18} {:<18} {:>8} {:>8}",
-            name("src_identity"),
-            name("dst_identity"),
-            flow["packets"].to_string(),
-            flow["bytes"].to_string()
-        ));
-    }
+    let before = flows(lab.node())?;
+    print_flows(&names, &before);
     say("    (each packet counted once, on the host side of the sender's veth; api is the");
     say("     other node's pod, known from the cluster-wide endpoint map. `host` is the");
     say("     node's own addresses; `world` is any address no endpoint lists: here IPv6");
     say("     neighbour discovery between link-local and multicast addresses)");
+
+    let (client, backend) = (&pods[SERVICE_CLIENT], &pods[SERVICE_BACKEND]);
+    step(&format!(
+        "through the Service: {} -> {} (ClusterIP) -> {} {}, and back",
+        client.name, service.address, backend.name, service.endpoints[0]
+    ));
+    check(interrupted)?;
+    let replies = udp_echo_through(
+        &client.pod.ns,
+        IpAddr::V4(client.pod.ipv4),
+        SocketAddr::V4(service.address),
+        &backend.pod.ns,
+        SocketAddr::V4(service.endpoints[0]),
+        SERVICE_EXCHANGES,
+        100,
+        Duration::from_secs(1),
+    )?;
+    say(&format!(
+        "    {replies}/{SERVICE_EXCHANGES} requests answered (the replies come back from {}: \
+         conntrack reverses the DNAT)",
+        service.address
+    ));
+    let added = added_flows(&before, &flows(lab.node())?);
+    say("    what the exchange added to FLOWS:");
+    print_flows(&names, &added);
+    let identity_of = |pod: &DemoPod| {
+        listed["endpoints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"].as_str() == Some(pod.name))
+            .and_then(|e| e["identity"].as_u64())
+            .and_then(|id| u32::try_from(id).ok())
+            .with_context(|| format!("the agent lists no identity for {}", pod.name))
+    };
+    let (client_id, backend_id) = (identity_of(client)?, identity_of(backend)?);
+    let packets = |pair| added.get(&pair).map_or(0, |&(packets, _)| packets);
+    let (requests, answers, as_world) = (
+        packets((client_id, backend_id)),
+        packets((backend_id, client_id)),
+        packets((client_id, WORLD)),
+    );
+    let name = |id: u32| names.get(&id).map_or("?", String::as_str);
+    let (client_name, backend_name) = (name(client_id), name(backend_id));
+    let exchanged = u64::try_from(replies)?;
+    if requests != exchanged || answers != exchanged {
+        bail!(
+            "the Service exchange was not counted client to backend: {requests} requests as \
+             ({client_name}, {backend_name}) and {answers} replies as ({backend_name}, \
+             {client_name}), for {replies} exchanges"
+        );
+    }
+    say(&format!(
+        "    the {replies} requests were counted as ({client_name}, {backend_name}), client to \
+         backend: marked where they left {} (a Service\n     address is not counted there), \
+         counted on {}'s veth after the DNAT. The {replies} replies were counted as \
+         ({backend_name}, {client_name})\n     where they left {}; {} sees them from the \
+         ClusterIP and skips them. As ({client_name}, world): {as_world}.",
+        client.name, backend.name, backend.name, client.name
+    ));
 
     step("cleaning up: agent, pins, operator, namespaces, files");
     drop(remote);
@@ -572,6 +682,66 @@ fn endpoints_file(pods: &[DemoPod]) -> String {
         ));
     }
     text
+}
+
+/// `198.19.96.0/24`: the range of the demo's ClusterIPs.
+fn service_range() -> String {
+    format!("{}/{SERVICE_RANGE_BITS}", service_ip(0))
+}
+
+/// (source identity, destination identity) -> (packets, bytes).
+type Flows = BTreeMap<(u32, u32), (u64, u64)>;
+
+/// The kernel's FLOWS, through the agent's `/v1/flows` (summed over CPUs).
+fn flows(node: &Netns) -> anyhow::Result<Flows> {
+    let (status, body) = http_get(node, AGENT_ADMIN_PORT, "/v1/flows")?;
+    if status != 200 {
+        bail!("GET /v1/flows: {status}: {body}");
+    }
+    let listed: serde_json::Value = serde_json::from_str(&body)?;
+    let number = |flow: &serde_json::Value, key: &str| {
+        flow[key]
+            .as_u64()
+            .with_context(|| format!("a flow without {key}: {flow}"))
+    };
+    let mut flows = Flows::new();
+    for flow in listed["flows"].as_array().into_iter().flatten() {
+        let pair = (
+            u32::try_from(number(flow, "src_identity")?)?,
+            u32::try_from(number(flow, "dst_identity")?)?,
+        );
+        let sum = flows.entry(pair).or_default();
+        sum.0 += number(flow, "packets")?;
+        sum.1 += number(flow, "bytes")?;
+    }
+    Ok(flows)
+}
+
+/// What `after` counts beyond `before`, pair by pair (pairs that did not grow
+/// left out).
+fn added_flows(before: &Flows, after: &Flows) -> Flows {
+    after
+        .iter()
+        .filter_map(|(pair, &(packets, bytes))| {
+            let (p0, b0) = before.get(pair).copied().unwrap_or_default();
+            (packets > p0).then(|| (*pair, (packets - p0, bytes.saturating_sub(b0))))
+        })
+        .collect()
+}
+
+fn print_flows(names: &BTreeMap<u32, String>, flows: &Flows) {
+    say(&format!(
+        "    {:<18} {:<18} {:>8} {:>8}",
+        "source", "destination", "packets", "bytes"
+    ));
+    let name = |id: u32| format!("{id} {}", names.get(&id).map_or("?", String::as_str));
+    for (&(src, dst), (packets, bytes)) in flows {
+        say(&format!(
+            "    {:<18} {:<18} {packets:>8} {bytes:>8}",
+            name(src),
+            name(dst)
+        ));
+    }
 }
 
 fn print_endpoints(listed: &serde_json::Value) {
