@@ -454,6 +454,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
             TARGET_PORT,
         )],
         masquerade_all: false,
+        node_port: None,
     };
     kube_proxy::install(lab.node()).context("installing kube-proxy's chains")?;
     kube_proxy::add(lab.node(), &service).context("adding the Service's rules")?;
