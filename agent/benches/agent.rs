@@ -341,6 +341,7 @@ async fn latency(samples: usize) -> Fallible<()> {
         host_ips: HostIps::Fixed(Default::default()),
         reassert_order: false,
         endpoint_map: true,
+        node_hooks: None,
     };
     let source = FileSource::new(&file, Duration::from_secs(10))?;
     let agent = daemon::start(

@@ -279,4 +279,28 @@ impl DatapathPort for Discard {
     fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
         Ok(BTreeMap::new())
     }
+
+    fn default_uplinks(&self) -> Result<std::collections::BTreeSet<String>, bpf::Error> {
+        Ok(std::collections::BTreeSet::new())
+    }
+
+    fn attach_uplink(&mut self, _: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
+        Ok(bpf::AttachOutcome::Attached)
+    }
+
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(Vec::new())
+    }
+
+    fn find_cgroup2_root(&self) -> Result<std::path::PathBuf, bpf::Error> {
+        Ok(std::path::PathBuf::from("/sys/fs/cgroup"))
+    }
+
+    fn attach_sockets(&mut self, _: &std::path::Path) -> Result<bpf::AttachOutcome, bpf::Error> {
+        Ok(bpf::AttachOutcome::Attached)
+    }
+
+    fn sockets_attached(&self) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
 }

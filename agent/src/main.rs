@@ -14,7 +14,7 @@ use anyhow::{Context as _, bail};
 use census_agent::{
     bpf::{self, Datapath, Inspector},
     config::{AgentArgs, Cli, Command, DatapathArgs, SourceChoice, UninstallArgs},
-    daemon::{self, Options},
+    daemon::{self, NodeHooks, Options},
     host::HostIps,
     source::{
         EndpointSource, FileSource, PodSource,
@@ -132,9 +132,6 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         );
     })
     .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
-    let mut datapath = datapath;
-    attach_uplinks(&mut datapath, uplinks);
-    attach_sockets(&mut datapath, cgroup_root);
     let pinned = Inspector::open(&pin_dir)
         .with_context(|| format!("cannot open the maps pinned in {}", pin_dir.display()))?;
 
@@ -179,6 +176,11 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             host_ips: HostIps::Discover,
             reassert_order,
             endpoint_map: !no_endpoint_map,
+            // Attached as the agent starts, put back by every full pass.
+            node_hooks: Some(NodeHooks {
+                uplinks,
+                cgroup_root,
+            }),
         };
         let running = daemon::start(options, datapath, Some(pinned), source).await?;
         census_daemon::signal::shutdown().await;
@@ -222,55 +224,4 @@ fn host_name() -> anyhow::Result<NodeName> {
         .with_context(|| format!("reading the host name from {}", path.display()))?;
     let name = name.trim().to_lowercase();
     NodeName::new(&name).with_context(|| "the host name is not a valid node name: pass --node-name")
-}
-
-/// Attaches the uplink program to the devices given (`--uplink`), else to the
-/// node's default-route and tunnel devices. A device that cannot take it is
-/// reported and skipped: Service requests leaving the node by it go uncounted,
-/// everything else is counted as before.
-fn attach_uplinks(datapath: &mut Datapath, given: Vec<String>) {
-    let uplinks = if given.is_empty() {
-        match bpf::default_uplinks() {
-            Ok(found) => found.into_iter().collect(),
-            Err(error) => {
-                tracing::warn!(%error, "cannot list the node's uplinks: Service requests to other nodes go uncounted");
-                return;
-            }
-        }
-    } else {
-        given
-    };
-    for uplink in uplinks {
-        match datapath.attach_uplink(&uplink) {
-            Ok(outcome) => tracing::info!(uplink, ?outcome, "uplink attached"),
-            Err(error) => tracing::warn!(
-                uplink,
-                %error,
-                "cannot attach to this uplink: Service requests leaving by it go uncounted"
-            ),
-        }
-    }
-}
-
-/// Attaches the socket program at the root of the node's cgroup v2 hierarchy
-/// (`--cgroup-root`, else where it is found). Without it what the node's own
-/// sockets send to pods goes uncounted; everything else is counted as before.
-fn attach_sockets(datapath: &mut Datapath, given: Option<PathBuf>) {
-    let root = match given.map_or_else(bpf::find_cgroup2_root, Ok) {
-        Ok(root) => root,
-        Err(error) => {
-            tracing::warn!(%error, "what the node's own sockets send to pods goes uncounted");
-            return;
-        }
-    };
-    match datapath.attach_sockets(&root) {
-        Ok(outcome) => {
-            tracing::info!(cgroup = %root.display(), ?outcome, "socket program attached");
-        }
-        Err(error) => tracing::warn!(
-            cgroup = %root.display(),
-            %error,
-            "cannot attach at the node's root cgroup: what the node's own sockets send to pods goes uncounted"
-        ),
-    }
 }

@@ -260,6 +260,7 @@ async fn endpoint_list_reads_what_the_agents_admin_port_serves() -> TestResult {
             },
         ],
         source: None,
+        datapath: None,
         extra: Extra::new(),
     };
     let version = VersionResponse {

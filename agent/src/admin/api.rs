@@ -37,8 +37,63 @@ pub struct EndpointsResponse {
     /// Where the endpoints come from, and whether its last read failed.
     #[serde(default)]
     pub source: Option<SourceStatus>,
+    /// The node's hooks and the cluster's Service addresses (`null` from an
+    /// agent before layout 5).
+    #[serde(default)]
+    pub datapath: Option<DatapathStatus>,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+/// The datapath beyond the endpoints' entries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatapathStatus {
+    /// The node's own hooks (an uplink's, the node's sockets') that the last full
+    /// pass could not attach; empty when every one is in place.
+    #[serde(default)]
+    pub missing_hooks: Vec<MissingHookStatus>,
+    pub services: ServicesStatus,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// A hook of the node that is not attached.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MissingHookStatus {
+    /// `uplink eth0`, `uplinks` (none could be listed), `sockets /sys/fs/cgroup`.
+    pub hook: String,
+    /// Why the last full pass could not attach it.
+    pub error: String,
+    /// What goes uncounted meanwhile.
+    pub uncounted: String,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// The cluster's Service addresses: what the operator last sent and what the
+/// SERVICES map holds, as ranges per kind. They differ for a moment after a
+/// change, and while SERVICES cannot be written (the agent's log says why).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServicesStatus {
+    /// The operator's last set; `null` until one came (SERVICES keeps what a
+    /// previous run wrote until then).
+    #[serde(default)]
+    pub operator: Option<ServiceCounts>,
+    /// What SERVICES holds; `null` if it could not be read (`error` says why).
+    #[serde(default)]
+    pub map: Option<ServiceCounts>,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// Ranges per kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceCounts {
+    pub cluster_ip_range: u64,
+    pub load_balancer_ip: u64,
+    pub external_ip: u64,
 }
 
 /// The EndpointSync stream.
@@ -176,6 +231,25 @@ mod tests {
                 error: Some("line 3: bad label".into()),
                 extra: Extra::new(),
             }),
+            datapath: Some(DatapathStatus {
+                missing_hooks: vec![MissingHookStatus {
+                    hook: "uplink vxlan0".into(),
+                    error: "interface vxlan0 does not exist".into(),
+                    uncounted: "Service requests leaving the node by it go uncounted".into(),
+                    extra: Extra::new(),
+                }],
+                services: ServicesStatus {
+                    operator: Some(ServiceCounts {
+                        cluster_ip_range: 2,
+                        load_balancer_ip: 1,
+                        external_ip: 0,
+                    }),
+                    map: None,
+                    error: Some("SERVICES: permission denied".into()),
+                    extra: Extra::new(),
+                },
+                extra: Extra::new(),
+            }),
             extra: Extra::new(),
         }
     }
@@ -195,7 +269,12 @@ mod tests {
                 r#""interface":"vethweb0","identity":null,"labels":["k8s:app=web"],"#,
                 r#""state":"waiting_for_identity","error":null}],"#,
                 r#""source":{"source":"file /etc/census/endpoints.yaml","synced":true,"#,
-                r#""error":"line 3: bad label"}}"#,
+                r#""error":"line 3: bad label"},"#,
+                r#""datapath":{"missing_hooks":[{"hook":"uplink vxlan0","#,
+                r#""error":"interface vxlan0 does not exist","#,
+                r#""uncounted":"Service requests leaving the node by it go uncounted"}],"#,
+                r#""services":{"operator":{"cluster_ip_range":2,"load_balancer_ip":1,"external_ip":0},"#,
+                r#""map":null,"error":"SERVICES: permission denied"}}}"#,
             )
         );
         let back: EndpointsResponse = serde_json::from_value(serde_json::to_value(&response)?)?;
@@ -250,6 +329,7 @@ mod tests {
         });
         let read: EndpointsResponse = serde_json::from_value(older)?;
         assert_eq!(read.source, None);
+        assert_eq!(read.datapath, None);
         assert_eq!(read.operator.error, None);
         let endpoint = &read.endpoints[0];
         assert_eq!(endpoint.identity, None);

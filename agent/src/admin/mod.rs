@@ -1,6 +1,6 @@
 //! The agent's admin HTTP port: `/metrics`, `/healthz`, `/readyz`, the JSON API
-//! the `census` CLI reads (`/v1/endpoints`, `/v1/version`, `/v1/flows`; see
-//! [`api`]), and `/debug/pprof/heap` (a heap profile with `--heap-profiling`).
+//! the `census` CLI reads (`/v1/endpoints`, with the datapath's missing hooks and
+//! Service ranges; `/v1/version`, `/v1/flows`; see [`api`]), and `/debug/pprof/heap` (a heap profile with `--heap-profiling`).
 //! It is unauthenticated and listens on loopback by default (the CLI runs on the
 //! node); `--health-listen` adds a listener with only `/healthz`, `/readyz` and
 //! `/metrics` ([`health_router`]) for the kubelet's probes and Prometheus, which
@@ -9,8 +9,9 @@
 //! The agent is Ready once its datapath is loaded and its endpoint source has given
 //! a first full set. It stays Ready while the operator is away (fail-static) and
 //! while the source's input is broken (the last good set stays in force), and
-//! while the cluster-wide endpoint map is away (its remote entries stay in force);
-//! `/readyz` says each in its detail.
+//! while the cluster-wide endpoint map is away (its remote entries stay in force),
+//! and while one of the node's own hooks (an uplink's, the sockets') cannot be
+//! attached (only what it alone counts is lost); `/readyz` says each in its detail.
 
 pub mod api;
 
@@ -30,8 +31,8 @@ use tokio::{
 };
 
 use crate::{
-    bpf::Inspector,
-    core::{EndpointState, EndpointView, MapState, MapStatus, Status},
+    bpf::{Inspector, ServiceKind},
+    core::{EndpointState, EndpointView, MapState, MapStatus, ServiceCounts, Status},
 };
 
 /// A question for the core, answered on its task.
@@ -138,6 +139,12 @@ async fn readyz(State(state): State<AdminState>) -> Response {
             p.interface, p.direction, p.program, p.program_id
         ));
     }
+    for hook in &core.missing_hooks {
+        datapath.push_str(&format!(
+            "datapath: {} is not attached ({}): {}\n",
+            hook.hook, hook.error, hook.uncounted
+        ));
+    }
     if core.unattached > 0 {
         datapath.push_str(&format!(
             "datapath: {} endpoints without census's classifier (counted where their traffic goes)\n",
@@ -207,7 +214,9 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
         Ok(Err(_)) => return unavailable("the agent is stopping"),
         Err(_) => return unavailable("the agent's core did not answer in time"),
     };
+    let pinned = pinned_services(state.maps.clone()).await;
     let core = state.status.borrow().clone();
+    let datapath = datapath_status(&core, pinned);
     let sync = core.operator;
     Json(api::EndpointsResponse {
         node: state.node.clone(),
@@ -230,9 +239,73 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
             error: core.source_error.map(|f| f.detail),
             extra: api::Extra::new(),
         }),
+        datapath: Some(datapath),
         extra: api::Extra::new(),
     })
     .into_response()
+}
+
+/// SERVICES' ranges per kind, read from the pins now; `None` without pinned
+/// maps (an in-memory datapath), else the count or why it cannot be read.
+async fn pinned_services(
+    maps: Option<Arc<Inspector>>,
+) -> Option<Result<api::ServiceCounts, String>> {
+    let maps = maps?;
+    let read = tokio::task::spawn_blocking(move || maps.services()).await;
+    Some(match read {
+        Ok(Ok(services)) => {
+            let mut counts = api::ServiceCounts::default();
+            for kind in services.values() {
+                let count = match kind {
+                    ServiceKind::ClusterIpRange => &mut counts.cluster_ip_range,
+                    ServiceKind::LoadBalancerIp => &mut counts.load_balancer_ip,
+                    ServiceKind::ExternalIp => &mut counts.external_ip,
+                };
+                *count += 1;
+            }
+            Ok(counts)
+        }
+        Ok(Err(error)) => Err(format!("reading SERVICES failed: {error}")),
+        Err(_) => Err("reading SERVICES was interrupted".to_owned()),
+    })
+}
+
+fn datapath_status(
+    core: &Status,
+    pinned: Option<Result<api::ServiceCounts, String>>,
+) -> api::DatapathStatus {
+    let counts = |c: ServiceCounts| api::ServiceCounts {
+        cluster_ip_range: c.cluster_ip_range,
+        load_balancer_ip: c.load_balancer_ip,
+        external_ip: c.external_ip,
+    };
+    let (map, error) = match pinned {
+        Some(Ok(map)) => (Some(map), None),
+        Some(Err(error)) => (None, Some(error)),
+        None => (
+            None,
+            Some("this agent has no pinned SERVICES map to read".to_owned()),
+        ),
+    };
+    api::DatapathStatus {
+        missing_hooks: core
+            .missing_hooks
+            .iter()
+            .map(|hook| api::MissingHookStatus {
+                hook: hook.hook.clone(),
+                error: hook.error.clone(),
+                uncounted: hook.uncounted.to_owned(),
+                extra: api::Extra::new(),
+            })
+            .collect(),
+        services: api::ServicesStatus {
+            operator: core.services.map(counts),
+            map,
+            error,
+            extra: api::Extra::new(),
+        },
+        extra: api::Extra::new(),
+    }
 }
 
 async fn version() -> Json<api::VersionResponse> {

@@ -177,7 +177,7 @@ pub(super) fn read_all(map: &ServicesMap) -> Result<BTreeMap<IpNet, ServiceKind>
 
 impl Datapath {
     /// Writes (creates or replaces) the entry of `range` (host bits ignored).
-    /// [`Error::MapFull`] when SERVICES holds its maximum and `range` has no entry
+    /// [`Error::ServicesFull`] when SERVICES holds its maximum and `range` has no entry
     /// yet (nothing changes).
     pub fn upsert_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), Error> {
         self.services

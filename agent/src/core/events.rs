@@ -112,6 +112,34 @@ pub(crate) struct DatapathHealth {
     pub(crate) error: Option<DatapathError>,
     /// Programs that run before census's classifier.
     pub(crate) in_front: Vec<ProgramInFront>,
+    /// The node's own hooks that are not attached.
+    pub(crate) missing: Vec<MissingHook>,
+}
+
+/// One of the node's own hooks (an uplink's, the node's sockets') that is not
+/// attached: what it alone counts goes uncounted until a full pass attaches it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct MissingHook {
+    /// `uplink eth0`, `uplinks` (none could be listed), `sockets /sys/fs/cgroup`.
+    pub(crate) hook: String,
+    /// Why it is not attached.
+    pub(crate) error: String,
+    /// What goes uncounted meanwhile.
+    pub(crate) uncounted: &'static str,
+}
+
+impl MissingHook {
+    pub(crate) fn new(
+        hook: String,
+        error: &dyn std::fmt::Display,
+        uncounted: &'static str,
+    ) -> Self {
+        Self {
+            hook,
+            error: error.to_string(),
+            uncounted,
+        }
+    }
 }
 
 /// A program attached in front of census's classifier: a verdict it returns

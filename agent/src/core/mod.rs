@@ -68,14 +68,14 @@ pub(crate) use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, R
 pub(crate) use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
 pub(crate) use events::{
     AllocationEvent, DatapathHealth, LabelSettings, MapBatch, MapEntry, MapEvent, MapNode,
-    OperatorEvent, ProgramInFront, Reconciled, Verdict, VerdictScope,
+    MissingHook, OperatorEvent, ProgramInFront, Reconciled, Verdict, VerdictScope,
 };
 pub(crate) use identities::{AllocationId, AllocationRequest};
 use identities::{IdentityCache, Lookup, Release};
 use remote::RemoteMap;
 pub(crate) use remote::{MapApplied, NodeEntry};
 pub(crate) use status::{
-    EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, Status,
+    EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, ServiceCounts, Status,
 };
 
 use crate::source::{HostInterface, SourceEndpoint, SourceEvent, SourceFailure};
@@ -910,6 +910,11 @@ impl Core {
             unattached: self.unattached() as u64,
             datapath_error: self.health.error.as_ref().map(ToString::to_string),
             in_front: self.health.in_front.clone(),
+            missing_hooks: self.health.missing.clone(),
+            services: self
+                .services
+                .known
+                .then(|| ServiceCounts::of(&self.services.set)),
             operator: self.operator_link.clone(),
             map,
         }

@@ -119,3 +119,37 @@ fn changes_merge_as_the_later_one() {
         [(net("10.96.0.0/12"), None)]
     );
 }
+
+#[test]
+fn the_status_counts_the_operators_last_set_per_kind_and_none_before_it() {
+    let pinned = set(&[("10.96.0.0/12", CLUSTER)]);
+    let mut core = Core::new(HashMap::new()).with_services(pinned);
+    assert_eq!(
+        core.status().services,
+        None,
+        "a previous run's are not the operator's"
+    );
+    core.on_operator(OperatorEvent::Services(set(&[
+        ("10.96.0.0/12", CLUSTER),
+        ("fd00:10:96::/108", CLUSTER),
+        ("203.0.113.7/32", LB),
+    ])));
+    assert_eq!(
+        core.status().services,
+        Some(ServiceCounts {
+            cluster_ip_range: 2,
+            load_balancer_ip: 1,
+            external_ip: 0,
+        })
+    );
+    core.on_map(batch(Some(set(&[("198.51.100.9/32", EXTERNAL)]))));
+    assert_eq!(
+        core.status().services,
+        Some(ServiceCounts {
+            cluster_ip_range: 0,
+            load_balancer_ip: 0,
+            external_ip: 1,
+        }),
+        "the latest set, not a sum"
+    );
+}

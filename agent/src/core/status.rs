@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 
 use census_proto::{
-    domain::{EndpointKey, IdentityId},
+    domain::{EndpointKey, IdentityId, ServiceKind, ServiceSet},
     labels::LabelSet,
 };
 
@@ -51,9 +51,43 @@ pub(crate) struct Status {
     pub(crate) datapath_error: Option<String>,
     /// Programs that run in front of census's classifier.
     pub(crate) in_front: Vec<super::ProgramInFront>,
+    /// The node's own hooks (uplinks, sockets) that are not attached: the agent
+    /// stays Ready, and says so.
+    pub(crate) missing_hooks: Vec<super::MissingHook>,
+    /// The operator's last set of Service addresses, as ranges per kind; `None`
+    /// until one came.
+    pub(crate) services: Option<ServiceCounts>,
     pub(crate) operator: OperatorLink,
     /// The cluster-wide endpoint map.
     pub(crate) map: MapStatus,
+}
+
+/// Service ranges per kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ServiceCounts {
+    pub(crate) cluster_ip_range: u64,
+    pub(crate) load_balancer_ip: u64,
+    pub(crate) external_ip: u64,
+}
+
+impl ServiceCounts {
+    /// The ranges of `set`, per kind.
+    pub(crate) fn of(set: &ServiceSet) -> Self {
+        let mut counts = Self::default();
+        for (_, kind) in set.iter() {
+            counts.add(kind);
+        }
+        counts
+    }
+
+    pub(crate) fn add(&mut self, kind: ServiceKind) {
+        let count = match kind {
+            ServiceKind::ClusterIpRange => &mut self.cluster_ip_range,
+            ServiceKind::LoadBalancerIp => &mut self.load_balancer_ip,
+            ServiceKind::ExternalIp => &mut self.external_ip,
+        };
+        *count += 1;
+    }
 }
 
 /// Where the EndpointMap watch stands, as its client reports it.

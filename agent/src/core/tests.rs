@@ -631,6 +631,7 @@ fn the_datapath_health_of_a_full_pass_is_the_status() {
                 program: "cni_policy".to_owned(),
                 program_id: 7,
             }],
+            missing: Vec::new(),
         }),
         ..Reconciled::default()
     });

@@ -64,7 +64,12 @@ pub struct Options {
     pub reassert_order: bool,
     /// Watch the operator's cluster-wide endpoint map (off: local-only).
     pub endpoint_map: bool,
+    /// Where the node's own hooks (uplinks, sockets) go, attached at start and
+    /// put back by every full pass; `None`: this agent attaches none.
+    pub node_hooks: Option<NodeHooks>,
 }
+
+pub use crate::reconcile::NodeHooks;
 
 /// How long an operator without EndpointMap is left alone before it is asked again.
 const UNSUPPORTED_RETRY: Duration = Duration::from_secs(600);
@@ -123,7 +128,7 @@ impl Running {
 )]
 pub async fn start<M>(
     options: Options,
-    maps: M,
+    mut maps: M,
     pinned: Option<Inspector>,
     source: Box<dyn EndpointSource>,
 ) -> Result<Running, StartError>
@@ -143,6 +148,7 @@ where
         host_ips,
         reassert_order,
         endpoint_map,
+        node_hooks,
     } = options;
     let channel = operator_channel(&operator, &operator_auth)?;
     let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
@@ -246,9 +252,15 @@ where
         drop((map_tx, map_link_tx));
     }
 
+    let mut reconciler = Reconciler::new(metrics.clone())
+        .reassert_order(reassert_order)
+        .node_hooks(node_hooks);
+    // At once, not at the first full pass: what is missing is logged now, and
+    // reported by every full pass until it is attached.
+    reconciler.repair_node_hooks(&mut maps);
     let wiring = Wiring {
         core,
-        reconciler: Reconciler::new(metrics.clone()).reassert_order(reassert_order),
+        reconciler,
         maps,
         allocate: AllocateClient::new(
             channel,

@@ -51,6 +51,19 @@ async fn agent_on(
     maps: Arc<Mutex<FakeMaps>>,
     endpoint_map: bool,
 ) -> Fallible<Agent> {
+    agent_with(node, host, dir, operator, maps, endpoint_map, None).await
+}
+
+/// [`agent_on`], attaching the node's own hooks as `node_hooks` says.
+async fn agent_with(
+    node: &str,
+    host: &str,
+    dir: &Path,
+    operator: SocketAddr,
+    maps: Arc<Mutex<FakeMaps>>,
+    endpoint_map: bool,
+    node_hooks: Option<NodeHooks>,
+) -> Fallible<Agent> {
     let options = Options {
         node: NodeName::new(node)?,
         operator: format!("http://{operator}"),
@@ -64,6 +77,7 @@ async fn agent_on(
         host_ips: HostIps::Fixed([host.parse()?].into()),
         reassert_order: false,
         endpoint_map,
+        node_hooks,
     };
     let source = FileSource::new(dir.join("endpoints.yaml"), Duration::from_millis(200))?;
     let running = start(options, maps.clone(), None, Box::new(source)).await?;
@@ -457,6 +471,7 @@ async fn the_health_listener_serves_probes_and_metrics_only_and_both_formats_lin
         host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
         reassert_order: false,
         endpoint_map: true,
+        node_hooks: None,
     };
     let source = FileSource::new(
         dir.path().join("endpoints.yaml"),
@@ -700,4 +715,100 @@ async fn the_operators_service_addresses_become_services() -> TestResult {
     mapped.running.shut_down().await;
     local.running.shut_down().await;
     op.shut_down().await
+}
+
+/// The node's own hooks are attached at start and put back by the full pass: a
+/// tunnel device that appears later gets the uplink program, a socket link
+/// removed under the agent comes back. While one is missing the agent stays
+/// Ready and `/readyz` and `/v1/endpoints` say which and why.
+#[tokio::test]
+async fn missing_node_hooks_are_attached_by_the_full_pass_and_reported_meanwhile() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
+    write(dir.path(), FOUR)?;
+    let maps = fake_maps();
+    {
+        let mut maps = maps.lock();
+        maps.cgroup2_root = Some("/sys/fs/cgroup".into());
+        // Listed as an uplink, but not there yet.
+        maps.default_uplinks.insert("vxlan0".to_owned());
+    }
+    let hooks = NodeHooks::default();
+    let agent = agent_with(
+        "n1",
+        "198.18.0.1",
+        dir.path(),
+        op.grpc_addr,
+        maps.clone(),
+        true,
+        Some(hooks),
+    )
+    .await?;
+    let admin = agent.running.admin_addr;
+    until_some(WAIT, || all_programmed(admin, 4))
+        .await
+        .ok_or("programmed")?;
+    assert_eq!(
+        maps.lock().sockets.as_deref(),
+        Some(Path::new("/sys/fs/cgroup")),
+        "the socket program attached at start"
+    );
+    let (status, readyz) = until_some(WAIT, || async {
+        get(admin, "/readyz")
+            .await
+            .ok()
+            .filter(|(_, body)| body.contains("uplink vxlan0"))
+    })
+    .await
+    .ok_or(format!(
+        "readyz names the missing uplink: {:?}",
+        get(admin, "/readyz").await?
+    ))?;
+    assert_eq!(status, 200, "still ready: {readyz}");
+    assert!(
+        readyz.contains("datapath: uplink vxlan0 is not attached (interface vxlan0")
+            && readyz.contains("Service requests leaving the node by it go uncounted"),
+        "{readyz}"
+    );
+    let listed = endpoints_api(admin).await?;
+    let datapath = listed.datapath.ok_or("no datapath status")?;
+    assert_eq!(datapath.missing_hooks.len(), 1, "{datapath:?}");
+    assert_eq!(datapath.missing_hooks[0].hook, "uplink vxlan0");
+
+    // The device appears: the next full pass attaches it, and the report goes.
+    maps.lock().interfaces.insert("vxlan0".to_owned());
+    until_some(WAIT, || async {
+        get(admin, "/readyz")
+            .await
+            .ok()
+            .filter(|(_, body)| !body.contains("uplink vxlan0"))
+    })
+    .await
+    .ok_or("the uplink attached")?;
+    assert!(
+        matches!(
+            maps.lock().uplink_links.get("vxlan0"),
+            Some(bpf::AttachmentState::Attached { .. })
+        ),
+        "{:?}",
+        maps.lock().uplink_links
+    );
+    assert_eq!(
+        maps.lock().uplink_attaches,
+        1,
+        "attached once, then left alone"
+    );
+
+    // The socket program's link removed under the agent: attached again.
+    maps.lock().sockets = None;
+    until_some(WAIT, || async {
+        maps.lock().sockets.is_some().then_some(())
+    })
+    .await
+    .ok_or("the socket program attached again")?;
+    assert_eq!(maps.lock().sockets_attaches, 2);
+
+    agent.running.shut_down().await;
+    op.shut_down().await?;
+    Ok(())
 }

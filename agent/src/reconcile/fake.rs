@@ -44,6 +44,17 @@ pub(crate) struct FakeMaps {
     pub(crate) service_writes: usize,
     /// Why SERVICES refuses writes, while it does.
     pub(crate) services_refuse: Option<&'static str>,
+    /// The devices a default route leaves by, and the tunnel devices.
+    pub(crate) default_uplinks: BTreeSet<String>,
+    /// Uplink program links, by device. Attaching needs the device in
+    /// `interfaces`.
+    pub(crate) uplink_links: BTreeMap<String, AttachmentState>,
+    pub(crate) uplink_attaches: usize,
+    /// Where the node's cgroup v2 hierarchy is (`None`: not found).
+    pub(crate) cgroup2_root: Option<PathBuf>,
+    /// The cgroup the socket program's link is attached at.
+    pub(crate) sockets: Option<PathBuf>,
+    pub(crate) sockets_attaches: usize,
 }
 
 impl FakeMaps {
@@ -257,6 +268,63 @@ impl DatapathPort for FakeMaps {
     fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
         Ok(self.services.clone())
     }
+
+    fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error> {
+        Ok(self.default_uplinks.clone())
+    }
+
+    fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
+        if !self.interfaces.contains(interface) {
+            return Err(bpf::Error::InterfaceNotFound {
+                name: interface.to_owned(),
+                source: nix::Error::ENODEV,
+            });
+        }
+        self.uplink_attaches += 1;
+        let ifindex = self.ifindex(interface);
+        let before = self
+            .uplink_links
+            .insert(interface.to_owned(), AttachmentState::Attached { ifindex });
+        Ok(match before {
+            Some(AttachmentState::Attached { .. }) => bpf::AttachOutcome::Adopted,
+            Some(_) => bpf::AttachOutcome::ReplacedStale,
+            None => bpf::AttachOutcome::Attached,
+        })
+    }
+
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(self
+            .uplink_links
+            .iter()
+            .map(|(interface, state)| Link {
+                interface: interface.clone(),
+                state: *state,
+            })
+            .collect())
+    }
+
+    fn find_cgroup2_root(&self) -> Result<PathBuf, bpf::Error> {
+        self.cgroup2_root
+            .clone()
+            .ok_or_else(|| bpf::Error::NoCgroup2 {
+                looked_in: "/sys/fs/cgroup".to_owned(),
+            })
+    }
+
+    fn attach_sockets(&mut self, cgroup: &Path) -> Result<bpf::AttachOutcome, bpf::Error> {
+        if self.cgroup2_root.as_deref() != Some(cgroup) {
+            return Err(bpf::Error::NotCgroup2 {
+                path: cgroup.to_owned(),
+            });
+        }
+        self.sockets_attaches += 1;
+        self.sockets = Some(cgroup.to_owned());
+        Ok(bpf::AttachOutcome::Attached)
+    }
+
+    fn sockets_attached(&self) -> Result<bool, bpf::Error> {
+        Ok(self.sockets.is_some())
+    }
 }
 
 impl FakeMaps {
@@ -354,5 +422,29 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
         self.lock().read_services()
+    }
+
+    fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error> {
+        self.lock().default_uplinks()
+    }
+
+    fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
+        self.lock().attach_uplink(interface)
+    }
+
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
+        self.lock().uplinks()
+    }
+
+    fn find_cgroup2_root(&self) -> Result<PathBuf, bpf::Error> {
+        self.lock().find_cgroup2_root()
+    }
+
+    fn attach_sockets(&mut self, cgroup: &Path) -> Result<bpf::AttachOutcome, bpf::Error> {
+        self.lock().attach_sockets(cgroup)
+    }
+
+    fn sockets_attached(&self) -> Result<bool, bpf::Error> {
+        self.lock().sockets_attached()
     }
 }

@@ -27,7 +27,8 @@
 //! The full pass first puts back the pins if they were removed under the agent
 //! (`census-agent uninstall`), and reports the datapath broken while it cannot;
 //! it also looks for programs attached in front of census's and reports them
-//! (and, if asked, attaches census first again).
+//! (and, if asked, attaches census first again), and puts the node's own hooks
+//! (uplinks, sockets) back where they are missing ([`node_hooks`]).
 //!
 //! SERVICES (the cluster's Service addresses) is written range by range as the
 //! operator's set changes, only where it differs from what this agent wrote; the
@@ -42,19 +43,21 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
     num::NonZeroU16,
+    path::{Path, PathBuf},
 };
 
 use census_proto::domain::{IdentityId, ServiceKind, ServiceSet};
 use ipnet::IpNet;
 use tracing::{debug, info, warn};
 
+pub use node_hooks::NodeHooks;
 use written::Written;
 
 use crate::{
     bpf::{self, AttachmentState, Datapath, interface_slot},
     core::{
-        DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, NodeEntry,
-        ProgramInFront, Reconciled,
+        DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, MissingHook,
+        NodeEntry, ProgramInFront, Reconciled,
     },
     metrics::{MapLabels, Metrics},
 };
@@ -213,6 +216,19 @@ pub(crate) trait DatapathPort {
     fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error>;
     /// Every SERVICES entry census writes, by range.
     fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error>;
+    /// The devices packets leave the node by, as [`bpf::default_uplinks`] finds them.
+    fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error>;
+    /// Attaches (or adopts the pinned link of) the uplink program on `interface`.
+    fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error>;
+    /// The pinned links of the uplink program, one per device.
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error>;
+    /// The root of the node's cgroup v2 hierarchy, as [`bpf::find_cgroup2_root`]
+    /// finds it.
+    fn find_cgroup2_root(&self) -> Result<PathBuf, bpf::Error>;
+    /// Attaches (or adopts the pinned link of) the socket program at `cgroup`.
+    fn attach_sockets(&mut self, cgroup: &Path) -> Result<bpf::AttachOutcome, bpf::Error>;
+    /// Whether the socket program's link is pinned and attached.
+    fn sockets_attached(&self) -> Result<bool, bpf::Error>;
 }
 
 impl DatapathPort for Datapath {
@@ -314,6 +330,36 @@ impl DatapathPort for Datapath {
     fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
         self.services()
     }
+
+    fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error> {
+        bpf::default_uplinks()
+    }
+
+    fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
+        Datapath::attach_uplink(self, interface)
+    }
+
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(Datapath::uplinks(self)?
+            .into_iter()
+            .map(|a| Link {
+                interface: a.interface,
+                state: a.state,
+            })
+            .collect())
+    }
+
+    fn find_cgroup2_root(&self) -> Result<PathBuf, bpf::Error> {
+        bpf::find_cgroup2_root()
+    }
+
+    fn attach_sockets(&mut self, cgroup: &Path) -> Result<bpf::AttachOutcome, bpf::Error> {
+        Datapath::attach_sockets(self, cgroup)
+    }
+
+    fn sockets_attached(&self) -> Result<bool, bpf::Error> {
+        Datapath::sockets_attached(self)
+    }
 }
 
 /// What one full pass did.
@@ -338,6 +384,8 @@ pub(crate) struct PassReport {
     pub(crate) repinned: bool,
     /// Programs found in front of census's.
     pub(crate) in_front: Vec<ProgramInFront>,
+    /// The node's own hooks still not attached after the pass.
+    pub(crate) missing_hooks: Vec<MissingHook>,
 }
 
 /// What this agent believes the datapath holds, and applies changes to it.
@@ -358,6 +406,10 @@ pub(crate) struct Reconciler {
     warned_in_front: BTreeSet<ProgramInFront>,
     /// Attach census first again when another program is found in front of it.
     reassert_order: bool,
+    /// Where the node's own hooks go; `None`: this agent attaches none.
+    node_hooks: Option<NodeHooks>,
+    /// Missing node hooks already warned about.
+    warned_missing: BTreeSet<MissingHook>,
     metrics: Metrics,
 }
 
@@ -563,6 +615,7 @@ impl Reconciler {
         let health = DatapathHealth {
             error: report.datapath_error.map(DatapathError::new),
             in_front: report.in_front,
+            missing: report.missing_hooks,
         };
         self.reconciled(
             desired.entries.keys().copied().collect(),
@@ -777,6 +830,7 @@ impl Reconciler {
         }
         self.repair_services(maps, desired, &mut report);
         self.repair_links(maps, desired, prune, &mut report);
+        report.missing_hooks = self.repair_node_hooks(maps);
         self.check_order(maps, desired, &mut report);
         self.repair_interfaces(maps, desired, prune, &mut report);
         report
@@ -1237,6 +1291,7 @@ impl Reconciler {
     }
 }
 
+mod node_hooks;
 mod written;
 
 #[cfg(test)]

@@ -12,7 +12,8 @@ use super::{
     DB, LOCAL, WEB, counted_once, endpoints_by_bpftool,
     harness::{ADMIN_PORT, World, endpoint_entry, wait_for},
     support::{
-        PinDir, TestResult, assert_one_census_program_per_hook, attach_mode, hook_programs, tc_mode,
+        PinDir, TestResult, assert_one_census_program_per_hook, attach_mode, bpftool,
+        hook_programs, tc_mode,
     },
 };
 
@@ -328,4 +329,89 @@ fn tc(world: &World, args: &[&str]) -> TestResult {
         )
         .into())
     }
+}
+
+/// The node's own hooks are the agent's to keep, not only to attach at start: a
+/// VXLAN device created in the node after the agent started gets the uplink
+/// program within a reconcile interval or so (the agent finds its uplinks again
+/// on every full pass), and the socket program's link, removed under the agent,
+/// is attached and pinned again.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn uplinks_and_the_socket_program_are_put_back_by_the_full_pass() -> TestResult {
+    let mut world = World::new()?;
+    let a = world.lab.add_pod()?;
+    world.write_endpoints(&endpoint_entry("web-0", &a, WEB))?;
+    world.start_operator()?;
+    world.start_agent()?;
+    world.wait_programmed(&["web-0"])?;
+    let sockets = world.pins.join("links").join("sockets");
+    let sockets_link = || -> super::Fallible<Option<serde_json::Value>> {
+        if !sockets.exists() {
+            return Ok(None);
+        }
+        Ok(Some(bpftool(
+            None,
+            &["link", "show", "pinned", super::path_str(&sockets)?],
+        )?))
+    };
+    let first = sockets_link()?.ok_or("the socket program's link is pinned at start")?;
+    assert_eq!(first["type"], "cgroup", "{first}");
+
+    // A tunnel device made after the agent started (a CNI's VXLAN device).
+    let node = world.lab.node();
+    node.ip(&[
+        "link",
+        "add",
+        "vx0",
+        "type",
+        "vxlan",
+        "id",
+        "42",
+        "dstport",
+        "4789",
+        "local",
+        "198.19.250.1",
+    ])?;
+    node.ip(&["link", "set", "vx0", "up"])?;
+    wait_for(
+        Duration::from_secs(10),
+        "census_uplink on vx0's egress",
+        || {
+            let hooks = hook_programs(&world.lab, "vx0")?;
+            Ok(hooks.iter().any(|(hook, programs)| {
+                hook == "egress" && programs.iter().any(|p| p == "census_uplink")
+            }))
+        },
+    )?;
+    let hooks = hook_programs(&world.lab, "vx0")?;
+    for (hook, programs) in &hooks {
+        let census: Vec<&String> = programs
+            .iter()
+            .filter(|p| p.starts_with("census"))
+            .collect();
+        match hook.as_str() {
+            "egress" => assert_eq!(census, ["census_uplink"], "once: {hooks:?}"),
+            _ => assert!(census.is_empty(), "{hooks:?}"),
+        }
+    }
+
+    // The socket link's pin removed: the link goes with it, and comes back.
+    std::fs::remove_file(&sockets)?;
+    wait_for(
+        Duration::from_secs(10),
+        "the socket program attached again",
+        || Ok(sockets_link()?.is_some()),
+    )?;
+    let again = sockets_link()?.ok_or("pinned again")?;
+    assert_eq!(again["type"], "cgroup", "{again}");
+    assert_ne!(again["id"], first["id"], "a new link: {first} then {again}");
+    let (status, readyz) = world.http_get(ADMIN_PORT, "/readyz")?;
+    assert_eq!(status, 200, "{readyz}");
+    assert!(
+        !readyz.contains("is not attached"),
+        "nothing missing: {readyz}"
+    );
+    world.pass();
+    Ok(())
 }

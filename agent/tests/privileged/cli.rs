@@ -14,7 +14,7 @@ use std::{
     process::Command,
 };
 
-use census_agent::bpf::{Datapath, Endpoint, Interface, LAYOUT_VERSION};
+use census_agent::bpf::{Datapath, Endpoint, Interface, LAYOUT_VERSION, ServiceKind};
 use census_netlab::Lab;
 use cli_support::{Operator, cli_session, hello};
 use serde_json::Value;
@@ -349,6 +349,103 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             &bpffs,
         ],
     )?;
+    Ok(())
+}
+
+/// SERVICES per bpftool, from its bytes: range -> kind (key: prefix length u32
+/// counting the family's 32 bits, family u32, 16 bytes of address; value u32).
+fn bpftool_services(pins: &PinDir) -> Fallible<BTreeMap<String, u32>> {
+    let dump = bpftool(
+        None,
+        &["map", "dump", "pinned", path_str(&pins.join("SERVICES"))?],
+    )?;
+    let mut services = BTreeMap::new();
+    for entry in dump.as_array().into_iter().flatten() {
+        let key = bytes(&entry["key"])?;
+        if key.len() != 24 {
+            return Err(format!("a SERVICES key of another shape: {entry}").into());
+        }
+        let bits = u32_at(&entry["key"], 0)?
+            .checked_sub(32)
+            .ok_or_else(|| format!("a prefix shorter than the family: {entry}"))?;
+        let ip: IpAddr = match u32_at(&entry["key"], 4)? {
+            4 => <[u8; 4]>::try_from(&key[8..12])?.into(),
+            6 => <[u8; 16]>::try_from(&key[8..24])?.into(),
+            family => return Err(format!("family {family} in {entry}").into()),
+        };
+        services.insert(format!("{ip}/{bits}"), u32_at(&entry["value"], 0)?);
+    }
+    Ok(services)
+}
+
+/// `census bpf services` reads what the datapath wrote into SERVICES, table and
+/// JSON, and agrees range by range with bpftool's dump, with the agent gone.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn census_bpf_services_agrees_with_bpftool() -> TestResult {
+    let pins = PinDir::new();
+    let bpffs = path_str(pins.path())?.to_owned();
+    let mut datapath = Datapath::open(pins.path())?;
+    let written = [
+        ("198.19.96.0/20", ServiceKind::ClusterIpRange),
+        ("fd00:10:96::/108", ServiceKind::ClusterIpRange),
+        ("198.18.200.7/32", ServiceKind::LoadBalancerIp),
+        ("2001:2:0:9::7/128", ServiceKind::ExternalIp),
+    ];
+    for (range, kind) in written {
+        datapath.upsert_service(range.parse()?, kind)?;
+    }
+    drop(datapath);
+
+    let listed = census_json(&["bpf", "services", "-o", "json", "--bpffs", &bpffs])?;
+    let listed: Vec<(String, String)> = listed
+        .as_array()
+        .ok_or("not an array")?
+        .iter()
+        .map(|entry| {
+            let field = |name: &str| {
+                entry[name]
+                    .as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| format!("no {name}: {entry}"))
+            };
+            Ok((field("range")?, field("kind")?))
+        })
+        .collect::<Fallible<_>>()?;
+    // IPv4 first, by address then prefix length.
+    let expected: Vec<(String, String)> = [
+        ("198.18.200.7/32", "load-balancer-ip"),
+        ("198.19.96.0/20", "cluster-ip-range"),
+        ("2001:2:0:9::7/128", "external-ip"),
+        ("fd00:10:96::/108", "cluster-ip-range"),
+    ]
+    .map(|(range, kind)| (range.to_owned(), kind.to_owned()))
+    .into();
+    assert_eq!(listed, expected);
+    let by_kind_value = |name: &str| match name {
+        "cluster-ip-range" => Ok(ServiceKind::ClusterIpRange.raw()),
+        "load-balancer-ip" => Ok(ServiceKind::LoadBalancerIp.raw()),
+        "external-ip" => Ok(ServiceKind::ExternalIp.raw()),
+        other => Err(format!("kind {other}")),
+    };
+    let as_raw: BTreeMap<String, u32> = listed
+        .iter()
+        .map(|(range, kind)| Ok((range.clone(), by_kind_value(kind)?)))
+        .collect::<Fallible<_>>()?;
+    assert_eq!(as_raw, bpftool_services(&pins)?, "census and bpftool agree");
+
+    let (code, table, stderr) = census(&["bpf", "services", "list", "--bpffs", &bpffs])?;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        table,
+        "\
+RANGE              KIND
+198.18.200.7/32    load-balancer-ip
+198.19.96.0/20     cluster-ip-range
+2001:2:0:9::7/128  external-ip
+fd00:10:96::/108   cluster-ip-range
+"
+    );
     Ok(())
 }
 

@@ -213,3 +213,59 @@ fn the_uplink_program_goes_only_where_packets_leave_the_node() -> TestResult {
     assert_eq!(ns.run(|| datapath.uplinks())??.len(), 0);
     Ok(())
 }
+
+/// SERVICES holds `SERVICES_MAX_ENTRIES` ranges: one more is refused as
+/// [`Error::ServicesFull`], naming the range and the capacity, and what the map
+/// holds is left as it was.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_full_services_map_refuses_the_next_range_and_keeps_what_it_holds() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = open_datapath(pins.path())?;
+    let capacity = census_common::SERVICES_MAX_ENTRIES;
+    // /32s from 198.18.0.0/15, which has room for twice the capacity.
+    let base = u32::from(std::net::Ipv4Addr::new(198, 18, 0, 0));
+    let range = |n: u32| IpNet::from(ipnet::Ipv4Net::from(std::net::Ipv4Addr::from(base + n)));
+    let started = std::time::Instant::now();
+    for n in 0..capacity {
+        datapath.upsert_service(range(n), ServiceKind::ExternalIp)?;
+    }
+    let filled = started.elapsed();
+    report(&format!(
+        "{capacity} SERVICES entries written one syscall each in {filled:?}"
+    ));
+    let before = datapath.services()?;
+    assert_eq!(before.len(), capacity as usize);
+
+    let one_more = range(capacity);
+    match datapath.upsert_service(one_more, ServiceKind::ClusterIpRange) {
+        Err(error @ Error::ServicesFull { max_entries, .. }) => {
+            assert_eq!(max_entries, capacity);
+            let message = error.to_string();
+            for needle in [
+                "SERVICES is full",
+                &format!("{capacity} entries"),
+                &format!("Service range {one_more} was not written"),
+            ] {
+                assert!(message.contains(needle), "{needle:?} in {message}");
+            }
+        }
+        other => return Err(format!("expected ServicesFull, got {other:?}").into()),
+    }
+    assert_eq!(datapath.services()?, before, "nothing stored changed");
+    let dumped = bpftool(
+        None,
+        &["map", "dump", "pinned", path_str(&pins.join("SERVICES"))?],
+    )?;
+    assert_eq!(
+        dumped.as_array().map(Vec::len),
+        Some(capacity as usize),
+        "bpftool sees the same count"
+    );
+    Ok(())
+}
+
+#[expect(clippy::print_stdout, reason = "the figure, for --nocapture")]
+fn report(line: &str) {
+    println!("services: {line}");
+}

@@ -16,17 +16,19 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr, SocketAddrV4, TcpStream},
     path::PathBuf,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use census_agent::{
-    admin::api::{EndpointState, EndpointsResponse},
+    admin::api::{EndpointState, EndpointsResponse, ServiceCounts},
     bpf::{Inspector, identity},
 };
-use census_netlab::{ChildGuard, Cluster, Pod, Side, udp_echo};
+use census_netlab::{
+    ChildGuard, Cluster, Pod, Side, UPLINK, kube_proxy, udp_echo, udp_echo_through,
+};
 use census_proto::{
     PROTOCOL_VERSION,
     pb::{self, identity_service_client::IdentityServiceClient},
@@ -114,6 +116,10 @@ struct TwoNodes {
     certs: LabCerts,
     starts: u32,
     passed: bool,
+    /// Added to the operator's command line.
+    operator_args: Vec<String>,
+    /// Added to each agent's command line.
+    agent_args: Vec<String>,
 }
 
 fn at(side: Side) -> usize {
@@ -148,6 +154,8 @@ impl TwoNodes {
             certs,
             starts: 0,
             passed: false,
+            operator_args: Vec::new(),
+            agent_args: Vec::new(),
         })
     }
 
@@ -204,6 +212,7 @@ impl TwoNodes {
             // A silent node keeps its view: only snapshots remove its entries here.
             .args(["--node-ttl", "120s", "--adoption-window", "1s"])
             .args(["--grace-period", "2s", "--tick-interval", "100ms"])
+            .args(&self.operator_args)
             .args(["--log", "info"])
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -237,6 +246,7 @@ impl TwoNodes {
                 "--reconnect-max-backoff",
                 "1s",
             ])
+            .args(&self.agent_args)
             .args(["--log", "info"])
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -568,7 +578,34 @@ fn counted_once_across_nodes(
     lab: &TwoNodes,
     client: &Pod,
     server: &Pod,
+    ids: (u32, u32),
+) -> TestResult {
+    for v6 in [false, true] {
+        exchange_counted_once(lab, ids, v6, "exchanges", || {
+            Ok(udp_echo(
+                &client.ns,
+                client.ip(v6),
+                &server.ns,
+                server.ip(v6),
+                COUNT,
+                PAYLOAD,
+                Duration::from_secs(1),
+            )?)
+        })?;
+    }
+    Ok(())
+}
+
+/// Runs `exchange` (`COUNT` request/reply exchanges of `PAYLOAD` bytes between
+/// the pods of identities `c` and `s`, IPv6 if `v6`) and checks the sum over both
+/// nodes' FLOWS: exactly `COUNT` each way, as (c, s) and (s, c), and nothing
+/// counted as `world`.
+fn exchange_counted_once(
+    lab: &TwoNodes,
     (c, s): (u32, u32),
+    v6: bool,
+    what: &str,
+    exchange: impl FnOnce() -> Fallible<usize>,
 ) -> TestResult {
     let world = identity::WORLD;
     let pairs = [
@@ -579,52 +616,40 @@ fn counted_once_across_nodes(
         (s, world),
         (world, c),
     ];
-    for v6 in [false, true] {
-        let before = lab.counters(&pairs)?;
-        let answered = udp_echo(
-            &client.ns,
-            client.ip(v6),
-            &server.ns,
-            server.ip(v6),
-            COUNT,
-            PAYLOAD,
-            Duration::from_secs(1),
-        )?;
-        assert_eq!(answered, COUNT, "every request answered (v6: {v6})");
-        let after = lab.counters(&pairs)?;
-        let delta: Vec<[(u64, u64); 2]> = after
-            .iter()
-            .zip(&before)
-            .map(|(after, before)| {
-                [0, 1].map(|n| (after[n].0 - before[n].0, after[n].1 - before[n].1))
-            })
-            .collect();
-        let sum = |pair: usize| {
-            let [a, b] = delta[pair];
-            (a.0 + b.0, a.1 + b.1)
-        };
-        let bytes = COUNT as u64 * frame_len(PAYLOAD, v6);
-        report(&format!(
-            "{COUNT} exchanges (v6: {v6}): ({c} -> {s}) A {:?} B {:?}; ({s} -> {c}) A {:?} B {:?}",
-            delta[0][0], delta[0][1], delta[1][0], delta[1][1]
-        ));
+    let before = lab.counters(&pairs)?;
+    let answered = exchange()?;
+    assert_eq!(answered, COUNT, "every request answered (v6: {v6})");
+    let after = lab.counters(&pairs)?;
+    let delta: Vec<[(u64, u64); 2]> = after
+        .iter()
+        .zip(&before)
+        .map(|(after, before)| [0, 1].map(|n| (after[n].0 - before[n].0, after[n].1 - before[n].1)))
+        .collect();
+    let sum = |pair: usize| {
+        let [a, b] = delta[pair];
+        (a.0 + b.0, a.1 + b.1)
+    };
+    let bytes = COUNT as u64 * frame_len(PAYLOAD, v6);
+    report(&format!(
+        "{COUNT} {what} (v6: {v6}): ({c} -> {s}) A {:?} B {:?}; ({s} -> {c}) A {:?} B {:?}",
+        delta[0][0], delta[0][1], delta[1][0], delta[1][1]
+    ));
+    assert_eq!(
+        sum(0),
+        (COUNT as u64, bytes),
+        "requests counted once in the cluster, as ({c}, {s}) (v6: {v6}): {delta:?}"
+    );
+    assert_eq!(
+        sum(1),
+        (COUNT as u64, bytes),
+        "replies counted once in the cluster, as ({s}, {c}) (v6: {v6}): {delta:?}"
+    );
+    for (pair, (src, dst)) in pairs.iter().enumerate().skip(2) {
         assert_eq!(
-            sum(0),
-            (COUNT as u64, bytes),
-            "requests counted once in the cluster, as ({c}, {s}) (v6: {v6}): {delta:?}"
+            sum(pair),
+            (0, 0),
+            "nothing counted as ({src}, {dst}): world (v6: {v6}): {delta:?}"
         );
-        assert_eq!(
-            sum(1),
-            (COUNT as u64, bytes),
-            "replies counted once in the cluster, as ({s}, {c}) (v6: {v6}): {delta:?}"
-        );
-        for (pair, (src, dst)) in pairs.iter().enumerate().skip(2) {
-            assert_eq!(
-                sum(pair),
-                (0, 0),
-                "nothing counted as ({src}, {dst}): world (v6: {v6}): {delta:?}"
-            );
-        }
     }
     Ok(())
 }
@@ -839,6 +864,120 @@ fn two_nodes_share_the_endpoint_map_and_count_each_packet_once() -> TestResult {
             .is_some_and(|node| node.name == NODE_A && node.addresses.contains(&a_uplink)),
         "node B's NODES names node A with its address {a_uplink}: {b_nodes:?}"
     );
+    lab.pass();
+    Ok(())
+}
+
+const CLIENT: &[(&str, &str)] = &[("app", "client")];
+const BACKEND: &[(&str, &str)] = &[("app", "backend")];
+/// The operator's `--service-cidr`: the lab's Service addresses.
+const SERVICE_CIDR: &str = "198.19.96.0/24";
+const SERVICE_PORT: u16 = 8053;
+const TARGET_PORT: u16 = 5353;
+
+/// Counting after NAT with real processes: the operator's `--service-cidr` reaches
+/// both agents, which write it into SERVICES and attach the uplink program
+/// (`--uplink`) and the socket program themselves; with kube-proxy's rules on both
+/// nodes, `COUNT` exchanges from a pod on node A through a ClusterIP to its
+/// backend on node B are counted (client, backend) once and (backend, client)
+/// once over both nodes' FLOWS, nothing as `world`.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_service_request_to_another_node_is_counted_once_with_the_agents_own_service_set_and_uplinks()
+-> TestResult {
+    let mut lab = TwoNodes::new()?;
+    lab.operator_args = vec!["--service-cidr".to_owned(), SERVICE_CIDR.to_owned()];
+    lab.agent_args = vec!["--uplink".to_owned(), UPLINK.to_owned()];
+    let client = lab.cluster.add_pod(Side::A)?;
+    let backend = lab.cluster.add_pod(Side::B)?;
+    lab.write_endpoints(Side::A, &endpoint_entry("client", &client, CLIENT))?;
+    lab.write_endpoints(Side::B, &endpoint_entry("backend", &backend, BACKEND))?;
+    let service = kube_proxy::Service {
+        name: "svc".to_owned(),
+        address: SocketAddrV4::new(kube_proxy::service_ip(1), SERVICE_PORT),
+        protocol: kube_proxy::Protocol::Udp,
+        endpoints: vec![SocketAddrV4::new(backend.ipv4, TARGET_PORT)],
+        masquerade_all: false,
+    };
+    for side in [Side::A, Side::B] {
+        let node = lab.cluster.node(side).ns();
+        kube_proxy::install(node)?;
+        kube_proxy::add(node, &service)?;
+    }
+    warm_up(&client, &backend)?;
+    lab.start_operator()?;
+    lab.start_agent(Side::A)?;
+    lab.start_agent(Side::B)?;
+    lab.wait_programmed(Side::A, &["client"])?;
+    lab.wait_programmed(Side::B, &["backend"])?;
+    let (client_id, backend_id) = (lab.lookup(CLIENT)?, lab.lookup(BACKEND)?);
+
+    // Operator -> agent -> SERVICES on both nodes, and nothing of the agent's own
+    // hooks missing (U on the uplink, S at the root cgroup).
+    let one_range = ServiceCounts {
+        cluster_ip_range: 1,
+        load_balancer_ip: 0,
+        external_ip: 0,
+    };
+    for side in [Side::A, Side::B] {
+        let datapath = wait_until(
+            &format!("{side:?}'s agent to hold the operator's Service range"),
+            || Ok(lab.agent_endpoints(side)?.datapath),
+            |datapath| {
+                datapath.as_ref().is_some_and(|d| {
+                    d.services.operator == Some(one_range)
+                        && d.services.map == Some(one_range)
+                        && d.missing_hooks.is_empty()
+                })
+            },
+        )?;
+        let path = lab.pins[at(side)].join("SERVICES");
+        let dumped = bpftool(None, &["map", "dump", "pinned", path_str(&path)?])?;
+        let entries = dumped.as_array().ok_or("not an array")?;
+        assert_eq!(entries.len(), 1, "{side:?}: {dumped}");
+        // prefix length (the family's 32 bits and the range's 24), IPv4, 198.19.96.0.
+        let key = bytes(&entries[0]["key"])?;
+        assert_eq!(
+            (
+                u32_at(&entries[0]["key"], 0)?,
+                u32_at(&entries[0]["key"], 4)?
+            ),
+            (32 + 24, 4),
+            "{side:?}: {dumped}"
+        );
+        assert_eq!(key.get(8..12), Some(&[198, 19, 96, 0][..]), "{dumped}");
+        report(&format!("{side:?}: {datapath:?}"));
+    }
+    // Each node knows the other's pod (the endpoint map).
+    wait_until(
+        "each node's map to hold the other node's pod",
+        || Ok((lab.endpoints(Side::A)?, lab.endpoints(Side::B)?)),
+        |(a, b)| {
+            a.get(&backend.ip(false))
+                .is_some_and(|e| e.identity == backend_id && e.flags & REMOTE != 0)
+                && b.get(&client.ip(false))
+                    .is_some_and(|e| e.identity == client_id && e.flags & REMOTE != 0)
+        },
+    )?;
+
+    exchange_counted_once(
+        &lab,
+        (client_id, backend_id),
+        false,
+        "exchanges through a ClusterIP",
+        || {
+            Ok(udp_echo_through(
+                &client.ns,
+                client.ip(false),
+                SocketAddr::V4(service.address),
+                &backend.ns,
+                SocketAddr::new(backend.ip(false), TARGET_PORT),
+                COUNT,
+                PAYLOAD,
+                Duration::from_secs(1),
+            )?)
+        },
+    )?;
     lab.pass();
     Ok(())
 }

@@ -5,7 +5,9 @@
 
 use std::time::SystemTime;
 
-use census_agent::admin::api::{EndpointState, EndpointsResponse, OperatorStatus, SourceStatus};
+use census_agent::admin::api::{
+    DatapathStatus, EndpointState, EndpointsResponse, OperatorStatus, ServiceCounts, SourceStatus,
+};
 use census_proto::pb;
 use clap::Subcommand;
 use serde::Serialize;
@@ -232,6 +234,42 @@ fn source_line(source: &SourceStatus) -> String {
     line
 }
 
+/// The datapath's lines: each hook of the node that is missing, then the
+/// Service ranges the operator sent and those SERVICES holds.
+fn datapath_lines(datapath: &DatapathStatus) -> Vec<String> {
+    let DatapathStatus {
+        missing_hooks,
+        services,
+        extra: _,
+    } = datapath;
+    let mut lines: Vec<String> = missing_hooks
+        .iter()
+        .map(|hook| {
+            format!(
+                "datapath: {} is not attached ({}): {}",
+                hook.hook, hook.error, hook.uncounted
+            )
+        })
+        .collect();
+    let ranges = |c: &ServiceCounts| {
+        format!(
+            "{} cluster-ip-range, {} load-balancer-ip, {} external-ip",
+            c.cluster_ip_range, c.load_balancer_ip, c.external_ip
+        )
+    };
+    let operator = services.operator.as_ref().map_or_else(
+        || "the operator has sent none yet".to_owned(),
+        |c| format!("the operator sent {}", ranges(c)),
+    );
+    let map = match (&services.map, &services.error) {
+        (Some(c), _) => format!("SERVICES holds {}", ranges(c)),
+        (None, Some(error)) => format!("SERVICES unread: {error}"),
+        (None, None) => "SERVICES unread".to_owned(),
+    };
+    lines.push(format!("service ranges: {operator}; {map}"));
+    lines
+}
+
 /// `unknown`: a state of a newer agent than this `census`.
 fn state_name(state: EndpointState) -> &'static str {
     match state {
@@ -255,6 +293,9 @@ fn table(answer: &EndpointsResponse) -> Table {
     table.preamble(link_line(&answer.node, &answer.operator));
     if let Some(source) = &answer.source {
         table.preamble(source_line(source));
+    }
+    for line in answer.datapath.iter().flat_map(datapath_lines) {
+        table.preamble(line);
     }
     for endpoint in &answer.endpoints {
         let mut state = state_name(endpoint.state).to_owned();
@@ -365,6 +406,8 @@ WINNER  NODE    CLAIMANT    IDENTITY  CLAIMED   LABELS
   "node": "n1",
   "operator": {"address": "http://10.0.0.1:9460", "connected": true, "session": "1700000000000000000-0000000000000007", "last_ack_seq": 12, "error": null},
   "source": {"source": "file /etc/census/endpoints.yaml", "synced": true, "error": "line 3: bad label", "checked_ms": 17},
+  "datapath": {"missing_hooks": [{"hook": "uplink vxlan0", "error": "interface vxlan0 does not exist in this network namespace", "uncounted": "Service requests leaving the node by it go uncounted"}],
+               "services": {"operator": {"cluster_ip_range": 2, "load_balancer_ip": 1, "external_ip": 0}, "map": {"cluster_ip_range": 2, "load_balancer_ip": 0, "external_ip": 0}, "error": null}},
   "endpoints": [
     {"namespace": "shop", "name": "web-0", "ips": ["198.18.0.2", "2001:db8::2"], "interface": "lxc1", "identity": 256,
      "labels": ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop"], "state": "programmed", "error": null},
@@ -392,6 +435,8 @@ WINNER  NODE    CLAIMANT    IDENTITY  CLAIMED   LABELS
             "\
 node n1, operator http://10.0.0.1:9460 connected, session 1700000000000000000-0000000000000007, last ack seq 12
 endpoints from file /etc/census/endpoints.yaml, synced, last read failed: line 3: bad label
+datapath: uplink vxlan0 is not attached (interface vxlan0 does not exist in this network namespace): Service requests leaving the node by it go uncounted
+service ranges: the operator sent 2 cluster-ip-range, 1 load-balancer-ip, 0 external-ip; SERVICES holds 2 cluster-ip-range, 0 load-balancer-ip, 0 external-ip
 NAMESPACE    NAME   IPS                     INTERFACE  IDENTITY  STATE                       LABELS
 kube-system  dns    198.18.0.4              -          300       error: interface not found
 shop         db-0   198.18.0.3              lxc2       -         waiting for identity        k8s:app=db
@@ -414,6 +459,11 @@ shop         web-0  198.18.0.2,2001:db8::2  lxc1       256       programmed     
         assert_eq!(
             reparsed["source"], original["source"],
             "unknown fields are kept"
+        );
+        assert_eq!(reparsed["datapath"], original["datapath"]);
+        assert_eq!(
+            reparsed["datapath"]["services"]["operator"]["cluster_ip_range"],
+            2
         );
         assert_eq!(reparsed["endpoints"][2], original["endpoints"][0]);
         assert_eq!(reparsed["endpoints"][0], original["endpoints"][2]);
