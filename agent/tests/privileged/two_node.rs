@@ -898,6 +898,7 @@ fn a_service_request_to_another_node_is_counted_once_with_the_agents_own_service
         protocol: kube_proxy::Protocol::Udp,
         endpoints: vec![SocketAddrV4::new(backend.ipv4, TARGET_PORT)],
         masquerade_all: false,
+        node_port: None,
     };
     for side in [Side::A, Side::B] {
         let node = lab.cluster.node(side).ns();
