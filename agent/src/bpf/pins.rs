@@ -388,7 +388,11 @@ pub fn uninstall(pin_dir: impl AsRef<Path>) -> Result<Uninstalled, Error> {
         });
     }
     let links = pins.links_dir();
-    if links.exists() {
+    // An agent still running may pin a link again between the listing and the
+    // directory's removal (its full pass re-asserts the node's hooks): list again, a
+    // few times, before giving up.
+    let mut rounds = 0;
+    while links.exists() {
         for path in read_dir(&links)? {
             let record = path
                 .file_name()
@@ -401,7 +405,12 @@ pub fn uninstall(pin_dir: impl AsRef<Path>) -> Result<Uninstalled, Error> {
             }
             done.links.push(path);
         }
-        remove_dir(&links)?;
+        rounds += 1;
+        match remove_dir(&links) {
+            Err(Error::Io { source, .. })
+                if source.kind() == io::ErrorKind::DirectoryNotEmpty && rounds < 5 => {}
+            other => other?,
+        }
     }
     for path in read_dir(pins.dir())? {
         if path.is_dir() {
