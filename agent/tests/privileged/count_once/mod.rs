@@ -29,7 +29,7 @@ use std::{
 
 use census_agent::bpf::{Datapath, Endpoint, Interface, ServiceKind, identity};
 use census_netlab::{
-    Cluster, Pod, Routing, Side, WORLD_LINK, World,
+    Cluster, Netns, Pod, Routing, Side, WORLD_LINK, World,
     kube_proxy::{self, Protocol, Service, service_ip},
     udp_echo, udp_echo_through,
 };
@@ -248,16 +248,13 @@ const BACKEND: u32 = 1001;
 fn direct_exchange_is_counted_once(shape: Shape, backend_side: Side) -> Fallible<Lab> {
     let lab = Lab::with(shape, &[(Side::A, CLIENT), (backend_side, BACKEND)])?;
     let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
-    let replies = udp_echo(
-        &client.ns,
-        client.ipv4.into(),
-        &backend.ns,
-        backend.ipv4.into(),
-        COUNT,
-        PAYLOAD,
-        WAIT,
-    )?;
-    assert_eq!(replies, COUNT);
+    assert_eq!(
+        echo(
+            (&client.ns, client.ipv4.into()),
+            (&backend.ns, backend.ipv4.into())
+        )?,
+        COUNT
+    );
     assert_eq!(
         lab.counts()?,
         each_way(&[(CLIENT, BACKEND), (BACKEND, CLIENT)])
@@ -287,6 +284,11 @@ fn cluster_ip(name: &str, n: u8, backend: &Pod) -> Service {
         masquerade_all: false,
         node_port: None,
     }
+}
+
+/// `COUNT` exchanges from `from` (its namespace and address) straight to `to`.
+fn echo(from: (&Netns, IpAddr), to: (&Netns, IpAddr)) -> Fallible<usize> {
+    Ok(udp_echo(from.0, from.1, to.0, to.1, COUNT, PAYLOAD, WAIT)?)
 }
 
 /// `COUNT` exchanges from `client` through `service` to `backend`.
@@ -348,16 +350,10 @@ fn node_exchange_is_counted_once(from: Side) -> TestResult {
     } else {
         node.uplink_ip(false)
     };
-    let replies = udp_echo(
-        node.ns(),
-        source,
-        &pod.ns,
-        pod.ipv4.into(),
-        COUNT,
-        PAYLOAD,
-        WAIT,
-    )?;
-    assert_eq!(replies, COUNT);
+    assert_eq!(
+        echo((node.ns(), source), (&pod.ns, pod.ipv4.into()))?,
+        COUNT
+    );
     let reply_to = if from == Side::A {
         identity::HOST
     } else {

@@ -8,12 +8,12 @@ use census_agent::bpf::identity;
 use census_netlab::{
     Side, World,
     kube_proxy::{ExternalTrafficPolicy, NodePort, Service},
-    udp_echo, udp_echo_through,
+    udp_echo_through,
 };
 
 use super::{
     BACKEND, CLIENT, COUNT, Lab, PAYLOAD, Shape, TARGET_PORT, TestResult, WAIT, cluster_ip,
-    counted_as, each_way,
+    counted_as, each_way, echo,
 };
 use crate::support::Fallible;
 
@@ -29,16 +29,13 @@ const NODE_PORT: u16 = 30053;
 fn a_pod_and_the_world_are_counted_once_each_way() -> TestResult {
     let lab = Lab::with(Shape::WITH_WORLD, &[(Side::A, CLIENT)])?;
     let client = lab.pod(CLIENT)?;
-    let replies = udp_echo(
-        &client.ns,
-        client.ipv4.into(),
-        lab.world()?.ns(),
-        World::IP.into(),
-        COUNT,
-        PAYLOAD,
-        WAIT,
-    )?;
-    assert_eq!(replies, COUNT);
+    assert_eq!(
+        echo(
+            (&client.ns, client.ipv4.into()),
+            (lab.world()?.ns(), World::IP.into())
+        )?,
+        COUNT
+    );
     assert_eq!(
         lab.counts()?,
         each_way(&[(CLIENT, identity::WORLD), (identity::WORLD, CLIENT)])
