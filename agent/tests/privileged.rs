@@ -95,7 +95,8 @@ fn programs_load_and_maps_are_pinned() -> TestResult {
         "layout version: {meta}"
     );
     for program in [Direction::Ingress.program(), Direction::Egress.program()] {
-        assert_eq!(program_ids(program)?.len(), 1, "{program} is loaded once");
+        let loaded = program_ids_using(program, &pins.join("ENDPOINTS"))?;
+        assert_eq!(loaded.len(), 1, "{program} is loaded once: {loaded:?}");
     }
     assert!(pins.join("links").is_dir());
     Ok(())

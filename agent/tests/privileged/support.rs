@@ -142,6 +142,28 @@ pub(crate) fn program_ids(name: &str) -> Fallible<Vec<u32>> {
         .collect())
 }
 
+/// Ids of the programs named `name` that use the map pinned at `map`: the
+/// copies one datapath loaded, whatever other tests or agents on this machine
+/// have loaded (a namespace deleted by an earlier test frees its programs only
+/// when the kernel's cleanup work gets to it).
+pub(crate) fn program_ids_using(name: &str, map: &Path) -> Fallible<Vec<u32>> {
+    let map_id = bpftool(None, &["map", "show", "pinned", path_str(map)?])?["id"].clone();
+    let programs = bpftool(None, &["prog", "show"])?;
+    Ok(programs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["name"] == name)
+        .filter(|p| {
+            p["map_ids"]
+                .as_array()
+                .is_some_and(|ids| ids.contains(&map_id))
+        })
+        .filter_map(|p| p["id"].as_u64())
+        .filter_map(|id| u32::try_from(id).ok())
+        .collect())
+}
+
 /// A TCX link running one of census's programs, per bpftool.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct CensusLink {
