@@ -288,6 +288,10 @@ impl DatapathPort for Discard {
         Ok(bpf::AttachOutcome::Attached)
     }
 
+    fn detach_uplink(&mut self, _: &str) -> Result<bool, bpf::Error> {
+        Ok(false)
+    }
+
     fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
         Ok(Vec::new())
     }

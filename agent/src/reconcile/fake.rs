@@ -292,6 +292,10 @@ impl DatapathPort for FakeMaps {
         })
     }
 
+    fn detach_uplink(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        Ok(self.uplink_links.remove(interface).is_some())
+    }
+
     fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
         Ok(self
             .uplink_links
@@ -430,6 +434,10 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
         self.lock().attach_uplink(interface)
+    }
+
+    fn detach_uplink(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        self.lock().detach_uplink(interface)
     }
 
     fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {

@@ -220,6 +220,8 @@ pub(crate) trait DatapathPort {
     fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error>;
     /// Attaches (or adopts the pinned link of) the uplink program on `interface`.
     fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error>;
+    /// Detaches the uplink program from `interface`; `false` if it was not there.
+    fn detach_uplink(&mut self, interface: &str) -> Result<bool, bpf::Error>;
     /// The pinned links of the uplink program, one per device.
     fn uplinks(&self) -> Result<Vec<Link>, bpf::Error>;
     /// The root of the node's cgroup v2 hierarchy, as [`bpf::find_cgroup2_root`]
@@ -337,6 +339,10 @@ impl DatapathPort for Datapath {
 
     fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
         Datapath::attach_uplink(self, interface)
+    }
+
+    fn detach_uplink(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        Datapath::detach_uplink(self, interface)
     }
 
     fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {

@@ -5,6 +5,9 @@
 //! VXLAN device late) gets the uplink program, and a link removed under the agent
 //! is attached again.
 //!
+//! A device that stops being an uplink has the program detached by the next
+//! full pass.
+//!
 //! A hook that cannot be attached costs only what it alone counts (Service
 //! requests leaving by that uplink; what the node's own sockets send to pods):
 //! the agent stays Ready, and `/readyz` and the admin API say what is missing and
@@ -96,6 +99,18 @@ impl Reconciler {
                 )];
             }
         };
+        // A device that is no longer one of the uplinks (a `--uplink` list changed
+        // across a restart, a default route moved) loses the program. Finding no
+        // uplink at all is taken as routes being replaced, not as a node without
+        // any: what is attached stays until a pass finds the new ones.
+        if !(hooks.uplinks.is_empty() && wanted.is_empty()) {
+            for stale in in_place.difference(&wanted) {
+                match maps.detach_uplink(stale) {
+                    Ok(_) => info!(uplink = stale, "uplink detached: no longer an uplink"),
+                    Err(error) => warn!(uplink = stale, %error, "cannot detach a former uplink"),
+                }
+            }
+        }
         let mut missing = Vec::new();
         for uplink in wanted.difference(&in_place) {
             match maps.attach_uplink(uplink) {
@@ -139,5 +154,79 @@ fn repair_sockets<M: DatapathPort + ?Sized>(
             None
         }
         Err(error) => sockets_missing(format!("sockets {}", root.display()), &error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::fake::FakeMaps;
+
+    fn names(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|&name| name.to_owned()).collect()
+    }
+
+    fn attached(maps: &FakeMaps) -> BTreeSet<String> {
+        maps.uplink_links.keys().cloned().collect()
+    }
+
+    fn maps_with(interfaces: &[&str], default_uplinks: &[&str]) -> FakeMaps {
+        FakeMaps {
+            interfaces: names(interfaces),
+            default_uplinks: names(default_uplinks),
+            cgroup2_root: Some("/sys/fs/cgroup".into()),
+            ..FakeMaps::default()
+        }
+    }
+
+    #[test]
+    fn a_device_that_is_no_longer_a_default_uplink_loses_the_program() {
+        let mut maps = maps_with(&["eth0", "eth1", "vxlan0"], &["eth0", "vxlan0"]);
+        let mut r = Reconciler::default().node_hooks(Some(NodeHooks::default()));
+        assert!(r.repair_node_hooks(&mut maps).is_empty());
+        assert_eq!(attached(&maps), names(&["eth0", "vxlan0"]));
+
+        // The default route moves to eth1 and the tunnel device is no longer one.
+        maps.default_uplinks = names(&["eth1"]);
+        assert!(r.repair_node_hooks(&mut maps).is_empty());
+        assert_eq!(attached(&maps), names(&["eth1"]));
+    }
+
+    #[test]
+    fn finding_no_uplink_keeps_the_attached_ones() {
+        let mut maps = maps_with(&["eth0"], &["eth0"]);
+        let mut r = Reconciler::default().node_hooks(Some(NodeHooks::default()));
+        r.repair_node_hooks(&mut maps);
+        // Routes being replaced: no default route for a moment.
+        maps.default_uplinks.clear();
+        r.repair_node_hooks(&mut maps);
+        assert_eq!(attached(&maps), names(&["eth0"]));
+    }
+
+    #[test]
+    fn an_uplink_left_out_of_the_list_is_detached() {
+        let mut maps = maps_with(&["eth0", "eth1"], &[]);
+        let both = NodeHooks {
+            uplinks: vec!["eth0".to_owned(), "eth1".to_owned()],
+            cgroup_root: None,
+        };
+        Reconciler::default()
+            .node_hooks(Some(both))
+            .repair_node_hooks(&mut maps);
+        assert_eq!(attached(&maps), names(&["eth0", "eth1"]));
+
+        // The agent restarts with `--uplink eth1`: it adopts eth1's pinned link
+        // and detaches eth0's.
+        let one = NodeHooks {
+            uplinks: vec!["eth1".to_owned()],
+            cgroup_root: None,
+        };
+        let attaches = maps.uplink_attaches;
+        let missing = Reconciler::default()
+            .node_hooks(Some(one))
+            .repair_node_hooks(&mut maps);
+        assert!(missing.is_empty(), "{missing:?}");
+        assert_eq!(attached(&maps), names(&["eth1"]));
+        assert_eq!(maps.uplink_attaches, attaches, "eth1 left as it was");
     }
 }
