@@ -35,7 +35,14 @@
 //!   counted when it left its endpoint. Cleared here, the bit never leaves the
 //!   node, and a tunnel's outer packet is not counted again;
 //! - `census_sockets` (egress of the root cgroup: the node's own sockets) counts
-//!   packets from one of this node's addresses to a pod, as (host, pod).
+//!   packets from one of this node's addresses to a pod, as (host, pod), and a
+//!   socket's reply to a Service request from a pod of this node (its source the
+//!   Service address, translated back before this hook), as (host, pod);
+//! - `census_sockets_ingress` (ingress of the root cgroup: delivered to one of
+//!   the node's own sockets) counts a marked packet, as (sender, host): a
+//!   Service request whose backend is host-network on this node, or a Service
+//!   address the node serves itself (a node-local DNS cache). No TC hook sees a
+//!   packet delivered locally.
 //!
 //! The sender of a marked packet is the endpoint behind the interface it came in
 //! by (`skb->ingress_ifindex`'s INTERFACES entry): so a request that kube-proxy
@@ -196,6 +203,15 @@ fn census_sockets(ctx: SkBuffContext) -> i32 {
     1
 }
 
+/// Packets delivered to the node's own sockets (ingress of the root cgroup,
+/// after netfilter's PREROUTING and INPUT: translated). Always lets the packet
+/// go.
+#[cgroup_skb(ingress)]
+fn census_sockets_ingress(ctx: SkBuffContext) -> i32 {
+    count_delivered(&ctx);
+    1
+}
+
 #[classifier]
 fn census_uplink(ctx: TcContext) -> i32 {
     count_marked(&ctx);
@@ -316,10 +332,19 @@ fn count_marked(ctx: &TcContext) {
 }
 
 /// `census_sockets`: counts a packet from one of this node's addresses (HOST)
-/// to a pod, on this node or another, as (host, pod); nothing else. A pod's own
-/// sockets pass this hook too (their cgroups are the root's descendants): their
-/// packets were counted where they left the pod, and are skipped, as are packets
-/// to anything but a pod (the node's own, other nodes, outside).
+/// to a pod, on this node or another, as (host, pod). A pod's own sockets pass
+/// this hook too (their cgroups are the root's descendants): their packets were
+/// counted where they left the pod, and are skipped, as are packets to anything
+/// but a pod (the node's own, other nodes, outside).
+///
+/// A packet from a Service address is a node's socket replying to a Service
+/// request it took as a host-network backend (netfilter translated its source
+/// back before this hook), or a socket bound to the Service address (a
+/// node-local DNS cache): counted as (host, pod) too, when it goes to a pod of
+/// this node by that pod's own interface. Only a request from this node's pod
+/// is translated on this node; and a pod's socket replying from a Service
+/// address (direct server return) leaves by its own interface, not the
+/// destination's, and was counted where it left its pod.
 #[inline(always)]
 fn count_from_node(ctx: &SkBuffContext) {
     let (family, src, dst) = match frame(ctx) {
@@ -330,15 +355,74 @@ fn count_from_node(ctx: &SkBuffContext) {
             return;
         }
     };
-    if endpoint(&src).is_none_or(|ep| ep.flags & flags::HOST == 0) {
+    let from = endpoint(&src);
+    if from.is_some_and(|ep| ep.flags & flags::HOST == 0) {
         return;
     }
     let Some(pod) = endpoint(&dst).filter(is_pod) else {
         return;
     };
+    if from.is_none() {
+        // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
+        // run; `ifindex` (the device the packet leaves by) is readable here.
+        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+        let by_its_interface = pod.is_local()
+            && interface(ifindex)
+                .is_some_and(|i| i.identity == pod.identity || i.identity == identity::INVALID);
+        if !by_its_interface || !is_service(&src) {
+            return;
+        }
+    }
     let key = FlowKey {
         src_identity: identity::HOST,
         dst_identity: pod.identity,
+    };
+    add_packet(ctx, family, &key);
+}
+
+/// `census_sockets_ingress`: counts a packet carrying census's mark that is
+/// delivered to one of this node's sockets, as (sender, host), clearing the
+/// bit. It left a pod for a Service address (marked there), and netfilter gave
+/// it to a local socket: a host-network backend on this node (the destination
+/// now this node's address), or a socket on the Service address itself (a
+/// node-local DNS cache). Nothing else: what a pod's sockets receive entered
+/// the pod by its interface and was counted there (crossing into the pod's
+/// namespace clears every mark), and what arrives from elsewhere for the node
+/// was counted by the node or pod that sent it.
+#[inline(always)]
+fn count_delivered(ctx: &SkBuffContext) {
+    // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
+    // run; `mark` and `ingress_ifindex` are readable fields of a cgroup_skb
+    // program's context.
+    let (mark, ingress_ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ingress_ifindex) };
+    // Before the headers: most packets a node receives are not marked.
+    if mark & mark_bit() == 0 {
+        return;
+    }
+    let Some(sender) = interface(ingress_ifindex) else {
+        return;
+    };
+    let (family, src, dst) = match frame(ctx) {
+        Frame::Ip(family, src, dst) => (family, src, dst),
+        Frame::NotIp => return,
+        Frame::Truncated(family) => {
+            unparsable(ctx, family);
+            return;
+        }
+    };
+    let to_node = match endpoint(&dst) {
+        Some(ep) => ep.flags & flags::HOST != 0,
+        None => is_service(&dst),
+    };
+    if !to_node {
+        return;
+    }
+    // SAFETY: `mark` is a writable field of a cgroup_skb program's context.
+    unsafe { (*ctx.skb.skb).mark = mark & !mark_bit() };
+    count_event(stats::MARKED_COUNTED);
+    let key = FlowKey {
+        src_identity: sender_identity(&sender, &src),
+        dst_identity: identity::HOST,
     };
     add_packet(ctx, family, &key);
 }

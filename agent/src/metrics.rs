@@ -486,13 +486,14 @@ fn encode_stats(
         ),
         (
             "census_agent_marked_counted",
-            "Marked packets counted once translated (entering a pod or leaving the node)",
+            "Marked packets counted once translated (entering a pod, leaving the node or reaching \
+             one of its sockets)",
             marked_counted,
         ),
         (
             "census_agent_marks_lost",
-            "Marked packets never counted: delivered to a host-network backend, dropped, or \
-             stripped of the mark by a rule that rewrites the whole skb mark",
+            "Marked packets never counted: dropped, or stripped of the mark by a rule that \
+             rewrites the whole skb mark",
             stats.marks_lost(),
         ),
     ] {

@@ -140,6 +140,11 @@ pub const PROGRAM_UPLINK: &str = "census_uplink";
 /// node's own sockets send to pods.
 pub const PROGRAM_SOCKETS: &str = "census_sockets";
 
+/// Name of the program attached to the ingress of the root cgroup: Service
+/// requests from pods that the node's own sockets receive (host-network
+/// backends).
+pub const PROGRAM_SOCKETS_INGRESS: &str = "census_sockets_ingress";
+
 /// The key of [`SERVICES_MAP`], laid out as the kernel's `bpf_lpm_trie_key`:
 /// `prefix_len` bits of `address` match, the family's 32 first. An IPv4 range
 /// `a.b.c.d/n` is `prefix_len` 32 + n.
@@ -210,10 +215,10 @@ pub mod stats {
     pub const LOG_SUPPRESSED: u32 = 4;
     /// Packets an endpoint sent to a Service address, marked where they left it.
     pub const SERVICE_MARKED: u32 = 5;
-    /// Marked packets counted once translated (where they entered a pod or left
-    /// the node). Fewer than [`SERVICE_MARKED`] over time: the others were
-    /// delivered to a host-network backend, dropped, or lost the mark to a rule
-    /// that rewrites the whole of `skb->mark`.
+    /// Marked packets counted once translated (where they entered a pod, left
+    /// the node or reached one of its sockets). Fewer than [`SERVICE_MARKED`]
+    /// over time: the others were dropped, or lost the mark to a rule that
+    /// rewrites the whole of `skb->mark`.
     pub const MARKED_COUNTED: u32 = 6;
     /// Every slot this layout uses.
     pub const ALL: [u32; 7] = [

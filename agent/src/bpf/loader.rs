@@ -17,7 +17,7 @@ use aya::{
 };
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
-    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_SOCKETS, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP,
+    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP,
 };
 
 use super::log::{DatapathLog, LogForwarder};
@@ -31,6 +31,7 @@ use super::{
     pins::{self, Layout, Pins},
     privileges,
     services::{MarkBit, ServicesMap},
+    sockets::{SocketHook, socket_program},
 };
 
 /// census's datapath on this node: the loaded programs and the pinned maps.
@@ -156,7 +157,9 @@ impl Datapath {
             load_program(&mut ebpf, direction.program())?;
         }
         load_program(&mut ebpf, PROGRAM_UPLINK)?;
-        load_sockets_program(&mut ebpf)?;
+        for hook in SocketHook::BOTH {
+            load_socket_program(&mut ebpf, hook)?;
+        }
 
         let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
         let mut stats: StatsMap = take_map(&mut ebpf, STATS_MAP)?;
@@ -398,10 +401,10 @@ pub struct TestRunOutcome {
     pub mean_duration: Duration,
 }
 
-fn load_sockets_program(ebpf: &mut Ebpf) -> Result<(), Error> {
-    super::sockets::sockets_program(ebpf)?
+fn load_socket_program(ebpf: &mut Ebpf, hook: SocketHook) -> Result<(), Error> {
+    socket_program(ebpf, hook)?
         .load()
-        .map_err(|source| rejected(PROGRAM_SOCKETS, source))
+        .map_err(|source| rejected(hook.program(), source))
 }
 
 fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {

@@ -275,11 +275,10 @@ impl DatapathStats {
         self.flow_inserts.saturating_sub(pairs_present)
     }
 
-    /// Marked packets not counted: delivered to a host-network backend on this
-    /// node, dropped, or stripped of the mark by a rule that rewrites the whole
-    /// of `skb->mark` (a `CONNMARK --restore-mark` without a mask, say). A count
-    /// that grows with Service traffic, on a node without host-network backends,
-    /// is such a rule.
+    /// Marked packets not counted: dropped (a Service without endpoints
+    /// rejects them, say), or stripped of the mark by a rule that rewrites the
+    /// whole of `skb->mark` (a `CONNMARK --restore-mark` without a mask). A count
+    /// that grows with Service traffic is such a rule.
     pub fn marks_lost(&self) -> u64 {
         self.service_marked.saturating_sub(self.marked_counted)
     }

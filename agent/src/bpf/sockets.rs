@@ -1,16 +1,24 @@
-//! Hook S: `census_sockets` on the egress of the root cgroup (cgroup v2). It
-//! counts what only the node's own sockets send: packets from one of the node's
-//! addresses to a pod, here or on another node, as (host, pod), after netfilter
-//! (a node's request through a Service is seen translated). Every socket's
-//! packets pass it, a pod's too (its cgroup is a descendant of the root): those
-//! are skipped, counted where they leave their pod.
+//! Hook S: census's programs on the root cgroup (cgroup v2), where every socket
+//! of the node sends and receives.
 //!
-//! The link is pinned as `links/sockets` (a name no interface's link has), and
-//! adopted across restarts: its program is replaced in place
-//! (`BPF_LINK_UPDATE`), so the hook is never without census's program and never
-//! runs two. A cgroup link runs beside whatever else is attached to the root
-//! cgroup (systemd's programs, as with `BPF_F_ALLOW_MULTI`), and the program
-//! always lets the packet go.
+//! - `census_sockets`, on its egress, counts what only the node's own sockets
+//!   send: packets from one of the node's addresses to a pod, here or on
+//!   another node, as (host, pod), after netfilter (a node's request through a
+//!   Service is seen translated), and a host-network backend's replies to this
+//!   node's pods. Every socket's packets pass it, a pod's too (its cgroup is a
+//!   descendant of the root): those are skipped, counted where they leave
+//!   their pod.
+//! - `census_sockets_ingress`, on its ingress, counts the Service requests a
+//!   pod sent that are delivered to one of the node's own sockets (a
+//!   host-network backend on this node), which no TC hook sees.
+//!
+//! Each link is pinned under `links/` as `sockets` and `sockets:ingress`
+//! (bpffs refuses a `.` in a name): an interface's link is named
+//! `<interface>-<direction>`, which neither parses as. Each is adopted across
+//! restarts: its program is replaced in place (`BPF_LINK_UPDATE`), so the hook
+//! is never without census's program and never runs two. A cgroup link runs
+//! beside whatever else is attached to the root cgroup (systemd's programs, as
+//! with `BPF_F_ALLOW_MULTI`), and the programs always let the packet go.
 
 use std::{
     fs::File,
@@ -19,12 +27,44 @@ use std::{
 };
 
 use aya::programs::{CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, links::FdLink};
-use census_common::PROGRAM_SOCKETS;
+use census_common::{PROGRAM_SOCKETS, PROGRAM_SOCKETS_INGRESS};
 
 use super::{AttachOutcome, Datapath, Error, pins, privileges, sys};
 
-/// The pin of the link, under `links/`.
-const SOCKETS_LINK: &str = "sockets";
+/// The two hooks of the root cgroup census counts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SocketHook {
+    /// What the node's sockets send.
+    Egress,
+    /// What the node's sockets receive.
+    Ingress,
+}
+
+impl SocketHook {
+    pub(super) const BOTH: [Self; 2] = [Self::Egress, Self::Ingress];
+
+    pub(super) const fn program(self) -> &'static str {
+        match self {
+            Self::Egress => PROGRAM_SOCKETS,
+            Self::Ingress => PROGRAM_SOCKETS_INGRESS,
+        }
+    }
+
+    /// The pin of the hook's link, under `links/`.
+    const fn link(self) -> &'static str {
+        match self {
+            Self::Egress => "sockets",
+            Self::Ingress => "sockets:ingress",
+        }
+    }
+
+    const fn attach_type(self) -> CgroupSkbAttachType {
+        match self {
+            Self::Egress => CgroupSkbAttachType::Egress,
+            Self::Ingress => CgroupSkbAttachType::Ingress,
+        }
+    }
+}
 
 /// Where a node mounts its cgroup v2 hierarchy: alone (the unified layout of
 /// every current distribution), or beside the v1 controllers (the hybrid layout
@@ -47,9 +87,10 @@ pub fn find_cgroup2_root() -> Result<PathBuf, Error> {
 }
 
 impl Datapath {
-    /// Attaches `census_sockets` to the egress of cgroup `cgroup` (the root of
-    /// the node's cgroup v2 hierarchy), adopting census's pinned link there.
-    /// A pinned link on another cgroup is replaced.
+    /// Attaches census's socket programs to the egress and the ingress of cgroup
+    /// `cgroup` (the root of the node's cgroup v2 hierarchy), adopting census's
+    /// pinned links there. A pinned link on another cgroup is replaced.
+    /// [`AttachOutcome::Adopted`] only if both links were.
     pub fn attach_sockets(&mut self, cgroup: &Path) -> Result<AttachOutcome, Error> {
         if !privileges::is_cgroup2(cgroup)? {
             return Err(Error::NotCgroup2 {
@@ -67,13 +108,33 @@ impl Datapath {
             .metadata()
             .map_err(|e| io_error("reading the cgroup", e))?
             .ino();
-        let path = self.sockets_link();
+        let mut outcomes = [AttachOutcome::Adopted; 2];
+        for (hook, outcome) in SocketHook::BOTH.into_iter().zip(&mut outcomes) {
+            *outcome = self.attach_socket_hook(hook, cgroup, &directory, cgroup_id)?;
+        }
+        Ok(match outcomes {
+            [AttachOutcome::Adopted, AttachOutcome::Adopted] => AttachOutcome::Adopted,
+            [AttachOutcome::ReplacedStale, _] | [_, AttachOutcome::ReplacedStale] => {
+                AttachOutcome::ReplacedStale
+            }
+            _ => AttachOutcome::Attached,
+        })
+    }
+
+    fn attach_socket_hook(
+        &mut self,
+        hook: SocketHook,
+        cgroup: &Path,
+        directory: &File,
+        cgroup_id: u64,
+    ) -> Result<AttachOutcome, Error> {
+        let path = self.socket_link(hook);
         let mut outcome = AttachOutcome::Attached;
         if path.exists() {
             let (link, info) = pins::open_link(&path, &[sys::BPF_LINK_TYPE_CGROUP])?;
             if info.cgroup_id() == cgroup_id {
-                let program = self.sockets_program()?;
-                let program_fd = program.fd().map_err(program_error)?;
+                let program = socket_program(&mut self.ebpf, hook)?;
+                let program_fd = program.fd().map_err(|e| program_error(hook, e))?;
                 sys::link_update(link.as_fd(), program_fd.as_fd()).map_err(|source| {
                     Error::Link {
                         operation: "replacing the program of",
@@ -85,16 +146,17 @@ impl Datapath {
             }
             tracing::info!(
                 cgroup = %cgroup.display(),
+                program = hook.program(),
                 "census's socket program is pinned on another cgroup: attaching it here"
             );
             pins::detach_and_unpin(&path)?;
             outcome = AttachOutcome::ReplacedStale;
         }
-        let program = self.sockets_program()?;
+        let program = socket_program(&mut self.ebpf, hook)?;
         let link_id = program
             .attach(
-                &directory,
-                CgroupSkbAttachType::Egress,
+                directory,
+                hook.attach_type(),
                 // A link takes no flags: it is always one of many on its cgroup.
                 CgroupAttachMode::Single,
             )
@@ -102,7 +164,9 @@ impl Datapath {
                 cgroup: cgroup.to_owned(),
                 source,
             })?;
-        let link = program.take_link(link_id).map_err(program_error)?;
+        let link = program
+            .take_link(link_id)
+            .map_err(|e| program_error(hook, e))?;
         // Linux 5.7+ (census needs 5.15) makes cgroup attachments bpf links.
         let link = FdLink::try_from(link).map_err(|source| Error::CgroupLinkHandle {
             path: path.clone(),
@@ -115,51 +179,80 @@ impl Datapath {
         Ok(outcome)
     }
 
-    /// Detaches `census_sockets` and removes its pin; `false` if it was not
-    /// attached.
+    /// Detaches census's socket programs and removes their pins; `false` if
+    /// neither was attached.
     pub fn detach_sockets(&mut self) -> Result<bool, Error> {
-        let path = self.sockets_link();
-        if !path.exists() {
-            return Ok(false);
+        let mut detached = false;
+        for hook in SocketHook::BOTH {
+            let path = self.socket_link(hook);
+            if path.exists() {
+                pins::detach_and_unpin(&path)?;
+                detached = true;
+            }
         }
-        pins::detach_and_unpin(&path)?;
+        Ok(detached)
+    }
+
+    /// Whether both socket programs are attached (their links pinned and live).
+    pub fn sockets_attached(&self) -> Result<bool, Error> {
+        for hook in SocketHook::BOTH {
+            let path = self.socket_link(hook);
+            if !path.exists() {
+                return Ok(false);
+            }
+            let (_, info) = pins::open_link(&path, &[sys::BPF_LINK_TYPE_CGROUP])?;
+            // A detached cgroup link reads cgroup id 0.
+            if info.cgroup_id() == 0 {
+                return Ok(false);
+            }
+        }
         Ok(true)
     }
 
-    /// Whether `census_sockets` is attached (its link pinned and live).
-    pub fn sockets_attached(&self) -> Result<bool, Error> {
-        let path = self.sockets_link();
-        if !path.exists() {
-            return Ok(false);
-        }
-        let (_, info) = pins::open_link(&path, &[sys::BPF_LINK_TYPE_CGROUP])?;
-        // A detached cgroup link reads cgroup id 0.
-        Ok(info.cgroup_id() != 0)
-    }
-
-    fn sockets_link(&self) -> PathBuf {
-        self.pins.links_dir().join(SOCKETS_LINK)
-    }
-
-    fn sockets_program(&mut self) -> Result<&mut CgroupSkb, Error> {
-        sockets_program(&mut self.ebpf)
+    fn socket_link(&self, hook: SocketHook) -> PathBuf {
+        self.pins.links_dir().join(hook.link())
     }
 }
 
-/// `census_sockets` in the loaded object (the loader loads it through this too).
-pub(super) fn sockets_program(ebpf: &mut aya::Ebpf) -> Result<&mut CgroupSkb, Error> {
-    ebpf.program_mut(PROGRAM_SOCKETS)
+/// The program of `hook` in the loaded object (the loader loads it through
+/// this too).
+pub(super) fn socket_program(
+    ebpf: &mut aya::Ebpf,
+    hook: SocketHook,
+) -> Result<&mut CgroupSkb, Error> {
+    let name = hook.program();
+    ebpf.program_mut(name)
         .ok_or(Error::MissingFromObject {
             kind: "program",
-            name: PROGRAM_SOCKETS,
+            name,
         })?
         .try_into()
-        .map_err(program_error)
+        .map_err(|e| program_error(hook, e))
 }
 
-fn program_error(source: aya::programs::ProgramError) -> Error {
+fn program_error(hook: SocketHook, source: aya::programs::ProgramError) -> Error {
     Error::Program {
-        program: PROGRAM_SOCKETS,
+        program: hook.program(),
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_interface_link_has_a_socket_link_name() {
+        for hook in SocketHook::BOTH {
+            assert_eq!(pins::parse_link_name(hook.link()), None, "{hook:?}");
+        }
+        // An interface named `sockets` has links of its own, distinct.
+        assert_ne!(
+            pins::Pins::new(Path::new("/census"))
+                .link("sockets", super::super::Direction::Ingress)
+                .file_name()
+                .and_then(|name| name.to_str()),
+            Some(SocketHook::Ingress.link())
+        );
     }
 }

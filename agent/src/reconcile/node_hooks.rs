@@ -1,6 +1,6 @@
 //! The node's own hooks, which no endpoint asks for: `census_uplink` on the
-//! devices packets leave the node by, and `census_sockets` at the root of the
-//! cgroup v2 hierarchy. They are attached at start and put back by every full
+//! devices packets leave the node by, and `census_sockets` and
+//! `census_sockets_ingress` at the root of the cgroup v2 hierarchy. They are attached at start and put back by every full
 //! pass: a tunnel device created after the agent started (a CNI that makes its
 //! VXLAN device late) gets the uplink program, and a link removed under the agent
 //! is attached again.
@@ -9,9 +9,9 @@
 //! full pass.
 //!
 //! A hook that cannot be attached costs only what it alone counts (Service
-//! requests leaving by that uplink; what the node's own sockets send to pods):
-//! the agent stays Ready, and `/readyz` and the admin API say what is missing and
-//! why until a pass attaches it.
+//! requests leaving by that uplink; what the node's own sockets send to pods and
+//! the Service requests they receive): the agent stays Ready, and `/readyz` and
+//! the admin API say what is missing and why until a pass attaches it.
 
 use std::{collections::BTreeSet, path::PathBuf};
 
@@ -35,8 +35,8 @@ pub struct NodeHooks {
 const UPLINK_UNCOUNTED: &str = "Service requests leaving the node by it go uncounted";
 /// What is lost while no uplink can be listed.
 const UPLINKS_UNCOUNTED: &str = "Service requests to other nodes go uncounted";
-/// What is lost while the socket program is not attached.
-const SOCKETS_UNCOUNTED: &str = "what the node's own sockets send to pods goes uncounted";
+/// What is lost while the socket programs are not attached.
+const SOCKETS_UNCOUNTED: &str = "what the node's own sockets send to pods, and pods' Service requests they receive, go uncounted";
 
 impl Reconciler {
     /// Attaches the node's hooks at start and in every full pass (see

@@ -1,6 +1,7 @@
 //! A Service whose backend is a host-network pod: a socket in a node's own
 //! namespace, on the node's address (kube-proxy's endpoint is the node's
-//! address). Neither row is exact: the backend is a node, not a pod.
+//! address). Both rows are exact with the backend named by its node: the host
+//! on its own node, remote-node from another.
 
 use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 
@@ -8,8 +9,7 @@ use census_agent::bpf::identity;
 use census_netlab::{ClusterNode, Side, udp_echo_through};
 
 use super::{
-    CLIENT, COUNT, Counts, Lab, PAYLOAD, TARGET_PORT, TestResult, WAIT, cluster_ip, counted_as,
-    marks,
+    CLIENT, COUNT, Lab, PAYLOAD, TARGET_PORT, TestResult, WAIT, cluster_ip, counted_as, marks,
 };
 use crate::support::Fallible;
 
@@ -40,18 +40,19 @@ fn through_to_host_network(lab: &Lab, backend_side: Side, n: u8) -> Fallible<usi
 }
 
 /// The request, marked where it left the client, is delivered to the node's own
-/// socket, where no hook counts a marked packet; the reply leaves that socket
-/// from the backend's address but is reverse-translated before the node's
-/// socket hook sees it, so it comes from the Service address there and when it
-/// enters the client. Nothing counts either way: 0 of `COUNT`, and every request
-/// shows as a mark lost.
+/// socket: counted there (the root cgroup's ingress) as (client, host), its mark
+/// cleared. The reply leaves that socket from the node's address and is
+/// reverse-translated before the root cgroup's egress, where it comes from the
+/// Service address to a pod of this node by that pod's interface: counted as
+/// (host, client). Every mark is counted, none lost.
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
-fn a_service_request_to_a_host_network_backend_of_the_same_node_is_counted_nowhere() -> TestResult {
+fn a_service_request_to_a_host_network_backend_of_the_same_node_is_counted_once_each_way()
+-> TestResult {
     let lab = Lab::new(&[(Side::A, CLIENT)])?;
     assert_eq!(through_to_host_network(&lab, Side::A, 9)?, COUNT);
-    assert_eq!(lab.counts()?, Counts::new());
-    assert_eq!(marks(&lab)?, (COUNT as u64, 0), "marked, never counted");
+    counted_as(&lab, (CLIENT, identity::HOST), (identity::HOST, CLIENT))?;
+    assert_eq!(marks(&lab)?, (COUNT as u64, COUNT as u64), "none lost");
     Ok(())
 }
 
