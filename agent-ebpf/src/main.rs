@@ -80,7 +80,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_NOEXIST, TC_ACT_UNSPEC},
+    bindings::{__sk_buff, BPF_NOEXIST, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
     macros::cgroup_skb,
     macros::{classifier, map},
@@ -232,13 +232,8 @@ fn census_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn count(ctx: &TcContext, hook: Hook) {
-    let (family, src, dst) = match frame(ctx) {
-        Frame::Ip(family, src, dst) => (family, src, dst),
-        Frame::NotIp => return,
-        Frame::Truncated(family) => {
-            unparsable(ctx, family);
-            return;
-        }
+    let Some((family, src, dst)) = addresses(ctx) else {
+        return;
     };
     // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole run;
     // these are readable context fields of a TC program.
@@ -316,13 +311,8 @@ fn count_marked(ctx: &TcContext) {
         return;
     };
     clear_mark_bit(ctx);
-    let (family, src, dst) = match frame(ctx) {
-        Frame::Ip(family, src, dst) => (family, src, dst),
-        Frame::NotIp => return,
-        Frame::Truncated(family) => {
-            unparsable(ctx, family);
-            return;
-        }
+    let Some((family, src, dst)) = addresses(ctx) else {
+        return;
     };
     let key = FlowKey {
         src_identity: sender_identity(&sender, &src),
@@ -347,13 +337,8 @@ fn count_marked(ctx: &TcContext) {
 /// destination's, and was counted where it left its pod.
 #[inline(always)]
 fn count_from_node(ctx: &SkBuffContext) {
-    let (family, src, dst) = match frame(ctx) {
-        Frame::Ip(family, src, dst) => (family, src, dst),
-        Frame::NotIp => return,
-        Frame::Truncated(family) => {
-            unparsable(ctx, family);
-            return;
-        }
+    let Some((family, src, dst)) = addresses(ctx) else {
+        return;
     };
     let from = endpoint(&src);
     if from.is_some_and(|ep| ep.flags & flags::HOST == 0) {
@@ -392,23 +377,16 @@ fn count_from_node(ctx: &SkBuffContext) {
 #[inline(always)]
 fn count_delivered(ctx: &SkBuffContext) {
     // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
-    // run; `mark` and `ingress_ifindex` are readable fields of a cgroup_skb
-    // program's context.
-    let (mark, ingress_ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ingress_ifindex) };
-    // Before the headers: most packets a node receives are not marked.
-    if mark & mark_bit() == 0 {
-        return;
-    }
-    let Some(sender) = interface(ingress_ifindex) else {
+    // run; `ingress_ifindex` is a readable field of a cgroup_skb program's
+    // context.
+    let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    // Before the headers (`marked_by` checks the mark first): most packets a
+    // node receives are not marked.
+    let Some(sender) = marked_by(ctx, ingress_ifindex) else {
         return;
     };
-    let (family, src, dst) = match frame(ctx) {
-        Frame::Ip(family, src, dst) => (family, src, dst),
-        Frame::NotIp => return,
-        Frame::Truncated(family) => {
-            unparsable(ctx, family);
-            return;
-        }
+    let Some((family, src, dst)) = addresses(ctx) else {
+        return;
     };
     let to_node = match endpoint(&dst) {
         Some(ep) => ep.flags & flags::HOST != 0,
@@ -417,9 +395,7 @@ fn count_delivered(ctx: &SkBuffContext) {
     if !to_node {
         return;
     }
-    // SAFETY: `mark` is a writable field of a cgroup_skb program's context.
-    unsafe { (*ctx.skb.skb).mark = mark & !mark_bit() };
-    count_event(stats::MARKED_COUNTED);
+    clear_mark_bit(ctx);
     let key = FlowKey {
         src_identity: sender_identity(&sender, &src),
         dst_identity: identity::HOST,
@@ -459,29 +435,29 @@ fn mark_bit() -> u32 {
 }
 
 #[inline(always)]
-fn mark(ctx: &TcContext) -> u32 {
-    // SAFETY: as in `count`; `mark` is a readable field of a TC program's context.
-    unsafe { (*ctx.skb.skb).mark }
+fn mark<P: Packet>(ctx: &P) -> u32 {
+    // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole run;
+    // `mark` is a readable field of a TC and of a cgroup_skb program's context.
+    unsafe { (*ctx.sk_buff()).mark }
 }
 
 #[inline(always)]
-fn set_mark(ctx: &TcContext, mark: u32) {
-    // SAFETY: `mark` is a writable field of a TC program's context; the kernel
-    // passes a valid `__sk_buff` for the program's whole run.
-    unsafe { (*ctx.skb.skb).mark = mark };
+fn set_mark<P: Packet>(ctx: &P, mark: u32) {
+    // SAFETY: as in `mark`; `mark` is also a writable field of both contexts.
+    unsafe { (*ctx.sk_buff()).mark = mark };
 }
 
 /// Whether the packet carries census's mark bit: it left an endpoint for a
 /// Service address, and has not been counted yet.
 #[inline(always)]
-fn is_marked(ctx: &TcContext) -> bool {
+fn is_marked<P: Packet>(ctx: &P) -> bool {
     mark(ctx) & mark_bit() != 0
 }
 
 /// Clears census's mark bit, leaving every other bit as it is: the packet is
 /// counted here.
 #[inline(always)]
-fn clear_mark_bit(ctx: &TcContext) {
+fn clear_mark_bit<P: Packet>(ctx: &P) {
     set_mark(ctx, mark(ctx) & !mark_bit());
     count_event(stats::MARKED_COUNTED);
 }
@@ -499,7 +475,7 @@ fn is_service(address: &EndpointKey) -> bool {
 /// A packet that carries the bit otherwise (a local socket's `SO_MARK`, another
 /// program's rule) is not census's to count or clear.
 #[inline(always)]
-fn marked_by(ctx: &TcContext, ingress_ifindex: u32) -> Option<InterfaceValue> {
+fn marked_by<P: Packet>(ctx: &P, ingress_ifindex: u32) -> Option<InterfaceValue> {
     if !is_marked(ctx) {
         return None;
     }
@@ -610,6 +586,20 @@ fn frame<P: Packet>(packet: &P) -> Frame {
     }
 }
 
+/// [`frame`]'s addresses of an IP packet; `None` for anything else, a packet
+/// too short to hold them counted as unparsable.
+#[inline(always)]
+fn addresses<P: Packet>(packet: &P) -> Option<(Family, EndpointKey, EndpointKey)> {
+    match frame(packet) {
+        Frame::Ip(family, src, dst) => Some((family, src, dst)),
+        Frame::NotIp => None,
+        Frame::Truncated(family) => {
+            unparsable(packet, family);
+            None
+        }
+    }
+}
+
 /// What the programs read of a packet, on a TC hook (from its Ethernet header)
 /// or a cgroup hook (from its IP header).
 trait Packet: EbpfContext {
@@ -624,6 +614,9 @@ trait Packet: EbpfContext {
 
     /// `skb->len` and `skb->gso_segs`.
     fn len_and_segments(&self) -> (u32, u32);
+
+    /// The packet's `__sk_buff`, valid for the program's whole run.
+    fn sk_buff(&self) -> *mut __sk_buff;
 }
 
 impl Packet for TcContext {
@@ -655,6 +648,11 @@ impl Packet for TcContext {
         // run; these are readable context fields of a TC program.
         unsafe { ((*self.skb.skb).len, (*self.skb.skb).gso_segs) }
     }
+
+    #[inline(always)]
+    fn sk_buff(&self) -> *mut __sk_buff {
+        self.skb.skb
+    }
 }
 
 impl Packet for SkBuffContext {
@@ -676,6 +674,11 @@ impl Packet for SkBuffContext {
         // SAFETY: as for TC; `len` and `gso_segs` are readable fields of a
         // cgroup_skb program's context.
         unsafe { ((*self.skb.skb).len, (*self.skb.skb).gso_segs) }
+    }
+
+    #[inline(always)]
+    fn sk_buff(&self) -> *mut __sk_buff {
+        self.skb.skb
     }
 }
 
