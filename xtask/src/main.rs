@@ -5,6 +5,7 @@
 mod bench;
 mod bench_agent;
 mod bench_classifier;
+mod cluster;
 mod cmd;
 mod codegen;
 mod demo;
@@ -70,6 +71,10 @@ enum Command {
     /// by shard and time bound, carrying on from earlier runs; caught / missed /
     /// timeout / unviable. `--in-diff`: only the lines the change touches.
     Mutants(mutants::Options),
+    /// A real Kubernetes control plane on loopback (etcd, kube-apiserver,
+    /// kube-controller-manager, kube-scheduler, kwok), built from the pinned upstream
+    /// modules in test-support/control-plane: up, down, status, env, pin.
+    Cluster(cluster::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -86,5 +91,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(options) => bench::run(options),
         Command::Images(options) => images::run(options),
         Command::Mutants(options) => mutants::run(options),
+        Command::Cluster(options) => cluster::run(options),
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::{bench, cmd, disk, ebpf, mutants, privileged, setup};
+use crate::{bench, cluster, cmd, disk, ebpf, mutants, privileged, setup};
 
 /// What a cold run writes under the target directory (debug and release builds,
 /// the eBPF objects, test and bench binaries), with some room to spare.
@@ -57,6 +57,13 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     step("disk space", &mut || {
         disk::require_free(&target, NEEDED_GIB, "a cold `cargo xtask test`")
     })?;
+    // The real control plane's components are built with Go: without a Go new enough
+    // for their modules, stop now, naming what to install, rather than skip them.
+    step("Go", &mut || {
+        let go = census_cluster::go::check(&root)?;
+        println!("{go}");
+        Ok(())
+    })?;
     step("set-up", &mut || setup::run(setup::Options {}))?;
     step("eBPF build", &mut || ebpf::build(ebpf::Profile::Release))?;
     step("format", &mut || {
@@ -92,12 +99,25 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     } else {
         Some(bench::Background::start()?)
     };
+    // One real control plane for the whole run (built if its pins changed), stopped
+    // at the end whatever happens; every test that needs one finds it through
+    // CENSUS_TEST_KUBECONFIG and works in namespaces of its own.
+    let mut plane = None;
+    step("control plane", &mut || {
+        plane = Some(cluster::Running(cluster::up(cluster::TEST_NAME, 2)?));
+        Ok(())
+    })?;
+    let kubeconfig = plane
+        .as_ref()
+        .map(|p| p.0.kubeconfig())
+        .context("the control plane is up")?;
     step("tests", &mut || {
         // census-common belongs to the eBPF workspace, so `--workspace` leaves it out;
         // its tests run on the host, as the agent builds it.
         cmd::run(
             cmd::host_cargo()
                 .current_dir(&root)
+                .env("CENSUS_TEST_KUBECONFIG", &kubeconfig)
                 .args(["test", "--workspace"]),
         )?;
         cmd::run(
@@ -122,6 +142,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             })
         })?;
     }
+    drop(plane);
     if let Some(build) = gate_build {
         let mut build = Some(build);
         step("churn benchmark gate", &mut || {

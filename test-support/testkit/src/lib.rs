@@ -5,6 +5,7 @@
 //! - [`agent`]: an agent's EndpointSync stream, driven message by message;
 //! - [`eventually`], [`until_some`] and [`wait_for`]: polling with a deadline;
 //! - [`alloc`]: a global allocator that counts live bytes per thread;
+//! - [`cluster`]: the real Kubernetes control plane (census-cluster), namespaces on it;
 //! - [`proxy`]: a TCP proxy that can go silent (a half-open connection);
 //! - [`promlint`]: `/metrics` scraped in both formats and linted by promtool and
 //!   a strict OpenMetrics parser;
@@ -18,6 +19,7 @@
 
 pub mod agent;
 pub mod alloc;
+pub mod cluster;
 pub mod h2attack;
 pub mod layering;
 pub mod operator;

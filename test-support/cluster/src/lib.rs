@@ -1,0 +1,724 @@
+//! A real Kubernetes control plane on loopback, for census's tests, benchmarks and
+//! `cargo xtask cluster`: upstream etcd, kube-apiserver, kube-controller-manager,
+//! kube-scheduler and kwok (which plays the nodes: Node heartbeats, pod IPs from the
+//! node's podCIDR, Running pods, completed Job pods), built by [`go::build`] from the
+//! pinning modules under `test-support/control-plane/`. Nothing of Kubernetes is
+//! re-implemented; only the kubelet's container runtime is missing.
+//!
+//! A control plane lives in `<target>/cluster/<name>/`: its PKI, etcd's data, one log
+//! per component, `state.json` (ports and pids), the admin `kubeconfig` and an `env`
+//! file to source. Its processes are detached: they outlive the command that started
+//! them until [`ControlPlane::down`], which stops exactly the pids it started (and
+//! only while they still run the program it started).
+
+pub mod go;
+mod pki;
+mod process;
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::{Path, PathBuf},
+    process::{Command, ExitStatus, Output},
+    time::Duration,
+};
+
+use serde_json::{Value, json};
+
+pub use crate::{
+    go::{Binaries, Program},
+    pki::token_kubeconfig,
+    process::Component,
+};
+
+/// Where progress goes (`println!` in xtask, the test's output in tests).
+pub type Say<'a> = &'a dyn Fn(&str);
+
+/// The Pod network, split by kube-controller-manager into one /24 per node (kwok
+/// gives pods addresses from their node's): the benchmarking range, never routed.
+pub const CLUSTER_CIDR: &str = "198.18.0.0/16";
+/// ClusterIPs; the API server's own is the first.
+pub const SERVICE_CIDR: &str = "198.19.0.0/24";
+/// The first node's InternalIP; node `i` has the `i`-th after it.
+const FIRST_NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 1);
+/// The label and annotation kwok's nodes carry (kwok manages the annotated ones).
+pub const KWOK_NODE: (&str, &str) = ("kwok.x-k8s.io/node", "fake");
+
+/// How long each component may take to become ready.
+const READY_WITHIN: Duration = Duration::from_secs(90);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "Go is not installed (running `go`: {source}); install Go 1.26 or newer \
+         (Debian 12's golang is too old; see docs/testing.md)"
+    )]
+    GoMissing { source: std::io::Error },
+    #[error(
+        "Go {found} is older than the control plane's modules need (go {need}); install \
+         Go {need} or newer"
+    )]
+    GoTooOld { found: String, need: String },
+    #[error("{file}: {what}")]
+    Pin { file: PathBuf, what: &'static str },
+    #[error("cannot {what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start {what}: {source}")]
+    Spawn {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{what} failed ({status}){}", if detail.is_empty() { String::new() } else { format!(": {detail}") })]
+    Failed {
+        what: &'static str,
+        status: ExitStatus,
+        detail: String,
+    },
+    #[error("making the control plane's certificates: {0}")]
+    Pki(rcgen::Error),
+    #[error("{component} exited; the end of {}:\n{tail}", log.display())]
+    Died {
+        component: String,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error("{component} was not ready ({what}) within {waited:?}; the end of {}:\n{tail}", log.display())]
+    NotReady {
+        component: String,
+        what: &'static str,
+        waited: Duration,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error(
+        "no control plane named {name} is running (start it with `cargo xtask cluster up --name {name}`)"
+    )]
+    NotRunning { name: String },
+    #[error("{path}: not a control plane's state ({why})")]
+    BadState { path: PathBuf, why: String },
+}
+
+/// What `up` starts.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The directory under `<target>/cluster/`.
+    pub name: String,
+    /// kwok nodes, named `kwok-0`, `kwok-1`, ...
+    pub nodes: u32,
+}
+
+/// A running control plane (started by [`ControlPlane::up`] or found again by
+/// [`ControlPlane::find`]).
+#[derive(Debug, Clone)]
+pub struct ControlPlane {
+    dir: PathBuf,
+    server: String,
+    kubectl: PathBuf,
+    kubernetes: String,
+    nodes: Vec<Node>,
+    components: Vec<Component>,
+}
+
+/// A kwok node: its name and InternalIP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    pub name: String,
+    pub ip: IpAddr,
+}
+
+impl ControlPlane {
+    fn dir_of(target: &Path, name: &str) -> PathBuf {
+        target.join("cluster").join(name)
+    }
+
+    /// Builds what is missing, then starts a fresh control plane named
+    /// `options.name`, stopping one of that name first, and waits until every
+    /// component is ready and every node Ready.
+    pub fn up(repo: &Path, target: &Path, options: &Options, say: Say<'_>) -> Result<Self, Error> {
+        let binaries = go::build(repo, target, say)?;
+        let dir = Self::dir_of(target, &options.name);
+        if let Ok(Some(old)) = Self::find(target, &options.name) {
+            say(&format!(
+                "stopping the control plane already at {}",
+                dir.display()
+            ));
+            old.stop();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        let pki_dir = dir.join("pki");
+        pki::write_all(&pki_dir, IpAddr::from([198, 19, 0, 1]))?;
+        let mut plane = Self {
+            dir,
+            server: String::new(),
+            kubectl: binaries.path(Program::Kubectl),
+            kubernetes: binaries.kubernetes.clone(),
+            nodes: (0..options.nodes)
+                .map(|i| Node {
+                    name: format!("kwok-{i}"),
+                    ip: IpAddr::V4(Ipv4Addr::from(u32::from(FIRST_NODE_IP) + i)),
+                })
+                .collect(),
+            components: Vec::new(),
+        };
+        let result = plane.start(&binaries, say);
+        if let Err(e) = result {
+            plane.stop();
+            return Err(e);
+        }
+        Ok(plane)
+    }
+
+    fn start(&mut self, bin: &Binaries, say: Say<'_>) -> Result<(), Error> {
+        let dir = self.dir.clone();
+        let pki = dir.join("pki");
+        let p = |f: &str| pki.join(f).display().to_string();
+
+        let (client, peer) = (process::free_port()?, process::free_port()?);
+        let etcd_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let etcd = Component::start(
+            &dir,
+            "etcd",
+            &bin.path(Program::Etcd),
+            &strings(&[
+                "--name=census-test",
+                &format!("--data-dir={}", dir.join("etcd").display()),
+                &format!("--listen-client-urls={etcd_url}"),
+                &format!("--advertise-client-urls={etcd_url}"),
+                &format!("--listen-peer-urls={peer_url}"),
+                &format!("--initial-advertise-peer-urls={peer_url}"),
+                &format!("--initial-cluster=census-test={peer_url}"),
+                "--unsafe-no-fsync=true",
+                "--quota-backend-bytes=8589934592",
+                "--log-level=warn",
+            ]),
+        )?;
+        self.components.push(etcd.clone());
+        self.save()?;
+        process::wait_ready(&etcd, "GET /health", READY_WITHIN, || {
+            http_get(client, "/health").is_some_and(|body| body.contains("\"health\":\"true\""))
+        })?;
+        say(&format!("etcd {} ready on {etcd_url}", bin.etcd));
+
+        let port = process::free_port()?;
+        self.server = format!("https://127.0.0.1:{port}");
+        let apiserver = Component::start(
+            &dir,
+            "kube-apiserver",
+            &bin.path(Program::KubeApiserver),
+            &strings(&[
+                &format!("--etcd-servers={etcd_url}"),
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                &format!("--secure-port={port}"),
+                &format!("--tls-cert-file={}", p("apiserver.pem")),
+                &format!("--tls-private-key-file={}", p("apiserver-key.pem")),
+                &format!("--client-ca-file={}", p("ca.pem")),
+                &format!("--service-account-key-file={}", p("sa.pem")),
+                &format!("--service-account-signing-key-file={}", p("sa-key.pem")),
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                "--api-audiences=https://kubernetes.default.svc.cluster.local",
+                &format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction,ServiceAccount,PodSecurity,ValidatingAdmissionPolicy",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=lease",
+                "--profiling=false",
+                "--v=1",
+            ]),
+        )?;
+        self.components.push(apiserver.clone());
+        self.save()?;
+        for (client, _, _) in clients() {
+            go::write(
+                &dir.join(format!("{client}.kubeconfig")),
+                &pki::cert_kubeconfig(&pki, &self.server, client),
+            )?;
+        }
+        go::write(
+            &self.kubeconfig(),
+            &pki::cert_kubeconfig(&pki, &self.server, "admin"),
+        )?;
+        process::wait_ready(&apiserver, "GET /readyz", READY_WITHIN, || {
+            self.kubectl_output(&["get", "--raw", "/readyz"])
+                .is_ok_and(|o| o.status.success())
+        })?;
+        say(&format!(
+            "kube-apiserver {} ready on {}",
+            bin.kubernetes, self.server
+        ));
+
+        let kubeconfig = |c: &str| dir.join(format!("{c}.kubeconfig")).display().to_string();
+        let kcm = Component::start(
+            &dir,
+            "kube-controller-manager",
+            &bin.path(Program::KubeControllerManager),
+            &strings(&[
+                &format!("--kubeconfig={}", kubeconfig("controller-manager")),
+                &format!(
+                    "--authentication-kubeconfig={}",
+                    kubeconfig("controller-manager")
+                ),
+                &format!(
+                    "--authorization-kubeconfig={}",
+                    kubeconfig("controller-manager")
+                ),
+                "--bind-address=127.0.0.1",
+                &format!("--secure-port={}", process::free_port()?),
+                "--use-service-account-credentials=true",
+                &format!("--service-account-private-key-file={}", p("sa-key.pem")),
+                &format!("--root-ca-file={}", p("ca.pem")),
+                "--allocate-node-cidrs=true",
+                &format!("--cluster-cidr={CLUSTER_CIDR}"),
+                "--node-cidr-mask-size=24",
+                &format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                "--controllers=*",
+                "--profiling=false",
+                "--v=1",
+            ]),
+        )?;
+        self.components.push(kcm.clone());
+        let scheduler = Component::start(
+            &dir,
+            "kube-scheduler",
+            &bin.path(Program::KubeScheduler),
+            &strings(&[
+                &format!("--kubeconfig={}", kubeconfig("scheduler")),
+                &format!("--authentication-kubeconfig={}", kubeconfig("scheduler")),
+                &format!("--authorization-kubeconfig={}", kubeconfig("scheduler")),
+                "--bind-address=127.0.0.1",
+                &format!("--secure-port={}", process::free_port()?),
+                "--profiling=false",
+                "--v=1",
+            ]),
+        )?;
+        self.components.push(scheduler.clone());
+        let kwok = Component::start(
+            &dir,
+            "kwok",
+            &bin.path(Program::Kwok),
+            &strings(&[
+                &format!("--kubeconfig={}", kubeconfig("kwok")),
+                &format!("--config={}", bin.dir.join("kwok-stages.yaml").display()),
+                &format!(
+                    "--manage-nodes-with-annotation-selector={}={}",
+                    KWOK_NODE.0, KWOK_NODE.1
+                ),
+                &format!("--cidr={CLUSTER_CIDR}"),
+                &format!("--node-ip={FIRST_NODE_IP}"),
+                &format!("--server-address=127.0.0.1:{}", process::free_port()?),
+            ]),
+        )?;
+        self.components.push(kwok.clone());
+        self.save()?;
+        for (component, lease) in [
+            (&kcm, "kube-controller-manager"),
+            (&scheduler, "kube-scheduler"),
+        ] {
+            process::wait_ready(component, "holding its leader Lease", READY_WITHIN, || {
+                self.kubectl_output(&[
+                    "-n",
+                    "kube-system",
+                    "get",
+                    "lease",
+                    lease,
+                    "-o",
+                    "jsonpath={.spec.holderIdentity}",
+                ])
+                .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+            })?;
+            say(&format!("{lease} {} leading", bin.kubernetes));
+        }
+        for node in &self.nodes {
+            self.apply(&node_object(node))?;
+            // Status is not applied with the object: set it on its subresource.
+            self.kubectl_ok(&[
+                "patch",
+                "node",
+                &node.name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &node_status(node).to_string(),
+            ])?;
+        }
+        process::wait_ready(&kwok, "every node Ready", READY_WITHIN, || {
+            self.nodes_ready().unwrap_or(false)
+        })?;
+        say(&format!(
+            "kwok {} plays {} node(s): {}",
+            bin.kwok,
+            self.nodes.len(),
+            self.nodes
+                .iter()
+                .map(|n| format!("{} ({})", n.name, n.ip))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        go::write(&dir.join("env"), &self.env())?;
+        Ok(())
+    }
+
+    fn nodes_ready(&self) -> Result<bool, Error> {
+        let out = self.kubectl_json(&[
+            "get",
+            "nodes",
+            "-l",
+            &format!("{}={}", KWOK_NODE.0, KWOK_NODE.1),
+        ])?;
+        let items = out["items"].as_array().cloned().unwrap_or_default();
+        let ready = items
+            .iter()
+            .filter(|n| {
+                let cidr = n["spec"]["podCIDR"].as_str().is_some();
+                let ready = n["status"]["conditions"].as_array().is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                });
+                cidr && ready
+            })
+            .count();
+        Ok(ready == self.nodes.len())
+    }
+
+    /// The control plane named `name` under `target`, if its state is there (its
+    /// components may have died since: see [`ControlPlane::dead`]).
+    pub fn find(target: &Path, name: &str) -> Result<Option<Self>, Error> {
+        Self::at(&Self::dir_of(target, name))
+    }
+
+    /// The control plane whose admin kubeconfig is `kubeconfig` (what
+    /// `CENSUS_TEST_KUBECONFIG` names), if census-cluster started it.
+    pub fn of_kubeconfig(kubeconfig: &Path) -> Result<Option<Self>, Error> {
+        match kubeconfig.parent() {
+            Some(dir) => Self::at(dir),
+            None => Ok(None),
+        }
+    }
+
+    fn at(dir: &Path) -> Result<Option<Self>, Error> {
+        let dir = dir.to_owned();
+        let path = dir.join("state.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(Error::Io {
+                    what: "read",
+                    path,
+                    source,
+                });
+            }
+        };
+        let bad = |why: &str| Error::BadState {
+            path: path.clone(),
+            why: why.to_owned(),
+        };
+        let state: Value = serde_json::from_str(&text).map_err(|e| bad(&e.to_string()))?;
+        let string = |v: &Value, what: &str| {
+            v.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| bad(&format!("no {what}")))
+        };
+        let components = state["components"]
+            .as_array()
+            .ok_or_else(|| bad("no components"))?
+            .iter()
+            .map(|c| {
+                Ok(Component {
+                    name: string(&c["name"], "name")?,
+                    program: PathBuf::from(string(&c["program"], "program")?),
+                    pid: c["pid"]
+                        .as_u64()
+                        .and_then(|p| u32::try_from(p).ok())
+                        .ok_or_else(|| bad("no pid"))?,
+                    log: PathBuf::from(string(&c["log"], "log")?),
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        let nodes = state["nodes"]
+            .as_array()
+            .ok_or_else(|| bad("no nodes"))?
+            .iter()
+            .map(|n| {
+                Ok(Node {
+                    name: string(&n["name"], "node name")?,
+                    ip: string(&n["ip"], "node ip")?
+                        .parse()
+                        .map_err(|_| bad("a node ip"))?,
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        Ok(Some(Self {
+            dir,
+            server: string(&state["server"], "server")?,
+            kubectl: PathBuf::from(string(&state["kubectl"], "kubectl")?),
+            kubernetes: string(&state["kubernetes"], "kubernetes")?,
+            nodes,
+            components,
+        }))
+    }
+
+    /// The running control plane named `name`, or why there is none.
+    pub fn running(target: &Path, name: &str) -> Result<Self, Error> {
+        match Self::find(target, name)? {
+            Some(plane) if plane.dead().is_empty() => Ok(plane),
+            _ => Err(Error::NotRunning {
+                name: name.to_owned(),
+            }),
+        }
+    }
+
+    fn save(&self) -> Result<(), Error> {
+        let state = json!({
+            "server": self.server,
+            "kubectl": self.kubectl,
+            "kubernetes": self.kubernetes,
+            "nodes": self.nodes.iter().map(|n| json!({"name": n.name, "ip": n.ip.to_string()})).collect::<Vec<_>>(),
+            "components": self.components.iter().map(|c| json!({
+                "name": c.name, "program": c.program, "pid": c.pid, "log": c.log,
+            })).collect::<Vec<_>>(),
+        });
+        go::write(&self.dir.join("state.json"), &format!("{state:#}\n"))
+    }
+
+    /// Stops every component it started (the reverse of their start order) and
+    /// forgets them; the logs stay.
+    pub fn stop(&self) {
+        for component in self.components.iter().rev() {
+            component.stop(Duration::from_secs(10));
+        }
+        let _ = std::fs::remove_file(self.dir.join("state.json"));
+    }
+
+    /// Stops the control plane named `name`, if one was started; whether there was.
+    pub fn down(target: &Path, name: &str) -> Result<bool, Error> {
+        Ok(Self::find(target, name)?.map(|p| p.stop()).is_some())
+    }
+
+    /// The components that have exited.
+    pub fn dead(&self) -> Vec<&Component> {
+        self.components.iter().filter(|c| !c.alive()).collect()
+    }
+
+    pub fn components(&self) -> &[Component] {
+        &self.components
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The API server's URL (`https://127.0.0.1:<port>`).
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The Kubernetes release it runs.
+    pub fn kubernetes(&self) -> &str {
+        &self.kubernetes
+    }
+
+    /// The cluster's CA certificate (PEM).
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("pki/ca.pem")
+    }
+
+    /// An administrator's kubeconfig (group `system:masters`).
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join("kubeconfig")
+    }
+
+    /// Shell lines that point kubectl and census's tests at it.
+    pub fn env(&self) -> String {
+        let bin = self
+            .kubectl
+            .parent()
+            .map(Path::to_owned)
+            .unwrap_or_default();
+        format!(
+            "export KUBECONFIG={k}\nexport CENSUS_TEST_KUBECONFIG={k}\nexport PATH={}:$PATH\n",
+            bin.display(),
+            k = self.kubeconfig().display()
+        )
+    }
+
+    /// kubectl as the administrator.
+    pub fn kubectl(&self) -> Command {
+        let mut cmd = Command::new(&self.kubectl);
+        cmd.arg("--kubeconfig").arg(self.kubeconfig());
+        cmd
+    }
+
+    /// The path of the kubectl it built.
+    pub fn kubectl_path(&self) -> &Path {
+        &self.kubectl
+    }
+
+    fn kubectl_output(&self, args: &[&str]) -> Result<Output, Error> {
+        self.kubectl()
+            .args(args)
+            .output()
+            .map_err(|source| Error::Spawn {
+                what: "kubectl",
+                source,
+            })
+    }
+
+    /// Runs kubectl as the administrator; its stdout, or an error with its stderr.
+    pub fn kubectl_ok(&self, args: &[&str]) -> Result<String, Error> {
+        let out = self.kubectl_output(args)?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(Error::Failed {
+                what: "kubectl",
+                status: out.status,
+                detail: format!(
+                    "kubectl {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            })
+        }
+    }
+
+    /// `kubectl ... -o json`, parsed.
+    pub fn kubectl_json(&self, args: &[&str]) -> Result<Value, Error> {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        let text = self.kubectl_ok(&all)?;
+        serde_json::from_str(&text).map_err(|e| Error::BadState {
+            path: self.kubectl.clone(),
+            why: format!("kubectl printed no JSON: {e}"),
+        })
+    }
+
+    /// Server-side apply of one object, as the administrator.
+    pub fn apply(&self, object: &Value) -> Result<(), Error> {
+        use std::io::Write as _;
+        let mut child = self
+            .kubectl()
+            .args([
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=census-test",
+                "-f",
+                "-",
+            ])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                what: "kubectl apply",
+                source,
+            })?;
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(object.to_string().as_bytes());
+        }
+        let out = child.wait_with_output().map_err(|source| Error::Spawn {
+            what: "kubectl apply",
+            source,
+        })?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(Error::Failed {
+                what: "kubectl apply",
+                status: out.status,
+                detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            })
+        }
+    }
+
+    /// A token of ServiceAccount `namespace/name` (TokenRequest), for `audience`
+    /// (the API server's when `None`), bound to `pod` when given, valid `seconds`.
+    pub fn token(
+        &self,
+        namespace: &str,
+        name: &str,
+        audience: Option<&str>,
+        pod: Option<&str>,
+        seconds: u32,
+    ) -> Result<String, Error> {
+        let duration = format!("--duration={seconds}s");
+        let mut args = vec!["-n", namespace, "create", "token", name, &duration];
+        if let Some(audience) = audience {
+            args.extend(["--audience", audience]);
+        }
+        if let Some(pod) = pod {
+            args.extend(["--bound-object-kind", "Pod", "--bound-object-name", pod]);
+        }
+        Ok(self.kubectl_ok(&args)?.trim().to_owned())
+    }
+
+    /// A kubeconfig file under the control plane's directory that sends `token`.
+    pub fn write_token_kubeconfig(&self, file: &str, token: &str) -> Result<PathBuf, Error> {
+        let path = self.dir.join(format!("{file}.kubeconfig"));
+        go::write(
+            &path,
+            &token_kubeconfig(&self.dir.join("pki"), &self.server, token),
+        )?;
+        Ok(path)
+    }
+}
+
+fn clients() -> impl Iterator<Item = (&'static str, &'static str, Option<&'static str>)> {
+    pki::CLIENTS.iter().map(|c| (c.file, c.user, c.group))
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A kwok node: annotated for kwok to manage it.
+fn node_object(node: &Node) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": node.name,
+            "annotations": {KWOK_NODE.0: KWOK_NODE.1, "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                KWOK_NODE.0: KWOK_NODE.1,
+                "kubernetes.io/hostname": node.name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+            },
+        },
+    })
+}
+
+/// The node's addresses (kwok keeps an InternalIP a node already has) and room for
+/// pods.
+fn node_status(node: &Node) -> Value {
+    let resources = json!({"cpu": "32", "memory": "256Gi", "pods": "110"});
+    json!({"status": {
+        "addresses": [
+            {"type": "InternalIP", "address": node.ip.to_string()},
+            {"type": "Hostname", "address": node.name},
+        ],
+        "allocatable": resources,
+        "capacity": resources,
+    }})
+}
+
+/// `GET path` over plain HTTP on loopback (etcd's client port); the body.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).ok()?;
+    Some(body)
+}

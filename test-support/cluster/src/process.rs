@@ -1,0 +1,205 @@
+//! The control plane's processes: started with their output in a log file and their
+//! pid in a file, found again by a later command, and stopped only if the pid is still
+//! the program that was started.
+
+use std::{
+    fs::File,
+    io::{Read as _, Seek as _, SeekFrom},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+
+use crate::Error;
+
+/// How much of a log a failure quotes.
+const TAIL_BYTES: u64 = 3000;
+
+/// A started component: its name, its program and its pid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Component {
+    pub name: String,
+    pub program: PathBuf,
+    pub pid: u32,
+    pub log: PathBuf,
+}
+
+impl Component {
+    /// Starts `program` with `args`, in a process group of its own (it outlives the
+    /// command that started it, and a terminal's Ctrl-C does not reach it), its
+    /// output appended to `logs/<name>.log`.
+    pub(crate) fn start(
+        dir: &Path,
+        name: &str,
+        program: &Path,
+        args: &[String],
+    ) -> Result<Self, Error> {
+        use std::os::unix::process::CommandExt as _;
+        let logs = dir.join("logs");
+        std::fs::create_dir_all(&logs).map_err(|source| Error::Io {
+            what: "create",
+            path: logs.clone(),
+            source,
+        })?;
+        let log = logs.join(format!("{name}.log"));
+        let open = || {
+            File::options()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .map_err(|source| Error::Io {
+                    what: "open",
+                    path: log.clone(),
+                    source,
+                })
+        };
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(open()?)
+            .stderr(open()?)
+            .process_group(0)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                what: "a control-plane component",
+                source,
+            })?;
+        // Reaped by whoever outlives it: a detached component is not waited for.
+        let pid = child.id();
+        drop(child);
+        Ok(Self {
+            name: name.to_owned(),
+            program: program.to_owned(),
+            pid,
+            log,
+        })
+    }
+
+    /// Whether the pid is alive and still runs this component's program (a pid
+    /// reused by another program is not it).
+    pub fn alive(&self) -> bool {
+        let exe = std::fs::read_link(format!("/proc/{}/exe", self.pid));
+        let zombie = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+            .map(|stat| {
+                stat.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(true);
+        exe.is_ok_and(|exe| exe == self.program) && !zombie
+    }
+
+    /// Fails with the log's tail if the component has exited.
+    pub(crate) fn check(&self) -> Result<(), Error> {
+        if self.alive() {
+            Ok(())
+        } else {
+            Err(Error::Died {
+                component: self.name.clone(),
+                log: self.log.clone(),
+                tail: self.tail(),
+            })
+        }
+    }
+
+    /// The last few KiB of the log.
+    pub fn tail(&self) -> String {
+        tail(&self.log)
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`; nothing if it is no longer this program.
+    pub(crate) fn stop(&self, grace: Duration) {
+        if !self.alive() {
+            return;
+        }
+        let Ok(raw) = i32::try_from(self.pid) else {
+            return;
+        };
+        let pid = Pid::from_raw(raw);
+        let _ = kill(pid, Signal::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while self.alive() && Instant::now() < deadline {
+            reap();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if self.alive() {
+            let _ = kill(pid, Signal::SIGKILL);
+            while self.alive() {
+                reap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Reaps exited children of this process (components it started), so they do not
+/// linger as zombies while it runs.
+fn reap() {
+    use nix::sys::wait::{WaitPidFlag, waitpid};
+    while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+        if matches!(status, nix::sys::wait::WaitStatus::StillAlive) {
+            break;
+        }
+    }
+}
+
+pub(crate) fn tail(path: &Path) -> String {
+    let Ok(mut file) = File::open(path) else {
+        return String::new();
+    };
+    let len = file.metadata().map_or(0, |m| m.len());
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)));
+    let mut bytes = Vec::new();
+    let _ = file.read_to_end(&mut bytes);
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A free loopback port (bound, read and released: another process may take it
+/// before the component does, which the component's start then reports).
+pub(crate) fn free_port() -> Result<u16, Error> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(|source| Error::Io {
+        what: "bind",
+        path: PathBuf::from("127.0.0.1:0"),
+        source,
+    })?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|source| Error::Io {
+            what: "bind",
+            path: PathBuf::from("127.0.0.1:0"),
+            source,
+        })
+}
+
+/// Polls `ready` every 200 ms until it holds, failing if `component` dies or
+/// `within` passes.
+pub(crate) fn wait_ready(
+    component: &Component,
+    what: &'static str,
+    within: Duration,
+    mut ready: impl FnMut() -> bool,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + within;
+    loop {
+        component.check()?;
+        if ready() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Error::NotReady {
+                component: component.name.clone(),
+                what,
+                waited: within,
+                log: component.log.clone(),
+                tail: component.tail(),
+            });
+        }
+        reap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -1,0 +1,129 @@
+//! The real Kubernetes control plane tests run against (census-cluster): the one
+//! `CENSUS_TEST_KUBECONFIG` names (`cargo xtask test` starts one for the whole run),
+//! or else one named `cargo-test` that the first test to need it starts and later
+//! runs reuse (`cargo xtask cluster down --name cargo-test` stops it). Each test
+//! works in namespaces of its own, removed when its guard drops.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::OnceLock,
+};
+
+use census_cluster::ControlPlane;
+
+use crate::TestResult;
+
+/// The control plane a plain `cargo test` starts when no kubeconfig is given.
+const OWN: &str = "cargo-test";
+
+/// The control plane census-cluster started for this run, started now if needed.
+pub fn plane() -> TestResult<&'static ControlPlane> {
+    static PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+    PLANE
+        .get_or_init(|| find_or_start().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| e.clone().into())
+}
+
+fn find_or_start() -> TestResult<ControlPlane> {
+    if let Some(path) = std::env::var_os("CENSUS_TEST_KUBECONFIG") {
+        let path = PathBuf::from(path);
+        return ControlPlane::of_kubeconfig(&path)?.ok_or_else(|| {
+            format!(
+                "CENSUS_TEST_KUBECONFIG={}: not a control plane census-cluster started \
+                 (`cargo xtask cluster up` starts one)",
+                path.display()
+            )
+            .into()
+        });
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    std::fs::create_dir_all(target.join("cluster"))?;
+    // One test binary at a time starts it; the others wait and reuse it.
+    let lock = std::fs::File::create(target.join("cluster").join(format!("{OWN}.lock")))?;
+    let _lock =
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, e)| e)?;
+    if let Ok(plane) = ControlPlane::running(&target, OWN) {
+        return Ok(plane);
+    }
+    let say = |line: &str| eprintln_line(line);
+    Ok(ControlPlane::up(
+        &root,
+        &target,
+        &census_cluster::Options {
+            name: OWN.to_owned(),
+            nodes: 2,
+        },
+        &say,
+    )?)
+}
+
+#[expect(
+    clippy::print_stderr,
+    reason = "what the control plane's start says, in the test's output"
+)]
+fn eprintln_line(line: &str) {
+    eprintln!("census-cluster: {line}");
+}
+
+/// A client of the control plane as its administrator, with or without kube's own
+/// retries.
+pub async fn admin_client(retry: bool) -> TestResult<kube::Client> {
+    kubeconfig_client(&plane()?.kubeconfig(), retry).await
+}
+
+/// A client that authenticates as the kubeconfig at `path` says.
+pub async fn kubeconfig_client(path: &Path, retry: bool) -> TestResult<kube::Client> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(path)?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.default_retry = retry;
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// A namespace `<prefix>-<random>`, with the `privileged` PodSecurity level (census's
+/// agent runs privileged), deleted when dropped.
+#[derive(Debug)]
+pub struct Namespace {
+    pub name: String,
+    plane: &'static ControlPlane,
+}
+
+impl Namespace {
+    pub fn create(prefix: &str) -> TestResult<Self> {
+        let plane = plane()?;
+        let name = format!("{prefix}-{:06x}", rand_suffix());
+        plane.apply(&serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": {
+                "census.dev/test": "true",
+                "pod-security.kubernetes.io/enforce": "privileged",
+            }},
+        }))?;
+        Ok(Self { name, plane })
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = self
+            .plane
+            .kubectl_ok(&["delete", "namespace", &self.name, "--wait=false"]);
+    }
+}
+
+fn rand_suffix() -> u32 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    (h.finish() & 0xff_ffff) as u32
+}
