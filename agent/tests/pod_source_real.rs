@@ -1,17 +1,15 @@
-//! The pod source against a real cluster, for what the fake API server cannot
-//! show: a real scheduler's node name, a real kubelet's pod IPs and phases, real
-//! field-selector and watch-cache behaviour.
-//!
-//! ```sh
-//! CENSUS_TEST_KUBECONFIG=~/.kube/config \
-//!   cargo test -p census-agent --test pod_source_real -- --ignored
-//! ```
+//! The pod source against a real control plane (census-cluster: upstream etcd,
+//! kube-apiserver, controllers, and kwok playing the nodes), for what the fake API
+//! server cannot show: real pod IPs and phases from a node, real field-selector and
+//! watch-cache behaviour. It runs in every test run (`cargo xtask test` starts the
+//! control plane; a plain `cargo test` starts or reuses one named `cargo-test`, or
+//! uses the one `CENSUS_TEST_KUBECONFIG` names).
 //!
 //! It creates a namespace `census-test-*` (removed at the end, also when the test
 //! fails) with two pods bound to one node: `CENSUS_TEST_NODE`, or the first Ready
-//! node. Their image is `CENSUS_TEST_IMAGE` (default `registry.k8s.io/pause:3.10`).
-//! The test does not run on that node, so interfaces are not looked up by route:
-//! every pod gets the interface `from-test`.
+//! node. Their image is `CENSUS_TEST_IMAGE` (default `registry.k8s.io/pause:3.10`;
+//! kwok runs no container). The test does not run on that node, so interfaces are
+//! not looked up by route: every pod gets the interface `from-test`.
 //!
 //! The same scenario also runs, in every test run, against the fake API server with
 //! a stand-in kubelet that gives bound pods an address and the Running phase.
@@ -28,7 +26,6 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::{
     Api, Client,
     api::{DeleteParams, ListParams, PostParams},
-    config::{KubeConfigOptions, Kubeconfig},
 };
 use serde_json::json;
 use tokio::{
@@ -50,12 +47,7 @@ impl InterfaceLookup for FromTest {
 }
 
 async fn real_client() -> TestResult<Client> {
-    let path = std::env::var("CENSUS_TEST_KUBECONFIG")
-        .map_err(|_| "set CENSUS_TEST_KUBECONFIG to a test cluster's kubeconfig")?;
-    let kubeconfig = Kubeconfig::read_from(path)?;
-    let config =
-        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
-    Ok(Client::try_from(config)?)
+    census_testkit::cluster::admin_client(true).await
 }
 
 /// `CENSUS_TEST_NODE`, or the first node whose Ready condition is True.
@@ -144,7 +136,6 @@ impl Seen {
 }
 
 #[tokio::test]
-#[ignore = "needs a real cluster: CENSUS_TEST_KUBECONFIG"]
 async fn real_pod_source_follows_its_nodes_pods() -> TestResult {
     follows_its_nodes_pods(&real_client().await?).await
 }
@@ -222,11 +213,28 @@ async fn follows_its_nodes_pods(client: &Client) -> TestResult {
             &serde_json::from_value(json!({"metadata": {"name": namespace}}))?,
         )
         .await?;
-    let result = scenario(client, &node, &namespace).await;
+    let result = async {
+        service_account_ready(client, &namespace).await?;
+        scenario(client, &node, &namespace).await
+    }
+    .await;
     let _ = namespaces
         .delete(&namespace, &DeleteParams::default())
         .await;
     result
+}
+
+/// A real API server refuses a pod whose ServiceAccount does not exist yet (the
+/// ServiceAccount admission plugin), and kube-controller-manager creates `default`
+/// just after the namespace: wait for it where there is a controller manager to.
+async fn service_account_ready(client: &Client, namespace: &str) -> TestResult {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while accounts.get_opt("default").await?.is_none() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
 }
 
 async fn scenario(client: &Client, node: &str, namespace: &str) -> TestResult {

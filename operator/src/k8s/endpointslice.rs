@@ -38,8 +38,9 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The label naming who manages an EndpointSlice.
 pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
 /// census's value of [`MANAGED_BY_LABEL`]: not the EndpointSlice controller's
-/// (`endpointslice-controller.k8s.io`), so it never touches the slice.
-pub const MANAGED_BY: &str = "census.dev/operator";
+/// (`endpointslice-controller.k8s.io`), so it never touches the slice; a label
+/// value, so no `/` (the API server refuses one).
+pub const MANAGED_BY: &str = "census-operator.census.dev";
 /// The Service's port name: an EndpointSlice port serves the Service port of the
 /// same name.
 pub const PORT_NAME: &str = "grpc";

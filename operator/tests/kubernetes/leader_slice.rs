@@ -68,7 +68,7 @@ fn slice_of(pod: &str, ip: &str, port: u16) -> Value {
             "namespace": NAMESPACE,
             "labels": {
                 "kubernetes.io/service-name": LEADER_SLICE,
-                "endpointslice.kubernetes.io/managed-by": "census.dev/operator",
+                "endpointslice.kubernetes.io/managed-by": "census-operator.census.dev",
             },
         },
         "addressType": "IPv4",
@@ -133,7 +133,7 @@ async fn the_leader_publishes_itself_over_a_crashed_predecessor_and_steps_off() 
         written["metadata"]["labels"],
         json!({
             "kubernetes.io/service-name": LEADER_SLICE,
-            "endpointslice.kubernetes.io/managed-by": "census.dev/operator",
+            "endpointslice.kubernetes.io/managed-by": "census-operator.census.dev",
         })
     );
     assert_eq!(written["addressType"], "IPv4");

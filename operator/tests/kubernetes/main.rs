@@ -2,13 +2,15 @@
 //! HTTP/JSON over loopback, real kube clients): the Identity store, garbage collection
 //! per item, node admission, leader election (in-process replicas and two real
 //! operator processes), the deploy/ manifests and the RBAC they grant. `real` runs the
-//! same scenarios against a real cluster (`#[ignore]`, `CENSUS_TEST_KUBECONFIG`).
+//! same scenarios against the real control plane (census-cluster), and `in_cluster`
+//! deploys census there as in a cluster.
 
 mod common;
 mod deploy;
 mod forwarding;
 mod gc;
 mod ha;
+mod in_cluster;
 mod kubectl;
 mod leader_slice;
 mod leadership;

@@ -308,6 +308,10 @@ impl ControlPlane {
                     KWOK_NODE.0, KWOK_NODE.1
                 ),
                 &format!("--cidr={CLUSTER_CIDR}"),
+                // Heartbeats by node Lease, as kubelets send them (the stage updates
+                // a node's status only every few minutes): without the Lease the node
+                // lifecycle controller marks the nodes NotReady and evicts pods.
+                "--node-lease-duration-seconds=40",
                 &format!("--node-ip={FIRST_NODE_IP}"),
                 &format!("--server-address=127.0.0.1:{}", process::free_port()?),
             ]),

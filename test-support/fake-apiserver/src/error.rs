@@ -263,6 +263,12 @@ pub enum Invalidity {
         "metadata.name: Invalid value: {0:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
     )]
     BadName(String),
+    /// A label value the API server refuses (found against a real API server: the
+    /// fake used to keep any string).
+    #[error(
+        "metadata.labels: Invalid value: {value:?}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (label {key})"
+    )]
+    BadLabelValue { key: String, value: String },
     /// Adding a finalizer to an object that is being deleted.
     #[error(
         "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted"

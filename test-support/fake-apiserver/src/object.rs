@@ -90,6 +90,22 @@ pub(crate) fn valid_name(name: &str) -> bool {
         && name.ends_with(|c: char| c.is_ascii_alphanumeric())
 }
 
+/// The first label whose value the API server refuses (`ValidateLabels`: at most 63
+/// characters, alphanumerics with `-`, `_` or `.` inside), as (key, value).
+pub(crate) fn bad_label_value(obj: &Value) -> Option<(String, String)> {
+    labels(obj)?.iter().find_map(|(key, value)| {
+        let value = value.as_str().unwrap_or_default();
+        let ok = value.is_empty()
+            || (value.len() <= 63
+                && value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                && value.starts_with(|c: char| c.is_ascii_alphanumeric())
+                && value.ends_with(|c: char| c.is_ascii_alphanumeric()));
+        (!ok).then(|| (key.clone(), value.to_owned()))
+    })
+}
+
 /// The object reduced to a `PartialObjectMetadata`, as served for
 /// `Accept: application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1`.
 pub(crate) fn partial_metadata(obj: &Value) -> Value {

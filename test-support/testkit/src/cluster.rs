@@ -9,7 +9,7 @@ use std::{
     sync::OnceLock,
 };
 
-use census_cluster::ControlPlane;
+pub use census_cluster::ControlPlane;
 
 use crate::TestResult;
 

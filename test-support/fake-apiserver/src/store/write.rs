@@ -151,6 +151,9 @@ impl Store {
         if !object::valid_name(&name) {
             return Err(self.invalid(res, &name, Invalidity::BadName(name.clone())));
         }
+        if let Some((key, value)) = object::bad_label_value(&obj) {
+            return Err(self.invalid(res, &name, Invalidity::BadLabelValue { key, value }));
+        }
         // Validation comes before storage: an invalid Event is 422 even if its name is taken.
         crate::events::validate_create(&spec, namespace, &obj)
             .map_err(|cause| self.invalid(res, &name, cause))?;
@@ -205,6 +208,13 @@ impl Store {
             && ns != key.namespace
         {
             return Err(ApiError::NamespaceMismatch);
+        }
+        if let Some((label, value)) = object::bad_label_value(&new) {
+            return Err(self.invalid(
+                res,
+                &key.name,
+                Invalidity::BadLabelValue { key: label, value },
+            ));
         }
 
         let mut next = match sub {

@@ -136,6 +136,18 @@ async fn create_needs_an_existing_namespace_and_a_valid_name() -> TestResult {
         .await;
     assert_eq!(api_code(&bad), Some((422, "Invalid".into())));
 
+    // A label value with a `/` is refused on create and on update, as a real API
+    // server refuses it (census's leader EndpointSlice once carried one).
+    let mut labelled = config_map("ghost", "labelled", &[]);
+    labelled.metadata.labels =
+        Some([("managed-by".to_owned(), "census.dev/operator".to_owned())].into());
+    let bad = cms.create(&PostParams::default(), &labelled).await;
+    assert_eq!(api_code(&bad), Some((422, "Invalid".into())));
+    let mut fine = cms.get("x").await?;
+    fine.metadata.labels = labelled.metadata.labels.clone();
+    let bad = cms.replace("x", &PostParams::default(), &fine).await;
+    assert_eq!(api_code(&bad), Some((422, "Invalid".into())));
+
     let mut generated = config_map("ghost", "", &[]);
     generated.metadata.name = None;
     generated.metadata.generate_name = Some("gen-".into());
