@@ -185,7 +185,13 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
             cached: metrics.token_review_cache_entries.clone(),
         },
     );
-    check_crd(&reads).await?;
+    let waiting = match check_crd(&reads).await? {
+        Some(error) => format!(
+            "cannot list Identity objects from the API server yet ({error}); the watch retries"
+        ),
+        None => "listing the Identity objects".to_owned(),
+    };
+    readiness.set_not_ready(format!("replica {identity}: {waiting}"));
 
     let fence = Arc::new(Fence::closed());
     let store = Arc::new(KubeStore::new(
@@ -305,8 +311,8 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
 }
 
 /// Fails fast when the CRD is missing; any other failure is left to the watch, which
-/// retries (the API server may be down at start).
-async fn check_crd(client: &Client) -> Result<(), ClusterError> {
+/// retries (the API server may be down at start), and returned for `/readyz` to say.
+async fn check_crd(client: &Client) -> Result<Option<kube::Error>, ClusterError> {
     let api: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &kube::api::ApiResource::erase::<crate::store::kubernetes::crd::Identity>(&()),
@@ -315,9 +321,9 @@ async fn check_crd(client: &Client) -> Result<(), ClusterError> {
         Err(kube::Error::Api(s)) if s.code == 404 => Err(ClusterError::CrdMissing),
         Err(e) => {
             warn!(error = %e, "cannot list Identity objects yet; the watch retries");
-            Ok(())
+            Ok(Some(e))
         }
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(None),
     }
 }
 

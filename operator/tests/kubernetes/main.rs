@@ -7,6 +7,7 @@
 
 mod common;
 mod deploy;
+mod faults_real;
 mod forwarding;
 mod gc;
 mod ha;

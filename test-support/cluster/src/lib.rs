@@ -97,6 +97,10 @@ pub enum Error {
         "no control plane named {name} is running (start it with `cargo xtask cluster up --name {name}`)"
     )]
     NotRunning { name: String },
+    #[error("the control plane has no component {name}")]
+    NoComponent { name: String },
+    #[error("etcd did not {what}")]
+    Etcd { what: &'static str },
     #[error("{path}: not a control plane's state ({why})")]
     BadState { path: PathBuf, why: String },
 }
@@ -118,6 +122,8 @@ pub struct ControlPlane {
     server: String,
     kubectl: PathBuf,
     kubernetes: String,
+    /// etcd's client URL (`http://127.0.0.1:<port>`).
+    etcd: String,
     nodes: Vec<Node>,
     components: Vec<Component>,
 }
@@ -155,6 +161,7 @@ impl ControlPlane {
             server: String::new(),
             kubectl: binaries.path(Program::Kubectl),
             kubernetes: binaries.kubernetes.clone(),
+            etcd: String::new(),
             nodes: (0..options.nodes)
                 .map(|i| Node {
                     name: format!("kwok-{i}"),
@@ -178,6 +185,7 @@ impl ControlPlane {
 
         let (client, peer) = (process::free_port()?, process::free_port()?);
         let etcd_url = format!("http://127.0.0.1:{client}");
+        self.etcd.clone_from(&etcd_url);
         let peer_url = format!("http://127.0.0.1:{peer}");
         let etcd = Component::start(
             &dir,
@@ -205,6 +213,7 @@ impl ControlPlane {
 
         let port = process::free_port()?;
         self.server = format!("https://127.0.0.1:{port}");
+        go::write(&dir.join("audit-policy.yaml"), AUDIT_POLICY)?;
         let apiserver = Component::start(
             &dir,
             "kube-apiserver",
@@ -226,6 +235,15 @@ impl ControlPlane {
                 "--enable-admission-plugins=NodeRestriction,ServiceAccount,PodSecurity,ValidatingAdmissionPolicy",
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=lease",
+                // Every request of the components' users and of ServiceAccounts, for
+                // tests to assert on (verbs, resources, codes): the real server's
+                // request log.
+                &format!(
+                    "--audit-policy-file={}",
+                    self.dir.join("audit-policy.yaml").display()
+                ),
+                &format!("--audit-log-path={}", self.audit_log().display()),
+                "--audit-log-format=json",
                 "--profiling=false",
                 "--v=1",
             ]),
@@ -440,6 +458,12 @@ impl ControlPlane {
                         .and_then(|p| u32::try_from(p).ok())
                         .ok_or_else(|| bad("no pid"))?,
                     log: PathBuf::from(string(&c["log"], "log")?),
+                    args: c["args"]
+                        .as_array()
+                        .ok_or_else(|| bad("no args"))?
+                        .iter()
+                        .map(|a| string(a, "an argument"))
+                        .collect::<Result<_, _>>()?,
                 })
             })
             .collect::<Result<Vec<_>, Error>>()?;
@@ -461,6 +485,7 @@ impl ControlPlane {
             server: string(&state["server"], "server")?,
             kubectl: PathBuf::from(string(&state["kubectl"], "kubectl")?),
             kubernetes: string(&state["kubernetes"], "kubernetes")?,
+            etcd: string(&state["etcd"], "etcd")?,
             nodes,
             components,
         }))
@@ -481,9 +506,10 @@ impl ControlPlane {
             "server": self.server,
             "kubectl": self.kubectl,
             "kubernetes": self.kubernetes,
+            "etcd": self.etcd,
             "nodes": self.nodes.iter().map(|n| json!({"name": n.name, "ip": n.ip.to_string()})).collect::<Vec<_>>(),
             "components": self.components.iter().map(|c| json!({
-                "name": c.name, "program": c.program, "pid": c.pid, "log": c.log,
+                "name": c.name, "program": c.program, "pid": c.pid, "log": c.log, "args": c.args,
             })).collect::<Vec<_>>(),
         });
         go::write(&self.dir.join("state.json"), &format!("{state:#}\n"))
@@ -501,6 +527,92 @@ impl ControlPlane {
     /// Stops the control plane named `name`, if one was started; whether there was.
     pub fn down(target: &Path, name: &str) -> Result<bool, Error> {
         Ok(Self::find(target, name)?.map(|p| p.stop()).is_some())
+    }
+
+    /// The API server's audit log: one JSON object per request (metadata only) of
+    /// every user but the control plane's own components.
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("logs").join("audit.log")
+    }
+
+    /// The audit log's events whose stage is `ResponseComplete`, parsed.
+    pub fn audit(&self) -> Result<Vec<Value>, Error> {
+        let path = self.audit_log();
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            what: "read",
+            path,
+            source,
+        })?;
+        Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["stage"] == "ResponseComplete")
+            .collect())
+    }
+
+    /// Stops one component (the others go on), e.g. the API server for a test of
+    /// what census does without it.
+    pub fn stop_component(&mut self, name: &str) -> Result<(), Error> {
+        let component = self.component(name)?;
+        component.stop(Duration::from_secs(10));
+        Ok(())
+    }
+
+    /// Starts a stopped component again with the same arguments and waits until it
+    /// is ready (the API server: `/readyz`).
+    pub fn start_component(&mut self, name: &str) -> Result<(), Error> {
+        let old = self.component(name)?.clone();
+        if old.alive() {
+            return Ok(());
+        }
+        let new = old.restart(&self.dir)?;
+        if let Some(slot) = self.components.iter_mut().find(|c| c.name == name) {
+            *slot = new.clone();
+        }
+        self.save()?;
+        if name == "kube-apiserver" {
+            process::wait_ready(&new, "GET /readyz", READY_WITHIN, || {
+                self.kubectl_output(&["get", "--raw", "/readyz"])
+                    .is_ok_and(|o| o.status.success())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn component(&self, name: &str) -> Result<&Component, Error> {
+        self.components
+            .iter()
+            .find(|c| c.name == name)
+            .ok_or_else(|| Error::NoComponent {
+                name: name.to_owned(),
+            })
+    }
+
+    /// Compacts etcd's history up to its current revision (through etcd's JSON
+    /// gateway): a watch that resumes from before it is answered 410 Gone.
+    pub fn compact_etcd(&self) -> Result<u64, Error> {
+        let port: u16 = self
+            .etcd
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| Error::BadState {
+                path: self.dir.join("state.json"),
+                why: format!("etcd URL {}", self.etcd),
+            })?;
+        let range = http_post(port, "/v3/kv/range", r#"{"key":"AA=="}"#)
+            .and_then(|body| serde_json::from_str::<Value>(&body).ok())
+            .and_then(|v| v["header"]["revision"].as_str()?.parse::<u64>().ok())
+            .ok_or(Error::Etcd {
+                what: "read its revision",
+            })?;
+        http_post(
+            port,
+            "/v3/kv/compaction",
+            &format!(r#"{{"revision":"{range}","physical":true}}"#),
+        )
+        .ok_or(Error::Etcd { what: "compact" })?;
+        Ok(range)
     }
 
     /// The components that have exited.
@@ -716,13 +828,46 @@ fn node_status(node: &Node) -> Value {
     }})
 }
 
-/// `GET path` over plain HTTP on loopback (etcd's client port); the body.
+/// `GET path` over plain HTTP on loopback (etcd's client port); the response.
 fn http_get(port: u16, path: &str) -> Option<String> {
+    http(
+        port,
+        &format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"),
+    )
+}
+
+/// `POST path` with a JSON body; the response's body if it is a 200.
+fn http_post(port: u16, path: &str, body: &str) -> Option<String> {
+    let response = http(
+        port,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    (head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")).then(|| body.to_owned())
+}
+
+fn http(port: u16, request: &str) -> Option<String> {
     use std::io::{Read as _, Write as _};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).ok()?;
-    Some(body)
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    Some(response)
 }
+
+/// Metadata of every request but the control plane's own components' and kwok's
+/// (their node and pod status updates would drown the rest).
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: None
+  users: [system:kube-controller-manager, system:kube-scheduler, system:apiserver, kwok]
+- level: None
+  userGroups: [system:serviceaccounts:kube-system, system:nodes]
+- level: Metadata
+";

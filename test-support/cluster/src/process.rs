@@ -27,6 +27,8 @@ pub struct Component {
     pub program: PathBuf,
     pub pid: u32,
     pub log: PathBuf,
+    /// What it was started with, to start it again the same way.
+    pub args: Vec<String>,
 }
 
 impl Component {
@@ -74,9 +76,13 @@ impl Component {
         drop(child);
         Ok(Self {
             name: name.to_owned(),
-            program: program.to_owned(),
+            // As /proc/<pid>/exe names it, for `alive`.
+            program: program
+                .canonicalize()
+                .unwrap_or_else(|_| program.to_owned()),
             pid,
             log,
+            args: args.to_vec(),
         })
     }
 
@@ -91,6 +97,11 @@ impl Component {
             })
             .unwrap_or(true);
         exe.is_ok_and(|exe| exe == self.program) && !zombie
+    }
+
+    /// Starts the same program with the same arguments again (after [`Self::stop`]).
+    pub(crate) fn restart(&self, dir: &Path) -> Result<Self, Error> {
+        Self::start(dir, &self.name, &self.program, &self.args)
     }
 
     /// Fails with the log's tail if the component has exited.

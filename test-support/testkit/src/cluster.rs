@@ -25,6 +25,17 @@ pub fn plane() -> TestResult<&'static ControlPlane> {
         .map_err(|e| e.clone().into())
 }
 
+fn paths() -> (PathBuf, PathBuf) {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = manifest
+        .join("../..")
+        .canonicalize()
+        .unwrap_or_else(|_| manifest.join("../.."));
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    (root, target)
+}
+
 fn find_or_start() -> TestResult<ControlPlane> {
     if let Some(path) = std::env::var_os("CENSUS_TEST_KUBECONFIG") {
         let path = PathBuf::from(path);
@@ -37,7 +48,11 @@ fn find_or_start() -> TestResult<ControlPlane> {
             .into()
         });
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = manifest
+        .join("../..")
+        .canonicalize()
+        .unwrap_or_else(|_| manifest.join("../.."));
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
     std::fs::create_dir_all(target.join("cluster"))?;
@@ -66,6 +81,34 @@ fn find_or_start() -> TestResult<ControlPlane> {
 )]
 fn eprintln_line(line: &str) {
     eprintln!("census-cluster: {line}");
+}
+
+/// A control plane of a test's own, for faults that would disturb the others' (the
+/// API server stopped or restarted, etcd compacted), stopped when dropped.
+#[derive(Debug)]
+pub struct Private(pub ControlPlane);
+
+impl Private {
+    /// Starts a fresh control plane named `private-<name>` with one node.
+    pub fn start(name: &str) -> TestResult<Self> {
+        let (root, target) = paths();
+        let say = |line: &str| eprintln_line(line);
+        Ok(Self(ControlPlane::up(
+            &root,
+            &target,
+            &census_cluster::Options {
+                name: format!("private-{name}"),
+                nodes: 1,
+            },
+            &say,
+        )?))
+    }
+}
+
+impl Drop for Private {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
 }
 
 /// A client of the control plane as its administrator, with or without kube's own
