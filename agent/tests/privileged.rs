@@ -21,6 +21,8 @@ mod endpoint_map;
 )]
 #[path = "e2e/harness.rs"]
 mod harness;
+#[path = "privileged/kwok.rs"]
+mod kwok;
 #[path = "privileged/metrics_lint.rs"]
 mod metrics_lint;
 #[path = "privileged/pin_lock.rs"]

@@ -26,12 +26,17 @@ pub(crate) struct Options {
     /// Passed to the test executables (a test name filter, `--nocapture`, …).
     #[arg(last = true)]
     pub(crate) test_args: Vec<OsString>,
+    /// The real control plane's admin kubeconfig for the tests that use one
+    /// (`cargo xtask test` passes its own; otherwise the tests start or reuse one).
+    #[arg(skip)]
+    pub(crate) kubeconfig: Option<PathBuf>,
 }
 
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let Options {
         no_build_ebpf,
         test_args,
+        kubeconfig,
     } = options;
     if !cmd::is_root() {
         bail!(
@@ -48,6 +53,9 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         // Devices this kernel may lack (ipvlan, netkit, wireguard).
         let skip = ["needs_other_kernel::"];
         for mut command in suite.commands(mode, &skip, &test_args) {
+            if let Some(kubeconfig) = &kubeconfig {
+                command.env("CENSUS_TEST_KUBECONFIG", kubeconfig);
+            }
             cmd::run(&mut command)?;
         }
     }

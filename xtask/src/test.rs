@@ -139,6 +139,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             privileged::run(privileged::Options {
                 no_build_ebpf: true,
                 test_args: Vec::new(),
+                kubeconfig: Some(kubeconfig.clone()),
             })
         })?;
     }

@@ -47,12 +47,16 @@ const KERNEL_METAPACKAGE: &str = "linux-image-amd64";
 /// dependencies first, from `modules.dep`).
 const INITRAMFS_MODULES: [&str; 5] = ["virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_rng"];
 /// Tests this kernel cannot run, each with why.
-const SKIPS: [(&str, &str); 2] = [
+const SKIPS: [(&str, &str); 3] = [
     (
         "switching_attach_modes_leaves_one_program_per_hook",
         "attaches with TCX on purpose (6.6+)",
     ),
     ("needs_other_kernel::a_netkit_pod_device", "netkit is 6.7+"),
+    (
+        "kwok::",
+        "needs the real Kubernetes control plane, which runs on the host, not in the VM",
+    ),
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -479,7 +479,7 @@ fn sigkill(guard: &mut Option<ChildGuard>) -> TestResult {
 }
 
 /// Polls `check` every 50 ms until it holds; fails after [`DEADLINE`].
-fn wait_for(what: &str, mut check: impl FnMut() -> Fallible<bool>) -> TestResult {
+pub(crate) fn wait_for(what: &str, mut check: impl FnMut() -> Fallible<bool>) -> TestResult {
     let deadline = Instant::now() + DEADLINE;
     loop {
         if check()? {
@@ -493,7 +493,7 @@ fn wait_for(what: &str, mut check: impl FnMut() -> Fallible<bool>) -> TestResult
 }
 
 /// Like [`wait_for`], with the last state seen in the failure.
-fn wait_until<T: std::fmt::Debug>(
+pub(crate) fn wait_until<T: std::fmt::Debug>(
     what: &str,
     mut read: impl FnMut() -> Fallible<T>,
     mut done: impl FnMut(&T) -> bool,
@@ -515,12 +515,12 @@ fn wait_until<T: std::fmt::Debug>(
 }
 
 #[expect(clippy::print_stdout, reason = "the lab's figures, for --nocapture")]
-fn report(line: &str) {
+pub(crate) fn report(line: &str) {
     println!("two-node lab: {line}");
 }
 
 #[expect(clippy::print_stderr, reason = "a failed test's process logs")]
-fn print_logs(dir: &tempfile::TempDir) {
+pub(crate) fn print_logs(dir: &tempfile::TempDir) {
     let Ok(entries) = fs::read_dir(dir.path()) else {
         return;
     };

@@ -30,38 +30,11 @@ use crate::common::{TestResult, WAIT, eventually, fail, repo_root};
 const OPERATOR_NS: &str = "census-system";
 const AGENT_NS: &str = "census-agent";
 
-/// Applies deploy/ once per test binary (server-side; what it holds is cluster-wide,
-/// the ValidatingAdmissionPolicy included, so every test of the real control plane
-/// in this binary runs with it).
+/// deploy/ applied (what it holds is cluster-wide, the ValidatingAdmissionPolicy
+/// included, so every test of the real control plane in this binary runs with it).
 pub(crate) async fn applied() -> TestResult<&'static ControlPlane> {
-    static APPLIED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
     let plane = census_testkit::cluster::plane()?;
-    APPLIED
-        .get_or_try_init(|| async {
-            let root = repo_root().join("deploy");
-            // Namespaces and the CRD first: what the rest lives in or refers to.
-            for part in ["namespace.yaml", "crds", "operator", "agent"] {
-                let path = root.join(part).display().to_string();
-                plane.kubectl_ok(&[
-                    "apply",
-                    "--server-side",
-                    "--force-conflicts",
-                    "--field-manager=census-deploy",
-                    "-f",
-                    &path,
-                ])?;
-                if part == "crds" {
-                    plane.kubectl_ok(&[
-                        "wait",
-                        "--for=condition=Established",
-                        "crd/identities.census.dev",
-                        "--timeout=60s",
-                    ])?;
-                }
-            }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-        })
-        .await?;
+    census_testkit::cluster::apply_deploy(plane)?;
     Ok(plane)
 }
 

@@ -34,10 +34,12 @@ pub use crate::{
 pub type Say<'a> = &'a dyn Fn(&str);
 
 /// The Pod network, split by kube-controller-manager into one /24 per node (kwok
-/// gives pods addresses from their node's): the benchmarking range, never routed.
-pub const CLUSTER_CIDR: &str = "198.18.0.0/16";
+/// gives pods addresses from their node's): the benchmarking range, never routed,
+/// and apart from the blocks the network-namespace lab uses (198.18.1-2.0/24, the
+/// uplinks 198.19.0-1.0/24), so kwok's pods can be given namespaces there.
+pub const CLUSTER_CIDR: &str = "198.18.128.0/17";
 /// ClusterIPs; the API server's own is the first.
-pub const SERVICE_CIDR: &str = "198.19.0.0/24";
+pub const SERVICE_CIDR: &str = "198.19.128.0/24";
 /// The first node's InternalIP; node `i` has the `i`-th after it.
 const FIRST_NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 1);
 /// The label and annotation kwok's nodes carry (kwok manages the annotated ones).
@@ -155,7 +157,7 @@ impl ControlPlane {
         }
         let _ = std::fs::remove_dir_all(&dir);
         let pki_dir = dir.join("pki");
-        pki::write_all(&pki_dir, IpAddr::from([198, 19, 0, 1]))?;
+        pki::write_all(&pki_dir, IpAddr::from([198, 19, 128, 1]))?;
         let mut plane = Self {
             dir,
             server: String::new(),

@@ -83,6 +83,43 @@ fn eprintln_line(line: &str) {
     eprintln!("census-cluster: {line}");
 }
 
+/// Applies `deploy/` (server-side) once per process: the namespaces, the CRD (and
+/// waits until it is established), the operator's and the agent's manifests, RBAC
+/// and the admission policy. The PrometheusRule is not applied: its CRD comes with
+/// the Prometheus operator, which the control plane does not run.
+pub fn apply_deploy(plane: &ControlPlane) -> TestResult {
+    static APPLIED: OnceLock<Result<(), String>> = OnceLock::new();
+    APPLIED
+        .get_or_init(|| {
+            let (root, _) = paths();
+            let apply = || -> TestResult {
+                for part in ["namespace.yaml", "crds", "operator", "agent"] {
+                    let path = root.join("deploy").join(part).display().to_string();
+                    plane.kubectl_ok(&[
+                        "apply",
+                        "--server-side",
+                        "--force-conflicts",
+                        "--field-manager=census-deploy",
+                        "-f",
+                        &path,
+                    ])?;
+                    if part == "crds" {
+                        plane.kubectl_ok(&[
+                            "wait",
+                            "--for=condition=Established",
+                            "crd/identities.census.dev",
+                            "--timeout=60s",
+                        ])?;
+                    }
+                }
+                Ok(())
+            };
+            apply().map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(Into::into)
+}
+
 /// A control plane of a test's own, for faults that would disturb the others' (the
 /// API server stopped or restarted, etcd compacted), stopped when dropped.
 #[derive(Debug)]

@@ -1,0 +1,488 @@
+//! Real from the API server to the kernel: the real control plane (census-cluster:
+//! etcd, kube-apiserver, controllers, kwok playing `kwok-0` and `kwok-1`), census
+//! deployed from `deploy/`, a Deployment on each node created with kubectl, and the
+//! two-node lab (`census_netlab::Cluster`) giving each pod IP that kwok assigned a
+//! network namespace on the lab node standing for its kwok node. One
+//! `census-operator` in Kubernetes mode (a token of its ServiceAccount bound to one
+//! of the Deployment's pods, the Identity CRD as its store) and a `census-agent` per
+//! node with the Kubernetes pod source (a token bound to its node's DaemonSet pod for
+//! the API server, and one for the operator's audience): the identities the operator
+//! allocates from the pods' real labels are the ones the kernel counts traffic by.
+//!
+//! The processes run in the lab's node namespaces, which have no route to this
+//! machine's loopback: each node namespace gets loopback forwarders to the API server
+//! and to the operator (which runs in this namespace).
+
+use std::{
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream},
+    process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use census_agent::bpf::Inspector;
+use census_netlab::{ChildGuard, Cluster, Netns, Pod, Side, udp_echo};
+use census_testkit::cluster::ControlPlane;
+use serde_json::{Value, json};
+
+use crate::{
+    harness::binaries,
+    support::{Fallible, PinDir, TestResult, attach_mode_arg, frame_len},
+    two_node::{print_logs, report, wait_for, wait_until},
+};
+
+const COUNT: usize = 20;
+const PAYLOAD: usize = 64;
+/// The operator's port as the agents reach it, on their node's loopback.
+const OPERATOR_PORT: u16 = 9460;
+const ADMIN_PORT: u16 = 9462;
+
+/// Accepts on a port of a node namespace's loopback and connects each connection
+/// to `to` in this namespace; stops when dropped.
+struct Forward {
+    stop: Arc<AtomicBool>,
+}
+
+impl Forward {
+    fn start(ns: &Netns, port: u16, to: SocketAddr) -> Fallible<Self> {
+        let listener = ns.run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, port)))??;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((inbound, _)) => {
+                        let _ = inbound.set_nonblocking(false);
+                        std::thread::spawn(move || pipe(inbound, to));
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+        Ok(Self { stop })
+    }
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn pipe(inbound: TcpStream, to: SocketAddr) {
+    let Ok(outbound) = TcpStream::connect(to) else {
+        return;
+    };
+    let (Ok(mut in_read), Ok(mut out_write)) = (inbound.try_clone(), outbound.try_clone()) else {
+        return;
+    };
+    let up = std::thread::spawn(move || {
+        let _ = io::copy(&mut in_read, &mut out_write);
+        let _ = out_write.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut out_read, mut in_write) = (outbound, inbound);
+    let _ = io::copy(&mut out_read, &mut in_write);
+    let _ = in_write.shutdown(std::net::Shutdown::Write);
+    let _ = up.join();
+}
+
+/// The lab, the processes, their pins and logs; logs printed unless it passed.
+struct World {
+    cluster: Cluster,
+    pins: [PinDir; 2],
+    dir: tempfile::TempDir,
+    forwards: Vec<Forward>,
+    operator: Option<std::process::Child>,
+    agents: [Option<ChildGuard>; 2],
+    passed: bool,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.agents = [None, None];
+        if let Some(mut op) = self.operator.take() {
+            let _ = op.kill();
+            let _ = op.wait();
+        }
+        self.forwards.clear();
+        if !self.passed {
+            print_logs(&self.dir);
+        }
+    }
+}
+
+fn side(i: usize) -> Side {
+    if i == 0 { Side::A } else { Side::B }
+}
+
+/// The Running pods of a namespace: name -> (node, pod IP).
+fn running(plane: &ControlPlane, namespace: &str) -> Fallible<Vec<(String, String, IpAddr)>> {
+    let pods = plane.kubectl_json(&["-n", namespace, "get", "pods"])?;
+    Ok(pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| {
+            p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null()
+        })
+        .filter_map(|p| {
+            Some((
+                p["metadata"]["name"].as_str()?.to_owned(),
+                p["spec"]["nodeName"].as_str()?.to_owned(),
+                p["status"]["podIP"].as_str()?.parse().ok()?,
+            ))
+        })
+        .collect())
+}
+
+fn deployment(name: &str, node: &str) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, "tier": "e2e"}},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "containers": [{"name": name, "image": "registry.k8s.io/pause:3.10"}],
+                },
+            },
+        },
+    })
+}
+
+/// The id of the Identity object whose labels hold all of `labels`.
+fn identity_of(plane: &ControlPlane, labels: &[String]) -> Fallible<Option<u32>> {
+    let list = plane.kubectl_json(&["get", "identities"])?;
+    Ok(list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|o| {
+            let have: Vec<&str> = o["spec"]["labels"]
+                .as_array()?
+                .iter()
+                .filter_map(Value::as_str)
+                .collect();
+            let bound = o["status"]["state"]
+                .as_str()
+                .is_none_or(|s| s != "Quarantined");
+            (bound && labels.iter().all(|l| have.contains(&l.as_str())))
+                .then(|| o["metadata"]["name"].as_str()?.parse().ok())
+                .flatten()
+        }))
+}
+
+fn flow(pins: &PinDir, src: u32, dst: u32) -> Fallible<(u64, u64)> {
+    let maps = Inspector::open(pins.path())?;
+    Ok(maps
+        .flows()?
+        .into_iter()
+        .find(|f| f.src_identity == src && f.dst_identity == dst)
+        .map_or((0, 0), |f| (f.packets, f.bytes)))
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestResult {
+    let (agent_bin, operator_bin) = binaries()?;
+    let plane = census_testkit::cluster::plane().map_err(|e| e.to_string())?;
+    census_testkit::cluster::apply_deploy(plane).map_err(|e| e.to_string())?;
+    let nodes: Vec<String> = plane.nodes().iter().map(|n| n.name.clone()).collect();
+    if nodes.len() < 2 {
+        return Err(format!(
+            "the control plane has {} node(s); two are needed",
+            nodes.len()
+        )
+        .into());
+    }
+    let namespace =
+        census_testkit::cluster::Namespace::create("census-kwok-e2e").map_err(|e| e.to_string())?;
+    wait_for("the namespace's default ServiceAccount", || {
+        Ok(plane
+            .kubectl_ok(&["-n", &namespace.name, "get", "serviceaccount", "default"])
+            .is_ok())
+    })?;
+    let ns = namespace.name.clone();
+    for (name, node) in [("web", &nodes[0]), ("db", &nodes[1])] {
+        let mut object = deployment(name, node);
+        object["metadata"]["namespace"] = json!(ns);
+        plane.apply(&object)?;
+    }
+    let pods = wait_until(
+        "kwok runs web on the first node and db on the second",
+        || running(plane, &ns),
+        |p| p.len() == 2,
+    )?;
+    let operators = wait_until(
+        "kwok runs the operator's pods",
+        || running(plane, "census-system"),
+        |p| !p.is_empty(),
+    )?;
+    let agents = wait_until(
+        "kwok runs an agent pod on each node",
+        || running(plane, "census-agent"),
+        |p| nodes.iter().all(|n| p.iter().any(|(_, node, _)| node == n)),
+    )?;
+
+    let mut world = World {
+        cluster: Cluster::new("kwok-a", "kwok-b")?,
+        pins: [PinDir::new(), PinDir::new()],
+        dir: tempfile::tempdir()?,
+        forwards: Vec::new(),
+        operator: None,
+        agents: [None, None],
+        passed: false,
+    };
+    // Each pod's kwok address, as a namespace behind its node.
+    let mut lab_pods: Vec<(String, Pod)> = Vec::new();
+    for (i, (name, node, ip)) in pods.iter().enumerate() {
+        let IpAddr::V4(v4) = ip else {
+            return Err(format!("{name} has an IPv6 address {ip}").into());
+        };
+        let at = if node == &nodes[0] { 0 } else { 1 };
+        let v6 = Ipv6Addr::new(0x2001, 2, 0, 0x80, 0, 0, 0, u16::try_from(i + 2)?);
+        lab_pods.push((name.clone(), world.cluster.add_pod_at(side(at), *v4, v6)?));
+    }
+
+    // The operator, in this namespace, as the first Deployment pod of census-system.
+    let certs = census_testkit::tls::Certs::generate(&[], &[]).map_err(|e| e.to_string())?;
+    let (op_pod, _, op_ip) = &operators[0];
+    let token = plane.token("census-system", "census-operator", None, Some(op_pod), 3600)?;
+    let kubeconfig = plane.write_token_kubeconfig("kwok-e2e-operator", &token)?;
+    let grpc_port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port();
+    let mut command = Command::new(&operator_bin);
+    command
+        .args(["--store", "kubernetes", "--namespace", "census-system"])
+        .args(["--pod-name", op_pod, "--pod-ip", &op_ip.to_string()])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--grpc-listen", &format!("127.0.0.1:{grpc_port}")])
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .args(
+            certs
+                .operator_flags()
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .take(4),
+        )
+        .args([
+            "--lease-duration",
+            "4s",
+            "--lease-renew-deadline",
+            "3s",
+            "--lease-retry-period",
+            "500ms",
+        ])
+        .args(["--snapshot-interval", "1s", "--tick-interval", "100ms"])
+        .args(["--log", "info"])
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(
+            world.dir.path().join("00-operator.log"),
+        )?);
+    world.operator = Some(command.spawn()?);
+    let api_port: u16 = plane
+        .server()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .ok_or("the API server's URL has no port")?;
+    for i in 0..2 {
+        let ns = world.cluster.node(side(i)).ns();
+        world.forwards.push(Forward::start(
+            ns,
+            api_port,
+            SocketAddr::from((Ipv4Addr::LOCALHOST, api_port)),
+        )?);
+        world.forwards.push(Forward::start(
+            ns,
+            OPERATOR_PORT,
+            SocketAddr::from((Ipv4Addr::LOCALHOST, grpc_port)),
+        )?);
+    }
+    wait_for("the operator to lead", || {
+        let lease = plane.kubectl_json(&["-n", "census-system", "get", "lease", "census-operator"]);
+        Ok(lease.is_ok_and(|l| l["spec"]["holderIdentity"] == json!(op_pod)))
+    })?;
+
+    // An agent per node, with tokens bound to its node's DaemonSet pod.
+    for (i, node) in nodes.iter().take(2).enumerate() {
+        let (agent_pod, _, _) = agents
+            .iter()
+            .find(|(_, n, _)| n == node)
+            .ok_or("no agent pod on a node")?;
+        let api_token = plane.token("census-agent", "census-agent", None, Some(agent_pod), 3600)?;
+        let kubeconfig =
+            plane.write_token_kubeconfig(&format!("kwok-e2e-agent-{node}"), &api_token)?;
+        let census_token = plane.token(
+            "census-agent",
+            "census-agent",
+            Some("census"),
+            Some(agent_pod),
+            3600,
+        )?;
+        let token_file = world.dir.path().join(format!("{node}.token"));
+        std::fs::write(&token_file, census_token)?;
+        let mut command = Command::new(&agent_bin);
+        command
+            .args(["--node-name", node])
+            .args(["--endpoint-source", "kubernetes"])
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
+            .arg("--tls-ca")
+            .arg(certs.dir().join("ca.pem"))
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("--pin-dir")
+            .arg(world.pins[i].path())
+            .args(["--admin-listen", &format!("127.0.0.1:{ADMIN_PORT}")])
+            .args(["--attach-mode", attach_mode_arg()])
+            .args([
+                "--reconcile-interval",
+                "500ms",
+                "--reconnect-max-backoff",
+                "1s",
+            ])
+            .args(["--log", "info"])
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(
+                world
+                    .dir
+                    .path()
+                    .join(format!("0{}-agent-{node}.log", i + 1)),
+            )?);
+        world.agents[i] = Some(world.cluster.node(side(i)).ns().spawn(&mut command)?);
+        let ns = world.cluster.node(side(i)).ns();
+        let agent = &mut world.agents[i];
+        wait_for(&format!("{node}'s agent to be Ready"), || {
+            if let Some(status) = agent
+                .as_mut()
+                .and_then(|a| a.child().try_wait().transpose())
+            {
+                return Err(format!("{node}'s agent exited: {}", status?).into());
+            }
+            Ok(matches!(ns.http_get(ADMIN_PORT, "/readyz"), Ok((200, _))))
+        })?;
+    }
+
+    // The identities of the pods' real labels, from the Identity objects.
+    let labels = |app: &str| {
+        vec![
+            format!("k8s:app={app}"),
+            format!("k8s:io.kubernetes.pod.namespace={ns}"),
+        ]
+    };
+    let mut ids = Vec::new();
+    for app in ["web", "db"] {
+        let id = wait_until(
+            &format!("an Identity object for {app}'s labels"),
+            || identity_of(plane, &labels(app)),
+            Option::is_some,
+        )?
+        .ok_or("no identity")?;
+        ids.push(id);
+    }
+    let (web_id, db_id) = (ids[0], ids[1]);
+    report(&format!("kwok: web {web_id}, db {db_id}"));
+    let web = &lab_pods
+        .iter()
+        .find(|(n, _)| n.starts_with("web"))
+        .ok_or("no web pod")?
+        .1;
+    let db = &lab_pods
+        .iter()
+        .find(|(n, _)| n.starts_with("db"))
+        .ok_or("no db pod")?
+        .1;
+    // Each node's ENDPOINTS: its own pod local, the other's remote, both at the
+    // identities the operator allocated.
+    for (i, (own, other)) in [(web, (db, db_id)), (db, (web, web_id))]
+        .into_iter()
+        .enumerate()
+    {
+        let own_id = if i == 0 { web_id } else { db_id };
+        let pins = &world.pins[i];
+        wait_for(&format!("node {i}'s ENDPOINTS hold both pods"), || {
+            let Ok(maps) = Inspector::open(pins.path()) else {
+                return Ok(false);
+            };
+            let mine = maps.endpoint(own.ip(false))?;
+            let theirs = maps.endpoint(other.0.ip(false))?;
+            Ok(mine.is_some_and(|e| e.identity == own_id && e.is_local())
+                && theirs.is_some_and(|e| e.identity == other.1 && !e.is_local()))
+        })?;
+    }
+
+    // Traffic between the two pods, across the lab's nodes: counted once in the
+    // cluster, by the identities of the pods' labels.
+    let answered = udp_echo(
+        &web.ns,
+        web.ip(false),
+        &db.ns,
+        db.ip(false),
+        1,
+        0,
+        Duration::from_secs(5),
+    )?;
+    assert_eq!(answered, 1, "web reaches db");
+    let before = [
+        flow(&world.pins[0], web_id, db_id)?,
+        flow(&world.pins[1], web_id, db_id)?,
+        flow(&world.pins[0], db_id, web_id)?,
+        flow(&world.pins[1], db_id, web_id)?,
+    ];
+    let answered = udp_echo(
+        &web.ns,
+        web.ip(false),
+        &db.ns,
+        db.ip(false),
+        COUNT,
+        PAYLOAD,
+        Duration::from_secs(1),
+    )?;
+    assert_eq!(answered, COUNT);
+    let after = [
+        flow(&world.pins[0], web_id, db_id)?,
+        flow(&world.pins[1], web_id, db_id)?,
+        flow(&world.pins[0], db_id, web_id)?,
+        flow(&world.pins[1], db_id, web_id)?,
+    ];
+    let delta: Vec<(u64, u64)> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| (a.0 - b.0, a.1 - b.1))
+        .collect();
+    let bytes = COUNT as u64 * frame_len(PAYLOAD, false);
+    report(&format!(
+        "kwok: ({web_id} -> {db_id}) A {:?} B {:?}; ({db_id} -> {web_id}) A {:?} B {:?}",
+        delta[0], delta[1], delta[2], delta[3]
+    ));
+    assert_eq!(
+        (delta[0].0 + delta[1].0, delta[0].1 + delta[1].1),
+        (COUNT as u64, bytes),
+        "requests once, as (web, db): {delta:?}"
+    );
+    assert_eq!(
+        (delta[2].0 + delta[3].0, delta[2].1 + delta[3].1),
+        (COUNT as u64, bytes),
+        "replies once, as (db, web): {delta:?}"
+    );
+    world.passed = true;
+    drop(world);
+    Ok(())
+}
