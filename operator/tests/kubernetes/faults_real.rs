@@ -16,7 +16,7 @@ use census_proto::{
 use census_testkit::cluster::{ControlPlane, Private};
 use serde_json::Value;
 
-use crate::common::{TestResult, WAIT, eventually, fail, repo_root};
+use crate::common::{TestResult, WAIT, eventually, fail};
 
 /// A `census-operator` process on `plane` as its administrator, killed on drop.
 struct Operator {
@@ -70,18 +70,6 @@ impl Drop for Operator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn apply_crd(plane: &ControlPlane) -> TestResult {
-    let crd = repo_root().join("deploy/crds/identity.yaml");
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crd.display().to_string()])?;
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/identities.census.dev",
-        "--timeout=60s",
-    ])?;
-    Ok(())
 }
 
 fn create_identity(plane: &ControlPlane, id: u32, app: &str) -> TestResult {
@@ -144,7 +132,7 @@ async fn the_operator_rides_out_the_control_planes_faults() -> TestResult {
             ));
         }
     }
-    apply_crd(&private.0)?;
+    census_testkit::cluster::apply_crd(&private.0)?;
 
     // 2. The API server is not there when the operator starts: it stays up, not
     // ready, saying why, and leads once the API server is back.

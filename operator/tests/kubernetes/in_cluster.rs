@@ -25,7 +25,7 @@ use census_testkit::cluster::ControlPlane;
 use serde_json::Value;
 use tonic::Code;
 
-use crate::common::{TestResult, WAIT, eventually, fail, repo_root};
+use crate::common::{TestResult, WAIT, eventually, fail};
 
 const OPERATOR_NS: &str = "census-system";
 const AGENT_NS: &str = "census-agent";

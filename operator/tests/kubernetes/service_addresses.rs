@@ -226,3 +226,106 @@ async fn service_addresses_reach_agents_and_follow_the_objects() -> TestResult {
     }
     op.shut_down().await
 }
+
+/// The same on a real control plane (a private one: its operator leads): the
+/// cluster's own ServiceCIDR (`kubernetes`, from `--service-cluster-ip-range`), a
+/// Service with an external IP whose LoadBalancer IP is written on `/status`, then
+/// changed, then the Service deleted; each change a batch of the whole set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_addresses_follow_the_objects_on_the_real_control_plane() -> TestResult {
+    let private = census_testkit::cluster::Private::start("service-addresses")?;
+    let plane = &private.0;
+    census_testkit::cluster::apply_crd(plane)?;
+    plane.apply(&json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": "default"},
+        "spec": {"type": "LoadBalancer", "ports": [{"port": 80}], "externalIPs": ["198.51.100.7"]},
+    }))?;
+    let lb = |ip: &str| -> TestResult {
+        let patch = json!({"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}}).to_string();
+        plane.kubectl_ok(&[
+            "-n",
+            "default",
+            "patch",
+            "service",
+            "web",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &patch,
+        ])?;
+        Ok(())
+    };
+    lb("203.0.113.1")?;
+    let mut args = replica_args(
+        &plane.kubeconfig(),
+        "op-a",
+        &[("--namespace", "default"), ("--pod-ip", "198.18.255.4")],
+    );
+    args.extend(["--service-cidr".to_owned(), "10.0.0.0/16".to_owned()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let op = Operator::start(&args).await?;
+    until_leader(&op).await?;
+    let range = census_cluster_service_range();
+    let want = set(&[
+        ("10.0.0.0/16", ServiceKind::ClusterIpRange),
+        (range, ServiceKind::ClusterIpRange),
+        ("198.51.100.7/32", ServiceKind::ExternalIp),
+        ("203.0.113.1/32", ServiceKind::LoadBalancerIp),
+    ])?;
+    eventually(
+        "the operator has listed the Service addresses",
+        WAIT,
+        || async { Ok((op.running().runtime.services().as_deref() == Some(&want)).then_some(())) },
+    )
+    .await?;
+    let (reply, _tx, _inbound) = hello(&op, "kwok-0").await?;
+    assert_eq!(decoded(reply.services.as_ref())?, want, "HelloReply");
+    let mut client = EndpointMapClient::new(channel(op.grpc_addr).await?);
+    let mut map = client
+        .watch(pb::EndpointMapWatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node: "kwok-0".into(),
+            session: Some(session(1)),
+        })
+        .await?
+        .into_inner();
+    let first = tokio::time::timeout(WAIT, map.message())
+        .await??
+        .ok_or("the map stream ended")?;
+    assert_eq!(
+        decoded(first.services.as_ref())?,
+        want,
+        "the full map's first batch"
+    );
+
+    lb("203.0.113.9")?;
+    let want = set(&[
+        ("10.0.0.0/16", ServiceKind::ClusterIpRange),
+        (range, ServiceKind::ClusterIpRange),
+        ("198.51.100.7/32", ServiceKind::ExternalIp),
+        ("203.0.113.9/32", ServiceKind::LoadBalancerIp),
+    ])?;
+    assert_eq!(
+        next_services(&mut map).await?,
+        want,
+        "after the LoadBalancer IP changed"
+    );
+
+    plane.kubectl_ok(&["-n", "default", "delete", "service", "web"])?;
+    let want = set(&[
+        ("10.0.0.0/16", ServiceKind::ClusterIpRange),
+        (range, ServiceKind::ClusterIpRange),
+    ])?;
+    assert_eq!(
+        next_services(&mut map).await?,
+        want,
+        "after the Service went"
+    );
+    op.shut_down().await
+}
+
+/// The Service range census-cluster gives the API server.
+fn census_cluster_service_range() -> &'static str {
+    census_testkit::cluster::SERVICE_CIDR
+}

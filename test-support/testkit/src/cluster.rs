@@ -9,7 +9,7 @@ use std::{
     sync::OnceLock,
 };
 
-pub use census_cluster::ControlPlane;
+pub use census_cluster::{ControlPlane, SERVICE_CIDR};
 
 use crate::TestResult;
 
@@ -118,6 +118,21 @@ pub fn apply_deploy(plane: &ControlPlane) -> TestResult {
         })
         .clone()
         .map_err(Into::into)
+}
+
+/// Applies the Identity CRD alone (from `deploy/crds/`) and waits until it is
+/// established: for a private control plane whose operator runs as the administrator.
+pub fn apply_crd(plane: &ControlPlane) -> TestResult {
+    let (root, _) = paths();
+    let crd = root.join("deploy/crds/identity.yaml").display().to_string();
+    plane.kubectl_ok(&["apply", "--server-side", "-f", &crd])?;
+    plane.kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/identities.census.dev",
+        "--timeout=60s",
+    ])?;
+    Ok(())
 }
 
 /// A control plane of a test's own, for faults that would disturb the others' (the
