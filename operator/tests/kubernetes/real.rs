@@ -25,10 +25,11 @@ use serde_json::json;
 
 use crate::common::{TestResult, WAIT, fail, id, labels, now_ms};
 
-/// Each test's ids: the store's, the GC's (500) and the CRD rules'.
+/// Each test's ids: the store's, the GC's (500), the CRD rules' and the Events'.
 const STORE_IDS: Range<u32> = 60_000..60_010;
 const GC_IDS: Range<u32> = 60_100..60_600;
 const CRD_IDS: Range<u32> = 60_700..60_710;
+const EVENT_IDS: Range<u32> = 60_800..60_810;
 
 /// A client of the real control plane as census-operator's ServiceAccount (a token
 /// of it), with deploy/ applied: its RBAC, and the ValidatingAdmissionPolicy that lets
@@ -407,4 +408,65 @@ async fn real_crd_rules_are_within_the_cost_budget_and_refuse_bad_objects() -> T
     }
     drop(created);
     clean(&client, CRD_IDS).await
+}
+
+/// A second object binding a label set another already binds is invalid: the store
+/// reports it, and the Warning Event it writes about the cluster-scoped object, in
+/// `default` as census-operator's ServiceAccount (deploy/'s Role there), is accepted.
+#[tokio::test]
+async fn real_events_about_invalid_objects_are_accepted_in_default() -> TestResult {
+    use census_operator::store::kubernetes::EventsConfig;
+    let client = real_client(true).await?;
+    clean(&client, EVENT_IDS).await?;
+    let store = KubeStore::new(
+        real_client(false).await?,
+        client.clone(),
+        Arc::new(Fence::always_open()),
+        KubeStoreConfig {
+            events: Some(EventsConfig {
+                instance: "real-events".into(),
+            }),
+            ..KubeStoreConfig::default()
+        },
+    );
+    tokio::time::timeout(WAIT, store.wait_synced()).await?;
+    let mut events = store.events().ok_or("no events")?;
+    let admin_api = api(&admin(true).await?);
+    let dup = labels("real-duplicate");
+    let (first, second) = (EVENT_IDS.start, EVENT_IDS.start + 1);
+    for n in [first, second] {
+        let obj = DynamicObject::new(&n.to_string(), &census_operator_resource())
+            .data(json!({"spec": {"labels": dup.to_strings()}}));
+        admin_api.create(&PostParams::default(), &obj).await?;
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    loop {
+        match tokio::time::timeout(WAIT, events.recv()).await? {
+            Some(StoreEvent::BindingInvalid { id: i, .. }) if i == id(second) => break,
+            Some(StoreEvent::BindingInvalid { id: i, found }) => {
+                return fail(format!("{i} reported invalid ({found}), not {second}"));
+            }
+            Some(_) => {}
+            None => return fail("the store's events ended"),
+        }
+    }
+    let plane = census_testkit::cluster::plane()?;
+    let name = second.to_string();
+    let event = crate::common::eventually("the Warning Event in default", WAIT, || async {
+        let list = plane.kubectl_json(&["-n", "default", "get", "events.events.k8s.io"])?;
+        Ok(list["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["regarding"]["name"] == name.as_str())
+            .cloned())
+    })
+    .await?;
+    assert_eq!(event["type"], "Warning", "{event}");
+    assert_eq!(event["regarding"]["kind"], "Identity", "{event}");
+    assert!(
+        event["note"].as_str().is_some_and(|n| n.contains(&name)),
+        "{event}"
+    );
+    clean(&client, EVENT_IDS).await
 }

@@ -263,6 +263,12 @@ pub enum Invalidity {
         "metadata.name: Invalid value: {0:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
     )]
     BadName(String),
+    /// A `generateName` that is not a name prefix (it must end in an alphanumeric or
+    /// `-`).
+    #[error(
+        "metadata.generateName: Invalid value: {0:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+    )]
+    BadGenerateName(String),
     /// A label value the API server refuses (found against a real API server: the
     /// fake used to keep any string).
     #[error(

@@ -63,7 +63,8 @@ impl Reporter {
         }
         let event = Event {
             metadata: ObjectMeta {
-                generate_name: Some(format!("identity-{id}.")),
+                // A name prefix: it may end in `-`, not `.` (the API server refuses it).
+                generate_name: Some(format!("identity-{id}-")),
                 namespace: Some(NAMESPACE.to_owned()),
                 ..ObjectMeta::default()
             },

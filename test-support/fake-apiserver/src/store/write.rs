@@ -93,6 +93,15 @@ impl Store {
         let Some(prefix) = meta_str(obj, "generateName").map(str::to_owned) else {
             return Err(self.invalid(res, "", Invalidity::NameRequired));
         };
+        // As the API server checks a prefix: a trailing `-` is allowed, the rest must
+        // be a name (found against a real API server: the fake took any prefix).
+        let masked = match prefix.strip_suffix('-') {
+            Some(head) => format!("{head}a"),
+            None => prefix.clone(),
+        };
+        if !object::valid_name(&masked) {
+            return Err(self.invalid(res, "", Invalidity::BadGenerateName(prefix)));
+        }
         let mut name = format!("{prefix}{}", self.rng.name_suffix());
         for _ in 0..8 {
             if !self.resources[res]

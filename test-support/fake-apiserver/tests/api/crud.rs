@@ -152,6 +152,12 @@ async fn create_needs_an_existing_namespace_and_a_valid_name() -> TestResult {
     generated.metadata.name = None;
     generated.metadata.generate_name = Some("gen-".into());
     let made = cms.create(&PostParams::default(), &generated).await?;
+    // A prefix ending in `.` is refused, as the real API server refuses it (census's
+    // Events once had one).
+    let mut dotted = generated.clone();
+    dotted.metadata.generate_name = Some("gen.".into());
+    let bad = cms.create(&PostParams::default(), &dotted).await;
+    assert_eq!(api_code(&bad), Some((422, "Invalid".into())));
     assert!(
         made.name_any().starts_with("gen-") && made.name_any().len() == 9,
         "{}",

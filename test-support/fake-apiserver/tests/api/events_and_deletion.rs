@@ -17,7 +17,7 @@ use crate::common::{TestResult, api_code, start};
 fn event_about(namespace: &str, regarding: ObjectReference) -> Event {
     Event {
         metadata: ObjectMeta {
-            generate_name: Some("identity-300.".into()),
+            generate_name: Some("identity-300-".into()),
             namespace: Some(namespace.into()),
             ..ObjectMeta::default()
         },
