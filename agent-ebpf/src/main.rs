@@ -250,7 +250,7 @@ fn count(ctx: &TcContext, hook: Hook) {
             if to.is_none() && interface(ifindex).is_some() && is_service(&dst) {
                 // Counted once translated, where the mark is seen.
                 set_mark(ctx, mark(ctx) | mark_bit());
-                count_event(stats::SERVICE_MARKED);
+                count_events(stats::SERVICE_MARKED, segments(ctx));
                 return;
             }
             FlowKey {
@@ -416,8 +416,8 @@ fn is_pod(ep: &EndpointValue) -> bool {
 /// Ethernet header is added).
 #[inline(always)]
 fn add_packet<P: Packet>(packet: &P, family: Family, key: &FlowKey) {
-    let (len, gso_segs) = packet.len_and_segments();
-    let segments = u64::from(gso_segs.max(1));
+    let (len, _) = packet.len_and_segments();
+    let segments = segments(packet);
     let link = (ETH_HLEN - P::L2_LEN) as u64;
     let mut bytes = u64::from(len) + segments * link;
     if segments > 1 {
@@ -459,7 +459,7 @@ fn is_marked<P: Packet>(ctx: &P) -> bool {
 #[inline(always)]
 fn clear_mark_bit<P: Packet>(ctx: &P) {
     set_mark(ctx, mark(ctx) & !mark_bit());
-    count_event(stats::MARKED_COUNTED);
+    count_events(stats::MARKED_COUNTED, segments(ctx));
 }
 
 /// Whether `address` is in a Service range or is a Service's address.
@@ -717,11 +717,23 @@ fn add<C: EbpfContext>(ctx: &C, key: &FlowKey, packets: u64, bytes: u64) {
 /// Adds one to this CPU's slot `index` of STATS.
 #[inline(always)]
 fn count_event(index: u32) {
+    count_events(index, 1);
+}
+
+/// Adds `n` to the STATS slot `index`.
+#[inline(always)]
+fn count_events(index: u32, n: u64) {
     if let Some(slot) = STATS.get_ptr_mut(index) {
         // SAFETY: this CPU's slot of a live array element; programs on one CPU
         // do not interleave (TC runs with bottom halves disabled).
-        unsafe { *slot += 1 };
+        unsafe { *slot += n };
     }
+}
+
+/// The packets an skb stands for, as FLOWS counts them: `max(1, gso_segs)`.
+#[inline(always)]
+fn segments<P: Packet>(packet: &P) -> u64 {
+    u64::from(packet.len_and_segments().1.max(1))
 }
 
 /// Whether an event of `level` is to be logged now: logging is on at that level

@@ -213,12 +213,13 @@ pub mod stats {
     pub const INTERFACE_MISSES: u32 = 3;
     /// Datapath log events not sent because of the rate limit.
     pub const LOG_SUPPRESSED: u32 = 4;
-    /// Packets an endpoint sent to a Service address, marked where they left it.
+    /// Packets an endpoint sent to a Service address, marked where they left it;
+    /// packets as FLOWS counts them (`max(1, gso_segs)` per skb).
     pub const SERVICE_MARKED: u32 = 5;
     /// Marked packets counted once translated (where they entered a pod, left
-    /// the node or reached one of its sockets). Fewer than [`SERVICE_MARKED`]
-    /// over time: the others were dropped, or lost the mark to a rule that
-    /// rewrites the whole of `skb->mark`.
+    /// the node or reached one of its sockets), in the same units. Fewer than
+    /// [`SERVICE_MARKED`] over time: the others were dropped, or lost the mark to
+    /// a rule that rewrites the whole of `skb->mark`.
     pub const MARKED_COUNTED: u32 = 6;
     /// Every slot this layout uses.
     pub const ALL: [u32; 7] = [

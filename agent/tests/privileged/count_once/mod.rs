@@ -468,6 +468,62 @@ fn a_fragmented_datagram_through_a_service_is_counted_once_per_fragment() -> Tes
     Ok(())
 }
 
+/// Marks lost are counted in the units FLOWS counts packets in: segments, not skbs.
+/// A 4 MiB TCP transfer through a ClusterIP under a rule that rewrites the whole
+/// mark (`CONNMARK --restore-mark`): every request segment loses the mark, and
+/// `marks_lost` grows by about one per 1,500-byte frame, not one per 64 KiB skb.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn marks_lost_under_gso_are_counted_in_segments() -> TestResult {
+    const LEN: usize = 4 << 20;
+    const MAX_FRAME: u64 = 1514;
+    let lab = Lab::new(&[(Side::A, CLIENT), (Side::A, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = Service {
+        protocol: Protocol::Tcp,
+        ..cluster_ip("lost", 9, backend)
+    };
+    lab.add_service(&service)?;
+    let node = lab.cluster.node(Side::A).ns();
+    let output = node.output(
+        "iptables",
+        &[
+            "-t",
+            "mangle",
+            "-A",
+            "PREROUTING",
+            "-j",
+            "CONNMARK",
+            "--restore-mark",
+        ],
+    )?;
+    if !output.status.success() {
+        return Err(format!("iptables: {}", String::from_utf8_lossy(&output.stderr)).into());
+    }
+    let listener = backend
+        .ns
+        .run(|| TcpListener::bind(SocketAddr::new(backend.ipv4.into(), TARGET_PORT)))??;
+    let server = std::thread::spawn(move || -> std::io::Result<usize> {
+        let (mut stream, _) = listener.accept()?;
+        let mut received = vec![0u8; LEN];
+        stream.read_exact(&mut received)?;
+        Ok(received.len())
+    });
+    let mut stream = client
+        .ns
+        .run(|| TcpStream::connect(SocketAddr::V4(service.address)))??;
+    stream.write_all(&vec![7u8; LEN])?;
+    assert_eq!(server.join().map_err(|_| "server panicked")??, LEN);
+    drop(stream);
+    std::thread::sleep(Duration::from_millis(200));
+    let lost = lab.datapaths[0].stats()?.marks_lost();
+    assert!(
+        lost * MAX_FRAME >= LEN as u64,
+        "{lost} marks lost for {LEN} B sent through the Service: skbs counted, not segments"
+    );
+    Ok(())
+}
+
 /// One TCP connection through a ClusterIP to a pod of the other node, 4 MiB
 /// each way: counted at the uplink (request) and where the reply leaves the
 /// backend, with the two pods only, and in segments (`gso_segs` per skb), not
