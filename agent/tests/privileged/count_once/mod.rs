@@ -517,6 +517,7 @@ fn marks_lost_under_gso_are_counted_in_segments() -> TestResult {
     drop(stream);
     std::thread::sleep(Duration::from_millis(200));
     let lost = lab.datapaths[0].stats()?.marks_lost();
+    crate::two_node::report(&format!("marks lost for a 4 MiB transfer: {lost}"));
     assert!(
         lost * MAX_FRAME >= LEN as u64,
         "{lost} marks lost for {LEN} B sent through the Service: skbs counted, not segments"
