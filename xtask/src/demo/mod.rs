@@ -516,7 +516,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
                 .filter_map(|f| f.as_str())
                 .collect::<Vec<_>>()
                 .join(","),
-            entry["node_name"].as_str().unwrap_or("?")
+            node_cell(entry)
         ));
     }
 
@@ -1035,4 +1035,35 @@ async fn print_identities(
         ));
     }
     Ok(())
+}
+
+/// The node of a `census bpf endpoints list -o json` entry as the CLI's table shows
+/// it: its name, or `#<index>` when NODES does not name it.
+fn node_cell(entry: &serde_json::Value) -> String {
+    match (entry["node_name"].as_str(), entry["node"].as_u64()) {
+        (Some(name), _) => name.to_owned(),
+        (None, Some(index)) => format!("#{index}"),
+        (None, None) => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn a_remote_entry_shows_its_node_name_or_index_never_a_question_mark() {
+        assert_eq!(
+            super::node_cell(&json!({"node": 1, "node_name": "node-b"})),
+            "node-b"
+        );
+        assert_eq!(
+            super::node_cell(&json!({"node": 1, "node_name": null})),
+            "#1"
+        );
+        assert_eq!(
+            super::node_cell(&json!({"node": null, "node_name": null})),
+            ""
+        );
+    }
 }
