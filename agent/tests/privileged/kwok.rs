@@ -2,16 +2,18 @@
 //! etcd, kube-apiserver, controllers, kwok playing `kwok-0` and `kwok-1`), census
 //! deployed from `deploy/`, a Deployment on each node created with kubectl, and the
 //! two-node lab (`census_netlab::Cluster`) giving each pod IP that kwok assigned a
-//! network namespace on the lab node standing for its kwok node. One
-//! `census-operator` in Kubernetes mode (a token of its ServiceAccount bound to one
-//! of the Deployment's pods, the Identity CRD as its store) and a `census-agent` per
+//! network namespace on the lab node standing for its kwok node. Two
+//! `census-operator` replicas in Kubernetes mode (tokens of their ServiceAccount bound
+//! to the Deployment's pods, the Identity CRD as their store) and a `census-agent` per
 //! node with the Kubernetes pod source (a token bound to its node's DaemonSet pod for
 //! the API server, and one for the operator's audience): the identities the operator
-//! allocates from the pods' real labels are the ones the kernel counts traffic by.
+//! allocates from the pods' real labels are the ones the kernel counts traffic by, and
+//! stay so when the leader is killed and the agents follow the other replica.
 //!
-//! The processes run in the lab's node namespaces, which have no route to this
-//! machine's loopback: each node namespace gets loopback forwarders to the API server
-//! and to the operator (which runs in this namespace).
+//! The agents run in the lab's node namespaces, which have no route to this machine's
+//! loopback: each node namespace gets loopback forwarders to the API server and to
+//! the operator, the latter to whichever replica the leader EndpointSlice names (what
+//! kube-proxy does for the `census-operator-leader` Service).
 
 use std::{
     io,
@@ -41,14 +43,17 @@ const PAYLOAD: usize = 64;
 const OPERATOR_PORT: u16 = 9460;
 const ADMIN_PORT: u16 = 9462;
 
+/// Where a forwarded connection goes, asked once per connection.
+type Target = Arc<dyn Fn() -> Option<SocketAddr> + Send + Sync>;
+
 /// Accepts on a port of a node namespace's loopback and connects each connection
-/// to `to` in this namespace; stops when dropped.
+/// to where `to` says, in this namespace; stops when dropped.
 struct Forward {
     stop: Arc<AtomicBool>,
 }
 
 impl Forward {
-    fn start(ns: &Netns, port: u16, to: SocketAddr) -> Fallible<Self> {
+    fn start(ns: &Netns, port: u16, to: Target) -> Fallible<Self> {
         let listener = ns.run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, port)))??;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -58,7 +63,12 @@ impl Forward {
                 match listener.accept() {
                     Ok((inbound, _)) => {
                         let _ = inbound.set_nonblocking(false);
-                        std::thread::spawn(move || pipe(inbound, to));
+                        let to = to.clone();
+                        std::thread::spawn(move || {
+                            if let Some(to) = to() {
+                                pipe(inbound, to);
+                            }
+                        });
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(10));
@@ -94,13 +104,22 @@ fn pipe(inbound: TcpStream, to: SocketAddr) {
     let _ = up.join();
 }
 
+/// An operator replica, as one of the Deployment's pods.
+struct Replica {
+    pod: String,
+    ip: IpAddr,
+    port: u16,
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
 /// The lab, the processes, their pins and logs; logs printed unless it passed.
 struct World {
     cluster: Cluster,
     pins: [PinDir; 2],
     dir: tempfile::TempDir,
     forwards: Vec<Forward>,
-    operator: Option<std::process::Child>,
+    operators: Vec<Replica>,
     agents: [Option<ChildGuard>; 2],
     passed: bool,
 }
@@ -108,9 +127,9 @@ struct World {
 impl Drop for World {
     fn drop(&mut self) {
         self.agents = [None, None];
-        if let Some(mut op) = self.operator.take() {
-            let _ = op.kill();
-            let _ = op.wait();
+        for op in &mut self.operators {
+            let _ = op.child.kill();
+            let _ = op.child.wait();
         }
         self.forwards.clear();
         if !self.passed {
@@ -192,6 +211,62 @@ fn flow(pins: &PinDir, src: u32, dst: u32) -> Fallible<(u64, u64)> {
         .map_or((0, 0), |f| (f.packets, f.bytes)))
 }
 
+/// `COUNT` exchanges from `web` to `db`: counted once in the cluster each way, as
+/// (web, db) and (db, web), over both nodes' FLOWS.
+fn counted_once(world: &World, web: &Pod, db: &Pod, (web_id, db_id): (u32, u32)) -> TestResult {
+    let answered = udp_echo(
+        &web.ns,
+        web.ip(false),
+        &db.ns,
+        db.ip(false),
+        1,
+        0,
+        Duration::from_secs(5),
+    )?;
+    assert_eq!(answered, 1, "web reaches db");
+    let read = || -> Fallible<[(u64, u64); 4]> {
+        Ok([
+            flow(&world.pins[0], web_id, db_id)?,
+            flow(&world.pins[1], web_id, db_id)?,
+            flow(&world.pins[0], db_id, web_id)?,
+            flow(&world.pins[1], db_id, web_id)?,
+        ])
+    };
+    let before = read()?;
+    let answered = udp_echo(
+        &web.ns,
+        web.ip(false),
+        &db.ns,
+        db.ip(false),
+        COUNT,
+        PAYLOAD,
+        Duration::from_secs(1),
+    )?;
+    assert_eq!(answered, COUNT);
+    let after = read()?;
+    let delta: Vec<(u64, u64)> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| (a.0 - b.0, a.1 - b.1))
+        .collect();
+    let bytes = COUNT as u64 * frame_len(PAYLOAD, false);
+    report(&format!(
+        "kwok: ({web_id} -> {db_id}) A {:?} B {:?}; ({db_id} -> {web_id}) A {:?} B {:?}",
+        delta[0], delta[1], delta[2], delta[3]
+    ));
+    assert_eq!(
+        (delta[0].0 + delta[1].0, delta[0].1 + delta[1].1),
+        (COUNT as u64, bytes),
+        "requests once, as (web, db): {delta:?}"
+    );
+    assert_eq!(
+        (delta[2].0 + delta[3].0, delta[2].1 + delta[3].1),
+        (COUNT as u64, bytes),
+        "replies once, as (db, web): {delta:?}"
+    );
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestResult {
@@ -225,9 +300,9 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
         |p| p.len() == 2,
     )?;
     let operators = wait_until(
-        "kwok runs the operator's pods",
+        "kwok runs the operator's two pods",
         || running(plane, "census-system"),
-        |p| !p.is_empty(),
+        |p| p.len() >= 2,
     )?;
     let agents = wait_until(
         "kwok runs an agent pod on each node",
@@ -240,7 +315,7 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
         pins: [PinDir::new(), PinDir::new()],
         dir: tempfile::tempdir()?,
         forwards: Vec::new(),
-        operator: None,
+        operators: Vec::new(),
         agents: [None, None],
         passed: false,
     };
@@ -255,67 +330,96 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
         lab_pods.push((name.clone(), world.cluster.add_pod_at(side(at), *v4, v6)?));
     }
 
-    // The operator, in this namespace, as the first Deployment pod of census-system.
+    // Two operator replicas, in this namespace, as the Deployment's two pods.
     let certs = census_testkit::tls::Certs::generate(&[], &[]).map_err(|e| e.to_string())?;
-    let (op_pod, _, op_ip) = &operators[0];
-    let token = plane.token("census-system", "census-operator", None, Some(op_pod), 3600)?;
-    let kubeconfig = plane.write_token_kubeconfig("kwok-e2e-operator", &token)?;
-    let grpc_port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port();
-    let mut command = Command::new(&operator_bin);
-    command
-        .args(["--store", "kubernetes", "--namespace", "census-system"])
-        .args(["--pod-name", op_pod, "--pod-ip", &op_ip.to_string()])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["--grpc-listen", &format!("127.0.0.1:{grpc_port}")])
-        .args(["--admin-listen", "127.0.0.1:0"])
-        .args(
-            certs
-                .operator_flags()
-                .map_err(|e| e.to_string())?
-                .into_iter()
-                .take(4),
-        )
-        .args([
-            "--lease-duration",
-            "4s",
-            "--lease-renew-deadline",
-            "3s",
-            "--lease-retry-period",
-            "500ms",
-        ])
-        .args(["--snapshot-interval", "1s", "--tick-interval", "100ms"])
-        .args(["--log", "info"])
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(
-            world.dir.path().join("00-operator.log"),
-        )?);
-    world.operator = Some(command.spawn()?);
+    for (k, (op_pod, _, op_ip)) in operators.iter().take(2).enumerate() {
+        let token = plane.token("census-system", "census-operator", None, Some(op_pod), 3600)?;
+        let kubeconfig = plane.write_token_kubeconfig(&format!("kwok-e2e-operator-{k}"), &token)?;
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+            .local_addr()?
+            .port();
+        let log = world.dir.path().join(format!("00-operator-{k}.log"));
+        let mut command = Command::new(&operator_bin);
+        command
+            .args(["--store", "kubernetes", "--namespace", "census-system"])
+            .args(["--pod-name", op_pod, "--pod-ip", &op_ip.to_string()])
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--grpc-listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", "127.0.0.1:0"])
+            .args(
+                certs
+                    .operator_flags()
+                    .map_err(|e| e.to_string())?
+                    .into_iter()
+                    .take(4),
+            )
+            .args([
+                "--lease-duration",
+                "4s",
+                "--lease-renew-deadline",
+                "3s",
+                "--lease-retry-period",
+                "500ms",
+            ])
+            .args(["--snapshot-interval", "1s", "--tick-interval", "100ms"])
+            .args(["--log", "info"])
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
+        world.operators.push(Replica {
+            pod: op_pod.clone(),
+            ip: *op_ip,
+            port,
+            child: command.spawn()?,
+            log,
+        });
+    }
     let api_port: u16 = plane
         .server()
         .rsplit(':')
         .next()
         .and_then(|p| p.parse().ok())
         .ok_or("the API server's URL has no port")?;
+    // What kube-proxy does for census-operator-leader: each connection goes to the
+    // replica the leader EndpointSlice names (by its pod IP).
+    let replicas: Vec<(IpAddr, u16)> = world.operators.iter().map(|r| (r.ip, r.port)).collect();
+    let leader: Target = Arc::new(move || {
+        let slice = plane
+            .kubectl_json(&[
+                "-n",
+                "census-system",
+                "get",
+                "endpointslice",
+                "census-operator-leader",
+            ])
+            .ok()?;
+        let ip: IpAddr = slice["endpoints"][0]["addresses"][0]
+            .as_str()?
+            .parse()
+            .ok()?;
+        let port = replicas.iter().find(|(r, _)| *r == ip)?.1;
+        Some(SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
+    });
+    let api: Target = Arc::new(move || Some(SocketAddr::from((Ipv4Addr::LOCALHOST, api_port))));
     for i in 0..2 {
         let ns = world.cluster.node(side(i)).ns();
-        world.forwards.push(Forward::start(
-            ns,
-            api_port,
-            SocketAddr::from((Ipv4Addr::LOCALHOST, api_port)),
-        )?);
-        world.forwards.push(Forward::start(
-            ns,
-            OPERATOR_PORT,
-            SocketAddr::from((Ipv4Addr::LOCALHOST, grpc_port)),
-        )?);
+        world
+            .forwards
+            .push(Forward::start(ns, api_port, api.clone())?);
+        world
+            .forwards
+            .push(Forward::start(ns, OPERATOR_PORT, leader.clone())?);
     }
-    wait_for("the operator to lead", || {
-        let lease = plane.kubectl_json(&["-n", "census-system", "get", "lease", "census-operator"]);
-        Ok(lease.is_ok_and(|l| l["spec"]["holderIdentity"] == json!(op_pod)))
+    let holder = || -> Option<String> {
+        let lease = plane
+            .kubectl_json(&["-n", "census-system", "get", "lease", "census-operator"])
+            .ok()?;
+        lease["spec"]["holderIdentity"].as_str().map(str::to_owned)
+    };
+    let pods: Vec<String> = world.operators.iter().map(|r| r.pod.clone()).collect();
+    wait_for("a replica to lead", || {
+        Ok(holder().is_some_and(|h| pods.contains(&h)))
     })?;
 
     // An agent per node, with tokens bound to its node's DaemonSet pod.
@@ -430,58 +534,39 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
 
     // Traffic between the two pods, across the lab's nodes: counted once in the
     // cluster, by the identities of the pods' labels.
-    let answered = udp_echo(
-        &web.ns,
-        web.ip(false),
-        &db.ns,
-        db.ip(false),
-        1,
-        0,
-        Duration::from_secs(5),
-    )?;
-    assert_eq!(answered, 1, "web reaches db");
-    let before = [
-        flow(&world.pins[0], web_id, db_id)?,
-        flow(&world.pins[1], web_id, db_id)?,
-        flow(&world.pins[0], db_id, web_id)?,
-        flow(&world.pins[1], db_id, web_id)?,
-    ];
-    let answered = udp_echo(
-        &web.ns,
-        web.ip(false),
-        &db.ns,
-        db.ip(false),
-        COUNT,
-        PAYLOAD,
-        Duration::from_secs(1),
-    )?;
-    assert_eq!(answered, COUNT);
-    let after = [
-        flow(&world.pins[0], web_id, db_id)?,
-        flow(&world.pins[1], web_id, db_id)?,
-        flow(&world.pins[0], db_id, web_id)?,
-        flow(&world.pins[1], db_id, web_id)?,
-    ];
-    let delta: Vec<(u64, u64)> = after
+    counted_once(&world, web, db, (web_id, db_id))?;
+
+    // The leader killed: the other replica takes over, the agents follow it (through
+    // the slice it publishes), and the same pods are counted by the same identities.
+    let leading = holder().ok_or("no leader")?;
+    let at = world
+        .operators
         .iter()
-        .zip(&before)
-        .map(|(a, b)| (a.0 - b.0, a.1 - b.1))
-        .collect();
-    let bytes = COUNT as u64 * frame_len(PAYLOAD, false);
-    report(&format!(
-        "kwok: ({web_id} -> {db_id}) A {:?} B {:?}; ({db_id} -> {web_id}) A {:?} B {:?}",
-        delta[0], delta[1], delta[2], delta[3]
-    ));
-    assert_eq!(
-        (delta[0].0 + delta[1].0, delta[0].1 + delta[1].1),
-        (COUNT as u64, bytes),
-        "requests once, as (web, db): {delta:?}"
-    );
-    assert_eq!(
-        (delta[2].0 + delta[3].0, delta[2].1 + delta[3].1),
-        (COUNT as u64, bytes),
-        "replies once, as (db, web): {delta:?}"
-    );
+        .position(|r| r.pod == leading)
+        .ok_or("the leader is not a replica")?;
+    world.operators[at].child.kill()?;
+    world.operators[at].child.wait()?;
+    let survivor = world.operators[1 - at].pod.clone();
+    wait_for("the other replica to lead", || {
+        Ok(holder().as_deref() == Some(survivor.as_str()))
+    })?;
+    let log = world.operators[1 - at].log.clone();
+    wait_for("both agents to connect to the new leader", || {
+        let text = std::fs::read_to_string(&log)?;
+        let connected = |node: &str| {
+            text.lines()
+                .any(|l| l.contains("agent connected") && l.contains(node))
+        };
+        Ok(nodes.iter().take(2).all(|n| connected(n)))
+    })?;
+    for (app, id) in [("web", web_id), ("db", db_id)] {
+        assert_eq!(
+            identity_of(plane, &labels(app))?,
+            Some(id),
+            "{app} after the failover"
+        );
+    }
+    counted_once(&world, web, db, (web_id, db_id))?;
     world.passed = true;
     drop(world);
     Ok(())
