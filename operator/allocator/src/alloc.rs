@@ -301,26 +301,22 @@ impl Allocator {
         };
         match result {
             Ok(()) if entry.wanted() => {
-                // Referenced again while the delete was in flight: bind it again.
+                // Referenced again while the delete was in flight: bind it again. The
+                // store holds the delete's tombstone: if the create writes nothing (the
+                // store binds the labels elsewhere), the quarantine goes on.
                 bump(&mut core.counters.gc_outcomes, "recreated");
                 entry.phase = Phase::Creating {
                     inflight: true,
                     attempt: 0,
                     retry_at: now,
                 };
+                entry.ended_tomb = Some(Tomb::of(tombstone));
                 core.create_op(id);
             }
             Ok(()) => {
                 bump(&mut core.counters.gc_outcomes, "deleted");
                 if let Some(gone) = core.ids.remove(id) {
-                    let until = Timestamp::from_millis(tombstone.until_ms);
-                    core.ids.add_tomb(
-                        id,
-                        Tomb {
-                            labels_hash: tombstone.labels_hash,
-                            until,
-                        },
-                    );
+                    core.ids.add_tomb(id, Tomb::of(tombstone));
                     if gone.announced {
                         core.fx.push(Effect::Watch(WatchChange::Removed {
                             id,
@@ -336,11 +332,13 @@ impl Allocator {
             Err(e) => {
                 bump(&mut core.counters.gc_outcomes, e.cause());
                 if entry.wanted() {
+                    // The delete may have committed, tombstone and all: as above.
                     entry.phase = Phase::Creating {
                         inflight: true,
                         attempt: 0,
                         retry_at: now,
                     };
+                    entry.ended_tomb = Some(Tomb::of(tombstone));
                     core.create_op(id);
                 } else {
                     let attempt = attempt + 1;

@@ -60,8 +60,9 @@ pub(crate) struct Entry {
     /// be partitioned away, still using it).
     pub(crate) loaded: bool,
     /// The quarantine this binding ended when it was made (its own label set taking
-    /// the id back), until the store has it: if the create writes nothing (the store
-    /// binds the labels elsewhere), the quarantine and its tombstone go on.
+    /// the id back, or a re-create after its own delete), until the store has it: if
+    /// the create writes nothing (the store binds the labels elsewhere), the
+    /// quarantine and its tombstone go on.
     pub(crate) ended_tomb: Option<Tomb>,
 }
 
@@ -96,6 +97,16 @@ pub(crate) struct Seen {
 pub(crate) struct Tomb {
     pub(crate) labels_hash: u64,
     pub(crate) until: Timestamp,
+}
+
+impl Tomb {
+    /// The quarantine a store tombstone records.
+    pub(crate) fn of(tombstone: super::Tombstone) -> Self {
+        Self {
+            labels_hash: tombstone.labels_hash,
+            until: Timestamp::from_millis(tombstone.until_ms),
+        }
+    }
 }
 
 /// Why an id is never bound again.

@@ -2,6 +2,7 @@
 //! model-based property test of the invariants, and the small builders they share.
 
 mod accounting;
+mod audit;
 mod capacity;
 mod gc;
 mod invariants;
