@@ -222,6 +222,10 @@ impl Allocator {
                 bump(&mut core.counters.create_failures, "conflict");
                 self.rehome(id, Blocked::StoreConflict { found }, now);
             }
+            Err(StoreError::IdBound { bound, .. }) => {
+                bump(&mut core.counters.create_failures, "id_bound");
+                self.yield_to_store(id, bound, now);
+            }
             // Nothing was written, so `id` is free again, never blocked.
             Err(StoreError::LabelsBound { .. }) if let Some(bound) = take => {
                 bump(&mut core.counters.create_failures, "labels_bound");
@@ -328,6 +332,10 @@ impl Allocator {
             Err(StoreError::Conflict { found, .. }) => {
                 bump(&mut core.counters.gc_outcomes, "conflict");
                 self.rehome(id, Blocked::StoreConflict { found }, now);
+            }
+            Err(StoreError::IdBound { bound, .. }) => {
+                bump(&mut core.counters.gc_outcomes, "id_bound");
+                self.yield_to_store(id, bound, now);
             }
             Err(e) => {
                 bump(&mut core.counters.gc_outcomes, e.cause());
@@ -439,7 +447,9 @@ impl Allocator {
                 }
             }
             // The store holds something else under the id now; its watch reports it.
-            Err(StoreError::Conflict { .. }) => core.counters.stale_results += 1,
+            Err(StoreError::Conflict { .. } | StoreError::IdBound { .. }) => {
+                core.counters.stale_results += 1;
+            }
             Err(_) => core.gc.cleanup_retries.push(op),
         }
     }
@@ -567,6 +577,46 @@ impl Allocator {
                 labels: old.labels.clone(),
             }));
         }
+        self.relocate(id, old, now);
+    }
+
+    /// The store binds `id` to `bound`, a valid binding census did not write, where
+    /// the core was creating or deleting its own binding of `id`: nothing was written.
+    /// The store's binding is taken, never fought: unless its labels have an identity
+    /// here already or the id may not take them (quarantined for other labels, a lost
+    /// tombstone being written again), `id` becomes `bound`'s identity as persisted,
+    /// and is collected like any other when unused. Whatever used `id` moves to
+    /// another id for its labels, with Rebinds.
+    fn yield_to_store(&mut self, id: IdentityId, bound: LabelSet, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(old) = core.ids.remove(id) else {
+            return;
+        };
+        if old.announced {
+            core.fx.push(Effect::Watch(WatchChange::Removed {
+                id,
+                labels: old.labels.clone(),
+            }));
+        }
+        // A quarantine the old binding ended (its own labels taking the id back) still
+        // holds against other labels.
+        let quarantine = old
+            .ended_tomb
+            .filter(|t| t.until > now && t.labels_hash != bound.stable_hash());
+        if quarantine.is_none() && core.ids.id_of(&bound).is_none() && core.can_take(id, &bound) {
+            core.ids.insert(id, bound, Phase::Live);
+            core.counters.bindings_taken += 1;
+            core.gc.unused.push(id);
+        } else if let Some(tomb) = old.ended_tomb {
+            core.ids.add_tomb(id, tomb);
+        }
+        self.relocate(id, old, now);
+    }
+
+    /// Moves whatever used `id`, whose binding `old` is gone from the core, to a new
+    /// id for the same labels (answering waiting calls, with Rebinds to the agents).
+    fn relocate(&mut self, id: IdentityId, old: Entry, now: Timestamp) {
+        let core = &mut self.core;
         if !old.wanted() {
             return;
         }

@@ -122,7 +122,7 @@ async fn real_store_writes_conditionally_and_watches_itself() -> TestResult {
             .await,
         [Ok(())]
     );
-    // Someone else's binding, then an edit: blocked, reported.
+    // Someone else's binding (named, for the core to take), then an edit: blocked, reported.
     let other = DynamicObject::new(&(n + 1).to_string(), &census_operator_resource())
         .data(json!({"spec": {"labels": db.to_strings()}}));
     api.create(&PostParams::default(), &other).await?;
@@ -133,7 +133,7 @@ async fn real_store_writes_conditionally_and_watches_itself() -> TestResult {
         }])
         .await;
     assert!(
-        matches!(conflict[0], Err(StoreError::Conflict { .. })),
+        matches!(conflict[0], Err(StoreError::IdBound { .. })),
         "{conflict:?}"
     );
     api.patch(

@@ -77,3 +77,44 @@ fn a_quarantine_outlives_a_recreate_after_delete_that_meets_a_foreign_binding() 
         "{db:?}"
     );
 }
+
+// ---- 2: a deposed leader's late write ----
+
+#[test]
+fn a_late_foreign_write_met_by_a_create_is_taken_not_blocked() {
+    let mut h = Harness::new(range_256_259());
+    let (s, _c) = connected(&mut h, N1, 10);
+    // A deposed leader's late create bound 256 to app=web; before the store's watch
+    // reports it, this core gives 256 to app=db.
+    assert_eq!(h.allocate(N1, s, "app=db"), Ok(None));
+    h.store.identities.insert(id(256), labels("app=web"));
+    h.store.foreign.insert(id(256));
+    h.store.others.insert(id(256));
+    h.settle_store();
+    // The store's binding is taken, not fought: 256 is app=web's, not blocked...
+    assert!(
+        !h.alloc.core.ids.blocked().contains_key(&id(256)),
+        "256 is blocked: {:?}",
+        h.alloc.core.ids.blocked()
+    );
+    assert!(h.alloc.core.ids.is_bound(id(256), &labels("app=web")));
+    // ...app=db got another id...
+    let db = h.replies.last().map(|(_, r)| r.clone());
+    assert!(matches!(db, Some(Ok(x)) if x != id(256)), "{db:?}");
+    // ...and app=web is allocated at the store's id, at once.
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(Some(id(256))));
+    // The watch's report of it changes nothing.
+    h.alloc.binding_found(id(256), &labels("app=web"));
+    h.route();
+    assert!(h.alloc.core.ids.is_bound(id(256), &labels("app=web")));
+}
+
+fn range_256_259() -> Config {
+    Config {
+        range: match IdRange::new(256, 259) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    }
+}

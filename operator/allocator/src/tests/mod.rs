@@ -253,11 +253,12 @@ impl ModelStore {
     }
 }
 
+/// The id holds another valid binding (an invalid object answers `Conflict`).
 fn conflict(id: IdentityId, expected: &LabelSet, found: &LabelSet) -> StoreError {
-    StoreError::Conflict {
+    StoreError::IdBound {
         id,
-        expected: expected.to_string(),
-        found: found.to_string(),
+        labels: expected.to_string(),
+        bound: found.clone(),
     }
 }
 

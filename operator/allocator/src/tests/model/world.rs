@@ -641,7 +641,9 @@ impl Sim {
             Answer::Ok | Answer::CommitThenFail => {
                 let before = self.h.store.clone();
                 let result = self.h.store.apply(&op, now);
-                if let Err(StoreError::Conflict { id, .. }) = &result {
+                if let Err(StoreError::Conflict { id, .. } | StoreError::IdBound { id, .. }) =
+                    &result
+                {
                     let s = &self.h.store;
                     assert!(
                         s.foreign.contains(id)
