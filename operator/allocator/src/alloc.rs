@@ -165,7 +165,9 @@ impl Allocator {
     ) {
         // The labels have an identity in the store already: take it when the core can.
         let take = match &result {
-            Err(StoreError::LabelsBound { bound, .. }) if self.core.can_take(*bound, labels) => {
+            Err(StoreError::LabelsBound { bound, .. })
+                if self.core.can_take_stored(*bound, labels) =>
+            {
                 Some(*bound)
             }
             _ => None,
@@ -233,8 +235,9 @@ impl Allocator {
             }
             Err(e) => {
                 // Also a binding of the labels that the core cannot take (its id is
-                // bound to other labels here, blocked or quarantined): retried later
-                // like an unavailable store, on the same id, so no id is spent on it.
+                // bound to other labels here, quarantined for other labels, or its lost
+                // tombstone is being written again: each passes): retried later like an
+                // unavailable store, on the same id, so no id is spent on it.
                 bump(&mut core.counters.create_failures, e.cause());
                 let attempt = attempt + 1;
                 let retry_at = now.plus(core.cfg.backoff(attempt));
@@ -456,16 +459,17 @@ impl Allocator {
 
     /// The store holds a valid binding of `id` to `labels` that the core never loaded
     /// nor wrote (seen by the store's own watch). The core takes it in when it knows
-    /// neither the id nor the labels and could adopt the id; unused, it is released
-    /// and collected like any identity. Anything else is left to the answers of the
+    /// neither the id nor the labels and the id is not quarantined for other labels
+    /// (out of range or blocked, it is taken all the same: census never writes such a
+    /// binding, it takes what the store holds); unused, it is released and collected
+    /// like any identity. Anything else is left to the answers of the
     /// core's own writes and to [`Allocator::binding_invalid`].
     pub fn binding_found(&mut self, id: IdentityId, labels: &LabelSet) {
         let core = &mut self.core;
-        if core.ids.id_of(labels).is_some() || !core.can_take(id, labels) {
+        if core.ids.id_of(labels).is_some() || !core.can_take_stored(id, labels) {
             return;
         }
-        core.ids.insert(id, labels.clone(), Phase::Live);
-        core.counters.bindings_taken += 1;
+        core.take_stored(id, labels.clone());
         core.gc.unused.push(id);
     }
 
@@ -478,8 +482,7 @@ impl Allocator {
         let Some(old) = core.forget_unwritten(from) else {
             return;
         };
-        core.ids.insert(to, old.labels, Phase::Live);
-        core.counters.bindings_taken += 1;
+        core.take_stored(to, old.labels);
         let (refs, holds) = self.move_users(from, to, true);
         let core = &mut self.core;
         if let Some(entry) = core.ids.get_mut(to) {
@@ -603,9 +606,11 @@ impl Allocator {
         let quarantine = old
             .ended_tomb
             .filter(|t| t.until > now && t.labels_hash != bound.stable_hash());
-        if quarantine.is_none() && core.ids.id_of(&bound).is_none() && core.can_take(id, &bound) {
-            core.ids.insert(id, bound, Phase::Live);
-            core.counters.bindings_taken += 1;
+        if quarantine.is_none()
+            && core.ids.id_of(&bound).is_none()
+            && core.can_take_stored(id, &bound)
+        {
+            core.take_stored(id, bound);
             core.gc.unused.push(id);
         } else if let Some(tomb) = old.ended_tomb {
             core.ids.add_tomb(id, tomb);

@@ -307,6 +307,26 @@ impl Identities {
         }
     }
 
+    /// Unblocks `id`: the store binds it validly now, and the core takes that binding.
+    pub(crate) fn unblock(&mut self, id: IdentityId) {
+        if self.blocked.remove(&id).is_some() {
+            self.vacate(id);
+        }
+    }
+
+    /// Whether a valid binding of `id` to `labels` that the store holds can be taken
+    /// in: the id is unbound here and not quarantined for another label set. Out of
+    /// range (a backup of a cluster with a wider range) or blocked (the invalid object
+    /// that blocked it was replaced) does not matter: census never writes such a
+    /// binding, it takes what the store holds (the labels are known to be unbound).
+    pub(crate) fn can_take_stored(&self, id: IdentityId, labels: &LabelSet) -> bool {
+        !self.entries.contains_key(&id)
+            && self
+                .quarantine
+                .get(&id)
+                .is_none_or(|t| t.labels_hash == labels.stable_hash())
+    }
+
     /// Whether an agent's claim "id is bound to labels" can be adopted as a new
     /// binding: the id is in range, unbound, not blocked, and not quarantined for
     /// another label set (the labels are known to be unbound).

@@ -209,6 +209,21 @@ impl Core {
         self.ids.can_adopt(id, labels) && !self.gc.rewriting.contains(&id)
     }
 
+    /// Whether the store's valid binding of `id` to `labels` can be taken in (see
+    /// [`identities::Identities::can_take_stored`]); not while its lost tombstone is
+    /// being written again.
+    fn can_take_stored(&self, id: IdentityId, labels: &census_proto::labels::LabelSet) -> bool {
+        self.ids.can_take_stored(id, labels) && !self.gc.rewriting.contains(&id)
+    }
+
+    /// Takes in the store's valid binding of `id` to `labels` (the caller checked
+    /// [`Core::can_take_stored`] and that the labels are unbound here), as persisted.
+    fn take_stored(&mut self, id: IdentityId, labels: census_proto::labels::LabelSet) {
+        self.ids.unblock(id);
+        self.ids.insert(id, labels, Phase::Live);
+        self.counters.bindings_taken += 1;
+    }
+
     fn store(&mut self, op: StoreOp, priority: Priority) {
         self.fx.push(Effect::Store { op, priority });
     }

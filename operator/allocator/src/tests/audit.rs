@@ -118,3 +118,53 @@ fn range_256_259() -> Config {
         ..small_config()
     }
 }
+// ---- 3: labels bound where the core could not take them ----
+
+#[test]
+fn labels_bound_out_of_range_are_adopted_and_allocated() {
+    let mut h = Harness::new(range_256_259());
+    let (s, _c) = connected(&mut h, N1, 10);
+    // A backup from a cluster with a wider range binds app=web at 5000.
+    h.store.identities.insert(id(5000), labels("app=web"));
+    h.store.foreign.insert(id(5000));
+    for _ in 0..3 {
+        let web = h.allocate_now(N1, s, "app=web");
+        assert_eq!(
+            web,
+            Ok(id(5000)),
+            "the store's binding is app=web's identity"
+        );
+    }
+    // No id of the range was spent on it.
+    assert_eq!(h.alloc.core.ids.used_in_range(), 0);
+}
+
+#[test]
+fn labels_bound_at_a_blocked_id_are_adopted_and_allocated() {
+    let mut h = Harness::new(range_256_259());
+    let (s, _c) = connected(&mut h, N1, 10);
+    // 258 held an invalid object, so the core blocked it; then someone replaced it
+    // with a valid binding of app=api (the watch's report of it may come late).
+    h.store
+        .invalid
+        .insert(id(258), "an invalid Identity object".to_owned());
+    h.store.others.insert(id(258));
+    h.alloc
+        .binding_invalid(id(258), "an invalid Identity object".to_owned(), h.now);
+    h.route();
+    assert!(h.alloc.core.ids.blocked().contains_key(&id(258)));
+    h.store.invalid.remove(&id(258));
+    h.store.identities.insert(id(258), labels("app=api"));
+    h.store.foreign.insert(id(258));
+    let api = h.allocate_now(N1, s, "app=api");
+    assert_eq!(
+        api,
+        Ok(id(258)),
+        "the store's binding is app=api's identity"
+    );
+    assert!(!h.alloc.core.ids.blocked().contains_key(&id(258)));
+    // The watch's late report changes nothing.
+    h.alloc.binding_found(id(258), &labels("app=api"));
+    h.route();
+    assert_eq!(h.allocate_now(N1, s, "app=api"), Ok(id(258)));
+}
