@@ -1,15 +1,15 @@
 //! Allocate, the store's answers, and what happens when the store disagrees.
 
 use census_proto::{
-    domain::{IdentityId, NodeName, SessionId},
+    domain::{EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelSet,
 };
 
 use super::{
-    AgentMsg, AllocError, Allocator, Core, Effect, Priority, RequestId, StoreError, StoreOp,
-    SyncError, Timestamp, Tombstone, WatchChange, bump,
+    AgentMsg, AllocError, Allocator, ConnId, Core, Effect, Priority, RequestId, StoreError,
+    StoreOp, SyncError, Timestamp, Tombstone, WatchChange, bump,
     identities::{Blocked, Entry, Phase, Tomb, Waiter},
-    nodes::Persisted,
+    nodes::{Node, Persisted},
 };
 
 impl Allocator {
@@ -209,7 +209,11 @@ impl Allocator {
                             });
                         }
                         Waiter::Rebind { node, conn, key } => {
-                            if self.nodes.get(&node).is_some_and(|n| n.conn == Some(conn)) {
+                            if self
+                                .nodes
+                                .get(&node)
+                                .is_some_and(|n| rebind_due(n, conn, &key, id))
+                            {
                                 let msg = AgentMsg::Rebind { key, identity: id };
                                 core.fx.push(Effect::Agent { node, conn, msg });
                             }
@@ -248,9 +252,18 @@ impl Allocator {
                 };
                 // Callers are told now and may retry; endpoints keep waiting for their rebind.
                 let cause = e.cause();
-                let (requests, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
+                let (requests, mut rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
                     .into_iter()
                     .partition(|w| matches!(w, Waiter::Request { .. }));
+                // Only endpoints still in their view at this identity, on their stream,
+                // wait on: the others' Rebinds would never be sent.
+                rest.retain(|w| match w {
+                    Waiter::Rebind { node, conn, key } => self
+                        .nodes
+                        .get(node)
+                        .is_some_and(|n| rebind_due(n, *conn, key, id)),
+                    Waiter::Request { .. } => false,
+                });
                 entry.waiters = rest;
                 // Refused for labels bound elsewhere, nothing was written: with no one
                 // left to wait for it, the binding goes (a retry could only meet the
@@ -734,4 +747,10 @@ impl Core {
         }
         Some(old)
     }
+}
+
+/// Whether a queued Rebind of `key` to `id` is still to be sent: its stream is the
+/// node's current one and the endpoint is in the view at `id`.
+fn rebind_due(node: &Node, conn: ConnId, key: &EndpointKey, id: IdentityId) -> bool {
+    node.conn == Some(conn) && node.view.get(key).is_some_and(|v| v.id == id)
 }

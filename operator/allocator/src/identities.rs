@@ -67,8 +67,16 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// Referenced, held, or waited for by an Allocate call. A Rebind waiter does not
+    /// count: its endpoint is a reference while it is in a view at this identity, and
+    /// nothing once it has left (its Rebind is then never sent).
     pub(crate) fn wanted(&self) -> bool {
-        self.refs > 0 || self.holds > 0 || !self.waiters.is_empty()
+        self.refs > 0
+            || self.holds > 0
+            || self
+                .waiters
+                .iter()
+                .any(|w| matches!(w, Waiter::Request { .. }))
     }
 
     fn seen(&self) -> Seen {

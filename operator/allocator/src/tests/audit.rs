@@ -168,3 +168,50 @@ fn labels_bound_at_a_blocked_id_are_adopted_and_allocated() {
     h.route();
     assert_eq!(h.allocate_now(N1, s, "app=api"), Ok(id(258)));
 }
+
+// ---- 4: a Rebind waiter that outlives its endpoint ----
+
+#[test]
+fn a_create_no_one_waits_for_any_more_is_dropped_once_its_endpoint_leaves() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        quarantine: ms(600_000),
+        ..range_256_259()
+    });
+    let (s, c) = connected(&mut h, N1, 10);
+    // 256 is app=old's, deleted and quarantined for it.
+    let old = ok(h.allocate_now(N1, s, "app=old"));
+    assert_eq!(old, id(256));
+    for _ in 0..10 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(h.store.tombstones.contains_key(&old));
+    // Someone binds app=web at 256 inside that quarantine, so the core cannot take it.
+    h.store.identities.insert(old, labels("app=web"));
+    h.store.foreign.insert(old);
+    // An agent's pod claims 256 for app=web: not adoptable, so app=web gets 257 and
+    // the endpoint waits for its Rebind; the create meets app=web bound at 256.
+    ok(h.upsert(N1, c, 1, mk_endpoint("web-0", 256, "app=web")));
+    h.settle_store();
+    assert_eq!(h.state(257), Some(IdentityState::Creating));
+    // The pod goes: nobody uses app=web any more.
+    ok(h.delete(N1, c, 2, "web-0"));
+    h.settle_store();
+    h.emitted.clear();
+    for _ in 0..150 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    let writes = h
+        .emitted
+        .iter()
+        .filter(|(op, _)| matches!(op, StoreOp::CreateIdentity { id: x, .. } if *x == id(257)))
+        .count();
+    assert!(
+        writes <= 1,
+        "{writes} creates of 257 in 150 s with nobody using it (state {:?})",
+        h.state(257)
+    );
+    assert_eq!(h.state(257), None, "nothing kept for app=web");
+}
