@@ -77,6 +77,7 @@ impl Allocator {
                     node: node_name.clone(),
                 });
                 node.pending += 1;
+                core.wait_for(req, id, now);
             }
             return Ok(None);
         }
@@ -114,6 +115,7 @@ impl Allocator {
             });
         }
         node.pending += 1;
+        core.wait_for(req, id, now);
         core.create_op(id);
         core.counters.allocations_new += 1;
         Ok(None)
@@ -203,10 +205,7 @@ impl Allocator {
                                 n.pending = n.pending.saturating_sub(1);
                                 core.add_hold(n, id, now);
                             }
-                            core.fx.push(Effect::Reply {
-                                req,
-                                result: Ok(id),
-                            });
+                            core.reply(req, Ok(id));
                         }
                         Waiter::Rebind { node, conn, key } => {
                             if self
@@ -277,10 +276,7 @@ impl Allocator {
                         if let Some(n) = self.nodes.get_mut(&node) {
                             n.pending = n.pending.saturating_sub(1);
                         }
-                        core.fx.push(Effect::Reply {
-                            req,
-                            result: Err(AllocError::StoreUnavailable { cause }),
-                        });
+                        core.reply(req, Err(AllocError::StoreUnavailable { cause }));
                     }
                 }
                 if forget {
@@ -509,10 +505,7 @@ impl Allocator {
                     n.pending = n.pending.saturating_sub(1);
                     core.add_hold(n, to, now);
                 }
-                core.fx.push(Effect::Reply {
-                    req,
-                    result: Ok(to),
-                });
+                core.reply(req, Ok(to));
             }
         }
         if core.ids.get(to).is_some_and(|e| !e.wanted()) {
@@ -671,10 +664,7 @@ impl Allocator {
                         used: core.ids.used_in_range(),
                     }
                 };
-                core.fx.push(Effect::Reply {
-                    req,
-                    result: Err(err),
-                });
+                core.reply(req, Err(err));
             }
             return;
         };
@@ -689,7 +679,11 @@ impl Allocator {
         );
         core.create_op(fresh);
         let requests: Vec<Waiter> = requests
-            .map(|(req, node)| Waiter::Request { req, node })
+            .map(|(req, node)| {
+                // The call's deadline stands: it waits on `fresh` now.
+                core.gc.waiting.insert(req, fresh);
+                Waiter::Request { req, node }
+            })
             .collect();
         if let Some(entry) = core.ids.get_mut(fresh) {
             entry.waiters = requests;

@@ -103,6 +103,10 @@ struct Gc {
     next_tomb_scan: Timestamp,
     /// The restart protection's node TTL has passed (it may still wait for nodes).
     past_node_ttl: bool,
+    /// Allocate calls waiting for a write, by deadline (entries of calls answered
+    /// since are dropped as they come up), and the identity each waits on.
+    deadlines: BTreeSet<(Timestamp, RequestId)>,
+    waiting: HashMap<RequestId, IdentityId>,
 }
 
 impl Allocator {
@@ -179,6 +183,8 @@ impl Allocator {
                     rewriting: BTreeSet::new(),
                     next_tomb_scan: now,
                     past_node_ttl: false,
+                    deadlines: BTreeSet::new(),
+                    waiting: HashMap::new(),
                 },
                 cfg,
                 ids,
@@ -325,6 +331,20 @@ impl Core {
                 self.gc.unused.push(id);
             }
         }
+    }
+
+    /// Records that Allocate call `req` waits on `id` from `now` on.
+    fn wait_for(&mut self, req: RequestId, id: IdentityId, now: Timestamp) {
+        self.gc
+            .deadlines
+            .insert((now.plus(self.cfg.allocate_deadline), req));
+        self.gc.waiting.insert(req, id);
+    }
+
+    /// Answers Allocate call `req`.
+    fn reply(&mut self, req: RequestId, result: Result<IdentityId, AllocError>) {
+        self.gc.waiting.remove(&req);
+        self.fx.push(Effect::Reply { req, result });
     }
 
     fn next_conn(&mut self) -> ConnId {

@@ -215,3 +215,53 @@ fn a_create_no_one_waits_for_any_more_is_dropped_once_its_endpoint_leaves() {
     );
     assert_eq!(h.state(257), None, "nothing kept for app=web");
 }
+
+// ---- 7: an Allocate that never answers ----
+
+#[test]
+fn every_allocate_is_answered_by_its_deadline_even_if_its_write_is_never_answered() {
+    let mut h = Harness::new(patient());
+    let (s, _c) = connected(&mut h, N1, 10);
+    h.settle_store();
+    let req = h.next_req;
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    // The create's answer never reaches the core (lost between the store and it).
+    let lost = h.pop_pending();
+    assert!(
+        matches!(lost, Some(StoreOp::CreateIdentity { .. })),
+        "{lost:?}"
+    );
+    // A second call for the same labels waits on the same write.
+    let second = h.next_req;
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    for _ in 0..30 {
+        h.advance(ms(1_000));
+    }
+    let answer = |r: RequestId| {
+        h.replies
+            .iter()
+            .find(|(q, _)| *q == r)
+            .map(|(_, a)| a.clone())
+    };
+    for r in [req, second] {
+        assert!(
+            matches!(answer(r), Some(Err(AllocError::StoreUnavailable { .. }))),
+            "request {r}: {:?} after 30 s (pending: {:?})",
+            answer(r),
+            h.alloc.stats().pending_allocations
+        );
+    }
+    // The write was taken for lost and made again: the labels are allocated.
+    h.settle_store();
+    let web = h.allocate_now(N1, s, "app=web");
+    assert!(web.is_ok(), "{web:?}");
+    assert_eq!(h.alloc.stats().pending_allocations, 0);
+}
+
+fn patient() -> Config {
+    Config {
+        node_ttl: ms(600_000),
+        hold_timeout: ms(600_000),
+        ..small_config()
+    }
+}

@@ -307,6 +307,7 @@ pub(super) fn small_config() -> Config {
         max_inflight_deletes: 50,
         retry_base: ms(500),
         retry_max: ms(4_000),
+        allocate_deadline: ms(10_000),
     }
 }
 
