@@ -280,7 +280,7 @@ impl Allocator {
                     }
                 }
                 if forget {
-                    core.forget_unwritten(id);
+                    core.forget_unwritten(id, now);
                 }
             }
         }
@@ -376,7 +376,9 @@ impl Allocator {
 
     /// The store reports (from its own watch) that the binding of `id` to `labels` is
     /// gone, deleted by someone else. The binding is written again; if nothing uses
-    /// it, garbage collection deletes it properly later (with its tombstone).
+    /// it, garbage collection deletes it properly later (with its tombstone). An
+    /// unwanted identity whose delete failed is not written again: its delete is
+    /// retried, and records the tombstone.
     pub fn binding_lost(&mut self, id: IdentityId, labels: &LabelSet, now: Timestamp) {
         let core = &mut self.core;
         let Some(entry) = core.ids.get_mut(id).filter(|e| e.labels == *labels) else {
@@ -385,6 +387,13 @@ impl Allocator {
         match entry.phase {
             // Our own write is in flight; its answer decides.
             Phase::Creating { inflight: true, .. } | Phase::Deleting { inflight: true, .. } => {}
+            // Being deleted, unwanted, after a delete that failed: that delete may have
+            // committed (tombstone and all), and writing the binding again would drop
+            // the tombstone of a quarantine that has begun. The delete's retry finds
+            // the binding gone (a success) and records the tombstone either way.
+            Phase::Deleting {
+                inflight: false, ..
+            } if !entry.wanted() => {}
             Phase::Live
             | Phase::Released { .. }
             | Phase::Creating {
@@ -488,7 +497,7 @@ impl Allocator {
     /// `from` was never written and is free again (or quarantined as it was).
     fn take_over(&mut self, from: IdentityId, to: IdentityId, now: Timestamp) {
         let core = &mut self.core;
-        let Some(old) = core.forget_unwritten(from) else {
+        let Some(old) = core.forget_unwritten(from, now) else {
             return;
         };
         core.take_stored(to, old.labels);
@@ -592,8 +601,8 @@ impl Allocator {
     /// The store binds `id` to `bound`, a valid binding census did not write, where
     /// the core was creating or deleting its own binding of `id`: nothing was written.
     /// The store's binding is taken, never fought: unless its labels have an identity
-    /// here already or the id may not take them (quarantined for other labels, a lost
-    /// tombstone being written again), `id` becomes `bound`'s identity as persisted,
+    /// here already (a lost tombstone being written again at `id` also waits), `id`
+    /// becomes `bound`'s identity as persisted,
     /// and is collected like any other when unused. Whatever used `id` moves to
     /// another id for its labels, with Rebinds.
     fn yield_to_store(&mut self, id: IdentityId, bound: LabelSet, now: Timestamp) {
@@ -607,19 +616,11 @@ impl Allocator {
                 labels: old.labels.clone(),
             }));
         }
-        // A quarantine the old binding ended (its own labels taking the id back) still
-        // holds against other labels.
-        let quarantine = old
-            .ended_tomb
-            .filter(|t| t.until > now && t.labels_hash != bound.stable_hash());
-        if quarantine.is_none()
-            && core.ids.id_of(&bound).is_none()
-            && core.can_take_stored(id, &bound)
-        {
+        // A quarantine the old binding ended (its own labels taking the id back) is
+        // over: the store binds the id otherwise, its tombstone gone.
+        if core.ids.id_of(&bound).is_none() && core.can_take_stored(id, &bound) {
             core.take_stored(id, bound);
             core.gc.unused.push(id);
-        } else if let Some(tomb) = old.ended_tomb {
-            core.ids.add_tomb(id, tomb);
         }
         self.relocate(id, old, now);
     }
@@ -727,11 +728,27 @@ impl Allocator {
 impl Core {
     /// Unbinds `id`, whose create wrote nothing: a quarantine the create would have
     /// ended goes on (and ends as usual, its tombstone with it), and Watch is told if
-    /// it showed the binding (one being written again after someone deleted it).
-    fn forget_unwritten(&mut self, id: IdentityId) -> Option<Entry> {
+    /// it showed the binding (one being written again after someone deleted it). The
+    /// quarantine's tombstone is written again, as a lost one is: the store may not
+    /// hold it (someone deleted it while the id was bound here, or the delete that
+    /// wrote it may not have committed).
+    fn forget_unwritten(&mut self, id: IdentityId, now: Timestamp) -> Option<Entry> {
         let old = self.ids.remove(id)?;
         if let Some(tomb) = old.ended_tomb {
             self.ids.add_tomb(id, tomb);
+            if tomb.until > now && tomb.labels_hash == old.labels.stable_hash() {
+                self.gc.rewriting.insert(id);
+                let op = StoreOp::DeleteIdentity {
+                    id,
+                    labels: old.labels.clone(),
+                    tombstone: Tombstone {
+                        id,
+                        labels_hash: tomb.labels_hash,
+                        until_ms: tomb.until.as_millis(),
+                    },
+                };
+                self.store(op, Priority::Gc);
+            }
         }
         if old.announced {
             self.fx.push(Effect::Watch(WatchChange::Removed {

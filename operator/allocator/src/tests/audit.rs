@@ -265,3 +265,49 @@ fn patient() -> Config {
         ..small_config()
     }
 }
+
+// ---- 5: the core path the long model run found ----
+
+#[test]
+fn a_delete_that_commits_but_fails_keeps_its_tombstone_when_the_watch_reports_the_binding_gone() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        ..two_ids()
+    });
+    let (s, _c) = connected(&mut h, N1, 10);
+    h.settle_store();
+    let x = ok(h.allocate_now(N1, s, "app=web"));
+    until_delete_issued(&mut h, x);
+    // The delete commits (tombstone and all) but is answered with an error.
+    let Some(op) = h.pop_pending() else {
+        panic!("no delete queued");
+    };
+    assert!(h.store.apply(&op, h.now).is_ok());
+    let err = StoreError::Unavailable {
+        cause: "timeout",
+        detail: "no answer".into(),
+    };
+    h.alloc.store_result(op, Err(err), h.now);
+    h.route();
+    // The store's watch reports the binding gone: the core's own delete did that.
+    h.alloc.binding_lost(x, &labels("app=web"), h.now);
+    h.route();
+    h.settle_store();
+    assert!(
+        h.store.tombstones.contains_key(&x) && !h.store.identities.contains_key(&x),
+        "x is deleted and quarantined in the store: {:?} {:?}",
+        h.store.identities,
+        h.store.tombstones
+    );
+    // Someone deletes whatever is at x, and the operator restarts: x is still in
+    // quarantine for app=web, so app=db does not get it (the model store fails the
+    // test if it did).
+    h.store.identities.remove(&x);
+    let store = h.store.clone();
+    let mut h = Harness::with_store(two_ids(), store, h.now.plus(ms(1_000)));
+    h.advance(ms(4_000));
+    let (s, _c) = connected(&mut h, N1, 20);
+    h.settle_store();
+    let db = h.allocate_now(N1, s, "app=db");
+    assert_ne!(db, Ok(x), "x rebound inside its quarantine");
+}

@@ -227,10 +227,10 @@ impl ModelStore {
                     // Gone already (someone deleted it): the tombstone object still
                     // keeps the labels it quarantines.
                     None => {
+                        // What an older delete of the id kept is replaced, as the
+                        // tombstone object is.
                         let until = Timestamp::from_millis(tombstone.until_ms + self.skew_ms);
-                        self.deleted
-                            .entry(*id)
-                            .or_insert_with(|| (labels.clone(), until));
+                        self.deleted.insert(*id, (labels.clone(), until));
                     }
                 }
                 self.tombstones.insert(*id, *tombstone);
