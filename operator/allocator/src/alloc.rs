@@ -621,6 +621,13 @@ impl Allocator {
         if core.ids.id_of(&bound).is_none() && core.can_take_stored(id, &bound) {
             core.take_stored(id, bound);
             core.gc.unused.push(id);
+        } else {
+            // Its labels have another identity here (being created, or one the store
+            // lost): the id is not free while the store binds it. It is blocked, and
+            // taken once the store shows it is the labels' (LabelsBound, BindingFound).
+            let found = format!("a binding of {bound} that census did not write");
+            core.ids.block(id, Blocked::StoreConflict { found });
+            core.counters.blocked += 1;
         }
         self.relocate(id, old, now);
     }
