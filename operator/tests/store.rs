@@ -102,15 +102,15 @@ async fn check_op_semantics(store: &dyn Store) -> TestResult {
     assert_eq!(store.apply(vec![create(a, &web)]).await, vec![Ok(())]);
     assert_eq!(store.apply(vec![create(a, &web)]).await, vec![Ok(())]);
 
-    // The id bound to other labels (a conflict), or the labels bound to another id
-    // (a different answer: the core takes that id for them): both write nothing.
+    // The id bound to other labels, or the labels bound to another id: both write
+    // nothing, and name the store's binding (the core takes it).
     let results = store.apply(vec![create(a, &db), create(b, &web)]).await;
     match &results[..] {
         [
-            Err(StoreError::Conflict {
+            Err(StoreError::IdBound {
                 id: first,
-                expected,
-                found,
+                labels: expected,
+                bound: found,
             }),
             Err(StoreError::LabelsBound {
                 id: second, bound, ..
@@ -118,7 +118,7 @@ async fn check_op_semantics(store: &dyn Store) -> TestResult {
         ] => {
             assert_eq!((*first, *second, *bound), (a, b, a));
             assert_eq!(expected, "k8s:app=db");
-            assert_eq!(found, "k8s:app=web");
+            assert_eq!(found, &web);
         }
         other => return Err(format!("expected a conflict and labels bound, got {other:?}").into()),
     }
@@ -131,7 +131,7 @@ async fn check_op_semantics(store: &dyn Store) -> TestResult {
     };
     assert_eq!(store.load().await?, after_create);
 
-    // Delete with other labels: a conflict that writes nothing (no tombstone either).
+    // Delete with other labels: refused, writing nothing (no tombstone either).
     let wrong = StoreOp::DeleteIdentity {
         id: a,
         labels: db.clone(),
@@ -139,7 +139,7 @@ async fn check_op_semantics(store: &dyn Store) -> TestResult {
     };
     assert!(matches!(
         &store.apply(vec![wrong]).await[..],
-        [Err(StoreError::Conflict { .. })]
+        [Err(StoreError::IdBound { .. })]
     ));
     assert_eq!(store.load().await?, after_create);
 
@@ -882,8 +882,9 @@ impl Model {
     fn apply(&mut self, op: &StoreOp) -> Result<(), &'static str> {
         match op {
             StoreOp::CreateIdentity { id, labels } => {
+                // Every binding in these stores is valid: another one is named.
                 if self.identities.get(id).is_some_and(|l| l != labels) {
-                    return Err("conflict");
+                    return Err("id_bound");
                 }
                 if self.identities.iter().any(|(i, l)| l == labels && i != id) {
                     return Err("labels_bound");
@@ -897,7 +898,7 @@ impl Model {
                 tombstone,
             } => {
                 if self.identities.get(id).is_some_and(|l| l != labels) {
-                    return Err("conflict");
+                    return Err("id_bound");
                 }
                 self.identities.remove(id);
                 self.tombstones.insert(

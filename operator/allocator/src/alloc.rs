@@ -1,15 +1,15 @@
 //! Allocate, the store's answers, and what happens when the store disagrees.
 
 use census_proto::{
-    domain::{IdentityId, NodeName, SessionId},
+    domain::{EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelSet,
 };
 
 use super::{
-    AgentMsg, AllocError, Allocator, Core, Effect, Priority, RequestId, StoreError, StoreOp,
-    SyncError, Timestamp, Tombstone, WatchChange, bump,
+    AgentMsg, AllocError, Allocator, ConnId, Core, Effect, Priority, RequestId, StoreError,
+    StoreOp, SyncError, Timestamp, Tombstone, WatchChange, bump,
     identities::{Blocked, Entry, Phase, Tomb, Waiter},
-    nodes::Persisted,
+    nodes::{Node, Persisted},
 };
 
 impl Allocator {
@@ -77,6 +77,7 @@ impl Allocator {
                     node: node_name.clone(),
                 });
                 node.pending += 1;
+                core.wait_for(req, id, now);
             }
             return Ok(None);
         }
@@ -114,6 +115,7 @@ impl Allocator {
             });
         }
         node.pending += 1;
+        core.wait_for(req, id, now);
         core.create_op(id);
         core.counters.allocations_new += 1;
         Ok(None)
@@ -165,7 +167,9 @@ impl Allocator {
     ) {
         // The labels have an identity in the store already: take it when the core can.
         let take = match &result {
-            Err(StoreError::LabelsBound { bound, .. }) if self.core.can_take(*bound, labels) => {
+            Err(StoreError::LabelsBound { bound, .. })
+                if self.core.can_take_stored(*bound, labels) =>
+            {
                 Some(*bound)
             }
             _ => None,
@@ -201,13 +205,14 @@ impl Allocator {
                                 n.pending = n.pending.saturating_sub(1);
                                 core.add_hold(n, id, now);
                             }
-                            core.fx.push(Effect::Reply {
-                                req,
-                                result: Ok(id),
-                            });
+                            core.reply(req, Ok(id));
                         }
                         Waiter::Rebind { node, conn, key } => {
-                            if self.nodes.get(&node).is_some_and(|n| n.conn == Some(conn)) {
+                            if self
+                                .nodes
+                                .get(&node)
+                                .is_some_and(|n| rebind_due(n, conn, &key, id))
+                            {
                                 let msg = AgentMsg::Rebind { key, identity: id };
                                 core.fx.push(Effect::Agent { node, conn, msg });
                             }
@@ -222,6 +227,10 @@ impl Allocator {
                 bump(&mut core.counters.create_failures, "conflict");
                 self.rehome(id, Blocked::StoreConflict { found }, now);
             }
+            Err(StoreError::IdBound { bound, .. }) => {
+                bump(&mut core.counters.create_failures, "id_bound");
+                self.yield_to_store(id, bound, now);
+            }
             // Nothing was written, so `id` is free again, never blocked.
             Err(StoreError::LabelsBound { .. }) if let Some(bound) = take => {
                 bump(&mut core.counters.create_failures, "labels_bound");
@@ -229,8 +238,9 @@ impl Allocator {
             }
             Err(e) => {
                 // Also a binding of the labels that the core cannot take (its id is
-                // bound to other labels here, blocked or quarantined): retried later
-                // like an unavailable store, on the same id, so no id is spent on it.
+                // bound to other labels here, quarantined for other labels, or its lost
+                // tombstone is being written again: each passes): retried later like an
+                // unavailable store, on the same id, so no id is spent on it.
                 bump(&mut core.counters.create_failures, e.cause());
                 let attempt = attempt + 1;
                 let retry_at = now.plus(core.cfg.backoff(attempt));
@@ -241,9 +251,18 @@ impl Allocator {
                 };
                 // Callers are told now and may retry; endpoints keep waiting for their rebind.
                 let cause = e.cause();
-                let (requests, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
+                let (requests, mut rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
                     .into_iter()
                     .partition(|w| matches!(w, Waiter::Request { .. }));
+                // Only endpoints still in their view at this identity, on their stream,
+                // wait on: the others' Rebinds would never be sent.
+                rest.retain(|w| match w {
+                    Waiter::Rebind { node, conn, key } => self
+                        .nodes
+                        .get(node)
+                        .is_some_and(|n| rebind_due(n, *conn, key, id)),
+                    Waiter::Request { .. } => false,
+                });
                 entry.waiters = rest;
                 // Refused for labels bound elsewhere, nothing was written: with no one
                 // left to wait for it, the binding goes (a retry could only meet the
@@ -257,14 +276,11 @@ impl Allocator {
                         if let Some(n) = self.nodes.get_mut(&node) {
                             n.pending = n.pending.saturating_sub(1);
                         }
-                        core.fx.push(Effect::Reply {
-                            req,
-                            result: Err(AllocError::StoreUnavailable { cause }),
-                        });
+                        core.reply(req, Err(AllocError::StoreUnavailable { cause }));
                     }
                 }
                 if forget {
-                    core.forget_unwritten(id);
+                    core.forget_unwritten(id, now);
                 }
             }
         }
@@ -301,26 +317,22 @@ impl Allocator {
         };
         match result {
             Ok(()) if entry.wanted() => {
-                // Referenced again while the delete was in flight: bind it again.
+                // Referenced again while the delete was in flight: bind it again. The
+                // store holds the delete's tombstone: if the create writes nothing (the
+                // store binds the labels elsewhere), the quarantine goes on.
                 bump(&mut core.counters.gc_outcomes, "recreated");
                 entry.phase = Phase::Creating {
                     inflight: true,
                     attempt: 0,
                     retry_at: now,
                 };
+                entry.ended_tomb = Some(Tomb::of(tombstone));
                 core.create_op(id);
             }
             Ok(()) => {
                 bump(&mut core.counters.gc_outcomes, "deleted");
                 if let Some(gone) = core.ids.remove(id) {
-                    let until = Timestamp::from_millis(tombstone.until_ms);
-                    core.ids.add_tomb(
-                        id,
-                        Tomb {
-                            labels_hash: tombstone.labels_hash,
-                            until,
-                        },
-                    );
+                    core.ids.add_tomb(id, Tomb::of(tombstone));
                     if gone.announced {
                         core.fx.push(Effect::Watch(WatchChange::Removed {
                             id,
@@ -333,14 +345,20 @@ impl Allocator {
                 bump(&mut core.counters.gc_outcomes, "conflict");
                 self.rehome(id, Blocked::StoreConflict { found }, now);
             }
+            Err(StoreError::IdBound { bound, .. }) => {
+                bump(&mut core.counters.gc_outcomes, "id_bound");
+                self.yield_to_store(id, bound, now);
+            }
             Err(e) => {
                 bump(&mut core.counters.gc_outcomes, e.cause());
                 if entry.wanted() {
+                    // The delete may have committed, tombstone and all: as above.
                     entry.phase = Phase::Creating {
                         inflight: true,
                         attempt: 0,
                         retry_at: now,
                     };
+                    entry.ended_tomb = Some(Tomb::of(tombstone));
                     core.create_op(id);
                 } else {
                     let attempt = attempt + 1;
@@ -358,7 +376,9 @@ impl Allocator {
 
     /// The store reports (from its own watch) that the binding of `id` to `labels` is
     /// gone, deleted by someone else. The binding is written again; if nothing uses
-    /// it, garbage collection deletes it properly later (with its tombstone).
+    /// it, garbage collection deletes it properly later (with its tombstone). An
+    /// unwanted identity whose delete failed is not written again: its delete is
+    /// retried, and records the tombstone.
     pub fn binding_lost(&mut self, id: IdentityId, labels: &LabelSet, now: Timestamp) {
         let core = &mut self.core;
         let Some(entry) = core.ids.get_mut(id).filter(|e| e.labels == *labels) else {
@@ -367,6 +387,13 @@ impl Allocator {
         match entry.phase {
             // Our own write is in flight; its answer decides.
             Phase::Creating { inflight: true, .. } | Phase::Deleting { inflight: true, .. } => {}
+            // Being deleted, unwanted, after a delete that failed: that delete may have
+            // committed (tombstone and all), and writing the binding again would drop
+            // the tombstone of a quarantine that has begun. The delete's retry finds
+            // the binding gone (a success) and records the tombstone either way.
+            Phase::Deleting {
+                inflight: false, ..
+            } if !entry.wanted() => {}
             Phase::Live
             | Phase::Released { .. }
             | Phase::Creating {
@@ -441,23 +468,26 @@ impl Allocator {
                 }
             }
             // The store holds something else under the id now; its watch reports it.
-            Err(StoreError::Conflict { .. }) => core.counters.stale_results += 1,
+            Err(StoreError::Conflict { .. } | StoreError::IdBound { .. }) => {
+                core.counters.stale_results += 1;
+            }
             Err(_) => core.gc.cleanup_retries.push(op),
         }
     }
 
     /// The store holds a valid binding of `id` to `labels` that the core never loaded
     /// nor wrote (seen by the store's own watch). The core takes it in when it knows
-    /// neither the id nor the labels and could adopt the id; unused, it is released
-    /// and collected like any identity. Anything else is left to the answers of the
+    /// neither the id nor the labels and the id is not quarantined for other labels
+    /// (out of range or blocked, it is taken all the same: census never writes such a
+    /// binding, it takes what the store holds); unused, it is released and collected
+    /// like any identity. Anything else is left to the answers of the
     /// core's own writes and to [`Allocator::binding_invalid`].
     pub fn binding_found(&mut self, id: IdentityId, labels: &LabelSet) {
         let core = &mut self.core;
-        if core.ids.id_of(labels).is_some() || !core.can_take(id, labels) {
+        if core.ids.id_of(labels).is_some() || !core.can_take_stored(id, labels) {
             return;
         }
-        core.ids.insert(id, labels.clone(), Phase::Live);
-        core.counters.bindings_taken += 1;
+        core.take_stored(id, labels.clone());
         core.gc.unused.push(id);
     }
 
@@ -467,11 +497,10 @@ impl Allocator {
     /// `from` was never written and is free again (or quarantined as it was).
     fn take_over(&mut self, from: IdentityId, to: IdentityId, now: Timestamp) {
         let core = &mut self.core;
-        let Some(old) = core.forget_unwritten(from) else {
+        let Some(old) = core.forget_unwritten(from, now) else {
             return;
         };
-        core.ids.insert(to, old.labels, Phase::Live);
-        core.counters.bindings_taken += 1;
+        core.take_stored(to, old.labels);
         let (refs, holds) = self.move_users(from, to, true);
         let core = &mut self.core;
         if let Some(entry) = core.ids.get_mut(to) {
@@ -485,10 +514,7 @@ impl Allocator {
                     n.pending = n.pending.saturating_sub(1);
                     core.add_hold(n, to, now);
                 }
-                core.fx.push(Effect::Reply {
-                    req,
-                    result: Ok(to),
-                });
+                core.reply(req, Ok(to));
             }
         }
         if core.ids.get(to).is_some_and(|e| !e.wanted()) {
@@ -569,6 +595,47 @@ impl Allocator {
                 labels: old.labels.clone(),
             }));
         }
+        self.relocate(id, old, now);
+    }
+
+    /// The store binds `id` to `bound`, a valid binding census did not write, where
+    /// the core was creating or deleting its own binding of `id`: nothing was written.
+    /// The store's binding is taken, never fought: unless its labels have an identity
+    /// here already (a lost tombstone being written again at `id` also waits), `id`
+    /// becomes `bound`'s identity as persisted,
+    /// and is collected like any other when unused. Whatever used `id` moves to
+    /// another id for its labels, with Rebinds.
+    fn yield_to_store(&mut self, id: IdentityId, bound: LabelSet, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(old) = core.ids.remove(id) else {
+            return;
+        };
+        if old.announced {
+            core.fx.push(Effect::Watch(WatchChange::Removed {
+                id,
+                labels: old.labels.clone(),
+            }));
+        }
+        // A quarantine the old binding ended (its own labels taking the id back) is
+        // over: the store binds the id otherwise, its tombstone gone.
+        if core.ids.id_of(&bound).is_none() && core.can_take_stored(id, &bound) {
+            core.take_stored(id, bound);
+            core.gc.unused.push(id);
+        } else {
+            // Its labels have another identity here (being created, or one the store
+            // lost): the id is not free while the store binds it. It is blocked, and
+            // taken once the store shows it is the labels' (LabelsBound, BindingFound).
+            let found = format!("a binding of {bound} that census did not write");
+            core.ids.block(id, Blocked::StoreConflict { found });
+            core.counters.blocked += 1;
+        }
+        self.relocate(id, old, now);
+    }
+
+    /// Moves whatever used `id`, whose binding `old` is gone from the core, to a new
+    /// id for the same labels (answering waiting calls, with Rebinds to the agents).
+    fn relocate(&mut self, id: IdentityId, old: Entry, now: Timestamp) {
+        let core = &mut self.core;
         if !old.wanted() {
             return;
         }
@@ -605,10 +672,7 @@ impl Allocator {
                         used: core.ids.used_in_range(),
                     }
                 };
-                core.fx.push(Effect::Reply {
-                    req,
-                    result: Err(err),
-                });
+                core.reply(req, Err(err));
             }
             return;
         };
@@ -623,7 +687,11 @@ impl Allocator {
         );
         core.create_op(fresh);
         let requests: Vec<Waiter> = requests
-            .map(|(req, node)| Waiter::Request { req, node })
+            .map(|(req, node)| {
+                // The call's deadline stands: it waits on `fresh` now.
+                core.gc.waiting.insert(req, fresh);
+                Waiter::Request { req, node }
+            })
             .collect();
         if let Some(entry) = core.ids.get_mut(fresh) {
             entry.waiters = requests;
@@ -667,11 +735,27 @@ impl Allocator {
 impl Core {
     /// Unbinds `id`, whose create wrote nothing: a quarantine the create would have
     /// ended goes on (and ends as usual, its tombstone with it), and Watch is told if
-    /// it showed the binding (one being written again after someone deleted it).
-    fn forget_unwritten(&mut self, id: IdentityId) -> Option<Entry> {
+    /// it showed the binding (one being written again after someone deleted it). The
+    /// quarantine's tombstone is written again, as a lost one is: the store may not
+    /// hold it (someone deleted it while the id was bound here, or the delete that
+    /// wrote it may not have committed).
+    fn forget_unwritten(&mut self, id: IdentityId, now: Timestamp) -> Option<Entry> {
         let old = self.ids.remove(id)?;
         if let Some(tomb) = old.ended_tomb {
             self.ids.add_tomb(id, tomb);
+            if tomb.until > now && tomb.labels_hash == old.labels.stable_hash() {
+                self.gc.rewriting.insert(id);
+                let op = StoreOp::DeleteIdentity {
+                    id,
+                    labels: old.labels.clone(),
+                    tombstone: Tombstone {
+                        id,
+                        labels_hash: tomb.labels_hash,
+                        until_ms: tomb.until.as_millis(),
+                    },
+                };
+                self.store(op, Priority::Gc);
+            }
         }
         if old.announced {
             self.fx.push(Effect::Watch(WatchChange::Removed {
@@ -681,4 +765,10 @@ impl Core {
         }
         Some(old)
     }
+}
+
+/// Whether a queued Rebind of `key` to `id` is still to be sent: its stream is the
+/// node's current one and the endpoint is in the view at `id`.
+fn rebind_due(node: &Node, conn: ConnId, key: &EndpointKey, id: IdentityId) -> bool {
+    node.conn == Some(conn) && node.view.get(key).is_some_and(|v| v.id == id)
 }

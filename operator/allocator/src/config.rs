@@ -44,6 +44,10 @@ pub struct Config {
     /// Backoff of a failed store write: doubles from `retry_base` up to `retry_max`.
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// How long an Allocate call waits for the store's answer before it is answered
+    /// with an error (the caller retries; the write is made again if its answer has
+    /// not come by then). Shorter than the agent's call timeout, so it hears why.
+    pub allocate_deadline: Duration,
 }
 
 impl Default for Config {
@@ -65,6 +69,7 @@ impl Default for Config {
             max_inflight_deletes: 256,
             retry_base: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
+            allocate_deadline: Duration::from_secs(10),
         }
     }
 }

@@ -12,7 +12,7 @@ use super::{
     AgentMsg, AllocError, Allocator, CloseReason, Effect, Liveness, Priority, StoreOp, SyncError,
     Timestamp,
     capacity::{oversized, room_for, shrink_map},
-    identities::Phase,
+    identities::{Phase, Waiter},
     nodes::{Node, Persisted},
 };
 
@@ -23,6 +23,7 @@ impl Allocator {
     /// Advances time to `now`.
     pub fn tick(&mut self, now: Timestamp) {
         self.end_adoption_window(now);
+        self.expire_calls(now);
         self.expire_holds(now);
         self.check_liveness(now);
         self.release_unused(now);
@@ -81,6 +82,61 @@ impl Allocator {
     pub fn node_gone(&mut self, name: &NodeName) {
         self.core.map.clear_addresses(name);
         self.drop_node(name, CloseReason::NodeGone);
+    }
+
+    /// Allocate calls past their deadline are answered with an error (the caller
+    /// retries), whatever they wait for: no call waits for ever on an answer that
+    /// never comes. A create whose answer is that late is taken for lost and made
+    /// again (it is idempotent; a late answer of the first counts as the answer).
+    fn expire_calls(&mut self, now: Timestamp) {
+        let core = &mut self.core;
+        let deadline = core.cfg.allocate_deadline;
+        while let Some(&(at, req)) = core.gc.deadlines.first() {
+            if at > now {
+                break;
+            }
+            core.gc.deadlines.pop_first();
+            let Some(id) = core.gc.waiting.remove(&req) else {
+                continue;
+            };
+            let mut waited = None;
+            if let Some(entry) = core.ids.get_mut(id) {
+                entry.waiters.retain(|w| match w {
+                    Waiter::Request { req: r, node } if *r == req => {
+                        waited = Some(node.clone());
+                        false
+                    }
+                    _ => true,
+                });
+                let lost = match entry.phase {
+                    Phase::Creating {
+                        inflight: true,
+                        attempt,
+                        retry_at,
+                    } if now.since(retry_at) >= deadline => {
+                        entry.phase = Phase::Creating {
+                            inflight: true,
+                            attempt: attempt + 1,
+                            retry_at: now,
+                        };
+                        true
+                    }
+                    _ => false,
+                };
+                if !entry.wanted() {
+                    core.gc.unused.push(id);
+                }
+                if lost {
+                    core.create_op(id);
+                }
+            }
+            if let Some(node) = waited.and_then(|n| self.nodes.get_mut(&n)) {
+                node.pending = node.pending.saturating_sub(1);
+            }
+            core.counters.allocations_expired += 1;
+            core.reply(req, Err(AllocError::StoreUnavailable { cause: "deadline" }));
+        }
+        shrink_map(&mut core.gc.waiting);
     }
 
     fn refill_budget(&mut self, now: Timestamp) {
@@ -164,10 +220,7 @@ impl Allocator {
             // Allocations of the node still waiting for the store are answered now.
             for (req, _) in core.ids.take_requests_of(name) {
                 let err = AllocError::Sync(SyncError::NoSession { node: name.clone() });
-                core.fx.push(Effect::Reply {
-                    req,
-                    result: Err(err),
-                });
+                core.reply(req, Err(err));
             }
         }
         // On the queue of PutNode, so the writes of one node land in the order they

@@ -60,14 +60,23 @@ pub(crate) struct Entry {
     /// be partitioned away, still using it).
     pub(crate) loaded: bool,
     /// The quarantine this binding ended when it was made (its own label set taking
-    /// the id back), until the store has it: if the create writes nothing (the store
-    /// binds the labels elsewhere), the quarantine and its tombstone go on.
+    /// the id back, or a re-create after its own delete), until the store has it: if
+    /// the create writes nothing (the store binds the labels elsewhere), the
+    /// quarantine and its tombstone go on.
     pub(crate) ended_tomb: Option<Tomb>,
 }
 
 impl Entry {
+    /// Referenced, held, or waited for by an Allocate call. A Rebind waiter does not
+    /// count: its endpoint is a reference while it is in a view at this identity, and
+    /// nothing once it has left (its Rebind is then never sent).
     pub(crate) fn wanted(&self) -> bool {
-        self.refs > 0 || self.holds > 0 || !self.waiters.is_empty()
+        self.refs > 0
+            || self.holds > 0
+            || self
+                .waiters
+                .iter()
+                .any(|w| matches!(w, Waiter::Request { .. }))
     }
 
     fn seen(&self) -> Seen {
@@ -96,6 +105,16 @@ pub(crate) struct Seen {
 pub(crate) struct Tomb {
     pub(crate) labels_hash: u64,
     pub(crate) until: Timestamp,
+}
+
+impl Tomb {
+    /// The quarantine a store tombstone records.
+    pub(crate) fn of(tombstone: super::Tombstone) -> Self {
+        Self {
+            labels_hash: tombstone.labels_hash,
+            until: Timestamp::from_millis(tombstone.until_ms),
+        }
+    }
 }
 
 /// Why an id is never bound again.
@@ -294,6 +313,26 @@ impl Identities {
         if !was_quarantined && !was_blocked {
             self.occupy(id);
         }
+    }
+
+    /// Unblocks `id`: the store binds it validly now, and the core takes that binding.
+    pub(crate) fn unblock(&mut self, id: IdentityId) {
+        if self.blocked.remove(&id).is_some() {
+            self.vacate(id);
+        }
+    }
+
+    /// Whether a valid binding of `id` to `labels` that the store holds can be taken
+    /// in: the id is unbound here and not quarantined for another label set. Out of
+    /// range (a backup of a cluster with a wider range) or blocked (the invalid object
+    /// that blocked it was replaced) does not matter: census never writes such a
+    /// binding, it takes what the store holds (the labels are known to be unbound).
+    pub(crate) fn can_take_stored(&self, id: IdentityId, labels: &LabelSet) -> bool {
+        !self.entries.contains_key(&id)
+            && self
+                .quarantine
+                .get(&id)
+                .is_none_or(|t| t.labels_hash == labels.stable_hash())
     }
 
     /// Whether an agent's claim "id is bound to labels" can be adopted as a new

@@ -103,6 +103,10 @@ struct Gc {
     next_tomb_scan: Timestamp,
     /// The restart protection's node TTL has passed (it may still wait for nodes).
     past_node_ttl: bool,
+    /// Allocate calls waiting for a write, by deadline (entries of calls answered
+    /// since are dropped as they come up), and the identity each waits on.
+    deadlines: BTreeSet<(Timestamp, RequestId)>,
+    waiting: HashMap<RequestId, IdentityId>,
 }
 
 impl Allocator {
@@ -179,6 +183,8 @@ impl Allocator {
                     rewriting: BTreeSet::new(),
                     next_tomb_scan: now,
                     past_node_ttl: false,
+                    deadlines: BTreeSet::new(),
+                    waiting: HashMap::new(),
                 },
                 cfg,
                 ids,
@@ -207,6 +213,21 @@ impl Core {
     /// written again, whose write would end such a binding.
     fn can_take(&self, id: IdentityId, labels: &census_proto::labels::LabelSet) -> bool {
         self.ids.can_adopt(id, labels) && !self.gc.rewriting.contains(&id)
+    }
+
+    /// Whether the store's valid binding of `id` to `labels` can be taken in (see
+    /// [`identities::Identities::can_take_stored`]); not while its lost tombstone is
+    /// being written again.
+    fn can_take_stored(&self, id: IdentityId, labels: &census_proto::labels::LabelSet) -> bool {
+        self.ids.can_take_stored(id, labels) && !self.gc.rewriting.contains(&id)
+    }
+
+    /// Takes in the store's valid binding of `id` to `labels` (the caller checked
+    /// [`Core::can_take_stored`] and that the labels are unbound here), as persisted.
+    fn take_stored(&mut self, id: IdentityId, labels: census_proto::labels::LabelSet) {
+        self.ids.unblock(id);
+        self.ids.insert(id, labels, Phase::Live);
+        self.counters.bindings_taken += 1;
     }
 
     fn store(&mut self, op: StoreOp, priority: Priority) {
@@ -310,6 +331,20 @@ impl Core {
                 self.gc.unused.push(id);
             }
         }
+    }
+
+    /// Records that Allocate call `req` waits on `id` from `now` on.
+    fn wait_for(&mut self, req: RequestId, id: IdentityId, now: Timestamp) {
+        self.gc
+            .deadlines
+            .insert((now.plus(self.cfg.allocate_deadline), req));
+        self.gc.waiting.insert(req, id);
+    }
+
+    /// Answers Allocate call `req`.
+    fn reply(&mut self, req: RequestId, result: Result<IdentityId, AllocError>) {
+        self.gc.waiting.remove(&req);
+        self.fx.push(Effect::Reply { req, result });
     }
 
     fn next_conn(&mut self) -> ConnId {

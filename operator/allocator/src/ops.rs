@@ -72,12 +72,25 @@ impl StoreOp {
 /// Why a store refused or failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
-    /// The store holds a different binding than the op expects. Not retried as is.
+    /// The store holds, for the op's id, something else than the op expects that is
+    /// not a valid binding (an invalid or edited object, a tombstone of other labels).
+    /// Not retried as is: the core blocks the id.
     #[error("identity {id}: the store binds {found}, expected {expected}")]
     Conflict {
         id: IdentityId,
         expected: String,
         found: String,
+    },
+    /// The store binds `id` to another valid label set, `bound`: a binding census
+    /// did not write (a deposed leader's late create, a restored backup) where the
+    /// core was creating or deleting its own. Nothing was written; the core takes
+    /// the store's binding (never fights it, never blocks the id for it) and moves
+    /// whatever used `id` to another id.
+    #[error("identity {id}: the store binds it to {bound} already, not to {labels}")]
+    IdBound {
+        id: IdentityId,
+        labels: String,
+        bound: LabelSet,
     },
     /// A create of `id` found its labels bound to another identity, `bound`: the
     /// store already has an identity for them (restored from a backup, applied by
@@ -120,6 +133,7 @@ impl StoreError {
         match self {
             Self::Conflict { .. } => "conflict",
             Self::LabelsBound { .. } => "labels_bound",
+            Self::IdBound { .. } => "id_bound",
             Self::Unavailable { cause, .. } => cause,
             Self::Corrupt { .. } => "corrupt",
             Self::Schema { .. } => "schema",

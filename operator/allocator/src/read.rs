@@ -27,6 +27,9 @@ pub struct Counters {
     pub adoptions: u64,
     pub rebinds: u64,
     pub old_seq_ignored: u64,
+    /// Allocate calls answered with an error at their deadline, the store's answer
+    /// not come.
+    pub allocations_expired: u64,
     /// Endpoints left out of a view because no identity could be found for them.
     pub unresolved: u64,
     pub holds_expired: u64,

@@ -239,6 +239,12 @@ impl Collector for CoreCollector {
         )?;
         counter(
             &mut e,
+            "census_allocations_expired",
+            "Allocate calls answered with an error at their deadline, the store's answer not come",
+            c.allocations_expired,
+        )?;
+        counter(
+            &mut e,
             "census_unresolved_endpoints",
             "Endpoints no identity could be found for",
             c.unresolved,

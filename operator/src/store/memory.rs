@@ -17,7 +17,7 @@ use std::{
 
 use census_proto::{
     domain::{IdentityId, NodeName},
-    labels::LabelSet,
+    labels::{LabelLimits, LabelSet},
 };
 
 use super::{BoxFuture, Loaded, Store, StoreError, StoreOp, StoredIdentity, Tombstone};
@@ -116,11 +116,20 @@ pub(super) fn plan<'a>(op: &'a StoreOp, view: &impl View) -> Result<Vec<Write<'a
     }
 }
 
+/// `id` holds `found` where the op expects `labels`: a valid binding is one census
+/// takes ([`StoreError::IdBound`]), anything else a conflict.
 fn conflict(id: IdentityId, labels: &LabelSet, found: String) -> StoreError {
-    StoreError::Conflict {
-        id,
-        expected: labels.to_string(),
-        found,
+    match LabelSet::from_canonical(&found, &LabelLimits::default()) {
+        Ok(bound) => StoreError::IdBound {
+            id,
+            labels: labels.to_string(),
+            bound,
+        },
+        Err(_) => StoreError::Conflict {
+            id,
+            expected: labels.to_string(),
+            found,
+        },
     }
 }
 

@@ -890,7 +890,11 @@ fn apply_ops(
                 }
                 results.push(Ok(()));
             }
-            Err(err @ (StoreError::Conflict { .. } | StoreError::LabelsBound { .. })) => {
+            Err(
+                err @ (StoreError::Conflict { .. }
+                | StoreError::IdBound { .. }
+                | StoreError::LabelsBound { .. }),
+            ) => {
                 results.push(Err(err));
             }
             Err(err) => return Err(err),

@@ -149,7 +149,8 @@ async fn real_store_writes_conditionally_and_watches_itself() -> TestResult {
             .await,
         [Ok(())]
     );
-    // Someone else's binding: the create conflicts.
+    // Someone else's binding: the create is answered with it (named, for the core
+    // to take).
     let other = DynamicObject::new(&(n + 1).to_string(), &census_operator_resource())
         .data(json!({"spec": {"labels": db.to_strings()}}));
     admin_api.create(&PostParams::default(), &other).await?;
@@ -160,7 +161,7 @@ async fn real_store_writes_conditionally_and_watches_itself() -> TestResult {
         }])
         .await;
     assert!(
-        matches!(conflict[0], Err(StoreError::Conflict { .. })),
+        matches!(conflict[0], Err(StoreError::IdBound { .. })),
         "{conflict:?}"
     );
     // An edit of its labels is refused by the CRD's rules (the fake's tests edit

@@ -253,8 +253,8 @@ async fn create_is_idempotent_and_refuses_only_other_labels() -> TestResult {
     server.faults().remove(slow);
     assert_eq!(results[0], Ok(()), "same labels: success");
     match &results[1] {
-        Err(StoreError::Conflict { found, .. }) => {
-            assert!(found.contains(db.as_str()), "{found}");
+        Err(StoreError::IdBound { bound, .. }) => {
+            assert_eq!(bound, &db);
         }
         other => return fail(format!("401 bound to other labels: {other:?}")),
     }

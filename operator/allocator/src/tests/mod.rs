@@ -2,6 +2,7 @@
 //! model-based property test of the invariants, and the small builders they share.
 
 mod accounting;
+mod audit;
 mod capacity;
 mod gc;
 mod invariants;
@@ -226,10 +227,10 @@ impl ModelStore {
                     // Gone already (someone deleted it): the tombstone object still
                     // keeps the labels it quarantines.
                     None => {
+                        // What an older delete of the id kept is replaced, as the
+                        // tombstone object is.
                         let until = Timestamp::from_millis(tombstone.until_ms + self.skew_ms);
-                        self.deleted
-                            .entry(*id)
-                            .or_insert_with(|| (labels.clone(), until));
+                        self.deleted.insert(*id, (labels.clone(), until));
                     }
                 }
                 self.tombstones.insert(*id, *tombstone);
@@ -252,11 +253,12 @@ impl ModelStore {
     }
 }
 
+/// The id holds another valid binding (an invalid object answers `Conflict`).
 fn conflict(id: IdentityId, expected: &LabelSet, found: &LabelSet) -> StoreError {
-    StoreError::Conflict {
+    StoreError::IdBound {
         id,
-        expected: expected.to_string(),
-        found: found.to_string(),
+        labels: expected.to_string(),
+        bound: found.clone(),
     }
 }
 
@@ -305,6 +307,7 @@ pub(super) fn small_config() -> Config {
         max_inflight_deletes: 50,
         retry_base: ms(500),
         retry_max: ms(4_000),
+        allocate_deadline: ms(10_000),
     }
 }
 

@@ -7,7 +7,9 @@
 //!   "Garbage collection" says: every write carries a resourceVersion (and a delete
 //!   also a UID) precondition; on a 409 the object is re-read, and the op is retried
 //!   if it still holds what census wrote (an annotation added is no change), or fails
-//!   with [`StoreError::Conflict`] if its labels differ; 404 on a delete is success;
+//!   with [`StoreError::IdBound`] if it binds other valid labels (the core takes that
+//!   binding) and [`StoreError::Conflict`] if it is no valid binding; 404 on a delete
+//!   is success;
 //!   429, 5xx and timeouts are [`StoreError::Unavailable`] with a bounded cause, and
 //!   the core retries them with backoff.
 //! - it **watches its own objects** ([`watch`]) into a minimal [`index`] (uid,

@@ -1,8 +1,9 @@
 //! One store op as API requests. Every write is conditional on the version census
 //! last saw (resourceVersion; a delete also the UID); a 409 leads to a re-read, after
 //! which the op is retried if the object still says what census wrote, and refused
-//! with [`StoreError::Conflict`] only when a fresh read shows labels census did not
-//! write. An op makes at most [`ATTEMPTS`] rounds, so conflicts that keep coming fail
+//! only when a fresh read shows something census did not write: a valid binding of
+//! other labels with [`StoreError::IdBound`] (the core takes it), anything else with
+//! [`StoreError::Conflict`]. An op makes at most [`ATTEMPTS`] rounds, so conflicts that keep coming fail
 //! it with a retryable error and the core's backoff takes over. One deadline (the
 //! request timeout, and never past the fence) covers the whole op, its re-reads
 //! included.
@@ -284,7 +285,7 @@ impl Shared {
                 }
                 Some((_, state)) => {
                     if reread {
-                        return Err(conflict(id, labels, describe(&state)));
+                        return Err(refused(id, labels, state));
                     }
                     Next::Reread
                 }
@@ -354,7 +355,7 @@ impl Shared {
                 }
                 Some((_, state)) => {
                     if reread {
-                        return Err(conflict(id, labels, describe(&state)));
+                        return Err(refused(id, labels, state));
                     }
                     Next::Reread
                 }
@@ -442,6 +443,19 @@ fn conflict(id: IdentityId, labels: &LabelSet, found: String) -> StoreError {
         id,
         expected: labels.to_string(),
         found,
+    }
+}
+
+/// `id` holds `state` where the op expects `labels`: a valid binding is one census
+/// takes ([`StoreError::IdBound`]), anything else a conflict.
+fn refused(id: IdentityId, labels: &LabelSet, state: State) -> StoreError {
+    match state {
+        State::Binding(bound) => StoreError::IdBound {
+            id,
+            labels: labels.to_string(),
+            bound,
+        },
+        state => conflict(id, labels, describe(&state)),
     }
 }
 

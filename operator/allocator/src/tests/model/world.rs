@@ -562,9 +562,18 @@ impl Sim {
         }
         let name = &self.agents[i].name;
         let view = self.h.alloc.nodes.get(name).map(|n| &n.view);
+        let ids = &self.h.alloc.core.ids;
         for (key, (id, labels)) in &self.truth.nodes[i].told {
             let has = view.and_then(|v| v.get(key)).map(|e| e.id);
-            if has != Some(*id) {
+            // The core may move an endpoint before its Rebind is sent (queued until the
+            // new identity is persisted): to another identity of the same labels, or out
+            // of the view when the binding it held went (blocked, or taken by the
+            // store's) with no id to move to.
+            let moved = match has {
+                Some(other) => other != *id && ids.is_bound(other, labels),
+                None => !ids.is_bound(*id, labels),
+            };
+            if has != Some(*id) && !moved {
                 return Err(format!(
                     "node {i} told the core {key} holds {id} ({labels}), and the core's view \
                      has {has:?}"
@@ -641,7 +650,9 @@ impl Sim {
             Answer::Ok | Answer::CommitThenFail => {
                 let before = self.h.store.clone();
                 let result = self.h.store.apply(&op, now);
-                if let Err(StoreError::Conflict { id, .. }) = &result {
+                if let Err(StoreError::Conflict { id, .. } | StoreError::IdBound { id, .. }) =
+                    &result
+                {
                     let s = &self.h.store;
                     assert!(
                         s.foreign.contains(id)

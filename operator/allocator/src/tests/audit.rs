@@ -1,0 +1,313 @@
+//! The allocator-core audit of 2026-12: one test per finding, each failing on the core
+//! as it was before its fix.
+
+use super::*;
+
+/// A range of two ids, so a freed id is the next one handed out.
+fn two_ids() -> Config {
+    Config {
+        range: match IdRange::new(256, 257) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    }
+}
+
+/// Lets time pass until GC issues the delete of `x`, left unanswered in the queue.
+fn until_delete_issued(h: &mut Harness, x: IdentityId) {
+    for _ in 0..20 {
+        h.advance(ms(500));
+        if h.pending_gc
+            .iter()
+            .any(|op| matches!(op, StoreOp::DeleteIdentity { id, .. } if *id == x))
+        {
+            return;
+        }
+        h.settle_store();
+    }
+    panic!("no delete of {x} issued");
+}
+
+/// Answers the first queued op, after `before` changed the store behind census.
+fn answer_first(h: &mut Harness, before: impl FnOnce(&mut ModelStore)) {
+    let Some(op) = h.pop_pending() else {
+        panic!("no op queued");
+    };
+    let result = h.store.apply(&op, h.now);
+    before(&mut h.store);
+    h.alloc.store_result(op, result, h.now);
+    h.route();
+}
+
+// ---- 1: a re-create after a delete that meets a foreign binding ----
+
+#[test]
+fn a_quarantine_outlives_a_recreate_after_delete_that_meets_a_foreign_binding() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        ..two_ids()
+    });
+    let (s, _c) = connected(&mut h, N1, 10);
+    let x = ok(h.allocate_now(N1, s, "app=web"));
+    assert_eq!(x, id(256));
+    until_delete_issued(&mut h, x);
+    // app=web is wanted again while its delete is in flight: the call waits.
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    // The delete succeeds (the store holds x's tombstone); meanwhile someone binds
+    // app=web at 257, so the core's re-create of x is answered LabelsBound(257).
+    answer_first(&mut h, |store| {
+        store.identities.insert(id(257), labels("app=web"));
+        store.foreign.insert(id(257));
+    });
+    assert!(h.store.tombstones.contains_key(&x));
+    h.settle_store();
+    assert_eq!(h.replies.last().map(|(_, r)| r.clone()), Some(Ok(id(257))));
+    // x stays quarantined for app=web, as its tombstone in the store says...
+    assert!(
+        matches!(h.state(x.get()), Some(IdentityState::Quarantined { .. })),
+        "x is still quarantined for app=web: {:?}",
+        h.state(x.get())
+    );
+    // ...so other labels do not get it inside the quarantine (the model store fails
+    // the test if they did).
+    let db = h.allocate_now(N1, s, "app=db");
+    assert!(
+        matches!(db, Err(AllocError::RangeExhausted { .. })),
+        "{db:?}"
+    );
+}
+
+// ---- 2: a deposed leader's late write ----
+
+#[test]
+fn a_late_foreign_write_met_by_a_create_is_taken_not_blocked() {
+    let mut h = Harness::new(range_256_259());
+    let (s, _c) = connected(&mut h, N1, 10);
+    // A deposed leader's late create bound 256 to app=web; before the store's watch
+    // reports it, this core gives 256 to app=db.
+    assert_eq!(h.allocate(N1, s, "app=db"), Ok(None));
+    h.store.identities.insert(id(256), labels("app=web"));
+    h.store.foreign.insert(id(256));
+    h.store.others.insert(id(256));
+    h.settle_store();
+    // The store's binding is taken, not fought: 256 is app=web's, not blocked...
+    assert!(
+        !h.alloc.core.ids.blocked().contains_key(&id(256)),
+        "256 is blocked: {:?}",
+        h.alloc.core.ids.blocked()
+    );
+    assert!(h.alloc.core.ids.is_bound(id(256), &labels("app=web")));
+    // ...app=db got another id...
+    let db = h.replies.last().map(|(_, r)| r.clone());
+    assert!(matches!(db, Some(Ok(x)) if x != id(256)), "{db:?}");
+    // ...and app=web is allocated at the store's id, at once.
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(Some(id(256))));
+    // The watch's report of it changes nothing.
+    h.alloc.binding_found(id(256), &labels("app=web"));
+    h.route();
+    assert!(h.alloc.core.ids.is_bound(id(256), &labels("app=web")));
+}
+
+fn range_256_259() -> Config {
+    Config {
+        range: match IdRange::new(256, 259) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        },
+        ..small_config()
+    }
+}
+// ---- 3: labels bound where the core could not take them ----
+
+#[test]
+fn labels_bound_out_of_range_are_adopted_and_allocated() {
+    let mut h = Harness::new(range_256_259());
+    let (s, _c) = connected(&mut h, N1, 10);
+    // A backup from a cluster with a wider range binds app=web at 5000.
+    h.store.identities.insert(id(5000), labels("app=web"));
+    h.store.foreign.insert(id(5000));
+    for _ in 0..3 {
+        let web = h.allocate_now(N1, s, "app=web");
+        assert_eq!(
+            web,
+            Ok(id(5000)),
+            "the store's binding is app=web's identity"
+        );
+    }
+    // No id of the range was spent on it.
+    assert_eq!(h.alloc.core.ids.used_in_range(), 0);
+}
+
+#[test]
+fn labels_bound_at_a_blocked_id_are_adopted_and_allocated() {
+    let mut h = Harness::new(range_256_259());
+    let (s, _c) = connected(&mut h, N1, 10);
+    // 258 held an invalid object, so the core blocked it; then someone replaced it
+    // with a valid binding of app=api (the watch's report of it may come late).
+    h.store
+        .invalid
+        .insert(id(258), "an invalid Identity object".to_owned());
+    h.store.others.insert(id(258));
+    h.alloc
+        .binding_invalid(id(258), "an invalid Identity object".to_owned(), h.now);
+    h.route();
+    assert!(h.alloc.core.ids.blocked().contains_key(&id(258)));
+    h.store.invalid.remove(&id(258));
+    h.store.identities.insert(id(258), labels("app=api"));
+    h.store.foreign.insert(id(258));
+    let api = h.allocate_now(N1, s, "app=api");
+    assert_eq!(
+        api,
+        Ok(id(258)),
+        "the store's binding is app=api's identity"
+    );
+    assert!(!h.alloc.core.ids.blocked().contains_key(&id(258)));
+    // The watch's late report changes nothing.
+    h.alloc.binding_found(id(258), &labels("app=api"));
+    h.route();
+    assert_eq!(h.allocate_now(N1, s, "app=api"), Ok(id(258)));
+}
+
+// ---- 4: a Rebind waiter that outlives its endpoint ----
+
+#[test]
+fn a_create_no_one_waits_for_any_more_is_dropped_once_its_endpoint_leaves() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        quarantine: ms(600_000),
+        ..range_256_259()
+    });
+    let (s, c) = connected(&mut h, N1, 10);
+    // 256 is app=old's, deleted and quarantined for it.
+    let old = ok(h.allocate_now(N1, s, "app=old"));
+    assert_eq!(old, id(256));
+    for _ in 0..10 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(h.store.tombstones.contains_key(&old));
+    // Someone binds app=web at 256 inside that quarantine, so the core cannot take it.
+    h.store.identities.insert(old, labels("app=web"));
+    h.store.foreign.insert(old);
+    // An agent's pod claims 256 for app=web: not adoptable, so app=web gets 257 and
+    // the endpoint waits for its Rebind; the create meets app=web bound at 256.
+    ok(h.upsert(N1, c, 1, mk_endpoint("web-0", 256, "app=web")));
+    h.settle_store();
+    assert_eq!(h.state(257), Some(IdentityState::Creating));
+    // The pod goes: nobody uses app=web any more.
+    ok(h.delete(N1, c, 2, "web-0"));
+    h.settle_store();
+    h.emitted.clear();
+    for _ in 0..150 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    let writes = h
+        .emitted
+        .iter()
+        .filter(|(op, _)| matches!(op, StoreOp::CreateIdentity { id: x, .. } if *x == id(257)))
+        .count();
+    assert!(
+        writes <= 1,
+        "{writes} creates of 257 in 150 s with nobody using it (state {:?})",
+        h.state(257)
+    );
+    assert_eq!(h.state(257), None, "nothing kept for app=web");
+}
+
+// ---- 7: an Allocate that never answers ----
+
+#[test]
+fn every_allocate_is_answered_by_its_deadline_even_if_its_write_is_never_answered() {
+    let mut h = Harness::new(patient());
+    let (s, _c) = connected(&mut h, N1, 10);
+    h.settle_store();
+    let req = h.next_req;
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    // The create's answer never reaches the core (lost between the store and it).
+    let lost = h.pop_pending();
+    assert!(
+        matches!(lost, Some(StoreOp::CreateIdentity { .. })),
+        "{lost:?}"
+    );
+    // A second call for the same labels waits on the same write.
+    let second = h.next_req;
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    for _ in 0..30 {
+        h.advance(ms(1_000));
+    }
+    let answer = |r: RequestId| {
+        h.replies
+            .iter()
+            .find(|(q, _)| *q == r)
+            .map(|(_, a)| a.clone())
+    };
+    for r in [req, second] {
+        assert!(
+            matches!(answer(r), Some(Err(AllocError::StoreUnavailable { .. }))),
+            "request {r}: {:?} after 30 s (pending: {:?})",
+            answer(r),
+            h.alloc.stats().pending_allocations
+        );
+    }
+    // The write was taken for lost and made again: the labels are allocated.
+    h.settle_store();
+    let web = h.allocate_now(N1, s, "app=web");
+    assert!(web.is_ok(), "{web:?}");
+    assert_eq!(h.alloc.stats().pending_allocations, 0);
+}
+
+fn patient() -> Config {
+    Config {
+        node_ttl: ms(600_000),
+        hold_timeout: ms(600_000),
+        ..small_config()
+    }
+}
+
+// ---- 5: the core path the long model run found ----
+
+#[test]
+fn a_delete_that_commits_but_fails_keeps_its_tombstone_when_the_watch_reports_the_binding_gone() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        ..two_ids()
+    });
+    let (s, _c) = connected(&mut h, N1, 10);
+    h.settle_store();
+    let x = ok(h.allocate_now(N1, s, "app=web"));
+    until_delete_issued(&mut h, x);
+    // The delete commits (tombstone and all) but is answered with an error.
+    let Some(op) = h.pop_pending() else {
+        panic!("no delete queued");
+    };
+    assert!(h.store.apply(&op, h.now).is_ok());
+    let err = StoreError::Unavailable {
+        cause: "timeout",
+        detail: "no answer".into(),
+    };
+    h.alloc.store_result(op, Err(err), h.now);
+    h.route();
+    // The store's watch reports the binding gone: the core's own delete did that.
+    h.alloc.binding_lost(x, &labels("app=web"), h.now);
+    h.route();
+    h.settle_store();
+    assert!(
+        h.store.tombstones.contains_key(&x) && !h.store.identities.contains_key(&x),
+        "x is deleted and quarantined in the store: {:?} {:?}",
+        h.store.identities,
+        h.store.tombstones
+    );
+    // Someone deletes whatever is at x, and the operator restarts: x is still in
+    // quarantine for app=web, so app=db does not get it (the model store fails the
+    // test if it did).
+    h.store.identities.remove(&x);
+    let store = h.store.clone();
+    let mut h = Harness::with_store(two_ids(), store, h.now.plus(ms(1_000)));
+    h.advance(ms(4_000));
+    let (s, _c) = connected(&mut h, N1, 20);
+    h.settle_store();
+    let db = h.allocate_now(N1, s, "app=db");
+    assert_ne!(db, Ok(x), "x rebound inside its quarantine");
+}
