@@ -334,6 +334,7 @@ async fn latency(samples: usize) -> Fallible<()> {
         operator_auth: census_agent::client::OperatorAuth::default(),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: None,
+        admin_limits: census_daemon::http::AdminLimits::default(),
         reconcile_interval: Duration::from_secs(10),
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_secs(1),

@@ -68,6 +68,9 @@ pub struct AgentArgs {
     /// none].
     #[arg(long, env = "CENSUS_HEALTH_LISTEN")]
     pub health_listen: Option<SocketAddr>,
+    /// Each admin listener's connection cap and timeouts (both are unauthenticated).
+    #[command(flatten)]
+    pub admin_limits: census_daemon::http::AdminLimits,
     #[command(flatten)]
     pub source: SourceArgs,
     /// How often a full pass compares the maps and links with the desired state and

@@ -7,17 +7,20 @@
 //! - [`metrics`]: `/metrics` in the Prometheus text format or OpenMetrics, as the
 //!   scraper asks, and a Prometheus collector for the process's resident memory and
 //!   live heap;
+//! - [`http`]: the admin HTTP server, its connections capped and timed;
 //! - [`log`]: the `--log`/`--log-format` flags and the `tracing` subscriber;
 //! - [`pem`]: the PEM files of TLS flags, read and checked at start;
 //! - [`signal`]: waiting for SIGTERM or SIGINT.
 //!
 //! A daemon declares the allocator in its `main.rs`, flattens [`LogArgs`] and
 //! [`ProfilingArgs`] into its command line, merges [`profiling::routes`] into its
-//! admin router (never the gRPC port), registers [`metrics::ProcessCollector`] and
+//! admin router (never the gRPC port), serves it with [`http::serve`] within the
+//! flattened [`http::AdminLimits`], registers [`metrics::ProcessCollector`] and
 //! stops on [`signal::shutdown`].
 
 pub mod alloc;
 pub mod fds;
+pub mod http;
 pub mod log;
 pub mod metrics;
 pub mod pem;

@@ -1,7 +1,9 @@
 //! The admin HTTP server: `/metrics` (OpenMetrics or the Prometheus text format, as
 //! the scraper's `Accept` asks), `/healthz`, `/readyz`, and
 //! `/debug/pprof/heap` (a heap profile when started with `--heap-profiling`).
-//! Internal only; never the gRPC port.
+//! Internal only; never the gRPC port. Served by `census_daemon::http::serve`, its
+//! connections capped and timed (`--admin-max-connections`, `--admin-header-timeout`,
+//! `--admin-idle-timeout`).
 
 use std::sync::{
     Arc,
@@ -16,7 +18,6 @@ use axum::{
     routing::get,
 };
 use prometheus_client::registry::Registry;
-use tokio::{net::TcpListener, sync::watch};
 
 /// Readiness, set once the store is loaded and the gRPC server is listening.
 #[derive(Debug, Clone, Default)]
@@ -57,19 +58,6 @@ pub(crate) fn router(registry: Arc<Registry>, readiness: Readiness) -> Router {
             readiness,
         })
         .merge(census_daemon::profiling::routes())
-}
-
-pub(crate) async fn serve(
-    listener: TcpListener,
-    router: Router,
-    shutdown: watch::Receiver<bool>,
-) -> std::io::Result<()> {
-    let mut stop = shutdown;
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await
 }
 
 async fn metrics(State(state): State<AdminState>, headers: HeaderMap) -> Response {

@@ -439,6 +439,10 @@ pub enum NodeCertError {
     NoCertificate,
     #[error("the client certificate is not valid for this CA: {0}")]
     Untrusted(#[source] webpki::Error),
+    #[error(
+        "the client certificate is not signed by the CA itself but through {intermediates} intermediate certificate(s): the CA is pathlen:0, and a client presents a certificate of census-operator certs"
+    )]
+    Chain { intermediates: usize },
     #[error("the client certificate cannot be parsed")]
     Malformed,
     #[error("the client certificate has no {NODE_URI_PREFIX}NAME URI SAN")]
@@ -513,6 +517,12 @@ impl NodeCa {
 
     /// Who a client certificate chain names and until when it proves it, checked
     /// now (see [`Self::subject_of`]).
+    ///
+    /// The leaf must be signed by the CA itself: the CA is written `pathlen:0`, and
+    /// webpki does not read a trust anchor's constraints, so the chain is verified
+    /// with no intermediates at all. Certificates the client sends after its leaf
+    /// (the CA's own, say) are not used; a leaf that verifies only through them is
+    /// [`NodeCertError::Chain`].
     pub fn verify(&self, chain: &[CertificateDer<'_>]) -> Result<Verified, NodeCertError> {
         self.verify_at(chain, UnixTime::now())
     }
@@ -525,16 +535,28 @@ impl NodeCa {
     ) -> Result<Verified, NodeCertError> {
         let (leaf, intermediates) = chain.split_first().ok_or(NodeCertError::NoCertificate)?;
         let cert = webpki::EndEntityCert::try_from(leaf).map_err(NodeCertError::Untrusted)?;
-        cert.verify_for_usage(
-            webpki::ALL_VERIFICATION_ALGS,
-            &self.anchors,
-            intermediates,
-            now,
-            webpki::KeyUsage::required(EKU_CLIENT_AUTH),
-            None,
-            None,
-        )
-        .map_err(NodeCertError::Untrusted)?;
+        let verify = |intermediates: &[CertificateDer<'_>]| {
+            cert.verify_for_usage(
+                webpki::ALL_VERIFICATION_ALGS,
+                &self.anchors,
+                intermediates,
+                now,
+                webpki::KeyUsage::required(EKU_CLIENT_AUTH),
+                None,
+                None,
+            )
+            .map(|_| ())
+        };
+        if let Err(error) = verify(&[]) {
+            // Named for what it is when the chain holds only through what the
+            // client sent after its leaf.
+            if !intermediates.is_empty() && verify(intermediates).is_ok() {
+                return Err(NodeCertError::Chain {
+                    intermediates: intermediates.len(),
+                });
+            }
+            return Err(NodeCertError::Untrusted(error));
+        }
         let (_, parsed) =
             x509_parser::parse_x509_certificate(leaf).map_err(|_| NodeCertError::Malformed)?;
         let san = parsed
@@ -560,15 +582,12 @@ impl NodeCa {
         } else {
             CertSubject::Reader(name.as_str().to_owned())
         };
-        // The chain proves nothing once any certificate of it has expired; the CA
-        // itself is a trust anchor, judged by its own validity at the handshake.
-        let mut not_after = not_after(&parsed);
-        for intermediate in intermediates {
-            let (_, parsed) = x509_parser::parse_x509_certificate(intermediate)
-                .map_err(|_| NodeCertError::Malformed)?;
-            not_after = not_after.min(self::not_after(&parsed));
-        }
-        Ok(Verified { subject, not_after })
+        // The leaf proves nothing once it has expired; the CA itself is a trust
+        // anchor, judged by its own validity at the handshake.
+        Ok(Verified {
+            subject,
+            not_after: not_after(&parsed),
+        })
     }
 }
 
@@ -581,8 +600,8 @@ fn not_after(cert: &x509_parser::certificate::X509Certificate<'_>) -> SystemTime
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
     pub subject: CertSubject,
-    /// The end of the chain's validity (the earliest `notAfter` of the leaf and its
-    /// intermediates): a stream it authenticated ends then.
+    /// The end of the leaf's validity (`notAfter`; the leaf is signed by the CA
+    /// itself): a stream it authenticated ends then.
     pub not_after: SystemTime,
 }
 
@@ -727,6 +746,58 @@ mod tests {
             run(&twice),
             Err(CertsError::DuplicateReader { .. })
         ));
+        Ok(())
+    }
+
+    /// The CA is written `pathlen:0`, and webpki does not read a trust anchor's
+    /// constraints: a chain through an intermediate CA (signed by the CA's key, with
+    /// clientAuth) verifies up to the anchor, and must still name nobody.
+    #[test]
+    fn a_chain_through_an_intermediate_ca_names_nobody() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        run(&args(dir.path())?)?;
+        let issuer = Issuer::from_ca_cert_pem(
+            &read(&dir.path().join("ca.pem"))?,
+            KeyPair::from_pem(&read(&dir.path().join("ca-key.pem"))?)?,
+        )?;
+        let ca = NodeCa::from_pem(&fs::read(dir.path().join("ca.pem"))?)?;
+        let mut p = params(1, "intermediate");
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let intermediate_key = KeyPair::generate()?;
+        let intermediate = p.signed_by(&intermediate_key, &issuer)?;
+        let intermediate_issuer = Issuer::new(p, intermediate_key);
+        let mut leaf = params(1, "node-a");
+        leaf.is_ca = IsCa::ExplicitNoCa;
+        leaf.subject_alt_names = vec![SanType::URI("census://node/node-a".try_into()?)];
+        leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let leaf = leaf.signed_by(&KeyPair::generate()?, &intermediate_issuer)?;
+        let chain = [leaf.der().clone(), intermediate.der().clone()];
+        let refused = ca.node_of(&chain);
+        assert!(
+            matches!(refused, Err(NodeCertError::Chain { intermediates: 1 })),
+            "{refused:?}"
+        );
+        assert!(
+            refused.is_err_and(|e| e.to_string().contains("signed by the CA itself")),
+            "the refusal says why"
+        );
+        // The leaf alone does not chain to the CA.
+        assert!(matches!(
+            ca.node_of(&chain[..1]),
+            Err(NodeCertError::Untrusted(_))
+        ));
+        // A leaf of the CA itself proves its node whatever else the client sends
+        // after it (the CA's own certificate, an unrelated one): they are not used.
+        let (a, _) = node_files(dir.path(), &NodeName::new("node-a")?);
+        let ca_cert = der(&dir.path().join("ca.pem"))?;
+        for extra in [ca_cert, intermediate.der().clone()] {
+            assert_eq!(ca.node_of(&[der(&a)?, extra])?.as_str(), "node-a");
+        }
         Ok(())
     }
 

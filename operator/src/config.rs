@@ -73,6 +73,9 @@ pub struct ListenArgs {
     /// Address of the admin HTTP server (/metrics, /healthz, /readyz).
     #[arg(long, env = "CENSUS_ADMIN_LISTEN", default_value = "0.0.0.0:9461")]
     pub admin_listen: SocketAddr,
+    /// The admin server's connection cap and timeouts (it is unauthenticated).
+    #[command(flatten)]
+    pub admin: census_daemon::http::AdminLimits,
     /// How often the gRPC server pings each HTTP/2 connection. A connection whose
     /// peer does not answer within --keepalive-timeout is closed, so a crashed
     /// agent's stream ends and its restarted agent can take over, whatever its clock.

@@ -184,6 +184,9 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
     let readiness = Readiness::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    let admin_metrics = census_daemon::http::AdminMetrics::default();
+    admin_metrics.register(registry.sub_registry_with_prefix("census"));
+    let admin_limits = listen.admin;
     let settings = |store_kind| Settings {
         filter: labels.filter(),
         wire: limits.wire(&labels),
@@ -329,7 +332,14 @@ pub async fn start(cli: Cli) -> Result<Running, StartError> {
     {
         let router = admin::router(registry, readiness.clone());
         servers.push(tokio::spawn(async move {
-            if let Err(e) = admin::serve(admin_listener, router, stop).await {
+            let served = census_daemon::http::serve(
+                admin_listener,
+                router,
+                admin_limits,
+                admin_metrics,
+                stop,
+            );
+            if let Err(e) = served.await {
                 tracing::error!(error = %e, "the admin server failed");
             }
         }));

@@ -60,6 +60,7 @@ const SLACK: Duration = Duration::from_secs(5);
 struct Operator {
     child: Child,
     addr: SocketAddr,
+    admin_addr: SocketAddr,
     pid: u32,
     log_bytes: Arc<AtomicU64>,
     _dir: tempfile::TempDir,
@@ -67,13 +68,34 @@ struct Operator {
 
 impl Operator {
     fn start(args: &[&str]) -> Fallible<Self> {
+        Self::launch(None, args)
+    }
+
+    /// Like [`Operator::start`], the process limited to `nofile` open descriptors
+    /// (`ulimit -n`), as a container's runtime may limit it.
+    fn start_with_nofile(nofile: u32, args: &[&str]) -> Fallible<Self> {
+        Self::launch(Some(nofile), args)
+    }
+
+    fn launch(nofile: Option<u32>, args: &[&str]) -> Fallible<Self> {
         let dir = tempfile::tempdir()?;
         let timeouts = [
             ("--handshake-timeout", HANDSHAKE),
             ("--idle-timeout", IDLE),
             ("--message-timeout", MESSAGE),
         ];
-        let mut command = Command::new(env!("CARGO_BIN_EXE_census-operator"));
+        let binary = env!("CARGO_BIN_EXE_census-operator");
+        let mut command = match nofile {
+            // The shell execs the operator: the child's pid is the operator's.
+            Some(nofile) => {
+                let mut sh = Command::new("sh");
+                sh.arg("-c")
+                    .arg(format!("ulimit -n {nofile} && exec \"$0\" \"$@\""))
+                    .arg(binary);
+                sh
+            }
+            None => Command::new(binary),
+        };
         command
             .args([
                 "--grpc-listen",
@@ -109,7 +131,9 @@ impl Operator {
             let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
                 continue;
             };
-            if let Some(addr) = json.pointer("/fields/grpc_addr").and_then(|v| v.as_str()) {
+            let field = |name: &str| json.pointer(&format!("/fields/{name}"))?.as_str();
+            if let (Some(addr), Some(admin_addr)) = (field("grpc_addr"), field("admin_addr")) {
+                let (addr, admin_addr) = (addr.parse()?, admin_addr.parse()?);
                 let log_bytes = Arc::new(AtomicU64::new(0));
                 let counted = Arc::clone(&log_bytes);
                 // Keep draining stderr so the child never blocks on a full pipe.
@@ -121,7 +145,8 @@ impl Operator {
                 });
                 return Ok(Self {
                     child,
-                    addr: addr.parse()?,
+                    addr,
+                    admin_addr,
                     pid,
                     log_bytes,
                     _dir: dir,
@@ -623,5 +648,258 @@ async fn a_channel_idle_past_the_idle_timeout_calls_again() -> Fallible {
         .await
         .ok_or("the idle connection was not closed")?;
     client.get(get).await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The admin port
+// ---------------------------------------------------------------------------
+
+/// The admin server's limits in these tests.
+const ADMIN_MAX_CONNECTIONS: usize = 64;
+const ADMIN_HEADER: Duration = Duration::from_secs(3);
+const ADMIN_IDLE: Duration = Duration::from_secs(4);
+
+/// Descriptors the operator may hold besides its admin connections while they are
+/// held: the agent's and the test's gRPC connections, and what comes and goes.
+const FDS_BESIDES_ADMIN: usize = 16;
+
+/// An answer read from a raw HTTP/1.1 connection, until the server closes it.
+async fn read_to_close(tcp: &mut TcpStream) -> Vec<u8> {
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tcp.read(&mut buf).await {
+            Ok(0) | Err(_) => return all,
+            Ok(n) => all.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// GET `path` on the admin port: the answer's text, status line first.
+async fn admin_get(addr: SocketAddr, path: &str) -> Fallible<String> {
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut tcp = TcpStream::connect(addr).await?;
+        tcp.write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: census\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+        Fallible::Ok(read_to_close(&mut tcp).await)
+    })
+    .await
+    .map_err(|_| format!("GET {path} on the admin port got no answer within 10s"))??;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
+/// The admin port is unauthenticated and listens on every address by default (it
+/// serves /metrics and the probes). 400 connections held on it, under a descriptor
+/// limit of 256: sending nothing, trickling a request's headers, stopping in the
+/// middle of the request line, and stopping in the middle of a request's body. The
+/// operator holds at most --admin-max-connections of them (the rest are closed as
+/// they are accepted), closes every one within the header timeout, and meanwhile an
+/// agent says Hello and its snapshot is applied, and a new client's Get answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_admin_connections_are_capped_and_closed_while_an_agent_syncs() -> Fallible {
+    use census_testkit::agent::{Agent, endpoint, session};
+
+    let cap = ADMIN_MAX_CONNECTIONS.to_string();
+    let header = format!("{}ms", ADMIN_HEADER.as_millis());
+    let idle = format!("{}ms", ADMIN_IDLE.as_millis());
+    let op = Operator::start_with_nofile(
+        256,
+        &[
+            "--admin-max-connections",
+            &cap,
+            "--admin-header-timeout",
+            &header,
+            "--admin-idle-timeout",
+            &idle,
+        ],
+    )?;
+    let healthz = admin_get(op.admin_addr, "/healthz").await?;
+    assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
+    op.get().await?;
+    let fds_before = op.fds()?;
+    let watch = op.watch_rss();
+    let started = Instant::now();
+    let mut held = Vec::new();
+    let mut trickled = Vec::new();
+    for i in 0..400 {
+        let mut tcp = TcpStream::connect(op.admin_addr).await?;
+        // A connection over the cap may be closed before these writes: that is the
+        // cap working.
+        let kind = match i % 4 {
+            0 => "nothing sent",
+            1 => {
+                let _ = tcp
+                    .write_all(b"GET /metrics HTTP/1.1\r\nhost: census\r\n")
+                    .await;
+                "headers trickled"
+            }
+            2 => {
+                let _ = tcp.write_all(b"GET /metr").await;
+                "half a request line"
+            }
+            _ => {
+                let _ = tcp
+                    .write_all(
+                        b"POST /metrics HTTP/1.1\r\nhost: census\r\ncontent-length: 100000\r\n\r\npartial",
+                    )
+                    .await;
+                "half a body"
+            }
+        };
+        if kind == "headers trickled" {
+            let (read, write) = tcp.into_split();
+            trickled.push(write);
+            held.push((kind, Err(read)));
+        } else {
+            held.push((kind, Ok(tcp)));
+        }
+    }
+    let opened = Instant::now();
+    // A header line a second on the trickled connections, past the header timeout.
+    let trickle = tokio::spawn(async move {
+        let mut interval = tokio::time::interval(Duration::from_secs(1));
+        for _ in 0..(ADMIN_HEADER.as_secs() + 3) {
+            interval.tick().await;
+            for write in &mut trickled {
+                let _ = write.write_all(b"x-trickle: 1\r\n").await;
+            }
+        }
+    });
+
+    // An agent syncs meanwhile: its Hello, and a snapshot applied whole.
+    let (mut agent, _) = tokio::time::timeout(
+        Duration::from_secs(20),
+        Agent::connect(&op.addr, "node-a", session(1)),
+    )
+    .await
+    .map_err(|_| "an agent's Hello got no answer while the admin port was held")??;
+    let answer = agent
+        .snapshot(vec![endpoint(
+            "default",
+            "web",
+            &["10.1.0.5"],
+            300,
+            &["k8s:app=web"],
+        )])
+        .await?;
+    assert!(answer.ack.rejected.is_empty(), "{:?}", answer.ack);
+    op.get().await?;
+    let during = op.fds()?;
+
+    let mut waits = Vec::new();
+    for (kind, tcp) in held {
+        let limit = ADMIN_HEADER + SLACK + opened.duration_since(started);
+        waits.push(tokio::spawn(async move {
+            let closed = match tcp {
+                Ok(tcp) => closed_within(tcp, started, limit).await,
+                Err(read) => {
+                    let mut read = read;
+                    let mut buf = [0u8; 1024];
+                    let all = async {
+                        loop {
+                            match read.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(_) => {}
+                            }
+                        }
+                    };
+                    tokio::time::timeout_at((started + limit).into(), all)
+                        .await
+                        .ok()
+                        .map(|()| started.elapsed())
+                }
+            };
+            (kind, closed)
+        }));
+    }
+    for (kind, closed) in futures::future::join_all(waits).await.into_iter().flatten() {
+        assert!(
+            closed.is_some(),
+            "an admin connection ({kind}) was still open {ADMIN_HEADER:?} + {SLACK:?} after it was opened"
+        );
+    }
+    trickle.abort();
+    let peaks = watch.stop();
+    assert!(
+        peaks.fds <= fds_before + ADMIN_MAX_CONNECTIONS + FDS_BESIDES_ADMIN,
+        "the operator held {} descriptors (from {fds_before}; {during} while the agent synced) with 400 admin connections open and --admin-max-connections {ADMIN_MAX_CONNECTIONS}",
+        peaks.fds
+    );
+    // The cap was reached: the operator did hold connections.
+    assert!(
+        peaks.fds >= fds_before + ADMIN_MAX_CONNECTIONS / 2,
+        "at most {} descriptors (from {fds_before}): the connections were not held",
+        peaks.fds
+    );
+    testkit_eventually(Duration::from_secs(10), || {
+        let now = op.fds().unwrap_or(usize::MAX);
+        (now <= fds_before + 4).then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "descriptors did not come back: {fds_before} before, {} after",
+            op.fds().unwrap_or(0)
+        )
+    })?;
+    let metrics = admin_get(op.admin_addr, "/metrics").await?;
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    let refused = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("census_admin_connections_refused_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .ok_or("no census_admin_connections_refused_total in /metrics")?;
+    assert!(
+        refused > 0.0,
+        "no admin connection was refused over the cap"
+    );
+    Ok(())
+}
+
+/// A client that sends a request and then does not read its answer holds the
+/// connection only until the idle timeout; one that answers promptly keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_client_that_stops_reading_is_closed_after_the_idle_timeout() -> Fallible {
+    let header = format!("{}ms", ADMIN_HEADER.as_millis());
+    let idle = format!("{}ms", ADMIN_IDLE.as_millis());
+    let op = Operator::start(&[
+        "--admin-header-timeout",
+        &header,
+        "--admin-idle-timeout",
+        &idle,
+    ])?;
+    let fds_before = op.fds()?;
+    // Many requests pipelined, none of the answers read: the operator's writes
+    // stall once the socket buffers are full.
+    let mut tcp = TcpStream::connect(op.admin_addr).await?;
+    let started = Instant::now();
+    let request = b"GET /metrics HTTP/1.1\r\nhost: census\r\n\r\n";
+    let mut pipelined = Vec::new();
+    for _ in 0..20_000 {
+        pipelined.extend_from_slice(request);
+    }
+    let writer = tokio::spawn(async move {
+        let _ = tcp.write_all(&pipelined).await;
+        tcp
+    });
+    testkit_eventually(SLACK, || (op.fds().ok()? > fds_before).then_some(()))
+        .await
+        .ok_or("the operator did not accept the connection")?;
+    testkit_eventually(ADMIN_IDLE + ADMIN_HEADER + SLACK, || {
+        (op.fds().ok()? <= fds_before).then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "a connection whose answers were not read was still open {:?} after it was opened",
+            started.elapsed()
+        )
+    })?;
+    writer.abort();
+    let healthz = admin_get(op.admin_addr, "/healthz").await?;
+    assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
     Ok(())
 }

@@ -312,6 +312,78 @@ async fn no_certificate_or_another_cas_is_refused() -> TestResult {
     op.shut_down().await
 }
 
+/// A client certificate for `node` signed by an intermediate CA that the CA of
+/// `certs` signed (with clientAuth, as a stolen CA key could make one): the chain's
+/// PEM (leaf, then the intermediate) and the leaf's key.
+fn through_an_intermediate(certs: &Certs, node: &str) -> TestResult<(String, String)> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+        KeyUsagePurpose, SanType,
+    };
+    let ca = Issuer::from_ca_cert_pem(
+        &std::fs::read_to_string(certs.dir().join("ca.pem"))?,
+        KeyPair::from_pem(&std::fs::read_to_string(certs.dir().join("ca-key.pem"))?)?,
+    )?;
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let key = KeyPair::generate()?;
+    let intermediate = p.signed_by(&key, &ca)?;
+    let intermediate_ca = Issuer::new(p, key);
+    let mut leaf = CertificateParams::new(Vec::<String>::new())?;
+    leaf.is_ca = IsCa::ExplicitNoCa;
+    leaf.subject_alt_names = vec![SanType::URI(format!("census://node/{node}").try_into()?)];
+    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    let key = KeyPair::generate()?;
+    let leaf = leaf.signed_by(&key, &intermediate_ca)?;
+    Ok((leaf.pem() + &intermediate.pem(), key.serialize_pem()))
+}
+
+/// `census-operator certs` writes its CA `pathlen:0`: a certificate minted by an
+/// intermediate CA under it names no node. The TLS handshake takes the chain
+/// (rustls does not read a trust anchor's constraints); the operator refuses every
+/// call on it UNAUTHENTICATED, saying why, and nothing changes.
+#[tokio::test]
+async fn a_certificate_from_an_intermediate_ca_speaks_for_no_node() -> TestResult {
+    let (op, certs) = secured(&["node-a"], &["cli"]).await?;
+    let reader = certs.target(op.grpc_addr, Some(Client::Reader("cli")))?;
+    let before = state(&reader).await?;
+    let (chain, key) = through_an_intermediate(&certs, "node-a")?;
+    let chained = Secured {
+        addr: op.grpc_addr,
+        tls: certs
+            .client(None)?
+            .identity(tonic::transport::Identity::from_pem(chain, key)),
+    };
+    let hello = open_stream(&chained, vec![hello("node-a", session(u64::MAX))]).await?;
+    expect_status(
+        hello.map(|_| ()),
+        Code::Unauthenticated,
+        &["signed by the CA itself"],
+    )?;
+    expect_status(
+        allocate(
+            chained.channel().await?,
+            "node-a",
+            session(1),
+            &["k8s:app=web"],
+        )
+        .await?,
+        Code::Unauthenticated,
+        &["signed by the CA itself"],
+    )?;
+    assert_eq!(state(&reader).await?, before);
+    // The real node-a still connects.
+    let as_a = certs.target(op.grpc_addr, Some(Client::Node("node-a")))?;
+    Agent::connect(&as_a, "node-a", session(1)).await?;
+    op.shut_down().await
+}
+
 fn operator_binary() -> tokio::process::Command {
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_census-operator"));
     command

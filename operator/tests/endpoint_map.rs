@@ -553,6 +553,56 @@ async fn lookup_shows_the_claims_of_an_address_and_its_conflicts() -> TestResult
     c.op.shut_down().await
 }
 
+/// An IPv4-mapped IPv6 address is its IPv4 address: a claim of
+/// `::ffff:198.18.0.7` and one of `198.18.0.7` are claims of one address, with one
+/// winner and the conflict counted, and Lookup (which reads either form as IPv4)
+/// sees both; an entry listing both forms claims the address once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv4_mapped_address_is_one_address_with_its_ipv4_form() -> TestResult {
+    let mut c = Cluster::start(&[]).await?;
+    let (shop, db) = (c.shop, c.db);
+    let answer = c.agents[0]
+        .snapshot(vec![endpoint(
+            "shop",
+            "web-0",
+            &["::ffff:198.18.0.7"],
+            shop,
+            SHOP,
+        )])
+        .await?;
+    assert!(answer.ack.rejected.is_empty(), "{:?}", answer.ack);
+    let found = lookup(&c.op, "198.18.0.7").await??;
+    assert_eq!(found.claims.len(), 1, "{found:?}");
+    c.agents[1]
+        .snapshot(vec![endpoint("shop", "db-0", &["198.18.0.7"], db, DB)])
+        .await?;
+    let found = lookup(&c.op, "::ffff:198.18.0.7").await??;
+    assert_eq!(found.ip, "198.18.0.7");
+    assert_eq!(
+        found
+            .claims
+            .iter()
+            .map(|c| (c.node.as_str(), c.winner))
+            .collect::<Vec<_>>(),
+        [("node-b", true), ("node-a", false)],
+        "{found:?}"
+    );
+    assert_eq!(found.conflicts, 1);
+    c.agents[2]
+        .snapshot(vec![endpoint(
+            "shop",
+            "both",
+            &["::ffff:198.18.0.8", "198.18.0.8"],
+            shop,
+            SHOP,
+        )])
+        .await?;
+    let found = lookup(&c.op, "198.18.0.8").await??;
+    assert_eq!(found.claims.len(), 1, "{found:?}");
+    assert_eq!(found.conflicts, 0);
+    c.op.shut_down().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodes_hello_addresses_are_remote_node_entries_of_the_map() -> TestResult {
     /// The reserved `remote-node` identity.

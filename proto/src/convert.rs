@@ -634,6 +634,34 @@ mod tests {
         Ok(())
     }
 
+    /// `::ffff:a.b.c.d` is the IPv4 address a.b.c.d: one address, one key, in an
+    /// entry's addresses as in a Hello's.
+    #[test]
+    fn an_ipv4_mapped_address_is_its_ipv4_address() -> Result<(), Rejected> {
+        let wire = ep(
+            "default",
+            "web-0",
+            &["::ffff:198.18.9.9", "198.18.9.9", "::FFFF:c612:909"],
+            300,
+            &["k8s:a=1"],
+        );
+        let domain = endpoint_from_wire(&wire, &WireLimits::default(), &LabelFilter::default())?;
+        let want: IpAddr = [198, 18, 9, 9].into();
+        assert_eq!(&*domain.ips, &[want]);
+        assert_eq!(endpoint_to_wire(&domain).ips, vec!["198.18.9.9"]);
+        // A real IPv6 address that merely ends in an IPv4 one stays IPv6.
+        let compat = ep(
+            "default",
+            "web-1",
+            &["64:ff9b::c612:909"],
+            300,
+            &["k8s:a=1"],
+        );
+        let domain = endpoint_from_wire(&compat, &WireLimits::default(), &LabelFilter::default())?;
+        assert!(domain.ips.iter().all(IpAddr::is_ipv6), "{:?}", domain.ips);
+        Ok(())
+    }
+
     #[test]
     fn errors_name_the_field_within_the_entry_and_a_bounded_kind() {
         let limits = WireLimits {

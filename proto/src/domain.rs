@@ -301,14 +301,21 @@ impl fmt::Display for SessionId {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
     pub key: EndpointKey,
-    /// Sorted, without duplicates.
+    /// IPv4-mapped IPv6 addresses as IPv4, sorted, without duplicates
+    /// ([`canonical_ips`]).
     pub ips: Box<[IpAddr]>,
     pub identity: IdentityId,
     pub labels: LabelSet,
 }
 
-/// Sorts and deduplicates addresses.
+/// An endpoint's addresses as census keys them: an IPv4-mapped IPv6 address
+/// (`::ffff:a.b.c.d`) is the IPv4 address it maps (one address, one key, in the
+/// operator's map as in ENDPOINTS), sorted and deduplicated. Every endpoint source
+/// (the wire, the agent's file and pods) goes through here.
 pub fn canonical_ips(mut ips: Vec<IpAddr>) -> Box<[IpAddr]> {
+    for ip in &mut ips {
+        *ip = ip.to_canonical();
+    }
     ips.sort_unstable();
     ips.dedup();
     ips.into_boxed_slice()

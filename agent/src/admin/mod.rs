@@ -4,7 +4,9 @@
 //! It is unauthenticated and listens on loopback by default (the CLI runs on the
 //! node); `--health-listen` adds a listener with only `/healthz`, `/readyz` and
 //! `/metrics` ([`health_router`]) for the kubelet's probes and Prometheus, which
-//! reach the node from outside.
+//! reach the node from outside. Both are served by `census_daemon::http::serve`,
+//! each with its own connection cap and the same timeouts (`--admin-max-connections`,
+//! `--admin-header-timeout`, `--admin-idle-timeout`).
 //!
 //! The agent is Ready once its datapath is loaded and its endpoint source has given
 //! a first full set. It stays Ready while the operator is away (fail-static) and
@@ -87,18 +89,6 @@ pub(crate) async fn bind(
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     Ok((listener, local))
-}
-
-pub(crate) async fn serve(
-    listener: TcpListener,
-    router: Router,
-    mut shutdown: watch::Receiver<bool>,
-) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            let _ = shutdown.wait_for(|stop| *stop).await;
-        })
-        .await
 }
 
 async fn metrics(State(state): State<AdminState>, headers: HeaderMap) -> Response {

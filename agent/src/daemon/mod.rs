@@ -55,6 +55,8 @@ pub struct Options {
     pub admin_listen: SocketAddr,
     /// A listener for probes and Prometheus only (admin::health_router).
     pub health_listen: Option<SocketAddr>,
+    /// Each admin listener's connection cap and timeouts.
+    pub admin_limits: census_daemon::http::AdminLimits,
     pub reconcile_interval: Duration,
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
@@ -141,6 +143,7 @@ where
         operator_auth,
         admin_listen,
         health_listen,
+        admin_limits,
         reconcile_interval,
         initial_backoff,
         max_backoff,
@@ -162,6 +165,8 @@ where
     let pinned = pinned.map(Arc::new);
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    let admin_metrics = census_daemon::http::AdminMetrics::default();
+    admin_metrics.register(registry.sub_registry_with_prefix("census_agent"));
     registry.register_collector(Box::new(AgentCollector::new(
         status_rx.clone(),
         pinned.clone(),
@@ -317,8 +322,11 @@ where
     if let Some((health, addr)) = health {
         let router = admin::health_router(admin_state);
         let health_stop = stop.clone();
+        let metrics = admin_metrics.clone();
         tasks.push(tokio::spawn(async move {
-            if let Err(e) = admin::serve(health, router, health_stop).await {
+            let served =
+                census_daemon::http::serve(health, router, admin_limits, metrics, health_stop);
+            if let Err(e) = served.await {
                 error!(error = %e, "the health and metrics server failed");
             }
         }));
@@ -327,7 +335,9 @@ where
     }
     let admin_stop = stop.clone();
     tasks.push(tokio::spawn(async move {
-        if let Err(e) = admin::serve(listener, router, admin_stop).await {
+        let served =
+            census_daemon::http::serve(listener, router, admin_limits, admin_metrics, admin_stop);
+        if let Err(e) = served.await {
             error!(error = %e, "the admin server failed");
         }
     }));

@@ -223,12 +223,15 @@ fn ended_by(status: &tonic::Status) -> Ended {
     })
 }
 
-/// An address on the wire: 4 or 16 bytes, network order.
+/// An address on the wire: 4 or 16 bytes, network order; an IPv4-mapped IPv6
+/// address is read as the IPv4 address (the key a local endpoint of it has).
 fn ip_from_wire(bytes: &[u8]) -> Option<IpAddr> {
     if let Ok(v4) = <[u8; 4]>::try_from(bytes) {
         return Some(IpAddr::from(v4));
     }
-    <[u8; 16]>::try_from(bytes).ok().map(IpAddr::from)
+    <[u8; 16]>::try_from(bytes)
+        .ok()
+        .map(|v6| IpAddr::from(v6).to_canonical())
 }
 
 /// `item`, counting it in `malformed` when it is `None`.

@@ -425,6 +425,37 @@ async fn a_restarted_operator_is_watched_again_and_the_map_stays_meanwhile() -> 
     Ok(())
 }
 
+/// An address the operator sends as IPv4-mapped IPv6 (16 bytes) is the IPv4
+/// address: the ENDPOINTS key a local endpoint of that address has.
+#[test]
+fn an_ipv4_mapped_address_is_decoded_as_ipv4() {
+    let mapped = entry("::ffff:198.18.3.2", 300, 3);
+    assert_eq!(mapped.ip.len(), 16);
+    let (batch, malformed) = decode(pb::EndpointMapBatch {
+        nodes: vec![node(3, "n3")],
+        upserts: vec![mapped],
+        removes: vec![v4("::ffff:198.18.3.9")],
+        ..Default::default()
+    });
+    assert_eq!(malformed, 0);
+    assert_eq!(
+        batch
+            .upserts
+            .iter()
+            .map(|e| e.ip.to_string())
+            .collect::<Vec<_>>(),
+        ["198.18.3.2"]
+    );
+    assert_eq!(
+        batch
+            .removes
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["198.18.3.9"]
+    );
+}
+
 #[test]
 fn malformed_items_are_skipped_and_counted() {
     let (batch, malformed) = decode(pb::EndpointMapBatch {

@@ -544,6 +544,25 @@ mod tests {
         }
     }
 
+    /// `::ffff:a.b.c.d` is the IPv4 address: the same address as `a.b.c.d` in
+    /// another entry, and read as IPv4.
+    #[test]
+    fn an_ipv4_mapped_address_is_its_ipv4_address() -> TestResult {
+        let set = parse_str(
+            "e.yaml",
+            "- {namespace: d, name: a, ips: ['::ffff:198.18.9.9', 198.18.9.9], interface: x}",
+        )?;
+        let want: IpAddr = [198, 18, 9, 9].into();
+        assert_eq!(set.first().map(|e| &*e.ips), Some(&[want][..]));
+        let both = "- {namespace: d, name: a, ips: ['::ffff:198.18.9.9'], interface: x}\n- {namespace: d, name: b, ips: [198.18.9.9], interface: y}";
+        let got = message(parse_str("/x/e.yaml", both));
+        assert!(
+            got.starts_with("/x/e.yaml: endpoint 1 (d/b): address 198.18.9.9 is also endpoint 0's"),
+            "{got:?}"
+        );
+        Ok(())
+    }
+
     #[test]
     fn an_empty_list_is_no_endpoints() -> TestResult {
         assert!(parse_str("e.json", "[]")?.is_empty());

@@ -95,7 +95,14 @@ fn status_addresses<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<IpAddr>, D::E
                                 Some("InternalIP" | "ExternalIP")
                             )
                         })
-                        .filter_map(|a| a.get("address")?.as_str()?.parse().ok())
+                        // One form per address: IPv4-mapped IPv6 as IPv4.
+                        .filter_map(|a| {
+                            a.get("address")?
+                                .as_str()?
+                                .parse::<IpAddr>()
+                                .ok()
+                                .map(|ip| ip.to_canonical())
+                        })
                         .collect();
                 } else {
                     map.next_value::<IgnoredAny>()?;

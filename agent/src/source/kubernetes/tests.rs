@@ -810,6 +810,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
         operator_auth: crate::client::OperatorAuth::default(),
         admin_listen: "127.0.0.1:0".parse()?,
         health_listen: None,
+        admin_limits: census_daemon::http::AdminLimits::default(),
         reconcile_interval: quick,
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(300),
