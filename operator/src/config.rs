@@ -409,7 +409,8 @@ pub struct LabelArgs {
     /// Do not drop the default per-pod labels (job-name, controller-uid, pod-template-hash, ...).
     #[arg(long, env = "CENSUS_NO_DEFAULT_LABEL_EXCLUDE")]
     pub no_default_label_exclude: bool,
-    /// Labels in one identity.
+    /// Labels in one identity, counted after the label filter (a request or an
+    /// entry may carry up to 4 times as many before it, all of them checked).
     #[arg(long, env = "CENSUS_MAX_LABELS", default_value_t = 64)]
     pub max_labels: usize,
 }

@@ -793,6 +793,140 @@ async fn bad_entries_are_rejected_alone_naming_the_entry_and_the_field() -> Test
     op.shut_down().await
 }
 
+/// An address no endpoint can have (unspecified, broadcast, loopback, multicast,
+/// link-local, in either family, and IPv4-mapped) rejects its entry alone, naming
+/// the address and what it is; the benchmarking and documentation ranges the tests
+/// use stay allowed. A Hello naming such an address as the node's is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addresses_no_endpoint_can_have_are_rejected_naming_what_they_are() -> TestResult {
+    let op = Operator::start(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let id = op.allocate_ok("node-a", s, SHOP).await?.id;
+    let cases = [
+        ("0.0.0.0", "the unspecified address"),
+        ("0.1.2.3", "0.0.0.0/8"),
+        ("::", "the unspecified address"),
+        ("255.255.255.255", "the broadcast address"),
+        ("127.0.0.1", "a loopback address"),
+        ("127.9.9.9", "a loopback address"),
+        ("::1", "a loopback address"),
+        ("::ffff:127.0.0.1", "a loopback address"),
+        ("224.0.0.1", "a multicast address"),
+        ("239.1.2.3", "a multicast address"),
+        ("ff02::1", "a multicast address"),
+        ("169.254.1.1", "a link-local address"),
+        ("fe80::1", "a link-local address"),
+    ];
+    let mut endpoints = vec![endpoint(
+        "shop",
+        "good",
+        &[
+            "198.18.0.2",
+            "198.19.255.1",
+            "10.1.2.3",
+            "2001:db8::2",
+            "fd00::2",
+        ],
+        id,
+        SHOP,
+    )];
+    for (i, (ip, _)) in cases.iter().enumerate() {
+        endpoints.push(endpoint(
+            "shop",
+            &format!("bad-{i}"),
+            &["198.18.0.9", ip],
+            id,
+            SHOP,
+        ));
+    }
+    let answer = agent.snapshot(endpoints).await?;
+    let refused = rejected(&answer.ack);
+    assert_eq!(refused.len(), cases.len(), "{refused:?}");
+    for (i, (ip, what)) in cases.iter().enumerate() {
+        let (key, reason) = &refused[i];
+        assert_eq!(key, &format!("shop/bad-{i}"));
+        assert!(
+            reason.starts_with("ips[1]: ") && reason.contains(what),
+            "{ip}: {reason:?} should name ips[1] and {what:?}"
+        );
+    }
+    assert_eq!(
+        op.get_node_ok("node-a").await?.endpoints,
+        1,
+        "good is taken"
+    );
+    // An upsert likewise.
+    let answer = agent
+        .upsert(endpoint("shop", "late", &["127.0.0.1"], id, SHOP))
+        .await?;
+    assert_eq!(
+        rejected(&answer.ack),
+        [(
+            "shop/late".to_owned(),
+            "ips[0]: 127.0.0.1 is a loopback address: no endpoint has it".to_owned()
+        )]
+    );
+    // A Hello naming a loopback address as the node's own is refused.
+    let mut hello = hello("node-b", session(200));
+    if let Some(Body::Hello(hello)) = &mut hello.body {
+        hello.addresses = vec!["198.18.5.5".into(), "127.0.0.1".into()];
+    }
+    let refused = open_stream(&op, vec![hello]).await?;
+    expect_status(
+        refused.map(|_| ()),
+        Code::InvalidArgument,
+        &["hello.addresses[1]", "127.0.0.1 is a loopback address"],
+    )?;
+    op.shut_down().await
+}
+
+/// --max-labels counts the labels the label filter keeps: 70 labels of which 6 are
+/// filtered out are 64, allowed by Allocate and in a snapshot; 65 kept are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_labels_counts_the_labels_the_filter_keeps() -> TestResult {
+    let op = Operator::start(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let filtered = [
+        "k8s:controller-uid=1",
+        "k8s:job-name=j",
+        "k8s:pod-template-hash=abc",
+        "k8s:controller-revision-hash=r",
+        "k8s:pod-template-generation=1",
+        "k8s:statefulset.kubernetes.io/pod-name=p",
+    ];
+    let labels = |kept: usize| -> Vec<String> {
+        (0..kept)
+            .map(|i| format!("k8s:l{i}=v"))
+            .chain(filtered.iter().map(|l| (*l).to_owned()))
+            .collect()
+    };
+    let seventy = labels(64);
+    let seventy: Vec<&str> = seventy.iter().map(String::as_str).collect();
+    assert_eq!(seventy.len(), 70);
+    let identity = op.allocate_ok("node-a", s, &seventy).await?;
+    assert_eq!(identity.labels.len(), 64, "the filtered labels are dropped");
+    let answer = agent
+        .snapshot(vec![endpoint(
+            "shop",
+            "web-0",
+            &["198.18.0.2"],
+            identity.id,
+            &seventy,
+        )])
+        .await?;
+    assert!(answer.ack.rejected.is_empty(), "{:?}", answer.ack);
+    let over = labels(65);
+    let over: Vec<&str> = over.iter().map(String::as_str).collect();
+    expect_status(
+        op.allocate("node-a", s, &over).await?,
+        Code::InvalidArgument,
+        &["labels", "65 labels", "limit of 64"],
+    )?;
+    op.shut_down().await
+}
+
 /// The entries an Ack rejects: (namespace/name, reason).
 fn rejected(ack: &pb::Ack) -> Vec<(String, String)> {
     ack.rejected

@@ -18,7 +18,7 @@ use crate::{
     PROTOCOL_VERSION,
     domain::{
         Endpoint, EndpointKey, IdentityId, NameError, NodeName, ServiceKind, ServiceSet, SessionId,
-        canonical_ips,
+        UnusableIp, canonical_ips, check_usable_ip,
     },
     labels::{LabelError, LabelFilter, LabelLimits, LabelSet, PatternError},
     pb,
@@ -77,6 +77,9 @@ pub enum Problem {
     Pattern(#[from] PatternError),
     #[error("{0:?} is not an IPv4 or IPv6 address")]
     Ip(String),
+    /// An address no endpoint or node can have (loopback, multicast, ...).
+    #[error("{ip} is {what}: no endpoint has it")]
+    UnusableIp { ip: IpAddr, what: UnusableIp },
     #[error("must not be 0")]
     Zero,
     #[error("has {count} entries, over the limit of {max}")]
@@ -156,7 +159,8 @@ pub const MAX_HELLO_ADDRESSES: usize = 16;
 
 /// A node's own addresses as its Hello reports them: at most
 /// [`MAX_HELLO_ADDRESSES`], each an IPv4 or IPv6 address (IPv4-mapped IPv6 read as
-/// IPv4), each once, sorted.
+/// IPv4) that a node can have ([`check_usable_ip`]: not loopback, link-local,
+/// multicast, broadcast or unspecified), each once, sorted.
 pub fn addresses_from_wire(addresses: &[String], field: &str) -> Result<Vec<IpAddr>, FieldError> {
     if addresses.len() > MAX_HELLO_ADDRESSES {
         return Err(FieldError::new(
@@ -169,15 +173,21 @@ pub fn addresses_from_wire(addresses: &[String], field: &str) -> Result<Vec<IpAd
     }
     let mut ips = Vec::with_capacity(addresses.len());
     for (i, text) in addresses.iter().enumerate() {
-        let ip: IpAddr = text.parse().map_err(|_| {
-            FieldError::new(
-                format_args!("{field}[{i}]"),
-                Problem::Ip(text.chars().take(64).collect()),
-            )
-        })?;
-        ips.push(ip.to_canonical());
+        ips.push(ip_from_wire(text, format_args!("{field}[{i}]"))?);
     }
     Ok(canonical_ips(ips).into_vec())
+}
+
+/// One address of an endpoint or a node, as text on the wire: it parses, and an
+/// endpoint or a node can have it.
+fn ip_from_wire(text: &str, field: impl fmt::Display) -> Result<IpAddr, FieldError> {
+    let ip: IpAddr = text
+        .parse()
+        .map_err(|_| FieldError::new(&field, Problem::Ip(text.chars().take(64).collect())))?;
+    let ip = ip.to_canonical();
+    check_usable_ip(ip)
+        .map_err(|what| FieldError::new(&field, Problem::UnusableIp { ip, what }))?;
+    Ok(ip)
 }
 
 pub fn session_to_wire(session: SessionId) -> pb::Session {
@@ -194,6 +204,24 @@ pub fn labels_from_wire(
 ) -> Result<LabelSet, FieldError> {
     LabelSet::parse_indexed(labels, limits).map_err(|(index, e)| match index {
         Some(i) => FieldError::new(format_args!("{field}[{i}]"), e),
+        None => FieldError::new(field, e),
+    })
+}
+
+/// Labels from the wire passed through `filter`, the limit counting the labels it
+/// keeps: a label set over `--max-labels` only because of labels the filter drops
+/// is allowed. A set the filter leaves empty is [`Problem::Filtered`].
+pub fn filtered_labels_from_wire(
+    labels: &[String],
+    filter: &LabelFilter,
+    limits: &LabelLimits,
+    field: &str,
+) -> Result<LabelSet, FieldError> {
+    LabelSet::parse_filtered_indexed(labels, filter, limits).map_err(|(index, e)| match index {
+        Some(i) => FieldError::new(format_args!("{field}[{i}]"), e),
+        None if matches!(e, LabelError::Empty) && !labels.is_empty() => {
+            FieldError::new(field, Problem::Filtered(e))
+        }
         None => FieldError::new(field, e),
     })
 }
@@ -294,6 +322,7 @@ impl Rejected {
         match problem {
             Problem::Missing | Problem::Name(_) => "key",
             Problem::Ip(_) => "ip",
+            Problem::UnusableIp { .. } => "unusable_ip",
             Problem::TooMany { .. } => "too_many_ips",
             Problem::Zero => "identity",
             Problem::Label(LabelError::TooMany { .. }) => "too_many_labels",
@@ -343,18 +372,10 @@ fn entry_from_wire(
     }
     let mut ips = Vec::with_capacity(ep.ips.len());
     for (i, text) in ep.ips.iter().enumerate() {
-        let ip: IpAddr = text.parse().map_err(|_| {
-            FieldError::new(
-                format_args!("ips[{i}]"),
-                Problem::Ip(text.chars().take(64).collect()),
-            )
-        })?;
-        ips.push(ip);
+        ips.push(ip_from_wire(text, format_args!("ips[{i}]"))?);
     }
     let identity = identity_from_wire(ep.identity, "identity")?;
-    let labels = labels_from_wire(&ep.labels, &limits.labels, "labels")?
-        .filtered(filter, &limits.labels)
-        .map_err(|e| FieldError::new("labels", Problem::Filtered(e)))?;
+    let labels = filtered_labels_from_wire(&ep.labels, filter, &limits.labels, "labels")?;
     Ok(Endpoint {
         key,
         ips: canonical_ips(ips),

@@ -321,6 +321,61 @@ pub fn canonical_ips(mut ips: Vec<IpAddr>) -> Box<[IpAddr]> {
     ips.into_boxed_slice()
 }
 
+/// What an address is that no endpoint, and no node, can have as its own: traffic
+/// between pods and nodes is never from or to one of these, and an ENDPOINTS entry
+/// for one would be wrong for every node. Pod and node addresses are unicast,
+/// routable and specific: a private range, the benchmarking range 198.18.0.0/15,
+/// a documentation range and unique local IPv6 addresses all are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UnusableIp {
+    #[error("the unspecified address")]
+    Unspecified,
+    #[error("an address of \"this network\" (0.0.0.0/8)")]
+    ThisNetwork,
+    #[error("the broadcast address")]
+    Broadcast,
+    #[error("a loopback address")]
+    Loopback,
+    #[error("a multicast address")]
+    Multicast,
+    #[error("a link-local address")]
+    LinkLocal,
+}
+
+impl UnusableIp {
+    /// A bounded label for metrics.
+    pub const fn kind(self) -> &'static str {
+        match self {
+            Self::Unspecified => "unspecified",
+            Self::ThisNetwork => "this_network",
+            Self::Broadcast => "broadcast",
+            Self::Loopback => "loopback",
+            Self::Multicast => "multicast",
+            Self::LinkLocal => "link_local",
+        }
+    }
+}
+
+/// `Err` naming what `ip` is when no endpoint or node can have it (IPv4-mapped IPv6
+/// judged as its IPv4 address).
+pub fn check_usable_ip(ip: IpAddr) -> Result<(), UnusableIp> {
+    let unusable = match ip.to_canonical() {
+        IpAddr::V4(v4) if v4.is_unspecified() => Some(UnusableIp::Unspecified),
+        IpAddr::V4(v4) if v4.octets()[0] == 0 => Some(UnusableIp::ThisNetwork),
+        IpAddr::V4(v4) if v4.is_broadcast() => Some(UnusableIp::Broadcast),
+        IpAddr::V4(v4) if v4.is_loopback() => Some(UnusableIp::Loopback),
+        IpAddr::V4(v4) if v4.is_multicast() => Some(UnusableIp::Multicast),
+        IpAddr::V4(v4) if v4.is_link_local() => Some(UnusableIp::LinkLocal),
+        IpAddr::V4(_) => None,
+        IpAddr::V6(v6) if v6.is_unspecified() => Some(UnusableIp::Unspecified),
+        IpAddr::V6(v6) if v6.is_loopback() => Some(UnusableIp::Loopback),
+        IpAddr::V6(v6) if v6.is_multicast() => Some(UnusableIp::Multicast),
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => Some(UnusableIp::LinkLocal),
+        IpAddr::V6(_) => None,
+    };
+    unusable.map_or(Ok(()), Err)
+}
+
 /// What a Service address range is. The order is the precedence when one range
 /// is more than one kind: a ClusterIP range first, then a LoadBalancer IP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -445,6 +500,41 @@ pub fn parse_cidr(text: &str) -> Result<IpNet, CidrError> {
         });
     }
     Ok(range)
+}
+
+#[cfg(test)]
+mod address_tests {
+    use super::*;
+
+    #[test]
+    fn addresses_no_endpoint_can_have_are_named() {
+        for (text, want) in [
+            ("0.0.0.0", Err(UnusableIp::Unspecified)),
+            ("0.9.9.9", Err(UnusableIp::ThisNetwork)),
+            ("::", Err(UnusableIp::Unspecified)),
+            ("255.255.255.255", Err(UnusableIp::Broadcast)),
+            ("127.0.0.1", Err(UnusableIp::Loopback)),
+            ("::1", Err(UnusableIp::Loopback)),
+            ("::ffff:127.0.0.1", Err(UnusableIp::Loopback)),
+            ("224.0.0.251", Err(UnusableIp::Multicast)),
+            ("ff02::1", Err(UnusableIp::Multicast)),
+            ("169.254.169.254", Err(UnusableIp::LinkLocal)),
+            ("fe80::1", Err(UnusableIp::LinkLocal)),
+            ("10.0.0.1", Ok(())),
+            ("172.16.0.1", Ok(())),
+            ("192.168.1.1", Ok(())),
+            ("198.18.0.1", Ok(())),
+            ("198.19.255.254", Ok(())),
+            ("203.0.113.7", Ok(())),
+            ("100.64.0.1", Ok(())),
+            ("2001:db8::1", Ok(())),
+            ("fd00::1", Ok(())),
+            ("::ffff:10.0.0.1", Ok(())),
+        ] {
+            let ip: IpAddr = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(check_usable_ip(ip), want, "{text}");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use std::{
 };
 
 use census_proto::{
-    domain::{EndpointKey, NameError, canonical_ips},
+    domain::{EndpointKey, NameError, UnusableIp, canonical_ips, check_usable_ip},
     labels::{LabelError, LabelFilter, LabelLimits, LabelSet},
 };
 use notify::{RecursiveMode, Watcher as _};
@@ -118,6 +118,12 @@ pub enum EntryProblem {
     Name(#[from] NameError),
     #[error("ips[{index}]: {value:?} is not an IPv4 or IPv6 address")]
     Ip { index: usize, value: String },
+    #[error("ips[{index}]: {ip} is {what}: no endpoint has it")]
+    UnusableIp {
+        index: usize,
+        ip: IpAddr,
+        what: UnusableIp,
+    },
     #[error("ips: at least one address is needed")]
     NoIps,
     #[error("labels: {0}")]
@@ -196,6 +202,7 @@ fn check_entry(entry: &Entry) -> Result<SourceEndpoint, EntryProblem> {
             index,
             value: text.chars().take(64).collect(),
         })?;
+        check_usable_ip(ip).map_err(|what| EntryProblem::UnusableIp { index, ip, what })?;
         ips.push(ip);
     }
     if ips.is_empty() {
@@ -511,6 +518,16 @@ mod tests {
                 "/x/e.yaml",
                 "- {namespace: d, name: a, ips: [1.2.3.4, nope], interface: x}",
                 "/x/e.yaml: endpoint 0 (d/a): ips[1]: \"nope\" is not an IPv4 or IPv6 address",
+            ),
+            (
+                "/x/e.yaml",
+                "- {namespace: d, name: a, ips: [198.18.0.1, 127.0.0.1], interface: x}",
+                "/x/e.yaml: endpoint 0 (d/a): ips[1]: 127.0.0.1 is a loopback address: no endpoint has it",
+            ),
+            (
+                "/x/e.yaml",
+                "- {namespace: d, name: a, ips: ['fe80::1'], interface: x}",
+                "/x/e.yaml: endpoint 0 (d/a): ips[0]: fe80::1 is a link-local address",
             ),
             (
                 "/x/e.yaml",

@@ -29,7 +29,6 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
-    net::IpAddr,
     time::Duration,
 };
 
@@ -39,7 +38,7 @@ use census_proto::{
         endpoint_key_from_wire, endpoint_to_wire, filter_from_wire, identity_from_wire,
         services_from_wire, session_to_wire,
     },
-    domain::{EndpointKey, NodeName, SessionId},
+    domain::{EndpointKey, NodeName, SessionId, check_usable_ip},
     labels::LabelLimits,
     pb::{self, agent_message::Body, endpoint_sync_client::EndpointSyncClient, operator_message},
     status::code_label,
@@ -313,8 +312,9 @@ impl SyncClient {
     }
 
     /// The node's addresses for Hello: the first [`MAX_HELLO_ADDRESSES`] others
-    /// can reach it at (link-local ones are left out: every node has its own of
-    /// the same range).
+    /// can reach it at. What no node can be reached at by another is left out
+    /// (`check_usable_ip`: link-local ones, of which every node has its own in the
+    /// same range, loopback, multicast, ...): the operator refuses a Hello naming one.
     fn hello_addresses(&self) -> Vec<String> {
         let ips = match self.host_ips.read() {
             Ok(ips) => ips,
@@ -324,7 +324,7 @@ impl SyncClient {
             }
         };
         ips.into_iter()
-            .filter(|ip| !is_link_local(*ip))
+            .filter(|ip| check_usable_ip(*ip).is_ok())
             .take(MAX_HELLO_ADDRESSES)
             .map(|ip| ip.to_string())
             .collect()
@@ -633,13 +633,6 @@ impl SyncClient {
             rejected,
             pending,
         })
-    }
-}
-
-fn is_link_local(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => v4.is_link_local(),
-        IpAddr::V6(v6) => v6.is_unicast_link_local(),
     }
 }
 

@@ -1,5 +1,6 @@
 use std::{
     collections::{BTreeMap, HashMap},
+    net::IpAddr,
     sync::Arc,
     time::Duration,
 };
@@ -442,8 +443,16 @@ async fn reconnects_and_sends_a_snapshot_when_the_operator_is_back() -> TestResu
 #[tokio::test]
 async fn hello_carries_the_nodes_first_16_addresses_but_link_local_ones() -> TestResult {
     let mut ips: BTreeSet<IpAddr> = (1..=20u8).map(|i| IpAddr::from([198, 18, 0, i])).collect();
-    ips.insert("169.254.1.1".parse()?);
-    ips.insert("fe80::1".parse()?);
+    // What the operator would refuse a Hello for is left out.
+    for unusable in [
+        "169.254.1.1",
+        "fe80::1",
+        "0.1.2.3",
+        "127.0.0.1",
+        "224.0.0.1",
+    ] {
+        ips.insert(unusable.parse()?);
+    }
     ips.insert("2001:db8::1".parse()?);
     let client = SyncClient {
         channel: crate::client::plain(lazy_channel("127.0.0.1:1".parse()?)?),

@@ -3,7 +3,10 @@
 use std::{sync::Arc, time::Instant};
 
 use census_proto::{
-    convert::{check_version, labels_from_wire, node_from_wire, session_from_wire},
+    convert::{
+        check_version, filtered_labels_from_wire, labels_from_wire, node_from_wire,
+        session_from_wire,
+    },
     domain::IdentityId,
     labels::{LabelLimits, LabelSet},
     pb::{self, identity_service_server::IdentityService, watch_event::Kind},
@@ -51,14 +54,12 @@ impl Identities {
         }
     }
 
-    /// Labels from a request, validated and passed through the operator's filter.
+    /// Labels from a request, validated and passed through the operator's filter;
+    /// the limit counts the labels the filter keeps.
     fn labels(&self, labels: &[String], field_name: &str) -> Result<LabelSet, Status> {
         let settings = self.operator.settings();
-        let limits = &settings.wire.labels;
-        let set = labels_from_wire(labels, limits, field_name).map_err(field)?;
-        set.filtered(&settings.filter, limits).map_err(|e| {
-            Status::invalid_argument(format!("{field_name}: after the label filter: {e}"))
-        })
+        filtered_labels_from_wire(labels, &settings.filter, &settings.wire.labels, field_name)
+            .map_err(field)
     }
 }
 

@@ -148,6 +148,34 @@ impl LabelSet {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
+        Self::parse_keeping(labels, limits, |_| true)
+    }
+
+    /// As [`parse_indexed`](Self::parse_indexed), keeping only the labels `filter`
+    /// keeps (the labels census adds always are): every label is checked, and the
+    /// limit counts the labels kept, as the agent counts a pod's labels after the
+    /// filter ([`Self::for_pod`]).
+    pub fn parse_filtered_indexed<I, S>(
+        labels: I,
+        filter: &LabelFilter,
+        limits: &LabelLimits,
+    ) -> Result<Self, (Option<usize>, LabelError)>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self::parse_keeping(labels, limits, |label| filter.keeps(label.key))
+    }
+
+    fn parse_keeping<I, S>(
+        labels: I,
+        limits: &LabelLimits,
+        keep: impl Fn(&Label<'_>) -> bool,
+    ) -> Result<Self, (Option<usize>, LabelError)>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
         let owned: Vec<S> = labels.into_iter().collect();
         if owned.len() > limits.max_labels.saturating_mul(4) {
             // Far over the limit even if most were duplicates: refuse before parsing.
@@ -171,7 +199,9 @@ impl LabelSet {
                     },
                 ));
             }
-            parsed.push(label);
+            if keep(&label) {
+                parsed.push(label);
+            }
         }
         Self::from_labels(parsed, limits).map_err(|e| (None, e))
     }

@@ -17,7 +17,8 @@ Exit codes:
    2  usage: an unknown command or flag, or a flag value of the wrong form
    3  malformed input: labels, a selector, an address, an identity or node name
    4  not found: the identity, label set, node or address is not known
-   5  the operator is unreachable (--operator, CENSUS_OPERATOR)
+   5  the operator is unreachable (--operator, CENSUS_OPERATOR) or refused the TLS
+      handshake (--tls-cert, --tls-key)
    6  the agent is unreachable (--agent, CENSUS_AGENT)
    7  no census maps are pinned at --bpffs (CENSUS_BPFFS)
    8  no permission to read the pinned maps (run as root)
@@ -120,6 +121,22 @@ pub(crate) enum CliError {
     OperatorUnreachable { addr: ServerAddr, reason: String },
 
     #[error(
+        "the operator at {addr} refused the TLS handshake ({alert}): {}",
+        if *presented {
+            "it does not accept the client certificate of --tls-cert (CENSUS_TLS_CERT); use one of the CA of its --client-ca, valid now (`census-operator certs --reader NAME` writes one)"
+        } else {
+            "it requires a client certificate; set --tls-cert and --tls-key (CENSUS_TLS_CERT, CENSUS_TLS_KEY) to a reader's certificate and key (`census-operator certs --reader NAME` writes them)"
+        }
+    )]
+    TlsRefused {
+        addr: ServerAddr,
+        /// The TLS alert, as rustls names it (`CertificateRequired`).
+        alert: String,
+        /// Whether a client certificate was presented.
+        presented: bool,
+    },
+
+    #[error(
         "cannot reach the agent at {addr}: {reason}; is census-agent running on this node? Point --agent (CENSUS_AGENT) at its admin address"
     )]
     AgentUnreachable { addr: ServerAddr, reason: String },
@@ -193,7 +210,7 @@ impl CliError {
             | Self::UnknownNode { .. }
             | Self::UnknownAddress { .. }
             | Self::UnmappedAddress { .. } => Exit::NotFound,
-            Self::OperatorUnreachable { .. } => Exit::OperatorUnreachable,
+            Self::OperatorUnreachable { .. } | Self::TlsRefused { .. } => Exit::OperatorUnreachable,
             Self::AgentUnreachable { .. } => Exit::AgentUnreachable,
             Self::Pins { source } => pins_exit(source),
             Self::Incompatible { .. } => Exit::Incompatible,

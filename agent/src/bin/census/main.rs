@@ -18,6 +18,7 @@ mod identity;
 mod node;
 mod operator;
 mod output;
+mod tls_probe;
 mod version;
 
 use std::{

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeMap, future::Future, time::Duration};
 
-use census_agent::client::{AccessFiles, OperatorChannel};
+use census_agent::client::{AccessFiles, OperatorChannel, TlsFiles};
 use census_proto::{
     PROTOCOL_VERSION,
     domain::IdentityId,
@@ -19,6 +19,7 @@ use tonic::{Code, Status};
 use super::{
     args::ServerAddr,
     error::{CliError, Peer, one_line},
+    tls_probe,
 };
 
 /// Identities per List page.
@@ -32,6 +33,9 @@ pub(crate) struct Operator {
     addr: ServerAddr,
     channel: OperatorChannel,
     timeout: Duration,
+    /// The TLS files, when the connection is TLS: a refused handshake is diagnosed
+    /// with them ([`tls_probe`]).
+    tls: Option<TlsFiles>,
 }
 
 impl Operator {
@@ -48,15 +52,22 @@ impl Operator {
         let endpoint = census_agent::client::endpoint(&addr.to_string(), auth.tls.as_ref())
             .map_err(|e| unreachable(e.to_string()))?
             .connect_timeout(timeout);
+        let tls = access.tls.ca.is_some().then(|| access.tls.clone());
         let channel = match tokio::time::timeout(timeout, endpoint.connect()).await {
             Ok(Ok(channel)) => census_agent::client::with_token(channel, auth.token_file),
-            Ok(Err(error)) => return Err(unreachable(root_cause(&error))),
+            Ok(Err(error)) => {
+                if let Some(refused) = handshake_refused(addr, tls.as_ref(), timeout).await {
+                    return Err(refused);
+                }
+                return Err(unreachable(root_cause(&error)));
+            }
             Err(_) => return Err(unreachable(no_answer(timeout))),
         };
         Ok(Self {
             addr: addr.clone(),
             channel,
             timeout,
+            tls,
         })
     }
 
@@ -78,6 +89,20 @@ impl Operator {
         call: impl Future<Output = Result<tonic::Response<T>, Status>>,
     ) -> Result<Result<T, Status>, CliError> {
         match tokio::time::timeout(self.timeout, call).await {
+            // A connection ended under the call: over TLS, the operator may have
+            // refused the handshake (TLS 1.3 says so only after it), which the
+            // status no longer carries.
+            Ok(Err(status))
+                if matches!(
+                    status.code(),
+                    Code::Unavailable | Code::Cancelled | Code::Unknown
+                ) =>
+            {
+                match handshake_refused(&self.addr, self.tls.as_ref(), self.timeout).await {
+                    Some(refused) => Err(refused),
+                    None => Ok(Err(status)),
+                }
+            }
             Ok(answer) => Ok(answer.map(tonic::Response::into_inner)),
             Err(_) => Err(CliError::OperatorUnreachable {
                 addr: self.addr.clone(),
@@ -224,6 +249,22 @@ impl Operator {
             .await?
             .map_err(|status| self.refusal(&status))
     }
+}
+
+/// [`CliError::TlsRefused`] when the operator at `addr` refuses a TLS handshake
+/// made with `tls` (none: the connection is not TLS).
+async fn handshake_refused(
+    addr: &ServerAddr,
+    tls: Option<&TlsFiles>,
+    within: Duration,
+) -> Option<CliError> {
+    let tls = tls?;
+    let alert = tls_probe::refusal(addr.authority(), tls, within).await?;
+    Some(CliError::TlsRefused {
+        addr: addr.clone(),
+        alert,
+        presented: tls.cert.is_some(),
+    })
 }
 
 fn no_answer(timeout: Duration) -> String {

@@ -11,7 +11,7 @@
 
 use std::{borrow::Cow, collections::BTreeMap, net::IpAddr};
 
-use census_proto::domain::{EndpointKey, NameError, canonical_ips};
+use census_proto::domain::{EndpointKey, NameError, UnusableIp, canonical_ips, check_usable_ip};
 use k8s_openapi::{NamespaceResourceScope, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
@@ -36,6 +36,8 @@ pub(crate) enum PodProblem {
     Undecodable { part: &'static str, reason: String },
     #[error("status.podIPs: {0:?} is not an IP address")]
     PodIp(String),
+    #[error("status.podIPs: {ip} is {what}: no endpoint has it")]
+    UnusableIp { ip: IpAddr, what: UnusableIp },
     #[error("its namespace/name: {0}")]
     Name(#[from] NameError),
 }
@@ -208,7 +210,15 @@ impl PodObject {
         let mut ips = Vec::new();
         for text in texts {
             match text.parse::<IpAddr>() {
-                Ok(ip) => ips.push(ip),
+                Ok(ip) => match check_usable_ip(ip) {
+                    Ok(()) => ips.push(ip),
+                    Err(what) => {
+                        return Read::Unreadable {
+                            key: Some(key),
+                            problem: PodProblem::UnusableIp { ip, what },
+                        };
+                    }
+                },
                 Err(_) => {
                     return Read::Unreadable {
                         key: Some(key),
@@ -430,6 +440,14 @@ mod tests {
         assert!(matches!(
             pod(bad_ip).read("n1"),
             Read::Unreadable { problem, .. } if problem.to_string().contains("\"10.1.0.500\" is not an IP address")
+        ));
+        // An address no endpoint can have: the pod is unreadable, named.
+        let mut link_local = web("n1", "Running");
+        link_local["status"]["podIP"] = json!("169.254.1.5");
+        link_local["status"]["podIPs"] = json!([{"ip": "169.254.1.5"}]);
+        assert!(matches!(
+            pod(link_local).read("n1"),
+            Read::Unreadable { problem, .. } if problem.to_string() == "status.podIPs: 169.254.1.5 is a link-local address: no endpoint has it"
         ));
 
         let mut bad_labels = web("n1", "Running");
