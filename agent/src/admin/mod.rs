@@ -141,6 +141,14 @@ async fn readyz(State(state): State<AdminState>) -> Response {
             core.unattached
         ));
     }
+    let lost = state
+        .maps
+        .as_ref()
+        .and_then(|maps| maps.stats().ok().flatten())
+        .map_or(0, |stats| stats.marks_lost());
+    if let Some(line) = marks_lost_detail(lost) {
+        datapath.push_str(&line);
+    }
     if let Some(error) = &core.datapath_error {
         (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -162,6 +170,20 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         )
             .into_response()
     }
+}
+
+/// `/readyz`'s line for Service packets marked and never counted translated: the
+/// only report of a rule that rewrites the whole `skb->mark` (it never makes the
+/// agent unready: the rest is counted as before).
+fn marks_lost_detail(lost: u64) -> Option<String> {
+    (lost > 0).then(|| {
+        format!(
+            "datapath: {lost} packets to Service addresses were marked and never counted \
+             translated (census_agent_marks_lost): dropped between the hooks, or a rule \
+             that rewrites the whole skb->mark (a CONNMARK --restore-mark without a mask) \
+             took census's mark bit off; those requests go uncounted\n"
+        )
+    })
 }
 
 /// The cluster-wide endpoint map's line of `/readyz`: being away from it never
@@ -364,4 +386,21 @@ fn endpoint_status(view: EndpointView) -> api::EndpointStatus {
 
 fn unavailable(why: &str) -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+}
+
+#[cfg(test)]
+mod marks_tests {
+    #[test]
+    fn lost_marks_are_said_in_readyz_only_when_there_are_some() {
+        assert_eq!(super::marks_lost_detail(0), None);
+        let line = super::marks_lost_detail(2945).unwrap_or_default();
+        assert!(
+            line.starts_with("datapath: 2945 packets to Service addresses"),
+            "{line}"
+        );
+        assert!(
+            line.contains("census_agent_marks_lost") && line.contains("CONNMARK"),
+            "{line}"
+        );
+    }
 }
