@@ -1,9 +1,8 @@
-//! The machine's `kubectl` as an independent client of the fake while census runs:
+//! kubectl (v1.36.3, as census-cluster builds it) as an independent client of the fake while census runs:
 //! `kubectl apply` of everything in deploy/ (recursively), `kubectl get identities`,
 //! and `kubectl delete identities --all`. Without the admission policy census writes
 //! every quarantine tombstone and every referenced binding again; with the shipped
-//! policy kubectl is refused and nothing changes. Skipped (saying so) only where there
-//! is no kubectl.
+//! policy kubectl is refused and nothing changes.
 
 use std::{
     collections::BTreeMap,
@@ -22,14 +21,13 @@ use crate::{
 /// The operator's ServiceAccount, as deploy/operator/admission.yaml names it.
 const OPERATOR_USER: &str = "system:serviceaccount:census-system:census-operator";
 
-fn kubectl_path() -> Option<&'static str> {
-    ["/usr/bin/kubectl", "/usr/local/bin/kubectl"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
+/// The kubectl census-cluster builds from the control plane's pins.
+fn kubectl_path() -> TestResult<PathBuf> {
+    census_testkit::cluster::kubectl()
 }
 
 struct Kubectl {
-    bin: &'static str,
+    bin: PathBuf,
     kubeconfig: PathBuf,
 }
 
@@ -41,7 +39,7 @@ impl Kubectl {
             .map(Path::to_owned)
             .unwrap_or_default();
         let out = tokio::task::block_in_place(|| {
-            Command::new(self.bin)
+            Command::new(&self.bin)
                 .arg("--kubeconfig")
                 .arg(&self.kubeconfig)
                 .args(args)
@@ -100,10 +98,7 @@ fn prometheus_rule_crd() -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_deletes_every_identity_while_census_runs_and_loses_no_quarantine() -> TestResult {
-    let Some(bin) = kubectl_path() else {
-        skipped();
-        return Ok(());
-    };
+    let bin = kubectl_path()?;
     let server = fake().await?;
     seed_cluster(&server, &["op-a"])?;
     server.insert(prometheus_rule_crd())?;
@@ -190,10 +185,4 @@ async fn kubectl_deletes_every_identity_while_census_runs_and_loses_no_quarantin
     let api = allocate(addr, "node-1", session(1), "api").await??;
     assert!(objects(&server).contains_key(&api.to_string()));
     Ok(())
-}
-
-/// A test that cannot run here says so, visibly.
-#[allow(clippy::print_stderr, reason = "the skip must show in the test output")]
-fn skipped() {
-    eprintln!("SKIPPED: no kubectl on this machine (/usr/bin/kubectl)");
 }

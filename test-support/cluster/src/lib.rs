@@ -107,6 +107,12 @@ pub enum Error {
     BadState { path: PathBuf, why: String },
 }
 
+/// The kubectl the control plane's pins build (built now if it is not), for tests
+/// that use kubectl as an independent client.
+pub fn kubectl(repo: &Path, target: &Path, say: Say<'_>) -> Result<PathBuf, Error> {
+    Ok(go::build(repo, target, say)?.path(Program::Kubectl))
+}
+
 /// What `up` starts.
 #[derive(Debug, Clone)]
 pub struct Options {

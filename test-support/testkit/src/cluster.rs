@@ -163,6 +163,19 @@ impl Drop for Private {
     }
 }
 
+/// The kubectl the control plane's pins build (v1.36.3; built now if it is not).
+pub fn kubectl() -> TestResult<PathBuf> {
+    static KUBECTL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    KUBECTL
+        .get_or_init(|| {
+            let (root, target) = paths();
+            let say = |line: &str| eprintln_line(line);
+            census_cluster::kubectl(&root, &target, &say).map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(Into::into)
+}
+
 /// A client of the control plane as its administrator, with or without kube's own
 /// retries.
 pub async fn admin_client(retry: bool) -> TestResult<kube::Client> {
