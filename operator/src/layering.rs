@@ -16,7 +16,7 @@ fn operator() -> Modules {
 }
 
 fn uses(modules: &Modules, module: &str) -> BTreeSet<String> {
-    modules.graph().remove(module).unwrap_or_default()
+    modules.uses(module)
 }
 
 fn subset(of: &[&str]) -> BTreeSet<String> {
@@ -37,6 +37,7 @@ fn no_module_of_the_operator_imports_in_a_circle() {
 
 #[test]
 fn only_grpc_speaks_the_wire() {
+    operator().files_of("grpc");
     let named = operator().naming_outside(&["grpc"], WIRE);
     assert!(named.is_empty(), "outside grpc: {named:?}");
 }
@@ -65,4 +66,10 @@ fn the_writers_report_over_a_channel() {
         used.is_subset(&subset(&["store", "metrics"])),
         "writer uses {used:?}"
     );
+}
+
+#[test]
+#[should_panic(expected = "has no module `gprc`")]
+fn a_check_of_a_module_that_is_not_there_fails() {
+    let _ = uses(&operator(), "gprc");
 }

@@ -80,17 +80,30 @@ impl Modules {
     }
 
     /// The files of `module` that name one of `paths`, with the path each names
-    /// first (see [`names`]).
+    /// first (see [`names`]). Panics if the crate has no such module: a check of a
+    /// module that was renamed away would pass without checking anything.
     pub fn naming(&self, module: &str, paths: &[&str]) -> Vec<(PathBuf, String)> {
-        self.0
-            .get(module)
-            .into_iter()
-            .flatten()
+        self.files_of(module)
+            .iter()
             .filter_map(|f| {
                 let found = paths.iter().find(|p| names(&f.code, p))?;
                 Some((f.path.clone(), (*found).to_owned()))
             })
             .collect()
+    }
+
+    /// The files of `module`; panics if there is none (see [`Self::naming`]).
+    pub fn files_of(&self, module: &str) -> &[SourceFile] {
+        match self.0.get(module) {
+            Some(files) if !files.is_empty() => files,
+            _ => panic!("the crate has no module `{module}`: a check of it would check nothing"),
+        }
+    }
+
+    /// The `crate::` modules `module` uses; panics if the crate has no such module.
+    pub fn uses(&self, module: &str) -> BTreeSet<String> {
+        self.files_of(module);
+        self.graph().remove(module).unwrap_or_default()
     }
 
     /// The files of any module but those in `allowed` that name one of `paths`.
