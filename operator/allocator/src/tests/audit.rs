@@ -311,3 +311,28 @@ fn a_delete_that_commits_but_fails_keeps_its_tombstone_when_the_watch_reports_th
     let db = h.allocate_now(N1, s, "app=db");
     assert_ne!(db, Ok(x), "x rebound inside its quarantine");
 }
+
+#[test]
+fn a_stale_report_of_a_binding_census_deleted_since_is_not_taken() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        ..two_ids()
+    });
+    let (s, _c) = connected(&mut h, N1, 10);
+    h.settle_store();
+    let x = ok(h.allocate_now(N1, s, "app=web"));
+    until_delete_issued(&mut h, x);
+    h.settle_store();
+    assert!(matches!(
+        h.state(x.get()),
+        Some(IdentityState::Quarantined { .. })
+    ));
+    // The store's watch reports the binding as found, late: census deleted it since.
+    h.alloc.binding_found(x, &labels("app=web"));
+    h.route();
+    assert!(
+        matches!(h.state(x.get()), Some(IdentityState::Quarantined { .. })),
+        "a binding the store no longer holds was taken: {:?}",
+        h.state(x.get())
+    );
+}

@@ -729,6 +729,11 @@ impl Sim {
         if self.h.store.apply(&op, self.h.now).is_ok() {
             self.seen.late_commits += 1;
             self.observe(&before, &op);
+            if let StoreOp::DeleteIdentity { id, tombstone, .. } = &op
+                && tombstone.until_ms <= self.h.now.as_millis()
+            {
+                self.h.store.ended_late.insert(*id);
+            }
         }
     }
 
