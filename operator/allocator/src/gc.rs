@@ -86,11 +86,11 @@ impl Allocator {
 
     /// Allocate calls past their deadline are answered with an error (the caller
     /// retries), whatever they wait for: no call waits for ever on an answer that
-    /// never comes. A create whose answer is that late is taken for lost and made
-    /// again (it is idempotent; a late answer of the first counts as the answer).
+    /// is late or never comes. The write itself is not made again while it may still
+    /// be on its way: a second create landing after a delete of the identity would
+    /// bind it again behind the core's back.
     fn expire_calls(&mut self, now: Timestamp) {
         let core = &mut self.core;
-        let deadline = core.cfg.allocate_deadline;
         while let Some(&(at, req)) = core.gc.deadlines.first() {
             if at > now {
                 break;
@@ -108,26 +108,8 @@ impl Allocator {
                     }
                     _ => true,
                 });
-                let lost = match entry.phase {
-                    Phase::Creating {
-                        inflight: true,
-                        attempt,
-                        retry_at,
-                    } if now.since(retry_at) >= deadline => {
-                        entry.phase = Phase::Creating {
-                            inflight: true,
-                            attempt: attempt + 1,
-                            retry_at: now,
-                        };
-                        true
-                    }
-                    _ => false,
-                };
                 if !entry.wanted() {
                     core.gc.unused.push(id);
-                }
-                if lost {
-                    core.create_op(id);
                 }
             }
             if let Some(node) = waited.and_then(|n| self.nodes.get_mut(&n)) {
