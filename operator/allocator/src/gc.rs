@@ -24,6 +24,7 @@ impl Allocator {
     pub fn tick(&mut self, now: Timestamp) {
         self.end_adoption_window(now);
         self.expire_calls(now);
+        self.forget_gone(now);
         self.expire_holds(now);
         self.check_liveness(now);
         self.release_unused(now);
@@ -79,9 +80,24 @@ impl Allocator {
     /// The Node object of `name` is gone: its view, holds and stream go with it.
     /// Its addresses leave the endpoint map too, whether or not its agent ever said
     /// Hello.
-    pub fn node_gone(&mut self, name: &NodeName) {
+    /// Its agent's Hello is refused from now on (it would make the node again and
+    /// keep it to the stale-view limit), until the Node exists again
+    /// ([`Allocator::set_node_addresses`]) or for the stale-view limit at most.
+    pub fn node_gone(&mut self, name: &NodeName, now: Timestamp) {
         self.core.map.clear_addresses(name);
         self.drop_node(name, CloseReason::NodeGone);
+        self.core.gone.insert(name.clone(), now);
+    }
+
+    /// Forgets deleted Nodes after the stale-view limit (node TTL embedded).
+    fn forget_gone(&mut self, now: Timestamp) {
+        let keep = match self.core.cfg.liveness {
+            Liveness::Cluster { stale_view_limit } => stale_view_limit,
+            Liveness::Embedded => self.core.cfg.node_ttl,
+        };
+        self.core
+            .gone
+            .retain(|_, &mut deleted| now.since(deleted) < keep);
     }
 
     /// Allocate calls past their deadline are answered with an error (the caller

@@ -289,6 +289,7 @@ fn run_case(
     t.older_session_accepted += s.older_session_accepted;
     t.expired_in_cluster += s.expired_in_cluster;
     t.nodes_gone += s.nodes_gone;
+    t.nodes_back += s.nodes_back;
     t.late_commits += s.late_commits;
     t.commit_then_fail += s.commit_then_fail;
     t.rebinds_dropped += s.rebinds_dropped;
@@ -398,6 +399,7 @@ fn invariants_hold_under_loss_reordering_restarts_and_failures() {
             s.expired_in_cluster,
         ),
         ("Nodes deleted", s.nodes_gone),
+        ("agents of deleted Nodes refused", s.nodes_back),
         ("late commits", s.late_commits),
         ("commits answered with an error", s.commit_then_fail),
         ("messages delayed", s.messages_delayed),
