@@ -7,7 +7,11 @@
 //!   bytes per endpoint);
 //! - 100,000 unique short-lived label sets with every delete event lost, then true
 //!   snapshots and the grace period: only live identities remain and the live heap
-//!   comes back within 64 bytes per churned label set.
+//!   comes back within 64 bytes per churned label set;
+//! - an edit storm: identities whose objects are edited (each blocked, its users moved
+//!   to a new id) at 1,000 and 5,000 nodes x 110 endpoints. Moving an identity scans
+//!   every view under the core's lock, so its cost grows with the endpoints, not with
+//!   the identity's users (no target: the figure is for docs/benchmarks.md).
 //!
 //! Heap figures come from a counting global allocator (bytes requested and not yet
 //! freed), so they are exact and independent of the malloc in use.
@@ -57,6 +61,9 @@ fn main() -> BenchResult {
     }
     if run("churn") {
         bench_churn()?;
+    }
+    if run("storm") {
+        bench_edit_storm()?;
     }
     Ok(())
 }
@@ -237,7 +244,7 @@ fn bench_memory() -> BenchResult {
     alloc.snapshot(&seed, conn, 1, seed_eps, now)?;
     settle(&mut alloc, now);
     alloc.snapshot(&seed, conn, 2, Vec::new(), now)?;
-    alloc.node_gone(&seed);
+    alloc.node_gone(&seed, now);
     settle(&mut alloc, now);
     let with_identities = heap();
     // Then 5,000 nodes x 110 endpoints referencing them.
@@ -399,6 +406,53 @@ fn bench_churn() -> BenchResult {
     println!("    identities left beyond the live set: {beyond}");
     if beyond != 0 || retained >= 64.0 {
         return Err(format!("churn gate failed: {beyond} identities beyond the live set, {retained:.2} B retained per label set").into());
+    }
+    Ok(())
+}
+
+fn bench_edit_storm() -> BenchResult {
+    const PODS: usize = 110;
+    const IDENTITIES: usize = 10_000;
+    const EDITED: usize = 200;
+    for nodes in [1_000, 5_000] {
+        let now = Timestamp::from_millis(1_000_000);
+        let sets: Vec<LabelSet> = (0..IDENTITIES).map(pod_labels).collect::<Result<_, _>>()?;
+        let mut alloc = Allocator::new(config(), Loaded::default(), now);
+        let now = now.plus(Duration::from_secs(100));
+        alloc.tick(now);
+        for i in 0..nodes {
+            let name = node(i)?;
+            let (_, conn) = connect(&mut alloc, &name, now)?;
+            let eps: Vec<Endpoint> = (0..PODS)
+                .map(|p| {
+                    let l = (i * PODS + p) % IDENTITIES;
+                    endpoint(
+                        i,
+                        p,
+                        IdentityId::new(256 + l as u32).unwrap_or(IdentityId::WORLD),
+                        sets[l].clone(),
+                    )
+                })
+                .collect::<Result<_, _>>()?;
+            alloc.snapshot(&name, conn, 1, eps, now)?;
+            settle(&mut alloc, now);
+        }
+        let started = Instant::now();
+        for l in 0..EDITED {
+            let id = IdentityId::new(256 + l as u32).unwrap_or(IdentityId::WORLD);
+            alloc.binding_invalid(id, "labels edited".to_owned(), now);
+        }
+        let moves = started.elapsed();
+        settle(&mut alloc, now);
+        println!(
+            "edit storm, {} nodes x {} endpoints: {} identities moved in {:.2?} ({:.0} µs per move, under the core's lock)",
+            nodes,
+            PODS,
+            EDITED,
+            moves,
+            moves.as_secs_f64() * 1e6 / EDITED as f64
+        );
+        black_box(alloc);
     }
     Ok(())
 }

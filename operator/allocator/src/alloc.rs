@@ -477,14 +477,19 @@ impl Allocator {
 
     /// The store holds a valid binding of `id` to `labels` that the core never loaded
     /// nor wrote (seen by the store's own watch). The core takes it in when it knows
-    /// neither the id nor the labels and the id is not quarantined for other labels
-    /// (out of range or blocked, it is taken all the same: census never writes such a
-    /// binding, it takes what the store holds); unused, it is released and collected
-    /// like any identity. Anything else is left to the answers of the
+    /// neither the id nor the labels and the id is not quarantined (out of range or
+    /// blocked, it is taken all the same: census never writes such a binding, it takes
+    /// what the store holds); unused, it is released and collected like any identity. Anything else is left to the answers of the
     /// core's own writes and to [`Allocator::binding_invalid`].
     pub fn binding_found(&mut self, id: IdentityId, labels: &LabelSet) {
         let core = &mut self.core;
-        if core.ids.id_of(labels).is_some() || !core.can_take_stored(id, labels) {
+        // Not a quarantined id either: the report may be of a binding census has
+        // deleted since (the watch's events reach the core after its own answers). If
+        // the store does bind it, a create of the labels meets it and takes it.
+        if core.ids.id_of(labels).is_some()
+            || core.ids.quarantine().contains_key(&id)
+            || !core.can_take_stored(id, labels)
+        {
             return;
         }
         core.take_stored(id, labels.clone());

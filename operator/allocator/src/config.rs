@@ -45,8 +45,8 @@ pub struct Config {
     pub retry_base: Duration,
     pub retry_max: Duration,
     /// How long an Allocate call waits for the store's answer before it is answered
-    /// with an error (the caller retries; the write is made again if its answer has
-    /// not come by then). Shorter than the agent's call timeout, so it hears why.
+    /// with an error (the caller retries, and is answered when the write's answer has
+    /// come). Shorter than the agent's call timeout, so it hears why.
     pub allocate_deadline: Duration,
 }
 

@@ -99,6 +99,10 @@ pub enum SyncError {
         current: SessionId,
         offered: SessionId,
     },
+    #[error(
+        "node {node}: its Node object was deleted; its agent is taken back once the Node exists again"
+    )]
+    NodeGone { node: NodeName },
 }
 
 /// Why an allocation failed.

@@ -24,6 +24,7 @@ impl Allocator {
     pub fn tick(&mut self, now: Timestamp) {
         self.end_adoption_window(now);
         self.expire_calls(now);
+        self.forget_gone(now);
         self.expire_holds(now);
         self.check_liveness(now);
         self.release_unused(now);
@@ -79,18 +80,33 @@ impl Allocator {
     /// The Node object of `name` is gone: its view, holds and stream go with it.
     /// Its addresses leave the endpoint map too, whether or not its agent ever said
     /// Hello.
-    pub fn node_gone(&mut self, name: &NodeName) {
+    /// Its agent's Hello is refused from now on (it would make the node again and
+    /// keep it to the stale-view limit), until the Node exists again
+    /// ([`Allocator::set_node_addresses`]) or for the stale-view limit at most.
+    pub fn node_gone(&mut self, name: &NodeName, now: Timestamp) {
         self.core.map.clear_addresses(name);
         self.drop_node(name, CloseReason::NodeGone);
+        self.core.gone.insert(name.clone(), now);
+    }
+
+    /// Forgets deleted Nodes after the stale-view limit (node TTL embedded).
+    fn forget_gone(&mut self, now: Timestamp) {
+        let keep = match self.core.cfg.liveness {
+            Liveness::Cluster { stale_view_limit } => stale_view_limit,
+            Liveness::Embedded => self.core.cfg.node_ttl,
+        };
+        self.core
+            .gone
+            .retain(|_, &mut deleted| now.since(deleted) < keep);
     }
 
     /// Allocate calls past their deadline are answered with an error (the caller
     /// retries), whatever they wait for: no call waits for ever on an answer that
-    /// never comes. A create whose answer is that late is taken for lost and made
-    /// again (it is idempotent; a late answer of the first counts as the answer).
+    /// is late or never comes. The write itself is not made again while it may still
+    /// be on its way: a second create landing after a delete of the identity would
+    /// bind it again behind the core's back.
     fn expire_calls(&mut self, now: Timestamp) {
         let core = &mut self.core;
-        let deadline = core.cfg.allocate_deadline;
         while let Some(&(at, req)) = core.gc.deadlines.first() {
             if at > now {
                 break;
@@ -108,26 +124,8 @@ impl Allocator {
                     }
                     _ => true,
                 });
-                let lost = match entry.phase {
-                    Phase::Creating {
-                        inflight: true,
-                        attempt,
-                        retry_at,
-                    } if now.since(retry_at) >= deadline => {
-                        entry.phase = Phase::Creating {
-                            inflight: true,
-                            attempt: attempt + 1,
-                            retry_at: now,
-                        };
-                        true
-                    }
-                    _ => false,
-                };
                 if !entry.wanted() {
                     core.gc.unused.push(id);
-                }
-                if lost {
-                    core.create_op(id);
                 }
             }
             if let Some(node) = waited.and_then(|n| self.nodes.get_mut(&n)) {

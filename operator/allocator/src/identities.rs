@@ -348,6 +348,13 @@ impl Identities {
                 .is_none_or(|t| t.labels_hash == labels.stable_hash())
     }
 
+    /// The search for a free id continues after `id` (the highest id a store kept).
+    pub(crate) fn start_after(&mut self, id: Option<IdentityId>) {
+        if let Some(id) = id {
+            self.cursor = id.get();
+        }
+    }
+
     /// Finds a free id of the range: not bound, quarantined or blocked.
     pub(crate) fn free_id(&mut self) -> Option<IdentityId> {
         if self.used_in_range >= self.range.size() {

@@ -74,6 +74,9 @@ struct Core {
     /// Nodes with entries left pending by the adoption window; each is asked for a
     /// snapshot when it ends, which resolves them. Bounded by the nodes.
     deferred: BTreeSet<NodeName>,
+    /// Nodes whose Node object was deleted, and when: their agents' Hellos are
+    /// refused until the Node exists again, for at most the stale-view limit.
+    gone: BTreeMap<NodeName, Timestamp>,
     next_conn: u64,
     /// The cluster-wide endpoint map, kept in step with the views (see
     /// [`map::view::View`]).
@@ -134,6 +137,18 @@ impl Allocator {
         }
         // What was loaded is the full list Watch subscribers start from, not news.
         ids.take_touched();
+        // New ids go past the highest id the store kept: a store that lost some
+        // bindings (not all, so no adoption window) most likely lost them below it,
+        // and an agent that has not reported yet may still hold one of those.
+        ids.start_after(
+            loaded
+                .tombstones
+                .iter()
+                .map(|t| t.id)
+                .chain(ids.ids())
+                .filter(|&id| cfg.range.contains(id))
+                .max(),
+        );
         for tomb in loaded.tombstones {
             let until = Timestamp::from_millis(tomb.until_ms);
             if until <= now || ids.get(tomb.id).is_some() {
@@ -171,6 +186,7 @@ impl Allocator {
                 protect_until: Some(now.plus(cfg.node_ttl)),
                 new_ids_after,
                 deferred: BTreeSet::new(),
+                gone: BTreeMap::new(),
                 gc: Gc {
                     tokens: cfg.gc_burst,
                     refilled_at: now,

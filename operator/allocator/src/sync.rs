@@ -38,6 +38,9 @@ impl Allocator {
         session: SessionId,
         now: Timestamp,
     ) -> Result<Accepted, SyncError> {
+        if self.core.gone.contains_key(name) {
+            return Err(SyncError::NodeGone { node: name.clone() });
+        }
         if let Some(node) = self.nodes.get(name)
             && let Some(current) = node.session
             && session < current

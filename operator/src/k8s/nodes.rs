@@ -342,7 +342,7 @@ fn feed_addresses(index: &NodeIndex, runtime: &Runtime) {
 
 fn gone(runtime: &Runtime, name: &NodeName) {
     info!(node = %name, "the Node is gone: its view is dropped");
-    runtime.with(|alloc, _| alloc.node_gone(name));
+    runtime.with(|alloc, now| alloc.node_gone(name, now));
 }
 
 #[cfg(test)]

@@ -219,6 +219,8 @@ impl Allocator {
     /// object and stay while it exists; in embedded mode from the agent's Hello, and
     /// they go with the node's view.
     pub fn set_node_addresses(&mut self, node: &NodeName, addresses: Vec<IpAddr>, now: Timestamp) {
+        // The Node exists (again): its agent is welcome.
+        self.core.gone.remove(node);
         self.core.map.set_addresses(node, addresses, now);
         self.name_conflicts();
     }

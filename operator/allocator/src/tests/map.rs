@@ -618,7 +618,7 @@ fn a_dropped_nodes_endpoints_leave_and_its_addresses_follow_the_liveness_rules()
     let d = take(&mut h, &mut w);
     assert_eq!(removes(&d), vec![ip("10.0.0.5")]);
     assert_eq!(winner(&h, "10.1.0.1"), Some((6, node(A))));
-    h.alloc.node_gone(&node(A));
+    h.alloc.node_gone(&node(A), h.now);
     let d = take(&mut h, &mut w);
     assert_eq!(removes(&d), vec![ip("10.1.0.1")]);
     assert_eq!(d.removed_nodes.len(), 1);
@@ -827,6 +827,14 @@ fn agent(agents: &mut [Option<Agent>], start: &mut u64, h: &mut Harness, n: usiz
     match agents[n].take() {
         Some(a) => a,
         None => {
+            // A deleted Node's agent is let in once the Node exists again: it comes
+            // back here, with no addresses yet (as `Step::Gone` left them).
+            let name = node(NODES[n]);
+            if h.alloc.core.gone.contains_key(&name) {
+                let now = h.now;
+                h.alloc.set_node_addresses(&name, Vec::new(), now);
+                h.route();
+            }
             *start += 10;
             Agent::new(h, NODES[n], *start)
         }
@@ -899,7 +907,7 @@ fn run(steps: Vec<Step>, seen: &RefCell<Seen>) -> Result<(), TestCaseError> {
                 h.route();
             }
             Step::Gone { node } => {
-                h.alloc.node_gone(&super::node(NODES[node]));
+                h.alloc.node_gone(&super::node(NODES[node]), h.now);
                 h.route();
                 agents[node] = None;
                 addresses[node].clear();
@@ -932,13 +940,9 @@ fn run(steps: Vec<Step>, seen: &RefCell<Seen>) -> Result<(), TestCaseError> {
         check_winners(&h.alloc, &model, &mut last_winner, seen)?;
     }
     // One true snapshot per node: the map is the agents' truth.
-    for n in 0..NODES.len() {
-        start += 10;
-        let mut ag = match agents[n].take() {
-            Some(a) => a,
-            None => Agent::new(&mut h, NODES[n], start),
-        };
-        ag.snapshot(&mut h, truth[n].values().cloned().collect());
+    for (n, eps) in truth.iter().enumerate() {
+        let mut ag = agent(&mut agents, &mut start, &mut h, n);
+        ag.snapshot(&mut h, eps.values().cloned().collect());
     }
     let mut want = Claims::new();
     for (n, eps) in truth.iter().enumerate() {
@@ -1135,7 +1139,7 @@ fn a_node_given_no_addresses_or_gone_unknown_takes_no_slot() {
     let mut h = Harness::new(small_config());
     h.alloc
         .set_node_addresses(&node("node-x"), Vec::new(), h.now);
-    h.alloc.node_gone(&node("node-y"));
+    h.alloc.node_gone(&node("node-y"), h.now);
     h.route();
     assert_eq!(h.alloc.core.map.nodes.len(), 0);
 }

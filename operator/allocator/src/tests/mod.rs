@@ -135,6 +135,9 @@ pub(super) struct ModelStore {
     /// Every id where an object census did not write (or did not hear back about)
     /// ever appeared: the only ids the core may block.
     pub(super) others: BTreeSet<IdentityId>,
+    /// Tombstones written by a late commit whose quarantine had ended when it landed
+    /// (after the core deleted the tombstone it knew): nothing tells the core of them.
+    pub(super) ended_late: BTreeSet<IdentityId>,
 }
 
 impl ModelStore {
@@ -200,6 +203,7 @@ impl ModelStore {
                 }
                 self.tombstones.remove(id);
                 self.lost_tombstones.remove(id);
+                self.ended_late.remove(id);
                 self.identities.insert(*id, labels.clone());
                 Ok(())
             }
@@ -239,6 +243,7 @@ impl ModelStore {
             }
             StoreOp::DeleteTombstone { id } => {
                 self.tombstones.remove(id);
+                self.ended_late.remove(id);
                 Ok(())
             }
             StoreOp::PutNode { node } => {

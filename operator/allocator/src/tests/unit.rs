@@ -522,7 +522,7 @@ fn cluster_silent_node_goes_stale_and_keeps_its_view() {
     // Or at once when the Node object is deleted.
     let (_, c2) = connected(&mut h, N2, 10);
     ok(h.snapshot(N2, c2, 1, vec![mk_endpoint("b", x.get(), "app=a")]));
-    h.alloc.node_gone(&node(N2));
+    h.alloc.node_gone(&node(N2), h.now);
     h.route();
     assert_eq!(h.refs(x.get()), 0);
 }

@@ -246,11 +246,18 @@ fn run_case(
         .map(|(id, e)| (*id, e.labels.clone()))
         .collect();
     prop_assert_eq!(&stored, &in_memory, "store vs memory");
-    prop_assert!(
-        sim.h.store.tombstones.is_empty(),
-        "tombstones left: {:?}",
-        sim.h.store.tombstones
-    );
+    // An ended tombstone a late commit wrote after the core deleted it stays (the
+    // store reports no tombstone appearing; harmless: it binds nothing, and a create
+    // at its id replaces it, a restart deletes it): docs/testing.md, "Still open".
+    let now_ms = sim.h.now.as_millis();
+    let left: BTreeMap<&IdentityId, &Tombstone> = sim
+        .h
+        .store
+        .tombstones
+        .iter()
+        .filter(|(id, t)| !(sim.h.store.ended_late.contains(id) && t.until_ms <= now_ms))
+        .collect();
+    prop_assert!(left.is_empty(), "tombstones left: {:?}", left);
     sim.check_capacities();
     // An id is blocked only where the store held an object census did not write.
     for id in sim.h.alloc.core.ids.blocked().keys() {
@@ -282,6 +289,7 @@ fn run_case(
     t.older_session_accepted += s.older_session_accepted;
     t.expired_in_cluster += s.expired_in_cluster;
     t.nodes_gone += s.nodes_gone;
+    t.nodes_back += s.nodes_back;
     t.late_commits += s.late_commits;
     t.commit_then_fail += s.commit_then_fail;
     t.rebinds_dropped += s.rebinds_dropped;
@@ -391,6 +399,7 @@ fn invariants_hold_under_loss_reordering_restarts_and_failures() {
             s.expired_in_cluster,
         ),
         ("Nodes deleted", s.nodes_gone),
+        ("agents of deleted Nodes refused", s.nodes_back),
         ("late commits", s.late_commits),
         ("commits answered with an error", s.commit_then_fail),
         ("messages delayed", s.messages_delayed),

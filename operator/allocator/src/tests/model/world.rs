@@ -84,6 +84,8 @@ impl Agent {
 /// What the world did that the core's counters do not show, for coverage.
 #[derive(Debug, Default, Clone)]
 pub(super) struct Seen {
+    /// Agents of deleted Nodes refused, let in once their Node was back.
+    pub(super) nodes_back: u64,
     pub(super) range_exhausted: u64,
     pub(super) hold_quota: u64,
     pub(super) adoption_window: u64,
@@ -473,7 +475,15 @@ impl Sim {
         let now = self.h.now;
         let a = &mut self.agents[i];
         self.hello_of = Some(i);
-        match self.h.alloc.hello(&a.name, a.session, now) {
+        let mut hello = self.h.alloc.hello(&a.name, a.session, now);
+        if let Err(SyncError::NodeGone { .. }) = hello {
+            // A deleted Node's agent is refused until the Node exists again: here it
+            // comes back (a node re-joining under its name) and the agent is let in.
+            self.seen.nodes_back += 1;
+            self.h.alloc.set_node_addresses(&a.name, Vec::new(), now);
+            hello = self.h.alloc.hello(&a.name, a.session, now);
+        }
+        match hello {
             Ok(acc) => {
                 if a.zombie.is_some() {
                     self.seen.older_session_accepted += 1;
@@ -729,6 +739,11 @@ impl Sim {
         if self.h.store.apply(&op, self.h.now).is_ok() {
             self.seen.late_commits += 1;
             self.observe(&before, &op);
+            if let StoreOp::DeleteIdentity { id, tombstone, .. } = &op
+                && tombstone.until_ms <= self.h.now.as_millis()
+            {
+                self.h.store.ended_late.insert(*id);
+            }
         }
     }
 
@@ -1117,7 +1132,7 @@ impl Sim {
                 self.seen.nodes_gone += 1;
                 let name = self.agents[agent].name.clone();
                 self.gone_of = Some(agent);
-                self.h.alloc.node_gone(&name);
+                self.h.alloc.node_gone(&name, self.h.now);
                 self.truth.node_gone(agent);
                 self.route();
                 self.gone_of = None;
