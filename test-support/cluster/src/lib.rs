@@ -161,6 +161,12 @@ impl ControlPlane {
             ));
             old.stop();
         }
+        for pid in process::stop_strays(&dir) {
+            say(&format!(
+                "stopped pid {pid}, a component of an earlier control plane at {}",
+                dir.display()
+            ));
+        }
         let _ = std::fs::remove_dir_all(&dir);
         let pki_dir = dir.join("pki");
         pki::write_all(&pki_dir, IpAddr::from([198, 19, 128, 1]))?;
@@ -533,8 +539,18 @@ impl ControlPlane {
     }
 
     /// Stops the control plane named `name`, if one was started; whether there was.
+    /// Also stops any component whose command line names this control plane's
+    /// directory though its state no longer lists it (a state file lost or from an
+    /// older census-cluster): only its own processes name that directory.
     pub fn down(target: &Path, name: &str) -> Result<bool, Error> {
-        Ok(Self::find(target, name)?.map(|p| p.stop()).is_some())
+        let found = Self::find(target, name);
+        let stopped = matches!(&found, Ok(Some(_)));
+        if let Ok(Some(plane)) = &found {
+            plane.stop();
+        }
+        let strays = process::stop_strays(&Self::dir_of(target, name));
+        found?;
+        Ok(stopped || !strays.is_empty())
     }
 
     /// The API server's audit log: one JSON object per request (metadata only) of

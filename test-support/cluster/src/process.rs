@@ -147,6 +147,51 @@ impl Component {
     }
 }
 
+/// Stops every process running one of the control plane's programs (a file under
+/// a `control-plane/` directory) whose command line names `dir`, the control
+/// plane's directory; returns their pids.
+pub(crate) fn stop_strays(dir: &Path) -> Vec<u32> {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+    let needle = dir.display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut stopped = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) else {
+            continue;
+        };
+        let ours = exe
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::file_name)
+            .is_some_and(|d| d == "control-plane");
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let names_dir = String::from_utf8_lossy(&cmdline)
+            .split('\0')
+            .any(|arg| arg.contains(&needle));
+        if ours && names_dir {
+            let component = Component {
+                name: format!("pid {pid}"),
+                program: exe,
+                pid,
+                log: PathBuf::new(),
+                args: Vec::new(),
+            };
+            component.stop(Duration::from_secs(10));
+            stopped.push(pid);
+        }
+    }
+    stopped
+}
+
 /// Reaps exited children of this process (components it started), so they do not
 /// linger as zombies while it runs.
 fn reap() {
