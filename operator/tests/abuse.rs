@@ -647,6 +647,11 @@ async fn a_channel_idle_past_the_idle_timeout_calls_again() -> Fallible {
     testkit_eventually(IDLE + SLACK, || (op.fds().ok()? < fds).then_some(()))
         .await
         .ok_or("the idle connection was not closed")?;
+    // The operator's side is closed; the client learns it from the close (and the
+    // GOAWAY before it) on its connection's task. A call sent before that task has
+    // run would go out on the closing connection: give it the moment a real client's
+    // next call, seconds later, always has (CI saw it Cancelled on a loaded machine).
+    tokio::time::sleep(Duration::from_millis(500)).await;
     client.get(get).await?;
     Ok(())
 }
