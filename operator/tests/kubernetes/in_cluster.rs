@@ -107,6 +107,9 @@ impl Replica {
                 ("--pod-ip", pod_ip),
                 ("--grace-period", "60s"),
                 ("--quarantine", "60s"),
+                // The API server is shared with the other tests, and slow while they
+                // start private control planes: a create may take seconds.
+                ("--store-timeout", "20s"),
             ],
         );
         // Serving TLS with no client CA: agents authenticate with their tokens.
@@ -209,6 +212,26 @@ async fn hello_as(
     }
 }
 
+/// [`allocate_as`] until it is not UNAVAILABLE (what an agent does: the answer says
+/// retry), for at most twice [`WAIT`].
+async fn allocate_retrying(
+    channel: &tonic::transport::Channel,
+    node: &str,
+    token: &str,
+    app: &str,
+) -> TestResult<Result<u32, tonic::Status>> {
+    let deadline = Instant::now() + 2 * WAIT;
+    loop {
+        let answer = allocate_as(channel, node, token, app).await?;
+        match answer {
+            Err(status) if status.code() == Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            answer => return Ok(answer),
+        }
+    }
+}
+
 async fn allocate_as(
     channel: &tonic::transport::Channel,
     node: &str,
@@ -289,7 +312,7 @@ async fn census_runs_on_the_real_control_plane_with_its_shipped_rbac() -> TestRe
         .ok_or("the holder is not a replica")?;
     let channel = certs.target(replicas[lead].grpc, None)?.channel().await?;
     let _stream = hello_as(&channel, node, &token).await?;
-    let id = allocate_as(&channel, node, &token, "in-cluster-web").await??;
+    let id = allocate_retrying(&channel, node, &token, "in-cluster-web").await??;
     let refused = allocate_as(&channel, &other_node, &token, "in-cluster-web")
         .await?
         .err()
@@ -327,7 +350,7 @@ async fn census_runs_on_the_real_control_plane_with_its_shipped_rbac() -> TestRe
     let channel = certs.target(survivor.grpc, None)?.channel().await?;
     // The agent reconnects to the new leader: Hello, then the same labels.
     let _stream = hello_as(&channel, node, &token).await?;
-    let again = allocate_as(&channel, node, &token, "in-cluster-web").await??;
+    let again = allocate_retrying(&channel, node, &token, "in-cluster-web").await??;
     assert_eq!(again, id, "the same labels, the same id after the failover");
 
     // Everything either replica asked of the API server was allowed by deploy/'s RBAC:

@@ -136,16 +136,30 @@ pub fn apply_crd(plane: &ControlPlane) -> TestResult {
 }
 
 /// A control plane of a test's own, for faults that would disturb the others' (the
-/// API server stopped or restarted, etcd compacted), stopped when dropped.
+/// API server stopped or restarted, etcd compacted), stopped when dropped. One at a
+/// time in a test binary: each is four more processes on the machine, and several
+/// starting at once slowed the shared API server past the tests' timeouts in CI.
 #[derive(Debug)]
-pub struct Private(pub ControlPlane);
+pub struct Private(
+    pub ControlPlane,
+    #[allow(
+        dead_code,
+        reason = "held for its drop: the next private control plane waits"
+    )]
+    std::sync::MutexGuard<'static, ()>,
+);
 
 impl Private {
-    /// Starts a fresh control plane named `private-<name>` with one node.
+    /// Starts a fresh control plane named `private-<name>` with one node, once no
+    /// other test of this binary holds one.
     pub fn start(name: &str) -> TestResult<Self> {
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let turn = ONE_AT_A_TIME
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (root, target) = paths();
         let say = |line: &str| eprintln_line(line);
-        Ok(Self(ControlPlane::up(
+        let plane = ControlPlane::up(
             &root,
             &target,
             &census_cluster::Options {
@@ -153,7 +167,8 @@ impl Private {
                 nodes: 1,
             },
             &say,
-        )?))
+        )?;
+        Ok(Self(plane, turn))
     }
 }
 
