@@ -144,21 +144,10 @@ fn side(i: usize) -> Side {
 
 /// The Running pods of a namespace: name -> (node, pod IP).
 fn running(plane: &ControlPlane, namespace: &str) -> Fallible<Vec<(String, String, IpAddr)>> {
-    let pods = plane.kubectl_json(&["-n", namespace, "get", "pods"])?;
-    Ok(pods["items"]
-        .as_array()
+    Ok(plane
+        .running_pods(namespace)?
         .into_iter()
-        .flatten()
-        .filter(|p| {
-            p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null()
-        })
-        .filter_map(|p| {
-            Some((
-                p["metadata"]["name"].as_str()?.to_owned(),
-                p["spec"]["nodeName"].as_str()?.to_owned(),
-                p["status"]["podIP"].as_str()?.parse().ok()?,
-            ))
-        })
+        .map(|p| (p.name, p.node, p.ip))
         .collect())
 }
 

@@ -61,21 +61,10 @@ fn running_pods(
     plane: &ControlPlane,
     namespace: &str,
 ) -> TestResult<Vec<(String, String, String)>> {
-    let pods = plane.kubectl_json(&["-n", namespace, "get", "pods"])?;
-    Ok(pods["items"]
-        .as_array()
+    Ok(plane
+        .running_pods(namespace)?
         .into_iter()
-        .flatten()
-        .filter(|p| {
-            p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null()
-        })
-        .filter_map(|p| {
-            Some((
-                p["metadata"]["name"].as_str()?.to_owned(),
-                p["spec"]["nodeName"].as_str()?.to_owned(),
-                p["status"]["podIP"].as_str()?.to_owned(),
-            ))
-        })
+        .map(|p| (p.name, p.node, p.ip.to_string()))
         .collect())
 }
 

@@ -76,6 +76,26 @@ async fn hello(
 }
 
 /// The next batch of the map stream that carries Service addresses.
+/// `node`'s EndpointMap watch and its first batch.
+async fn watch_map(
+    op: &Operator,
+    node: &str,
+) -> TestResult<(Streaming<pb::EndpointMapBatch>, pb::EndpointMapBatch)> {
+    let mut client = EndpointMapClient::new(channel(op.grpc_addr).await?);
+    let mut map = client
+        .watch(pb::EndpointMapWatchRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node: node.into(),
+            session: Some(session(1)),
+        })
+        .await?
+        .into_inner();
+    let first = tokio::time::timeout(WAIT, map.message())
+        .await??
+        .ok_or("the map stream ended")?;
+    Ok((map, first))
+}
+
 async fn next_services(map: &mut Streaming<pb::EndpointMapBatch>) -> TestResult<ServiceSet> {
     loop {
         let batch = tokio::time::timeout(WAIT, map.message())
@@ -140,18 +160,7 @@ async fn service_addresses_reach_agents_and_follow_the_objects() -> TestResult {
     let (reply, _tx, _inbound) = hello(&op, "node-1").await?;
     assert_eq!(decoded(reply.services.as_ref())?, want, "HelloReply");
 
-    let mut client = EndpointMapClient::new(channel(op.grpc_addr).await?);
-    let mut map = client
-        .watch(pb::EndpointMapWatchRequest {
-            protocol_version: PROTOCOL_VERSION,
-            node: "node-1".into(),
-            session: Some(session(1)),
-        })
-        .await?
-        .into_inner();
-    let first = tokio::time::timeout(WAIT, map.message())
-        .await??
-        .ok_or("the map stream ended")?;
+    let (mut map, first) = watch_map(&op, "node-1").await?;
     assert!(first.resync_start);
     assert_eq!(
         decoded(first.services.as_ref())?,
@@ -281,18 +290,7 @@ async fn service_addresses_follow_the_objects_on_the_real_control_plane() -> Tes
     .await?;
     let (reply, _tx, _inbound) = hello(&op, "kwok-0").await?;
     assert_eq!(decoded(reply.services.as_ref())?, want, "HelloReply");
-    let mut client = EndpointMapClient::new(channel(op.grpc_addr).await?);
-    let mut map = client
-        .watch(pb::EndpointMapWatchRequest {
-            protocol_version: PROTOCOL_VERSION,
-            node: "kwok-0".into(),
-            session: Some(session(1)),
-        })
-        .await?
-        .into_inner();
-    let first = tokio::time::timeout(WAIT, map.message())
-        .await??
-        .ok_or("the map stream ended")?;
+    let (mut map, first) = watch_map(&op, "kwok-0").await?;
     assert_eq!(
         decoded(first.services.as_ref())?,
         want,

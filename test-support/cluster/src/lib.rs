@@ -136,6 +136,14 @@ pub struct ControlPlane {
     components: Vec<Component>,
 }
 
+/// A Running pod: its name, its node and its IP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningPod {
+    pub name: String,
+    pub node: String,
+    pub ip: IpAddr,
+}
+
 /// A kwok node: its name and InternalIP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
@@ -739,6 +747,27 @@ impl ControlPlane {
             path: self.kubectl.clone(),
             why: format!("kubectl printed no JSON: {e}"),
         })
+    }
+
+    /// The pods of `namespace` that are Running and not being deleted, as kwok runs
+    /// them: name, node and pod IP.
+    pub fn running_pods(&self, namespace: &str) -> Result<Vec<RunningPod>, Error> {
+        let pods = self.kubectl_json(&["-n", namespace, "get", "pods"])?;
+        Ok(pods["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| {
+                p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null()
+            })
+            .filter_map(|p| {
+                Some(RunningPod {
+                    name: p["metadata"]["name"].as_str()?.to_owned(),
+                    node: p["spec"]["nodeName"].as_str()?.to_owned(),
+                    ip: p["status"]["podIP"].as_str()?.parse().ok()?,
+                })
+            })
+            .collect())
     }
 
     /// Server-side apply of one object, as the administrator.
