@@ -72,6 +72,11 @@ pub struct CertsArgs {
     /// never speak for a node. NAME is a DNS subdomain, e.g. `cli` (repeat for more).
     #[arg(long = "reader", value_name = "NAME")]
     pub readers: Vec<NodeName>,
+    /// An address of the node named by `--node` (repeat for more): written as an
+    /// IP SAN of its client certificate, it is what the node's Hello may claim as
+    /// its own in the endpoint map (`remote-node`). Needs exactly one `--node`.
+    #[arg(long = "node-ip", value_name = "ADDRESS")]
+    pub node_ips: Vec<IpAddr>,
     /// How long the new certificates are valid, in days.
     #[arg(long, default_value_t = 365)]
     pub days: u32,
@@ -120,6 +125,15 @@ pub enum CertsError {
     DuplicateReader { reader: NodeName },
     #[error("--days must be at least 1")]
     NoDays,
+    #[error(
+        "--node-ip gives the addresses of one node, and {nodes} --node are named: write one node's certificate per command when naming its addresses"
+    )]
+    NodeIpsOfOneNode { nodes: usize },
+    #[error("--node-ip {ip} is {reason}: no node is reached at it")]
+    BadNodeIp {
+        ip: IpAddr,
+        reason: census_proto::domain::UnusableIp,
+    },
     #[error("making the {what}: {source}")]
     Generate {
         what: String,
@@ -317,11 +331,19 @@ pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
         ips,
         nodes,
         readers,
+        node_ips,
         days,
         force,
     } = args;
     if *days == 0 {
         return Err(CertsError::NoDays);
+    }
+    if !node_ips.is_empty() && nodes.len() != 1 {
+        return Err(CertsError::NodeIpsOfOneNode { nodes: nodes.len() });
+    }
+    for ip in node_ips {
+        census_proto::domain::check_usable_ip(*ip)
+            .map_err(|reason| CertsError::BadNodeIp { ip: *ip, reason })?;
     }
     if let Some(name) = dns.iter().find(|n| !valid_dns_name(n)) {
         return Err(CertsError::BadDnsName { name: name.clone() });
@@ -392,6 +414,13 @@ pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
         let mut p = params(*days, name.as_str());
         p.subject_alt_names
             .push(SanType::URI(ia5(&format!("{prefix}{name}"), &what)?));
+        if prefix == NODE_URI_PREFIX {
+            p.subject_alt_names.extend(
+                node_ips
+                    .iter()
+                    .map(|ip| SanType::IpAddress(ip.to_canonical())),
+            );
+        }
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         leaf(&what, p, &issuer, cert, key, &mut out)?;
     }
@@ -562,16 +591,20 @@ impl NodeCa {
         let san = parsed
             .subject_alternative_name()
             .map_err(|_| NodeCertError::Malformed)?;
-        let mut names = san
-            .into_iter()
-            .flat_map(|ext| ext.value.general_names.iter())
+        let general_names = || san.iter().flat_map(|ext| ext.value.general_names.iter());
+        let addresses = general_names()
             .filter_map(|name| match name {
-                x509_parser::extensions::GeneralName::URI(uri) => uri
-                    .strip_prefix(NODE_URI_PREFIX)
-                    .map(|node| (node, true))
-                    .or_else(|| uri.strip_prefix(READER_URI_PREFIX).map(|r| (r, false))),
+                x509_parser::extensions::GeneralName::IPAddress(bytes) => ip_san(bytes),
                 _ => None,
-            });
+            })
+            .collect();
+        let mut names = general_names().filter_map(|name| match name {
+            x509_parser::extensions::GeneralName::URI(uri) => uri
+                .strip_prefix(NODE_URI_PREFIX)
+                .map(|node| (node, true))
+                .or_else(|| uri.strip_prefix(READER_URI_PREFIX).map(|r| (r, false))),
+            _ => None,
+        });
         let (name, node) = names.next().ok_or(NodeCertError::NoNode)?;
         if names.next().is_some() {
             return Err(NodeCertError::ManyNodes);
@@ -587,8 +620,19 @@ impl NodeCa {
         Ok(Verified {
             subject,
             not_after: not_after(&parsed),
+            addresses,
         })
     }
+}
+
+/// An IP SAN's address (4 or 16 bytes; a name constraint's 8 or 32 are not one).
+fn ip_san(bytes: &[u8]) -> Option<IpAddr> {
+    let ip = match bytes.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some(ip.to_canonical())
 }
 
 fn not_after(cert: &x509_parser::certificate::X509Certificate<'_>) -> SystemTime {
@@ -603,6 +647,9 @@ pub struct Verified {
     /// The end of the leaf's validity (`notAfter`; the leaf is signed by the CA
     /// itself): a stream it authenticated ends then.
     pub not_after: SystemTime,
+    /// The leaf's IP SANs (IPv4-mapped ones as IPv4): for a node, the addresses
+    /// the certificate vouches are its own.
+    pub addresses: Vec<IpAddr>,
 }
 
 /// Who a client certificate of the CA names.
@@ -627,6 +674,7 @@ mod tests {
             ips: vec!["127.0.0.1".parse()?],
             nodes: vec![NodeName::new("node-a")?, NodeName::new("node-b.example")?],
             readers: vec![NodeName::new("cli")?],
+            node_ips: Vec::new(),
             days: 30,
             force: false,
         })
@@ -746,6 +794,66 @@ mod tests {
             run(&twice),
             Err(CertsError::DuplicateReader { .. })
         ));
+        Ok(())
+    }
+
+    #[test]
+    fn node_ips_are_the_ip_sans_of_one_nodes_certificate() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        run(&args(dir.path())?)?;
+        let ca = NodeCa::from_pem(&fs::read(dir.path().join("ca.pem"))?)?;
+        let (a, _) = node_files(dir.path(), &NodeName::new("node-a")?);
+        assert_eq!(ca.verify(&[der(&a)?])?.addresses, Vec::<IpAddr>::new());
+
+        let one = |ips: &[&str]| -> Result<CertsArgs, Box<dyn std::error::Error>> {
+            Ok(CertsArgs {
+                out_dir: dir.path().to_owned(),
+                dns: Vec::new(),
+                ips: Vec::new(),
+                nodes: vec![NodeName::new("node-a")?],
+                readers: Vec::new(),
+                node_ips: ips.iter().map(|ip| ip.parse()).collect::<Result<_, _>>()?,
+                days: 30,
+                force: true,
+            })
+        };
+        run(&one(&["10.1.0.1", "fd00::1", "::ffff:10.1.0.2"])?)?;
+        let verified = ca.verify(&[der(&a)?])?;
+        assert_eq!(
+            verified.subject,
+            CertSubject::Node(NodeName::new("node-a")?)
+        );
+        let want: Vec<IpAddr> = ["10.1.0.1", "fd00::1", "10.1.0.2"]
+            .iter()
+            .map(|ip| ip.parse())
+            .collect::<Result<_, _>>()?;
+        assert_eq!(verified.addresses, want);
+
+        // Refused before anything is written: addresses of two nodes at once, an
+        // address no node has.
+        let before = fs::read(&a)?;
+        let mut two = one(&["10.1.0.9"])?;
+        two.nodes.push(NodeName::new("node-b")?);
+        let refused = run(&two).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            refused.contains("one node") && refused.contains("2 --node"),
+            "{refused}"
+        );
+        let refused = run(&one(&["10.1.0.9", "127.0.0.1"])?)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(
+            refused,
+            "--node-ip 127.0.0.1 is a loopback address: no node is reached at it"
+        );
+        let mut without_node = one(&["10.1.0.9"])?;
+        without_node.nodes.clear();
+        assert!(matches!(
+            run(&without_node),
+            Err(CertsError::NodeIpsOfOneNode { nodes: 0 })
+        ));
+        assert_eq!(fs::read(&a)?, before, "a refusal wrote the certificate");
         Ok(())
     }
 

@@ -59,7 +59,8 @@ pub struct Metrics {
     pub rebinds_sent: Counter,
     pub agent_messages_dropped: Counter,
     pub invalid_messages: Family<KindLabels, Counter>,
-    /// Entries of EndpointSync messages rejected alone, by the kind of problem.
+    /// Entries of EndpointSync messages rejected alone, and Hello addresses the
+    /// node's certificate does not name, by the kind of problem.
     pub rejected_entries: Family<ReasonLabels, Counter>,
     /// Endpoint map batches of changes built (each encoded once for every watcher).
     pub map_batches_built: Counter,
@@ -190,7 +191,7 @@ impl Metrics {
         );
         r.register(
             "rejected_entries",
-            "Entries of EndpointSync snapshots and deltas rejected alone (the rest of the message was applied), by reason",
+            "Entries of EndpointSync snapshots and deltas rejected alone (the rest of the message was applied), and Hello addresses not claimed, by reason",
             self.rejected_entries.clone(),
         );
         r.register(

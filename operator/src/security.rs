@@ -262,6 +262,7 @@ mod tests {
             ips: vec!["127.0.0.1".parse()?],
             nodes: Vec::new(),
             readers: Vec::new(),
+            node_ips: Vec::new(),
             days: 1,
             force: false,
         })?;

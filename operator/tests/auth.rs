@@ -465,3 +465,116 @@ async fn without_tls_the_operator_says_it_runs_unauthenticated_on_loopback() -> 
         None => fail("the operator exited without saying it runs unauthenticated"),
     }
 }
+
+/// The claims of `ip` in the endpoint map, as a reader sees them: (node, pod name
+/// or empty for a node address, identity), the winner first; none when nothing
+/// claims it.
+async fn claims(reader: &Secured, ip: &str) -> TestResult<Vec<(String, String, u32)>> {
+    let answer = EndpointMapClient::new(reader.channel().await?)
+        .lookup(pb::EndpointMapLookupRequest {
+            protocol_version: PROTOCOL_VERSION,
+            ip: ip.into(),
+        })
+        .await;
+    let found = match answer {
+        Ok(found) => found.into_inner(),
+        Err(status) if status.code() == Code::NotFound => return Ok(Vec::new()),
+        Err(status) => return Err(status.into()),
+    };
+    Ok(found
+        .claims
+        .into_iter()
+        .map(|c| (c.node, c.name, c.identity))
+        .collect())
+}
+
+#[tokio::test]
+async fn a_node_certificate_vouches_for_the_node_addresses_its_hello_may_claim() -> TestResult {
+    /// The reserved `remote-node` identity.
+    const REMOTE_NODE: u32 = 6;
+    let (op, certs) = secured(&["node-a", "node-b", "node-c"], &["cli"]).await?;
+    certs.node_with_addresses("node-a", &["198.19.0.1"])?;
+    certs.node_with_addresses("node-b", &["198.19.0.2", "2001:db8:ff::2"])?;
+    let addr = op.grpc_addr;
+    let reader = certs.target(addr, Some(Client::Reader("cli")))?;
+
+    // node-b: its own address, and a pod.
+    let as_b = certs.target(addr, Some(Client::Node("node-b")))?;
+    let (mut b, _) =
+        Agent::connect_with_addresses(&as_b, "node-b", session(1), &["198.19.0.2"]).await?;
+    let web = allocate(
+        as_b.channel().await?,
+        "node-b",
+        session(1),
+        &["k8s:app=web"],
+    )
+    .await?
+    .map_err(|s| format!("node-b's Allocate refused: {s:?}"))?
+    .identity
+    .ok_or("no identity")?;
+    let answer = b
+        .snapshot(vec![endpoint(
+            "default",
+            "web-b",
+            &["198.18.0.20"],
+            web.id,
+            &["k8s:app=web"],
+        )])
+        .await?;
+    assert!(answer.ack.rejected.is_empty(), "{answer:?}");
+
+    // node-a's Hello names its own address, node-b's and node-b's pod's: its
+    // certificate vouches for the first only. The Hello is accepted (an agent
+    // reports every address of its interfaces), the others are not claimed.
+    let as_a = certs.target(addr, Some(Client::Node("node-a")))?;
+    let (_a, _) = Agent::connect_with_addresses(
+        &as_a,
+        "node-a",
+        session(1),
+        &["198.19.0.1", "198.19.0.2", "198.18.0.20"],
+    )
+    .await?;
+    let node_b = |name: &str, id| ("node-b".to_owned(), name.to_owned(), id);
+    let deadline = tokio::time::Instant::now() + ANSWER_TIMEOUT;
+    while claims(&reader, "198.19.0.1").await?.is_empty() {
+        if tokio::time::Instant::now() > deadline {
+            return fail("node-a's certified address never entered the map");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        claims(&reader, "198.19.0.1").await?,
+        vec![("node-a".to_owned(), String::new(), REMOTE_NODE)]
+    );
+    assert_eq!(
+        claims(&reader, "198.19.0.2").await?,
+        vec![node_b("", REMOTE_NODE)],
+        "node-a claimed node-b's address"
+    );
+    assert_eq!(
+        claims(&reader, "198.18.0.20").await?,
+        vec![node_b("web-b", web.id)],
+        "node-a claimed node-b's pod"
+    );
+    let (_, _, metrics) = op.admin_get("/metrics").await?;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "census_rejected_entries_total{reason=\"uncertified_address\"} 2"),
+        "the addresses left out are not counted:\n{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("rejected_entries"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+
+    // A certificate without addresses (written before `--node-ip`) vouches for
+    // none: node-c connects, and claims nothing.
+    let as_c = certs.target(addr, Some(Client::Node("node-c")))?;
+    let (_c, _) =
+        Agent::connect_with_addresses(&as_c, "node-c", session(1), &["198.19.0.3"]).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(claims(&reader, "198.19.0.3").await?, vec![]);
+    op.shut_down().await
+}

@@ -59,7 +59,8 @@ pub(crate) fn binaries() -> Fallible<(PathBuf, PathBuf)> {
 
 /// Certificates for mutual TLS, written by `census-operator certs` into `dir`: the
 /// CA, a serving certificate for `ips`, a client certificate per node of `nodes`
-/// and a reader's (`lab`) for the test's own calls.
+/// naming the node's addresses given beside it, and a reader's (`lab`) for the
+/// test's own calls.
 #[derive(Debug, Clone)]
 pub(crate) struct LabCerts(Certs);
 
@@ -71,15 +72,15 @@ impl LabCerts {
         operator_bin: &Path,
         dir: PathBuf,
         ips: &[std::net::IpAddr],
-        nodes: &[&str],
+        nodes: &[(&str, &[std::net::IpAddr])],
     ) -> Fallible<Self> {
-        Ok(Self(Certs::generate(
-            operator_bin,
-            dir,
-            ips,
-            nodes,
-            &[READER],
-        )?))
+        let names: Vec<&str> = nodes.iter().map(|(node, _)| *node).collect();
+        let certs = Certs::generate(operator_bin, dir, ips, &names, &[READER])?;
+        // A node's certificate names its own addresses: what its Hello may claim.
+        for (node, addresses) in nodes.iter().filter(|(_, a)| !a.is_empty()) {
+            certs.vouch(operator_bin, node, addresses)?;
+        }
+        Ok(Self(certs))
     }
 
     /// The operator's flags: its serving certificate, and the CA of its clients.
@@ -132,7 +133,7 @@ impl World {
             &operator_bin,
             dir.path().join("tls"),
             &[std::net::IpAddr::from([127, 0, 0, 1])],
-            &[NODE],
+            &[(NODE, &[])],
         )?;
         Ok(Self {
             certs,

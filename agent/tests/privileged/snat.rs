@@ -88,7 +88,7 @@ impl SnatLab {
             &operator_bin,
             dir.path().join("tls"),
             &[Masquerade::OUTSIDE_IP.into()],
-            &[NODE_A, NODE_B],
+            &[(NODE_A, &[]), (NODE_B, &[])],
         )?;
         Ok(Self {
             agent: None,

@@ -129,6 +129,13 @@ fn at(side: Side) -> usize {
     }
 }
 
+/// `side`'s uplink addresses (both families): what its certificate names as the
+/// node's own.
+fn uplink_ips(cluster: &Cluster, side: Side) -> [IpAddr; 2] {
+    let node = cluster.node(side);
+    [node.uplink_ip(false), node.uplink_ip(true)]
+}
+
 impl TwoNodes {
     fn new() -> Fallible<Self> {
         let (agent_bin, operator_bin) = binaries()?;
@@ -141,7 +148,10 @@ impl TwoNodes {
                 IpAddr::from([127, 0, 0, 1]),
                 cluster.node(Side::A).uplink_ip(false),
             ],
-            &[NODE_A, NODE_B],
+            &[
+                (NODE_A, &uplink_ips(&cluster, Side::A)),
+                (NODE_B, &uplink_ips(&cluster, Side::B)),
+            ],
         )?;
         Ok(Self {
             cluster,

@@ -11,7 +11,7 @@
 
 use std::{
     future::Future,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
@@ -43,10 +43,12 @@ pub(crate) struct Credentials<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Principal {
     /// An agent, speaking for exactly this node, until `expires` (a token's expiry,
-    /// or the end of its certificate chain's validity).
+    /// or the end of its certificate chain's validity), and for the node addresses
+    /// its credentials vouch for.
     Node {
         node: NodeName,
         expires: Option<SystemTime>,
+        addresses: Vouched,
     },
     /// A reader (the CLI, a tool): may read, never speak for a node.
     Reader {
@@ -58,7 +60,41 @@ pub(crate) enum Principal {
     Loopback,
 }
 
+/// The node addresses a principal's credentials vouch for: what its Hello may claim
+/// as the node's own (`remote-node` in the endpoint map, embedded mode).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Vouched {
+    /// Whatever the Hello names: a loopback caller (trusted as any node), or a
+    /// token (in a cluster, where the Node object is the authority and Hello
+    /// addresses are not taken).
+    Any,
+    /// These only: a client certificate's IP SANs (`census-operator certs --node
+    /// NAME --node-ip ADDRESS`), none for a certificate without them.
+    Only(Arc<[IpAddr]>),
+}
+
+impl Vouched {
+    /// `addresses` split into those vouched for and those not.
+    pub(crate) fn split(&self, addresses: Vec<IpAddr>) -> (Vec<IpAddr>, Vec<IpAddr>) {
+        match self {
+            Self::Any => (addresses, Vec::new()),
+            Self::Only(own) => addresses
+                .into_iter()
+                .partition(|ip| own.contains(&ip.to_canonical())),
+        }
+    }
+}
+
 impl Principal {
+    /// The node addresses this principal's Hello may claim.
+    pub(crate) fn vouched(&self) -> Vouched {
+        match self {
+            Self::Node { addresses, .. } => addresses.clone(),
+            Self::Loopback => Vouched::Any,
+            Self::Reader { .. } => Vouched::Only(Arc::from([])),
+        }
+    }
+
     /// When this principal's credentials stop being valid, if they do.
     pub(crate) fn expires(&self) -> Option<SystemTime> {
         match self {
@@ -373,7 +409,8 @@ impl Authenticate for LoopbackOnly {
 
 /// Mutual TLS (embedded mode): the client certificate, verified at the handshake
 /// against `--client-ca`, names the caller: `census://node/NAME` an agent,
-/// `census://reader/NAME` a reader. The chain is checked again here with
+/// `census://reader/NAME` a reader; a node's IP SANs are the addresses it may claim
+/// as its own. The chain is checked again here with
 /// [`NodeCa`], so what binds a node never rests on the TLS configuration alone.
 #[derive(Debug)]
 pub(crate) struct MutualTls {
@@ -395,13 +432,16 @@ impl MutualTls {
             Ok(Verified {
                 subject: CertSubject::Node(node),
                 not_after,
+                addresses,
             }) => Ok(Principal::Node {
                 node,
                 expires: Some(not_after),
+                addresses: Vouched::Only(addresses.into()),
             }),
             Ok(Verified {
                 subject: CertSubject::Reader(name),
                 not_after,
+                ..
             }) => Ok(Principal::Reader {
                 name,
                 expires: Some(not_after),
@@ -430,6 +470,7 @@ mod tests {
         let a = Principal::Node {
             node: node("node-a"),
             expires: None,
+            addresses: Vouched::Any,
         };
         assert!(speaks_for(&a, &node("node-a")).is_ok());
         assert!(speaks_for(&Principal::Loopback, &node("node-b")).is_ok());

@@ -307,6 +307,7 @@ mod tests {
         Ok(Principal::Node {
             node: node(name)?,
             expires: None,
+            addresses: crate::grpc::auth::Vouched::Any,
         })
     }
 

@@ -185,6 +185,23 @@ impl EndpointStreams {
         // embedded mode): checked here, so a bad list refuses the Hello as a whole.
         let addresses = addresses_from_wire(&hello.addresses, "hello.addresses")
             .map_err(|e| refuse(&who, field(e)))?;
+        // Under mutual TLS, only those the node's certificate vouches for: one node
+        // cannot make another's addresses (or its pods') its own.
+        let (addresses, unvouched) = principal.vouched().split(addresses);
+        if !unvouched.is_empty() {
+            self.metrics
+                .rejected_entries
+                .get_or_create(&ReasonLabels {
+                    reason: "uncertified_address",
+                })
+                .inc_by(unvouched.len() as u64);
+            warn!(
+                %node,
+                ?unvouched,
+                "Hello addresses the node's certificate does not name are not claimed as the node's: \
+                 write its certificate with census-operator certs --node {node} --node-ip ADDRESS"
+            );
+        }
 
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let settings = self.operator.settings();

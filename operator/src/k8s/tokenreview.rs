@@ -54,7 +54,7 @@ use tracing::{debug, warn};
 
 use crate::{
     config::ServiceAccountRef,
-    grpc::auth::{AuthError, AuthFuture, Authenticate, Credentials, Principal, bounded},
+    grpc::auth::{AuthError, AuthFuture, Authenticate, Credentials, Principal, Vouched, bounded},
     metrics::ResultLabels,
 };
 
@@ -468,9 +468,12 @@ impl Authenticate for TokenReviewer {
                 ));
             };
             match self.review(token).await {
+                // In a cluster the Node object gives a node's addresses and the
+                // core takes none from a Hello: nothing for a token to limit.
                 Ok(NodeToken { node, expires }) => Ok(Principal::Node {
                     node,
                     expires: Some(expires),
+                    addresses: Vouched::Any,
                 }),
                 Err(error) => {
                     if error.refusal() == Refusal::Unavailable {

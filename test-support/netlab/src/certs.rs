@@ -44,6 +44,21 @@ impl Certs {
         Ok(Self { dir })
     }
 
+    /// Runs `operator_bin certs` again to rewrite `node`'s client certificate naming
+    /// `ips` as the node's own addresses (`--node-ip`): what its Hello may claim.
+    pub fn vouch(&self, operator_bin: &Path, node: &str, ips: &[IpAddr]) -> Result<(), Error> {
+        let mut command = Command::new(operator_bin);
+        command
+            .arg("certs")
+            .arg("--out-dir")
+            .arg(&self.dir)
+            .args(["--node", node]);
+        for ip in ips {
+            command.args(["--node-ip", &ip.to_string()]);
+        }
+        run_command(command.args(["--days", "1", "--force"])).map(drop)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -43,10 +43,27 @@ impl Certs {
             ips: vec!["127.0.0.1".parse()?, "::1".parse()?],
             nodes: names(nodes)?,
             readers: names(readers)?,
+            node_ips: Vec::new(),
             days: 1,
             force: false,
         })?;
         Ok(Self { dir })
+    }
+
+    /// Writes (over an existing one) `node`'s client certificate naming `ips` as
+    /// the node's own addresses (`census-operator certs --node NODE --node-ip IP`).
+    pub fn node_with_addresses(&self, node: &str, ips: &[&str]) -> TestResult {
+        certs::run(&CertsArgs {
+            out_dir: self.dir().to_owned(),
+            dns: Vec::new(),
+            ips: Vec::new(),
+            nodes: vec![NodeName::new(node)?],
+            readers: Vec::new(),
+            node_ips: ips.iter().map(|ip| ip.parse()).collect::<Result<_, _>>()?,
+            days: 1,
+            force: true,
+        })?;
+        Ok(())
     }
 
     pub fn dir(&self) -> &Path {

@@ -342,9 +342,16 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     let endpoints = dir.path().join("endpoints.yaml");
     fs::write(&endpoints, endpoints_file(&pods))?;
 
-    step("certificates (census-operator certs): a CA, the operator's, one per node, a reader's");
+    step(
+        "certificates (census-operator certs): a CA, the operator's, one per node (the other's naming its address), a reader's",
+    );
     let certs =
         tls::DemoCerts::generate(operator_bin, dir.path().join("tls"), &[NODE, remote::NODE])?;
+    certs.vouch(
+        operator_bin,
+        remote::NODE,
+        &[std::net::IpAddr::V4(remote::NODE_ADDRESS)],
+    )?;
     say(&format!("    in {}", dir.path().join("tls").display()));
 
     step("census-operator on its embedded store, in the node namespace");

@@ -36,6 +36,19 @@ impl DemoCerts {
             .context("census-operator certs")
     }
 
+    /// Rewrites `node`'s certificate naming `ips` as the node's own addresses (what
+    /// its Hello may claim).
+    pub(super) fn vouch(
+        &self,
+        operator_bin: &Path,
+        node: &str,
+        ips: &[IpAddr],
+    ) -> anyhow::Result<()> {
+        self.0
+            .vouch(operator_bin, node, ips)
+            .with_context(|| format!("census-operator certs --node {node} --node-ip"))
+    }
+
     /// The operator's flags: its serving certificate, and the CA of its clients.
     pub(super) fn operator_args(&self) -> Vec<OsString> {
         self.0.operator_args()

@@ -566,6 +566,35 @@ fn a_node_address_wins_over_endpoints_which_take_over_when_it_goes() {
     assert!(take(&mut h, &mut w).is_empty());
 }
 
+/// A node address arriving over an endpoint's claim wins, and the conflict is
+/// counted and shown in Lookup's history, as the other way round: never a silent win.
+#[test]
+fn a_node_address_over_an_endpoints_claim_is_a_counted_conflict() {
+    let mut h = harness(cluster());
+    let mut w = Replayed::default();
+    let mut a = Agent::new(&mut h, A, 10);
+    a.upsert(&mut h, ep("web-0", 1, &["10.1.0.2"]));
+    take(&mut h, &mut w);
+    h.now = h.now.plus(ms(5));
+    let now = h.now;
+    h.alloc
+        .set_node_addresses(&node(B), vec![ip("10.1.0.2")], now);
+    take(&mut h, &mut w);
+    assert_eq!(winner(&h, "10.1.0.2"), Some((6, node(B))));
+    assert_eq!(h.alloc.map_stats().conflicts_total, 1);
+    let Some(found) = h.alloc.map_lookup(ip("10.1.0.2")) else {
+        panic!("no lookup")
+    };
+    assert_eq!(found.conflicts, 1);
+    assert_eq!(found.history[0].winner, node(B));
+    assert_eq!(found.history[0].winner_source, ClaimSource::NodeAddress);
+    assert_eq!(found.history[0].loser, node(A));
+    assert_eq!(
+        found.history[0].loser_source,
+        ClaimSource::Endpoint(key("web-0"))
+    );
+}
+
 #[test]
 fn node_indexes_are_reused_only_after_their_removal_was_delivered() {
     let mut h = harness(cluster());
