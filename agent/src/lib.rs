@@ -28,6 +28,7 @@ mod layering;
 mod links;
 mod map;
 mod metrics;
+mod netlink;
 mod reconcile;
 mod shutdown;
 pub mod source;

@@ -13,12 +13,14 @@
 
 use std::io;
 
-use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{AsyncSocket, AsyncSocketExt, SocketAddr, TokioSocket, protocols::NETLINK_ROUTE};
 use nix::errno::Errno;
 use tokio::sync::watch;
 use tracing::{debug, warn};
+
+use crate::netlink;
 
 /// `RTMGRP_LINK` (linux/rtnetlink.h): the multicast group of link changes.
 const RTMGRP_LINK: u32 = 1;
@@ -48,7 +50,7 @@ impl LinkEvents {
         socket.socket_mut().bind(&SocketAddr::new(0, RTMGRP_LINK))?;
         Ok(Self {
             socket,
-            buffer: Vec::with_capacity(64 * 1024),
+            buffer: Vec::with_capacity(netlink::RECEIVE_BUFFER),
         })
     }
 
@@ -73,26 +75,18 @@ impl std::fmt::Debug for LinkEvents {
 }
 
 /// What a datagram of rtnetlink messages holds.
-fn parse(mut bytes: &[u8]) -> Found {
+fn parse(bytes: &[u8]) -> Found {
     let mut changed = 0;
-    while !bytes.is_empty() {
-        let Ok(message) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(bytes) else {
+    for message in netlink::messages::<RouteNetlinkMessage>(bytes) {
+        match message.map(|m| m.payload) {
+            Ok(NetlinkPayload::InnerMessage(
+                RouteNetlinkMessage::NewLink(_)
+                | RouteNetlinkMessage::DelLink(_)
+                | RouteNetlinkMessage::SetLink(_),
+            )) => changed += 1,
+            Ok(_) => {}
             // Unreadable: assume the worst, a change.
-            return Found::Changed(changed + 1);
-        };
-        let length = message.header.length as usize;
-        if length == 0 || length > bytes.len() {
-            return Found::Changed(changed + 1);
-        }
-        // Messages are aligned to 4 bytes.
-        bytes = bytes.get(length.next_multiple_of(4)..).unwrap_or_default();
-        if let NetlinkPayload::InnerMessage(
-            RouteNetlinkMessage::NewLink(_)
-            | RouteNetlinkMessage::DelLink(_)
-            | RouteNetlinkMessage::SetLink(_),
-        ) = message.payload
-        {
-            changed += 1;
+            Err(_) => return Found::Changed(changed + 1),
         }
     }
     if changed == 0 {
@@ -127,7 +121,7 @@ pub(crate) async fn watch_links(mut events: LinkEvents, changes: watch::Sender<u
 
 #[cfg(test)]
 mod tests {
-    use netlink_packet_core::NetlinkHeader;
+    use netlink_packet_core::{NetlinkHeader, NetlinkMessage};
     use netlink_packet_route::{
         address::AddressMessage,
         link::{LinkAttribute, LinkMessage},

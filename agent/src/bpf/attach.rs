@@ -20,11 +20,12 @@ use census_common::{PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_UPLINK};
 use nix::net::if_::if_nametoindex;
 
 use super::{
-    AttachMode, Datapath, Error, NodeRole, netlink,
+    AttachMode, Datapath, Error, NodeRole,
     pins::{detach_and_unpin, open_tcx_link, parse_link_name},
     sys,
     tc::{self, TcRecord},
 };
+use crate::netlink;
 
 /// A hook census attaches a program to: the two of an endpoint's host-side
 /// interface, and the egress of an uplink or tunnel device.
@@ -49,6 +50,14 @@ impl Direction {
             Self::Ingress => PROGRAM_INGRESS,
             Self::Egress => PROGRAM_EGRESS,
             Self::Uplink => PROGRAM_UPLINK,
+        }
+    }
+
+    /// The clsact hook its programs attach to with TC filters.
+    pub(super) const fn hook(self) -> netlink::tc::Hook {
+        match self {
+            Self::Ingress => netlink::tc::Hook::Ingress,
+            Self::Egress | Self::Uplink => netlink::tc::Hook::Egress,
         }
     }
 
@@ -456,14 +465,13 @@ impl Datapath {
                     if record.interface != interface || record.ifindex != ifindex {
                         continue;
                     }
-                    let filters =
-                        netlink::filters(ifindex, record.direction).map_err(|source| {
-                            Error::Netlink {
-                                operation: "listing the TC filters",
-                                interface: interface.to_owned(),
-                                source,
-                            }
-                        })?;
+                    let filters = netlink::tc::filters(ifindex, record.direction.hook()).map_err(
+                        |source| Error::Netlink {
+                            operation: "listing the TC filters",
+                            interface: interface.to_owned(),
+                            source,
+                        },
+                    )?;
                     found.extend(
                         filters
                             .iter()
@@ -522,13 +530,12 @@ fn tc_attachment(record: TcRecord) -> Attachment {
 /// classifier parses one). A NIC, a bridge, macvlan, ipvlan, wireguard or tun
 /// would give its whole traffic one endpoint's identity, or garbage.
 fn check_endpoint_device(interface: &str, ifindex: u32) -> Result<(), Error> {
-    let link = netlink::link_kind(ifindex).map_err(|source| Error::Netlink {
+    let link = netlink::link::link_kind(ifindex).map_err(|source| Error::Netlink {
         operation: "reading the link kind",
         interface: interface.to_owned(),
         source,
     })?;
-    let own_device = matches!(link.kind.as_deref(), Some("veth" | "netkit"));
-    if own_device && link.ethernet {
+    if link.is_pod_device() {
         Ok(())
     } else {
         Err(Error::UnsupportedInterface {
@@ -556,8 +563,8 @@ fn check_not_the_nodes(
             source,
         }
     };
-    let uplinks =
-        netlink::default_route_interfaces().map_err(netlink_error("reading the default routes"))?;
+    let uplinks = netlink::route::default_route_interfaces()
+        .map_err(netlink_error("reading the default routes"))?;
     if uplinks.contains(&ifindex) {
         return Err(Error::NodeInterface {
             interface: interface.to_owned(),
@@ -567,7 +574,8 @@ fn check_not_the_nodes(
     if node_addresses.is_empty() {
         return Ok(());
     }
-    let held = netlink::addresses(ifindex).map_err(netlink_error("reading the addresses"))?;
+    let held =
+        netlink::address::addresses(ifindex).map_err(netlink_error("reading the addresses"))?;
     match held.into_iter().find(|ip| node_addresses.contains(ip)) {
         Some(address) => Err(Error::NodeInterface {
             interface: interface.to_owned(),

@@ -264,7 +264,7 @@ pub enum Error {
         operation: &'static str,
         interface: String,
         #[source]
-        source: io::Error,
+        source: crate::netlink::Error,
     },
 
     #[error(
@@ -370,16 +370,8 @@ pub enum Error {
     },
 }
 
-fn describe_link(kind: Option<&str>, ethernet: bool) -> String {
-    let kind = kind.map_or_else(
-        || "a device without a kind (a NIC, loopback)".to_owned(),
-        |k| format!("a {k} device"),
-    );
-    if ethernet {
-        kind
-    } else {
-        format!("{kind} without an Ethernet header")
-    }
+fn describe_link(kind: Option<&str>, ethernet: bool) -> crate::netlink::link::Described<'_> {
+    crate::netlink::link::Described { kind, ethernet }
 }
 
 /// Names of missing capabilities, for [`Error::MissingCapabilities`].

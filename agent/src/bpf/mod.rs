@@ -30,7 +30,6 @@ mod lock;
 mod log;
 mod maps;
 mod migrate;
-mod netlink;
 mod nodes;
 mod object;
 mod pins;

@@ -26,11 +26,8 @@ use aya::programs::{
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
 };
 
-use super::{
-    AttachOutcome, Datapath, Direction, Error,
-    netlink::{self, Filter},
-    pins::detach_and_unpin,
-};
+use super::{AttachOutcome, Datapath, Direction, Error, pins::detach_and_unpin};
+use crate::netlink::{self, tc::Filter};
 
 /// The priority of census's filter on a hook without filters: the first.
 const EMPTY_HOOK_PRIORITY: u16 = 1;
@@ -92,12 +89,17 @@ impl TcRecord {
     /// Deletes the filter (if it is still census's) and the record.
     pub(super) fn remove(&self) -> Result<(), Error> {
         if self.filter().is_some() {
-            netlink::delete_filter(self.ifindex, self.direction, self.priority, self.handle)
-                .map_err(|source| Error::Netlink {
-                    operation: "deleting census's TC filter",
-                    interface: self.interface.clone(),
-                    source,
-                })?;
+            netlink::tc::delete_filter(
+                self.ifindex,
+                self.direction.hook(),
+                self.priority,
+                self.handle,
+            )
+            .map_err(|source| Error::Netlink {
+                operation: "deleting census's TC filter",
+                interface: self.interface.clone(),
+                source,
+            })?;
         }
         remove_record(&self.path)
     }
@@ -109,7 +111,7 @@ fn census_filter_at(
     priority: u16,
     handle: u32,
 ) -> Option<Filter> {
-    netlink::filters(ifindex, direction)
+    netlink::tc::filters(ifindex, direction.hook())
         .ok()?
         .into_iter()
         .find(|f| f.priority == priority && f.handle == handle && is_census(f, direction))
@@ -203,7 +205,7 @@ impl Datapath {
             outcome = AttachOutcome::ReplacedStale;
         }
 
-        let filters = netlink::filters(ifindex, direction)
+        let filters = netlink::tc::filters(ifindex, direction.hook())
             .map_err(netlink_error("listing the TC filters"))?;
         if let Some(orphan) = filters.iter().find(|f| is_census(f, direction)) {
             // Attached by an agent that died before recording it.
@@ -308,7 +310,10 @@ impl Datapath {
         .map_err(|source| Error::Netlink {
             operation: "finding census's TC filter",
             interface: interface.to_owned(),
-            source,
+            source: netlink::Error::Refused {
+                request: "RTM_GETTFILTER",
+                source,
+            },
         })?;
         let program = self.program_mut(direction)?;
         let link = program

@@ -19,8 +19,8 @@ use std::collections::BTreeSet;
 use super::{
     AttachMode, AttachOutcome, Attachment, AttachmentState, Datapath, Direction, Error,
     attach::{check_interface_name, ifindex},
-    netlink,
 };
+use crate::netlink;
 
 impl Datapath {
     /// Attaches `census_uplink` to the egress hook of `interface`, ahead of any
@@ -33,7 +33,7 @@ impl Datapath {
     pub fn attach_uplink(&mut self, interface: &str) -> Result<AttachOutcome, Error> {
         check_interface_name(interface)?;
         let ifindex = ifindex(interface)?;
-        let link = netlink::link_kind(ifindex).map_err(|source| Error::Netlink {
+        let link = netlink::link::link_kind(ifindex).map_err(|source| Error::Netlink {
             operation: "reading the link kind",
             interface: interface.to_owned(),
             source,
@@ -108,14 +108,13 @@ pub fn default_uplinks() -> Result<BTreeSet<String>, Error> {
             source,
         }
     };
-    let routed =
-        netlink::default_route_interfaces().map_err(netlink_error("listing the default routes"))?;
-    let links = netlink::links().map_err(netlink_error("listing the interfaces"))?;
+    let routed = netlink::route::default_route_interfaces()
+        .map_err(netlink_error("listing the default routes"))?;
+    let links = netlink::link::links().map_err(netlink_error("listing the interfaces"))?;
     Ok(links
         .into_iter()
         .filter(|entry| {
-            let tunnel = matches!(entry.link.kind.as_deref(), Some("vxlan" | "geneve"));
-            entry.link.ethernet && (tunnel || routed.contains(&entry.ifindex))
+            entry.kind.ethernet && (entry.kind.is_tunnel() || routed.contains(&entry.ifindex))
         })
         .map(|entry| entry.name)
         .collect())

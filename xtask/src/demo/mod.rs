@@ -350,7 +350,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     certs.vouch(
         operator_bin,
         remote::NODE,
-        &[std::net::IpAddr::V4(remote::NODE_ADDRESS)],
+        &[IpAddr::V4(remote::NODE_ADDRESS)],
     )?;
     say(&format!("    in {}", dir.path().join("tls").display()));
 

@@ -3,13 +3,8 @@
 //! `ip route get <ip>` asks), then the name and kind of the route's output
 //! interface (`RTM_GETLINK`).
 //!
-//! Netlink directly, through the rust-netlink crates (`netlink-sys` for the
-//! socket, `netlink-packet-route` for the typed messages), rather than running
-//! `ip -j route get`: no process per lookup, no dependence on iproute2 being in
-//! the agent's image, and typed attributes instead of parsed text. The socket is
-//! synchronous and opened per lookup: the kernel answers before `send` returns, a
-//! lookup takes microseconds, and a socket opened in the agent's network
-//! namespace at the time of the call is never stale.
+//! The requests are the agent's one netlink module's (`crate::netlink`), which
+//! also decides what a pod's own device is, for this source and the datapath alike.
 //!
 //! CNIs that route each pod to its own host-side device (Calico's `cali*`,
 //! `ptp`, kindnet, AWS VPC CNI's `eni*`, the test lab's `pod<i>`) resolve to that
@@ -27,13 +22,9 @@
 
 use std::{io, net::IpAddr};
 
-use netlink_packet_core::{DecodeError, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
-use netlink_packet_route::{
-    AddressFamily, RouteNetlinkMessage,
-    link::{InfoKind, LinkAttribute, LinkInfo, LinkLayerType, LinkMessage},
-    route::{RouteAddress, RouteAttribute, RouteMessage, RouteType},
-};
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use netlink_packet_route::route::RouteType;
+
+use crate::netlink::{self, link::Described};
 
 /// Finds the host side of the interface a pod's address is reached through.
 pub trait InterfaceLookup: Send + Sync + 'static {
@@ -43,14 +34,8 @@ pub trait InterfaceLookup: Send + Sync + 'static {
 /// Why a pod's address does not lead to an interface of its own.
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
-    #[error("netlink: {0}")]
-    Socket(#[source] io::Error),
-    #[error("netlink: the kernel's answer cannot be read: {0}")]
-    Decode(#[source] DecodeError),
-    #[error("netlink: an answer of {size} bytes does not fit the buffer")]
-    Truncated { size: usize },
-    #[error("netlink: unexpected answer to {request}")]
-    Unexpected { request: &'static str },
+    #[error(transparent)]
+    Netlink(#[from] netlink::Error),
     #[error("route lookup for {ip}: {source}")]
     Kernel {
         ip: IpAddr,
@@ -88,7 +73,7 @@ pub enum RouteError {
     Unnamed { ip: IpAddr, index: u32 },
     #[error(
         "{ip} is routed to {interface}, {}: census counts only on a pod's own veth or netkit device",
-        describe(kind.as_deref(), *ethernet)
+        Described { kind: kind.as_deref(), ethernet: *ethernet }
     )]
     NotPodDevice {
         ip: IpAddr,
@@ -98,15 +83,11 @@ pub enum RouteError {
     },
 }
 
-fn describe(kind: Option<&str>, ethernet: bool) -> String {
-    let kind = kind.map_or_else(
-        || "a device without a kind (a NIC)".to_owned(),
-        |k| format!("a {k} device"),
-    );
-    if ethernet {
-        kind
-    } else {
-        format!("{kind} without an Ethernet link type")
+/// `error`, the kernel's refusal as `refused` makes it, any other as it is.
+fn refusal(error: netlink::Error, refused: impl FnOnce(io::Error) -> RouteError) -> RouteError {
+    match error {
+        netlink::Error::Refused { source, .. } => refused(source),
+        other => RouteError::Netlink(other),
     }
 }
 
@@ -116,18 +97,9 @@ pub struct RouteLookup;
 
 impl InterfaceLookup for RouteLookup {
     fn host_interface(&self, ip: IpAddr) -> Result<String, RouteError> {
-        let socket = open()?;
-        let route = route_to(&socket, ip)?;
-        let mut index = None;
-        let mut gateway = None;
-        for attribute in &route.attributes {
-            match attribute {
-                RouteAttribute::Oif(oif) => index = Some(*oif),
-                RouteAttribute::Gateway(address) => gateway = Some(address_text(address)),
-                _ => {}
-            }
-        }
-        match route.header.kind {
+        let route = netlink::route::route_to(ip)
+            .map_err(|e| refusal(e, |source| RouteError::Kernel { ip, source }))?;
+        match route.kind {
             RouteType::Unicast => {}
             RouteType::Local | RouteType::Broadcast | RouteType::Anycast => {
                 return Err(RouteError::Local { ip });
@@ -137,29 +109,30 @@ impl InterfaceLookup for RouteLookup {
             RouteType::Prohibit => return Err(unroutable(ip, "prohibited")),
             _ => return Err(unroutable(ip, "not a unicast route")),
         }
-        let index = index.ok_or(RouteError::NoInterface { ip })?;
-        let link = link(&socket, ip, index)?;
-        if let Some(gateway) = gateway {
+        let index = route.interface.ok_or(RouteError::NoInterface { ip })?;
+        let link = netlink::link::link(index)
+            .map_err(|e| refusal(e, |source| RouteError::Link { ip, index, source }))?
+            .ok_or(RouteError::Unnamed { ip, index })?;
+        if let Some(gateway) = route.gateway {
             return Err(RouteError::Gateway {
                 ip,
                 gateway,
                 interface: link.name,
             });
         }
-        if let Some(kind) = link.shared {
+        if let Some(kind) = link.kind.shared() {
             return Err(RouteError::Shared {
                 ip,
                 interface: link.name,
                 kind,
             });
         }
-        let own = matches!(link.kind.as_deref(), Some("veth" | "netkit"));
-        if !own || !link.ethernet {
+        if !link.kind.is_pod_device() {
             return Err(RouteError::NotPodDevice {
                 ip,
                 interface: link.name,
-                kind: link.kind,
-                ethernet: link.ethernet,
+                kind: link.kind.kind,
+                ethernet: link.kind.ethernet,
             });
         }
         Ok(link.name)
@@ -168,140 +141,6 @@ impl InterfaceLookup for RouteLookup {
 
 fn unroutable(ip: IpAddr, kind: &'static str) -> RouteError {
     RouteError::Unroutable { ip, kind }
-}
-
-fn address_text(address: &RouteAddress) -> String {
-    match address {
-        RouteAddress::Inet(v4) => v4.to_string(),
-        RouteAddress::Inet6(v6) => v6.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
-fn open() -> Result<Socket, RouteError> {
-    let mut socket = Socket::new(NETLINK_ROUTE).map_err(RouteError::Socket)?;
-    socket.bind_auto().map_err(RouteError::Socket)?;
-    socket
-        .connect(&SocketAddr::new(0, 0))
-        .map_err(RouteError::Socket)?;
-    Ok(socket)
-}
-
-/// The route the kernel would use to reach `ip`.
-fn route_to(socket: &Socket, ip: IpAddr) -> Result<RouteMessage, RouteError> {
-    let mut request = RouteMessage::default();
-    let (family, prefix) = match ip {
-        IpAddr::V4(_) => (AddressFamily::Inet, 32),
-        IpAddr::V6(_) => (AddressFamily::Inet6, 128),
-    };
-    request.header.address_family = family;
-    request.header.destination_prefix_length = prefix;
-    request
-        .attributes
-        .push(RouteAttribute::Destination(RouteAddress::from(ip)));
-    match ask(socket, RouteNetlinkMessage::GetRoute(request)) {
-        Ok(RouteNetlinkMessage::NewRoute(route)) => Ok(route),
-        Ok(_) => Err(RouteError::Unexpected {
-            request: "RTM_GETROUTE",
-        }),
-        Err(Asked::Kernel(source)) => Err(RouteError::Kernel { ip, source }),
-        Err(Asked::Failed(error)) => Err(error),
-    }
-}
-
-struct Link {
-    name: String,
-    /// What kind of shared device it is, if it is one.
-    shared: Option<&'static str>,
-    /// Its link kind (`veth`, `macvlan`, ...); `None` for a NIC.
-    kind: Option<String>,
-    /// Whether its link type is ARPHRD_ETHER.
-    ethernet: bool,
-}
-
-fn link(socket: &Socket, ip: IpAddr, index: u32) -> Result<Link, RouteError> {
-    let mut request = LinkMessage::default();
-    request.header.index = index;
-    let message = match ask(socket, RouteNetlinkMessage::GetLink(request)) {
-        Ok(RouteNetlinkMessage::NewLink(message)) => message,
-        Ok(_) => {
-            return Err(RouteError::Unexpected {
-                request: "RTM_GETLINK",
-            });
-        }
-        Err(Asked::Kernel(source)) => return Err(RouteError::Link { ip, index, source }),
-        Err(Asked::Failed(error)) => return Err(error),
-    };
-    let mut name = None;
-    let mut shared =
-        (message.header.link_layer_type == LinkLayerType::Loopback).then_some("loopback");
-    let ethernet = message.header.link_layer_type == LinkLayerType::Ether;
-    let mut kind = None;
-    for attribute in message.attributes {
-        match attribute {
-            LinkAttribute::IfName(n) => name = Some(n),
-            LinkAttribute::LinkInfo(infos) => {
-                for info in infos {
-                    if let LinkInfo::Kind(found) = info {
-                        if found == InfoKind::Bridge {
-                            shared = Some("bridge");
-                        }
-                        kind = Some(match found {
-                            InfoKind::Veth => "veth".to_owned(),
-                            InfoKind::Netkit => "netkit".to_owned(),
-                            other => other.to_string(),
-                        });
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    let name = name.ok_or(RouteError::Unnamed { ip, index })?;
-    Ok(Link {
-        name,
-        shared,
-        kind,
-        ethernet,
-    })
-}
-
-enum Asked {
-    /// The kernel refused the request.
-    Kernel(io::Error),
-    Failed(RouteError),
-}
-
-/// Big enough for any one route or link message (a link's statistics included).
-const RECEIVE_BUFFER: usize = 32 * 1024;
-
-/// Sends one request and reads its one answer.
-fn ask(socket: &Socket, message: RouteNetlinkMessage) -> Result<RouteNetlinkMessage, Asked> {
-    let mut packet = NetlinkMessage::from(message);
-    packet.header.flags = NLM_F_REQUEST;
-    packet.header.sequence_number = 1;
-    packet.finalize();
-    let mut bytes = vec![0; packet.buffer_len()];
-    packet.serialize(&mut bytes);
-    socket
-        .send(&bytes, 0)
-        .map_err(|e| Asked::Failed(RouteError::Socket(e)))?;
-    let mut answer = Vec::with_capacity(RECEIVE_BUFFER);
-    let size = socket
-        .recv(&mut answer, libc::MSG_TRUNC)
-        .map_err(|e| Asked::Failed(RouteError::Socket(e)))?;
-    if size > answer.len() {
-        return Err(Asked::Failed(RouteError::Truncated { size }));
-    }
-    let answer = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&answer)
-        .map_err(|e| Asked::Failed(RouteError::Decode(e)))?;
-    match answer.payload {
-        NetlinkPayload::InnerMessage(message) => Ok(message),
-        NetlinkPayload::Error(error) if error.code.is_some() => Err(Asked::Kernel(error.to_io())),
-        _ => Err(Asked::Failed(RouteError::Unexpected {
-            request: "a route netlink request",
-        })),
-    }
 }
 
 #[cfg(test)]
