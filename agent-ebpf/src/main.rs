@@ -55,7 +55,7 @@
 //! INTERFACES only ever speeds counting up and pins the local side: without an
 //! entry for an interface (not written yet, or its slot taken by another), both
 //! sides are looked up by address, and egress skips packets whose source address
-//! is a LOCAL endpoint, as before INTERFACES existed.
+//! is a LOCAL endpoint (the ingress program of that endpoint counts them).
 //!
 //! The TC programs always return `TC_ACT_UNSPEC` (TCX "next"): the packet goes on to whatever
 //! runs after census (a CNI's policy), never dropped, never redirected.

@@ -6,10 +6,11 @@
 //! - **reads** (Get, Lookup, List, Watch, NodeService) take no caller: whoever may
 //!   read is decided at the edge;
 //! - **calls bound to a node** (Allocate and an EndpointSync stream) take the
-//!   [`Caller`], the node the call is made for. The gRPC layer builds it, and it is
-//!   the one place that decides how much of it is proven: today the node named in the
-//!   request and the peer's address; with authentication, the node from the caller's
-//!   credentials (a request naming another node refused before it gets here).
+//!   [`Caller`], the node the call is made for and the peer's address. The gRPC
+//!   layer builds it after authentication: the node is one the caller's credentials
+//!   speak for (a request naming another node is refused before it gets here; on
+//!   loopback without TLS any node), and a Hello's node addresses are those the
+//!   credentials vouch for (`grpc::auth`).
 //!
 //! A server stream fed by the runtime is a [`Feed`]: the term (so a change of role
 //! starts the stream over), the changes from now on, and the full state read after
