@@ -50,7 +50,7 @@ use super::{
 };
 
 /// The operator's request limit at its default `--max-labels 64`: 64 x 512 + 4096
-/// bytes (operator/src/grpc/codec.rs, `request_limit`). A floor for a bigger
+/// bytes (operator/transport/src/codec.rs, `request_limit`). A floor for a bigger
 /// snapshot would be refused.
 const DEFAULT_REQUEST_LIMIT: usize = 64 * 512 + 4096;
 

@@ -111,7 +111,7 @@ const ON_BEHALF: &[&str] = &[
     "backtrace",
     "census-operator main",
     // Framing: the caller holds what it frames (the map's batches, a stream's answers).
-    "census-operator grpc/wire",
+    "census-transport wire",
 ];
 
 /// The crate (and, for census's own crates, the module) a source file belongs to:
@@ -133,7 +133,7 @@ fn crate_of(file: &str) -> Option<String> {
             .map_or(dir, |(n, _)| n);
         return Some(name.to_owned());
     }
-    // A crate census vendors (operator/vendor/h2): the crate it is, not census's.
+    // A crate census vendors (operator/transport/vendor/h2): the crate it is, not census's.
     if let Some((_, rest)) = file.split_once("/vendor/") {
         return rest.split_once("/src/").map(|(name, _)| name.to_owned());
     }
@@ -357,7 +357,7 @@ mod tests {
 
     #[test]
     fn a_vendored_crate_is_that_crate_not_censuss() {
-        let file = "/work/main/operator/vendor/h2/src/proto/streams/buffer.rs";
+        let file = "/work/main/operator/transport/vendor/h2/src/proto/streams/buffer.rs";
         assert_eq!(crate_of(file).as_deref(), Some("h2"));
     }
 

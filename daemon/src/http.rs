@@ -4,7 +4,9 @@
 //!
 //! - At most `--admin-max-connections` connections are open per listener; one more
 //!   is closed as it is accepted, before hyper sees it, counted
-//!   (`admin_connections_refused`) and logged at most once per [`REFUSAL_LOG_EVERY`].
+//!   (`admin_connections_refused`) and logged at most once per
+//!   [`census_transport::accept::REFUSAL_LOG_EVERY`] (the accept loop is the gRPC
+//!   server's, `census_transport::accept`).
 //! - A request's head (request line and headers) must arrive within
 //!   `--admin-header-timeout` of the connection's start or of the previous answer
 //!   (hyper's header read timeout): a connection that sends nothing, trickles its
@@ -32,31 +34,26 @@ use std::{
 };
 
 use axum::Router;
+use census_transport::{
+    ReasonLabels,
+    accept::{Acceptor, ConnectionMetrics, Named, Open},
+};
 use clap::Args;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
-    encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    metrics::{counter::Counter, family::Family},
     registry::Registry,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},
-    sync::{Semaphore, watch},
+    sync::watch,
     task::JoinSet,
     time::{Instant, Sleep},
 };
 use tower::ServiceExt as _;
-use tracing::{debug, warn};
-
-/// Refused connections (and accept errors) are logged at most this often, with
-/// their count.
-pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
-
-/// How long accepting pauses after an error (out of descriptors): the error would
-/// come again at once.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+use tracing::debug;
 
 /// How long a stopping server waits for its connections' answers in flight.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -101,18 +98,9 @@ fn timeout(text: &str) -> Result<Duration, String> {
     Ok(timeout)
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabels {
-    reason: &'static str,
-}
-
 /// The admin servers' connections, for `/metrics`.
 #[derive(Debug, Clone, Default)]
-pub struct AdminMetrics {
-    open: Gauge,
-    refused: Counter,
-    closed: Family<ReasonLabels, Counter>,
-}
+pub struct AdminMetrics(ConnectionMetrics);
 
 impl AdminMetrics {
     /// Registers the metrics in `registry` (under the daemon's prefix).
@@ -120,17 +108,17 @@ impl AdminMetrics {
         registry.register(
             "admin_connections",
             "Open admin HTTP connections",
-            self.open.clone(),
+            self.0.open.clone(),
         );
         registry.register(
             "admin_connections_refused",
             "Admin HTTP connections closed on accept because --admin-max-connections were open",
-            self.refused.clone(),
+            self.0.refused.clone(),
         );
         registry.register(
             "admin_connections_closed",
             "Admin HTTP connections closed by the daemon, by reason (header_timeout, idle_timeout)",
-            self.closed.clone(),
+            self.0.closed.clone(),
         );
     }
 }
@@ -146,43 +134,21 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     let max_connections = usize::try_from(limits.admin_max_connections).unwrap_or(usize::MAX);
-    let permits = Arc::new(Semaphore::new(max_connections));
-    let mut refusals = RateLimited::default();
-    let mut accept_errors = RateLimited::default();
+    let named = Named {
+        server: "admin",
+        cap_flag: "--admin-max-connections",
+    };
+    let mut acceptor = Acceptor::new(listener, max_connections, named, metrics.0.clone());
     let mut connections = JoinSet::new();
     loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
+        let (accepted, open) = tokio::select! {
+            accepted = acceptor.accept() => accepted,
             _ = shutdown.wait_for(|stop| *stop) => break,
             // Reaps finished connections' tasks as they end.
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
-        let (tcp, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(error) => {
-                if let Some(errors) = accept_errors.note(Instant::now()) {
-                    warn!(%error, errors, "cannot accept admin connections; retrying");
-                }
-                tokio::time::sleep(ACCEPT_BACKOFF).await;
-                continue;
-            }
-        };
-        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            // Closed before hyper sees it: no buffers, no task.
-            drop(tcp);
-            metrics.refused.inc();
-            if let Some(refused) = refusals.note(Instant::now()) {
-                warn!(
-                    %peer,
-                    refused,
-                    max_connections,
-                    "refused admin connections: --admin-max-connections are open"
-                );
-            }
-            continue;
-        };
-        let _ = tcp.set_nodelay(true);
-        let conn = Conn::new(tcp, peer, limits.admin_idle_timeout, &metrics);
+        let (tcp, peer, permit) = (accepted.tcp, accepted.peer, accepted.permit);
+        let conn = Conn::new(tcp, peer, limits.admin_idle_timeout, open, &metrics.0);
         let state = Arc::clone(&conn.state);
         let router = router.clone();
         let service = hyper::service::service_fn(move |request| {
@@ -196,7 +162,7 @@ pub async fn serve(
         });
         let header_timeout = limits.admin_header_timeout;
         let mut stop = shutdown.clone();
-        let closed = metrics.closed.clone();
+        let closed = metrics.0.closed.clone();
         let ended = move |result: Result<(), hyper::Error>| {
             if let Err(error) = result {
                 if error.is_timeout() {
@@ -223,7 +189,7 @@ pub async fn serve(
             ended(served.await);
         });
     }
-    drop(listener);
+    drop(acceptor);
     let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
         while connections.join_next().await.is_some() {}
     })
@@ -235,28 +201,6 @@ pub async fn serve(
         );
     }
     Ok(())
-}
-
-/// Counts events and says when one should be logged: the first, then at most one
-/// per [`REFUSAL_LOG_EVERY`], with the count since the last line.
-#[derive(Debug, Default)]
-struct RateLimited {
-    last: Option<Instant>,
-    unlogged: u64,
-}
-
-impl RateLimited {
-    /// `Some(events since the last line)` when this one is to be logged.
-    fn note(&mut self, now: Instant) -> Option<u64> {
-        self.unlogged += 1;
-        match self.last {
-            Some(last) if now.duration_since(last) < REFUSAL_LOG_EVERY => None,
-            _ => {
-                self.last = Some(now);
-                Some(std::mem::take(&mut self.unlogged))
-            }
-        }
-    }
 }
 
 /// What a connection's requests tell its IO. Both live on the connection's task
@@ -311,8 +255,8 @@ struct Conn {
     state: Arc<ConnState>,
     idle_timeout: Duration,
     timer: Pin<Box<Sleep>>,
-    open: Gauge,
     closed: Family<ReasonLabels, Counter>,
+    _open: Open,
 }
 
 impl Conn {
@@ -320,10 +264,10 @@ impl Conn {
         tcp: TcpStream,
         peer: SocketAddr,
         idle_timeout: Duration,
-        metrics: &AdminMetrics,
+        open: Open,
+        metrics: &ConnectionMetrics,
     ) -> Self {
         let now = Instant::now();
-        metrics.open.inc();
         Self {
             tcp,
             peer,
@@ -334,8 +278,8 @@ impl Conn {
             }),
             idle_timeout,
             timer: Box::pin(tokio::time::sleep_until(now + idle_timeout)),
-            open: metrics.open.clone(),
             closed: metrics.closed.clone(),
+            _open: open,
         }
     }
 
@@ -370,12 +314,6 @@ impl Conn {
         {
             self.state.progressed();
         }
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        self.open.dec();
     }
 }
 
@@ -441,16 +379,6 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
-
-    #[test]
-    fn refusals_are_logged_once_per_period_with_their_count() {
-        let mut log = RateLimited::default();
-        let start = Instant::now();
-        assert_eq!(log.note(start), Some(1));
-        assert_eq!(log.note(start + Duration::from_secs(1)), None);
-        assert_eq!(log.note(start + Duration::from_secs(2)), None);
-        assert_eq!(log.note(start + REFUSAL_LOG_EVERY), Some(3));
-    }
 
     #[test]
     fn zero_timeouts_are_refused() {

@@ -35,10 +35,9 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
-    pub reason: &'static str,
-}
+/// Why: one label, from a bounded set (the transport's, shared by every server).
+pub use census_transport::ReasonLabels;
+use census_transport::accept::ConnectionMetrics;
 
 fn latency_histogram() -> Histogram {
     // 10 µs .. ~40 s.
@@ -83,12 +82,9 @@ pub struct Metrics {
     pub map_resyncs_in_progress: Family<ReasonLabels, Gauge>,
     /// Batches a watcher was behind the latest when it was sent one.
     pub map_watcher_lag: Histogram,
-    /// Open gRPC connections.
-    pub grpc_connections: Gauge,
-    /// gRPC connections closed at once: --max-connections were open.
-    pub grpc_connections_refused: Counter,
-    /// gRPC connections closed by the operator, by reason (`handshake_timeout`, `idle_timeout`).
-    pub grpc_connections_closed: Family<ReasonLabels, Counter>,
+    /// gRPC connections: open, closed at once because --max-connections were open,
+    /// closed by the operator by reason (`handshake_timeout`, `idle_timeout`).
+    pub grpc_connections: ConnectionMetrics,
     /// gRPC request messages refused, by reason (`oversize`, `timeout`, `budget`).
     pub grpc_messages_refused: Family<ReasonLabels, Counter>,
     /// Calls refused by a quota or cap, by quota.
@@ -129,9 +125,7 @@ impl Default for Metrics {
             map_resyncs: Family::default(),
             map_resyncs_in_progress: Family::default(),
             map_watcher_lag: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
-            grpc_connections: Gauge::default(),
-            grpc_connections_refused: Counter::default(),
-            grpc_connections_closed: Family::default(),
+            grpc_connections: ConnectionMetrics::default(),
             grpc_messages_refused: Family::default(),
             quota_refusals: Family::default(),
             inflight_message_bytes: Gauge::default(),
@@ -247,17 +241,17 @@ impl Metrics {
         r.register(
             "grpc_connections",
             "Open gRPC connections",
-            self.grpc_connections.clone(),
+            self.grpc_connections.open.clone(),
         );
         r.register(
             "grpc_connections_refused",
             "gRPC connections closed on accept because --max-connections were open",
-            self.grpc_connections_refused.clone(),
+            self.grpc_connections.refused.clone(),
         );
         r.register(
             "grpc_connections_closed",
             "gRPC connections closed by the operator, by reason (handshake_timeout, idle_timeout)",
-            self.grpc_connections_closed.clone(),
+            self.grpc_connections.closed.clone(),
         );
         r.register(
             "grpc_messages_refused",

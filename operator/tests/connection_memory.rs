@@ -39,7 +39,7 @@ const LABELS: &[&str] = &["k8s:app=shop", "k8s:io.kubernetes.pod.namespace=shop"
 /// The most an idle agent connection may cost the operator, its node's state
 /// included. Measured in a debug build: 19.9 KB (HTTP/2 stream and HPACK state,
 /// tonic's and census's per-stream tasks); 56.8 KB with crates.io's h2, whose frame
-/// buffers stay allocated while the connection is idle (operator/vendor/h2).
+/// buffers stay allocated while the connection is idle (operator/transport/vendor/h2).
 const LIMIT: i64 = 28 * 1024;
 
 /// The operator on a thread of its own, answering with the bytes its thread holds.

@@ -35,12 +35,13 @@ use tonic::{
 };
 use tracing::debug;
 
+use census_transport::wire;
+
 use super::{
     Operator, auth,
     quota::{Held, Quotas},
     status::{field, refused, version},
     untrusted::untrusted,
-    wire,
 };
 use crate::{
     api::{

@@ -1,10 +1,10 @@
 //! The gRPC server: IdentityService, EndpointSync, EndpointMap, NodeService, gRPC health and
 //! reflection (v1 and v1alpha), with a metrics layer.
 //!
-//! Connections come from an accept loop of its own (`transport`: a connection cap,
-//! handshake and idle timeouts), and every request body is held to its method's
-//! message limit and timeout as it streams in (`codec`); what a client sent reaches
-//! logs and errors only bounded and escaped (`untrusted`).
+//! Connections come from the transport crate's accept loop (`census_transport::conn`:
+//! a connection cap, handshake and idle timeouts), and every request body is held to
+//! its method's message limit and timeout as it streams in (`census_transport::codec`);
+//! what a client sent reaches logs and errors only bounded and escaped (`untrusted`).
 //!
 //! The services reach the operator only through [`Api`], in domain types. This is
 //! the one module that knows the wire: it decodes and validates requests, encodes
@@ -12,7 +12,6 @@
 //! precise statuses, a follower's naming the leader (`status`).
 
 pub(crate) mod auth;
-mod codec;
 mod convert;
 mod endpoint_map;
 mod identity;
@@ -20,9 +19,7 @@ mod node;
 mod quota;
 mod status;
 mod sync;
-mod transport;
 mod untrusted;
-mod wire;
 
 use std::{
     future::Future,
@@ -35,6 +32,12 @@ use std::{
 use census_proto::pb::{
     self, identity_service_server::IdentityServiceServer, node_service_server::NodeServiceServer,
 };
+use census_transport::{
+    budget::MessageBudget,
+    codec::{self, MessageLimits},
+    conn::{self, ConnLimits},
+    methods::method_name,
+};
 use tokio::{net::TcpListener, sync::watch};
 use tower::{Layer, Service};
 
@@ -45,7 +48,6 @@ pub(crate) use self::{
     node::Nodes,
     quota::QuotaLimits,
     sync::{EndpointStreams, EndpointSyncServer},
-    transport::Transport,
 };
 use crate::{
     api::Api,
@@ -72,6 +74,20 @@ pub(crate) enum ServeError {
 pub(crate) struct Keepalive {
     pub(crate) interval: Duration,
     pub(crate) timeout: Duration,
+}
+
+/// What the gRPC server's connections and callers are held to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Transport {
+    pub(crate) keepalive: Keepalive,
+    pub(crate) max_connections: usize,
+    pub(crate) max_streams_per_connection: u32,
+    pub(crate) max_header_list_bytes: u32,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) message_timeout: Duration,
+    /// What one caller, and every caller together, may hold open.
+    pub(crate) quotas: QuotaLimits,
 }
 
 /// The server's TLS, as read from its files: the serving certificate and key (PEM),
@@ -128,11 +144,11 @@ pub(crate) async fn serve(
 ) -> Result<(), ServeError> {
     let settings = operator.settings();
     let max = settings.max_message_bytes;
-    let limits = codec::MessageLimits {
+    let limits = MessageLimits {
         request_bytes: codec::request_limit(settings.wire.labels.max_labels),
         stream_bytes: max,
         timeout: transport.message_timeout,
-        budget: quota::MessageBudget::new(
+        budget: MessageBudget::new(
             transport.quotas.inflight_message_bytes,
             metrics.inflight_message_bytes.clone(),
         ),
@@ -181,9 +197,18 @@ pub(crate) async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
 
-    let connections = Arc::new(transport::Connections::default());
-    let incoming = transport::incoming(listener, &transport, &metrics, Arc::clone(&connections));
-    let requests = transport::RequestLayer {
+    let connections = Arc::new(conn::Connections::default());
+    let incoming = conn::incoming(
+        listener,
+        ConnLimits {
+            max_connections: transport.max_connections,
+            handshake_timeout: transport.handshake_timeout,
+            idle_timeout: transport.idle_timeout,
+        },
+        metrics.grpc_connections.clone(),
+        Arc::clone(&connections),
+    );
+    let requests = conn::RequestLayer {
         connections,
         limits,
         refused: metrics.grpc_messages_refused.clone(),
@@ -198,8 +223,8 @@ pub(crate) async fn serve(
         .http2_keepalive_interval(Some(keepalive.interval))
         .http2_keepalive_timeout(Some(keepalive.timeout))
         .max_concurrent_streams(Some(transport.max_streams_per_connection))
-        .initial_stream_window_size(transport::STREAM_WINDOW_BYTES)
-        .initial_connection_window_size(transport::CONNECTION_WINDOW_BYTES)
+        .initial_stream_window_size(conn::STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(conn::CONNECTION_WINDOW_BYTES)
         .http2_max_header_list_size(Some(transport.max_header_list_bytes))
         // The metrics see the codes the request layer maps.
         .layer(GrpcMetricsLayer { metrics })
@@ -288,26 +313,5 @@ where
                 .observe(started.elapsed().as_secs_f64());
             result
         })
-    }
-}
-
-/// A bounded metric label for a gRPC path.
-fn method_name(path: &str) -> &'static str {
-    match path {
-        "/census.v1.IdentityService/Allocate" => "IdentityService/Allocate",
-        "/census.v1.IdentityService/Get" => "IdentityService/Get",
-        "/census.v1.IdentityService/Lookup" => "IdentityService/Lookup",
-        "/census.v1.IdentityService/List" => "IdentityService/List",
-        "/census.v1.IdentityService/Watch" => "IdentityService/Watch",
-        "/census.v1.EndpointSync/Sync" => "EndpointSync/Sync",
-        "/census.v1.EndpointMap/Watch" => "EndpointMap/Watch",
-        "/census.v1.EndpointMap/Lookup" => "EndpointMap/Lookup",
-        "/census.v1.NodeService/ListNodes" => "NodeService/ListNodes",
-        "/census.v1.NodeService/GetNode" => "NodeService/GetNode",
-        "/census.v1.NodeService/GetVersion" => "NodeService/GetVersion",
-        "/grpc.health.v1.Health/Check" => "Health/Check",
-        "/grpc.health.v1.Health/Watch" => "Health/Watch",
-        p if p.starts_with("/grpc.reflection.") => "reflection",
-        _ => "other",
     }
 }

@@ -33,14 +33,17 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status, server::NamedService};
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use census_transport::{
+    codec::{self, StreamLimit},
+    wire::{self, Messages},
+};
+
 use super::{
     Operator, auth,
-    codec::{self, StreamLimit},
     convert::to_agent,
     quota::{Held, Quotas},
     status::{field, refused, version},
     untrusted::untrusted,
-    wire::{self, Messages},
 };
 use crate::{
     api::{Applied, Caller, Connected, ToAgent},

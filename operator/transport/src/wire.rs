@@ -11,7 +11,7 @@
 //!   body chunk (the usual case) is decoded from that chunk, one split across chunks
 //!   is gathered into a buffer of exactly its length, and nothing is kept between
 //!   messages. It polls the body only when asked for a message, as tonic's decoder
-//!   does, so the request body's limits ([`super::codec`]) judge the next message's
+//!   does, so the request body's limits ([`crate::codec`]) judge the next message's
 //!   prefix only after the previous one was taken.
 //! - [`Answers`] is a response body of messages already framed, one HTTP/2 DATA frame
 //!   each: the map's batches and chunks are framed once and shared by every watcher
@@ -33,10 +33,10 @@ use prost::Message;
 use tonic::{Request, Status, body::Body, metadata::MetadataMap};
 
 /// The length prefix of a gRPC message: a compression flag and a big-endian length.
-pub(crate) const PREFIX_BYTES: usize = 5;
+pub const PREFIX_BYTES: usize = 5;
 
 /// `message` framed for the wire, in an allocation of its exact size.
-pub(crate) fn frame(message: &impl Message) -> Bytes {
+pub fn frame(message: &impl Message) -> Bytes {
     let len = message.encoded_len();
     let mut buf = BytesMut::with_capacity(PREFIX_BYTES + len);
     put_prefix(&mut buf, len);
@@ -46,7 +46,7 @@ pub(crate) fn frame(message: &impl Message) -> Bytes {
 }
 
 /// A [`frame`]d message, refused when over `max_bytes` (the peer would refuse it).
-pub(crate) fn within(framed: Bytes, max_bytes: usize) -> Result<Bytes, Status> {
+pub fn within(framed: Bytes, max_bytes: usize) -> Result<Bytes, Status> {
     let len = framed.len().saturating_sub(PREFIX_BYTES);
     if len > max_bytes {
         return Err(Status::internal(format!(
@@ -57,13 +57,13 @@ pub(crate) fn within(framed: Bytes, max_bytes: usize) -> Result<Bytes, Status> {
 }
 
 /// Writes the uncompressed prefix of a message of `len` bytes.
-pub(crate) fn put_prefix(buf: &mut impl bytes::BufMut, len: usize) {
+pub fn put_prefix(buf: &mut impl bytes::BufMut, len: usize) {
     buf.put_u8(0);
     buf.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
 }
 
 /// The request messages of one call, decoded from its body as they come.
-pub(crate) struct Messages<M> {
+pub struct Messages<M> {
     body: Body,
     /// Received and not yet part of a decoded message.
     chunks: VecDeque<Bytes>,
@@ -88,7 +88,7 @@ impl<M> std::fmt::Debug for Messages<M> {
 }
 
 impl<M: Message + Default> Messages<M> {
-    pub(crate) fn new(body: Body, max_bytes: usize) -> Self {
+    pub fn new(body: Body, max_bytes: usize) -> Self {
         Self {
             body,
             chunks: VecDeque::new(),
@@ -102,7 +102,7 @@ impl<M: Message + Default> Messages<M> {
 
     /// The next message; `None` when the client ended its side of the stream between
     /// messages. Cancel-safe: what came so far stays for the next call.
-    pub(crate) async fn message(&mut self) -> Result<Option<M>, Status> {
+    pub async fn message(&mut self) -> Result<Option<M>, Status> {
         std::future::poll_fn(|cx| self.poll_message(cx)).await
     }
 
@@ -230,7 +230,7 @@ fn type_name<M>() -> &'static str {
 
 /// `req` as a tonic request of its messages: the metadata and the extensions (the
 /// caller, the peer address, the stream's limit) as tonic's server would give them.
-pub(crate) fn request<M: Message + Default>(
+pub fn request<M: Message + Default>(
     req: http::Request<Body>,
     max_bytes: usize,
 ) -> Request<Messages<M>> {
@@ -243,7 +243,7 @@ pub(crate) fn request<M: Message + Default>(
 }
 
 /// The one message of a unary or server-streaming request.
-pub(crate) async fn single<M: Message + Default>(
+pub async fn single<M: Message + Default>(
     req: http::Request<Body>,
     max_bytes: usize,
 ) -> Result<Request<M>, Status> {
@@ -259,10 +259,10 @@ pub(crate) async fn single<M: Message + Default>(
 
 /// Messages already framed ([`frame`]), sent as they come; the stream's end or first
 /// error becomes the trailers.
-pub(crate) type Framed = Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>;
+pub type Framed = Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>;
 
 /// A response body of [`Framed`] messages.
-pub(crate) struct Answers {
+pub struct Answers {
     messages: Option<Framed>,
 }
 
@@ -276,7 +276,7 @@ impl std::fmt::Debug for Answers {
 
 impl Answers {
     /// The response that streams `messages`.
-    pub(crate) fn response(messages: Framed) -> http::Response<Body> {
+    pub fn response(messages: Framed) -> http::Response<Body> {
         let mut response = http::Response::new(Body::new(Self {
             messages: Some(messages),
         }));
@@ -288,7 +288,7 @@ impl Answers {
     }
 
     /// The response of a call refused before its stream began: trailers only.
-    pub(crate) fn refused(status: Status) -> http::Response<Body> {
+    pub fn refused(status: Status) -> http::Response<Body> {
         status.into_http()
     }
 }

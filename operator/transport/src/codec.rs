@@ -10,7 +10,7 @@
 //! accepted), so the limit is applied here, in front of tonic's decoder, on the body
 //! it decodes from. tonic's limit stays as the outer bound.
 //!
-//! The body hands its decoder (tonic's, or [`super::wire::Messages`] on the agents'
+//! The body hands its decoder (tonic's, or [`crate::wire::Messages`] on the agents'
 //! two streams) at most one message per frame: the next message's prefix is judged
 //! only when the decoder asks for more, that is once the previous message was decoded
 //! and taken, so an EndpointSync stream's limit is raised after its Hello and before
@@ -33,20 +33,23 @@ use prometheus_client::metrics::{counter::Counter, family::Family};
 use tokio::time::Sleep;
 use tonic::{Code, Status};
 
-use super::quota::{MessageBudget, Reserved};
-use crate::metrics::ReasonLabels;
+use crate::{
+    ReasonLabels,
+    budget::{MessageBudget, Reserved},
+    methods::{SYNC_PATH, is_client_stream, method_name},
+};
 
 /// Bytes one label takes on the wire at most: `source:prefix/name=value` with
 /// Kubernetes' limits (a 253-byte prefix, 63-byte name and value) and its framing.
-pub(crate) const LABEL_WIRE_BYTES: usize = 512;
+pub const LABEL_WIRE_BYTES: usize = 512;
 
 /// Room for everything in a request besides its labels (node name, session, ids,
 /// page tokens, addresses), and in a Hello.
-pub(crate) const REQUEST_SLACK_BYTES: usize = 4096;
+pub const REQUEST_SLACK_BYTES: usize = 4096;
 
 /// The limit of every message but the ones after an EndpointSync stream's Hello:
 /// a full label set of `max_labels` labels, plus [`REQUEST_SLACK_BYTES`].
-pub(crate) fn request_limit(max_labels: usize) -> usize {
+pub fn request_limit(max_labels: usize) -> usize {
     max_labels
         .saturating_mul(LABEL_WIRE_BYTES)
         .saturating_add(REQUEST_SLACK_BYTES)
@@ -54,28 +57,28 @@ pub(crate) fn request_limit(max_labels: usize) -> usize {
 
 /// The limits every call's messages are held to.
 #[derive(Debug, Clone)]
-pub(crate) struct MessageLimits {
+pub struct MessageLimits {
     /// Every request message, and an EndpointSync stream's until its Hello is accepted.
-    pub(crate) request_bytes: usize,
+    pub request_bytes: usize,
     /// An EndpointSync stream's messages after its Hello (a snapshot).
-    pub(crate) stream_bytes: usize,
+    pub stream_bytes: usize,
     /// How long one message may take to arrive, from its first byte (a unary or
     /// server-streaming call's one message: from the start of the call).
-    pub(crate) timeout: Duration,
+    pub timeout: Duration,
     /// What a message over `request_bytes` reserves before it is buffered.
-    pub(crate) budget: MessageBudget,
+    pub budget: MessageBudget,
 }
 
 /// The limit of one EndpointSync stream: the request limit until [`StreamLimit::raise`].
 #[derive(Debug)]
-pub(crate) struct StreamLimit {
+pub struct StreamLimit {
     bytes: AtomicUsize,
     raised: usize,
 }
 
 impl StreamLimit {
     /// The Hello was accepted: snapshots up to the stream limit may come.
-    pub(crate) fn raise(&self) {
+    pub fn raise(&self) {
         self.bytes.store(self.raised, Ordering::Relaxed);
     }
 
@@ -112,7 +115,7 @@ impl Limit {
 
 /// The request body of one call, held to its method's limits (see the module).
 #[derive(Debug)]
-pub(crate) struct Limited {
+pub struct Limited {
     inner: tonic::body::Body,
     method: &'static str,
     limit: Limit,
@@ -149,16 +152,9 @@ impl std::fmt::Debug for Waiting {
     }
 }
 
-/// The methods whose requests are streams of messages: their timer runs per message.
-fn is_client_stream(path: &str) -> bool {
-    path == SYNC_PATH || path.starts_with("/grpc.reflection.")
-}
-
-const SYNC_PATH: &str = "/census.v1.EndpointSync/Sync";
-
 /// `body` held to the limits of the method at `path`; for an EndpointSync stream,
 /// also the handle its handler raises the limit with.
-pub(crate) fn limit(
+pub fn limit(
     path: &str,
     body: tonic::body::Body,
     limits: &MessageLimits,
@@ -176,7 +172,7 @@ pub(crate) fn limit(
     let deadline = (!is_client_stream(path)).then(|| Box::pin(tokio::time::sleep(limits.timeout)));
     let body = Limited {
         inner: body,
-        method: super::method_name(path),
+        method: method_name(path),
         limit,
         timeout: limits.timeout,
         refused,
@@ -375,7 +371,7 @@ const DECODE_ERROR: &str = "failed to decode Protobuf message";
 
 /// A request that is not the protobuf it claims to be is the client's fault:
 /// INVALID_ARGUMENT, not tonic's INTERNAL. Other statuses are kept.
-pub(crate) fn client_fault(status: Status) -> Status {
+pub fn client_fault(status: Status) -> Status {
     if status.code() == Code::Internal && status.message().starts_with(DECODE_ERROR) {
         Status::invalid_argument(status.message().to_owned())
     } else {
@@ -385,7 +381,7 @@ pub(crate) fn client_fault(status: Status) -> Status {
 
 /// [`client_fault`] on a trailers-only answer (a unary call refused before its
 /// handler ran).
-pub(crate) fn client_fault_headers(headers: &mut http::HeaderMap) {
+pub fn client_fault_headers(headers: &mut http::HeaderMap) {
     let Some(status) = Status::from_header_map(headers) else {
         return;
     };

@@ -3,7 +3,7 @@
 //!
 //! - At most `max_connections` are open; one over the cap is closed at once, counted
 //!   (`census_grpc_connections_refused`) and logged at most once per
-//!   [`REFUSAL_LOG_EVERY`].
+//!   [`crate::accept::REFUSAL_LOG_EVERY`] ([`crate::accept`]).
 //! - A connection that has not sent the 24 bytes of the HTTP/2 preface within
 //!   `handshake_timeout` is closed. Under TLS the first 24 bytes are the TLS
 //!   handshake's, which tonic's own timeout (the same flag) bounds; the preface after
@@ -35,11 +35,11 @@ use bytes::Bytes;
 use futures::{Stream, task::AtomicWaker};
 use http_body::Frame;
 use parking_lot::Mutex;
-use prometheus_client::metrics::{counter::Counter, family::Family, gauge::Gauge};
+use prometheus_client::metrics::{counter::Counter, family::Family};
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},
-    sync::{OwnedSemaphorePermit, Semaphore},
+    sync::OwnedSemaphorePermit,
     time::{Instant, Sleep},
 };
 use tonic::{
@@ -47,37 +47,26 @@ use tonic::{
     transport::server::{Connected, TcpConnectInfo, TlsConnectInfo},
 };
 use tower::{Layer, Service};
-use tracing::{debug, warn};
+use tracing::debug;
 
-use super::{
-    Keepalive,
+use crate::{
+    ReasonLabels,
+    accept::{Acceptor, ConnectionMetrics, Named, Open},
     codec::{self, MessageLimits},
-    quota::QuotaLimits,
 };
-use crate::metrics::{Metrics, ReasonLabels};
 
 /// The HTTP/2 client connection preface (RFC 9113, section 3.4).
 const PREFACE_BYTES: usize = 24;
 
-/// Refused connections are logged at most this often, with their count.
-pub(crate) const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
-
-/// How long accepting pauses after an error (out of descriptors): the error would
-/// come again at once.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-
-/// What the gRPC server's connections and callers are held to.
+/// What the gRPC server's connections are held to.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Transport {
-    pub(crate) keepalive: Keepalive,
-    pub(crate) max_connections: usize,
-    pub(crate) max_streams_per_connection: u32,
-    pub(crate) max_header_list_bytes: u32,
-    pub(crate) handshake_timeout: Duration,
-    pub(crate) idle_timeout: Duration,
-    pub(crate) message_timeout: Duration,
-    /// What one caller, and every caller together, may hold open.
-    pub(crate) quotas: QuotaLimits,
+pub struct ConnLimits {
+    /// Connections open at once (`--max-connections`).
+    pub max_connections: usize,
+    /// How long a connection may take to send the HTTP/2 preface.
+    pub handshake_timeout: Duration,
+    /// How long a connection may go with no open request.
+    pub idle_timeout: Duration,
 }
 
 /// HTTP/2 flow-control windows, sized for this traffic: an agent's messages are a
@@ -87,12 +76,12 @@ pub(crate) struct Transport {
 /// handler reads is the connection window, not hyper's 1 MiB per stream. Answers are
 /// paced by the agents' windows, and the operator only takes the next one from a
 /// stream when the transport has room for it.
-pub(crate) const STREAM_WINDOW_BYTES: u32 = 256 * 1024;
-pub(crate) const CONNECTION_WINDOW_BYTES: u32 = 512 * 1024;
+pub const STREAM_WINDOW_BYTES: u32 = 256 * 1024;
+pub const CONNECTION_WINDOW_BYTES: u32 = 512 * 1024;
 
 /// The open connections, by peer address (unique among one listener's connections).
 #[derive(Debug, Default)]
-pub(crate) struct Connections(Mutex<HashMap<SocketAddr, Arc<ConnState>>>);
+pub struct Connections(Mutex<HashMap<SocketAddr, Arc<ConnState>>>);
 
 impl Connections {
     fn of(&self, peer: SocketAddr) -> Option<Arc<ConnState>> {
@@ -102,7 +91,7 @@ impl Connections {
 
 /// What requests tell their connection.
 #[derive(Debug)]
-pub(crate) struct ConnState {
+struct ConnState {
     open_requests: AtomicUsize,
     /// When the last request ended (or the connection was accepted).
     idle_since: Mutex<Instant>,
@@ -119,7 +108,7 @@ impl ConnState {
 
 /// An open request on a connection: the connection is not idle while it lives.
 #[derive(Debug)]
-pub(crate) struct OpenRequest(Arc<ConnState>);
+struct OpenRequest(Arc<ConnState>);
 
 impl Drop for OpenRequest {
     fn drop(&mut self) {
@@ -131,124 +120,54 @@ impl Drop for OpenRequest {
 }
 
 /// The connections the gRPC server serves: accepted, capped and timed (see the module).
-pub(crate) fn incoming(
+pub fn incoming(
     listener: TcpListener,
-    transport: &Transport,
-    metrics: &Metrics,
+    limits: ConnLimits,
+    metrics: ConnectionMetrics,
     connections: Arc<Connections>,
 ) -> impl Stream<Item = Result<Conn, io::Error>> + Send + 'static {
-    let acceptor = Acceptor {
-        listener,
-        permits: Arc::new(Semaphore::new(transport.max_connections)),
-        max_connections: transport.max_connections,
-        handshake_timeout: transport.handshake_timeout,
-        idle_timeout: transport.idle_timeout,
-        connections,
-        open: metrics.grpc_connections.clone(),
-        refused: metrics.grpc_connections_refused.clone(),
-        closed: metrics.grpc_connections_closed.clone(),
-        refusals: RateLimited::default(),
-        accept_errors: RateLimited::default(),
+    let named = Named {
+        server: "gRPC",
+        cap_flag: "--max-connections",
     };
-    futures::stream::unfold(acceptor, |mut acceptor| async move {
-        let conn = acceptor.accept().await;
-        Some((Ok(conn), acceptor))
-    })
-}
-
-struct Acceptor {
-    listener: TcpListener,
-    permits: Arc<Semaphore>,
-    max_connections: usize,
-    handshake_timeout: Duration,
-    idle_timeout: Duration,
-    connections: Arc<Connections>,
-    open: Gauge,
-    refused: Counter,
-    closed: Family<ReasonLabels, Counter>,
-    refusals: RateLimited,
-    accept_errors: RateLimited,
-}
-
-/// Counts events and says when one should be logged: the first, then at most one
-/// per [`REFUSAL_LOG_EVERY`], with the count since the last line.
-#[derive(Debug, Default)]
-struct RateLimited {
-    last: Option<Instant>,
-    unlogged: u64,
-}
-
-impl RateLimited {
-    /// `Some(events since the last line)` when this one is to be logged.
-    fn note(&mut self, now: Instant) -> Option<u64> {
-        self.unlogged += 1;
-        match self.last {
-            Some(last) if now.duration_since(last) < REFUSAL_LOG_EVERY => None,
-            _ => {
-                self.last = Some(now);
-                Some(std::mem::take(&mut self.unlogged))
-            }
-        }
-    }
-}
-
-impl Acceptor {
-    async fn accept(&mut self) -> Conn {
-        loop {
-            let (tcp, peer) = match self.listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    if let Some(errors) = self.accept_errors.note(Instant::now()) {
-                        warn!(error = %e, errors, "cannot accept gRPC connections; retrying");
-                    }
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            };
-            let Ok(permit) = Arc::clone(&self.permits).try_acquire_owned() else {
-                // Closed before tonic or hyper see it: no buffers, no task.
-                drop(tcp);
-                self.refused.inc();
-                if let Some(refused) = self.refusals.note(Instant::now()) {
-                    warn!(
-                        %peer,
-                        refused,
-                        max_connections = self.max_connections,
-                        "refused gRPC connections: --max-connections are open"
-                    );
-                }
-                continue;
-            };
-            // Small request/answer exchanges (Allocate, an Ack per message) must not
-            // wait for Nagle's algorithm.
-            let _ = tcp.set_nodelay(true);
+    let closed = metrics.closed.clone();
+    let acceptor = Acceptor::new(listener, limits.max_connections, named, metrics);
+    futures::stream::unfold(acceptor, move |mut acceptor| {
+        let connections = Arc::clone(&connections);
+        let closed = closed.clone();
+        async move {
+            let (accepted, open) = acceptor.accept().await;
             let now = Instant::now();
             let state = Arc::new(ConnState {
                 open_requests: AtomicUsize::new(0),
                 idle_since: Mutex::new(now),
                 waker: AtomicWaker::new(),
             });
-            self.connections.0.lock().insert(peer, Arc::clone(&state));
-            self.open.inc();
-            return Conn {
-                tcp,
-                peer,
+            connections
+                .0
+                .lock()
+                .insert(accepted.peer, Arc::clone(&state));
+            let conn = Conn {
+                tcp: accepted.tcp,
+                peer: accepted.peer,
                 state,
-                connections: Arc::clone(&self.connections),
-                handshake_deadline: now + self.handshake_timeout,
-                idle_timeout: self.idle_timeout,
+                connections,
+                handshake_deadline: now + limits.handshake_timeout,
+                idle_timeout: limits.idle_timeout,
                 preface_read: 0,
-                timer: Box::pin(tokio::time::sleep_until(now + self.handshake_timeout)),
-                open: self.open.clone(),
-                closed: self.closed.clone(),
-                _permit: permit,
+                timer: Box::pin(tokio::time::sleep_until(now + limits.handshake_timeout)),
+                closed,
+                _open: open,
+                _permit: accepted.permit,
             };
+            Some((Ok(conn), acceptor))
         }
-    }
+    })
 }
 
 /// One accepted connection, as tonic reads and writes it.
-pub(crate) struct Conn {
+#[derive(Debug)]
+pub struct Conn {
     tcp: TcpStream,
     peer: SocketAddr,
     state: Arc<ConnState>,
@@ -258,8 +177,8 @@ pub(crate) struct Conn {
     /// Bytes read, up to the preface's length.
     preface_read: usize,
     timer: Pin<Box<Sleep>>,
-    open: Gauge,
     closed: Family<ReasonLabels, Counter>,
+    _open: Open,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -306,7 +225,6 @@ impl Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.connections.0.lock().remove(&self.peer);
-        self.open.dec();
     }
 }
 
@@ -372,10 +290,10 @@ impl AsyncWrite for Conn {
 /// body to its method's message limits, and answers a request that is not protobuf
 /// with INVALID_ARGUMENT.
 #[derive(Debug, Clone)]
-pub(crate) struct RequestLayer {
-    pub(crate) connections: Arc<Connections>,
-    pub(crate) limits: MessageLimits,
-    pub(crate) refused: Family<ReasonLabels, Counter>,
+pub struct RequestLayer {
+    pub connections: Arc<Connections>,
+    pub limits: MessageLimits,
+    pub refused: Family<ReasonLabels, Counter>,
 }
 
 impl<S> Layer<S> for RequestLayer {
@@ -390,7 +308,7 @@ impl<S> Layer<S> for RequestLayer {
 }
 
 #[derive(Debug, Clone)]
-pub(crate) struct Requests<S> {
+pub struct Requests<S> {
     inner: S,
     layer: RequestLayer,
 }
@@ -479,20 +397,5 @@ impl http_body::Body for Busy {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn refusals_are_logged_once_per_period_with_their_count() {
-        let mut log = RateLimited::default();
-        let start = Instant::now();
-        assert_eq!(log.note(start), Some(1));
-        assert_eq!(log.note(start + Duration::from_secs(1)), None);
-        assert_eq!(log.note(start + Duration::from_secs(2)), None);
-        assert_eq!(log.note(start + REFUSAL_LOG_EVERY), Some(3));
     }
 }
