@@ -181,9 +181,9 @@ pub fn addresses_from_wire(addresses: &[String], field: &str) -> Result<Vec<IpAd
 /// One address of an endpoint or a node, as text on the wire: it parses, and an
 /// endpoint or a node can have it.
 fn ip_from_wire(text: &str, field: impl fmt::Display) -> Result<IpAddr, FieldError> {
-    let ip: IpAddr = text
-        .parse()
-        .map_err(|_| FieldError::new(&field, Problem::Ip(text.chars().take(64).collect())))?;
+    let ip: IpAddr = text.parse().map_err(|_| {
+        FieldError::new(&field, Problem::Ip(crate::text::cut(text, 64).into_owned()))
+    })?;
     let ip = ip.to_canonical();
     check_usable_ip(ip)
         .map_err(|what| FieldError::new(&field, Problem::UnusableIp { ip, what }))?;

@@ -172,8 +172,9 @@ pub enum NameError {
     Key(String),
 }
 
+/// A rejected name, bounded for its error.
 fn clip(s: &str) -> String {
-    s.chars().take(300).collect()
+    crate::text::cut(s, 300).into_owned()
 }
 
 /// A Kubernetes node name.

@@ -7,6 +7,7 @@ pub mod convert;
 pub mod domain;
 pub mod labels;
 pub mod status;
+pub mod text;
 
 /// Generated from `proto/census/v1/census.proto` by `cargo xtask codegen`.
 #[allow(

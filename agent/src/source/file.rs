@@ -200,7 +200,7 @@ fn check_entry(entry: &Entry) -> Result<SourceEndpoint, EntryProblem> {
     for (index, text) in entry.ips.iter().enumerate() {
         let ip = text.trim().parse().map_err(|_| EntryProblem::Ip {
             index,
-            value: text.chars().take(64).collect(),
+            value: census_proto::text::cut(text, 64).into_owned(),
         })?;
         check_usable_ip(ip).map_err(|what| EntryProblem::UnusableIp { index, ip, what })?;
         ips.push(ip);

@@ -126,18 +126,11 @@ pub(crate) trait Authenticate: Send + Sync + 'static {
 /// The longest caller-supplied text an error message repeats.
 const MAX_QUOTED: usize = 128;
 
-/// `text`, escaped and cut to [`MAX_QUOTED`] characters, for a log line or a status
+/// `text`, cut to [`MAX_QUOTED`] bytes and escaped, for a log line or a status
 /// message.
 pub(crate) fn bounded(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .take(MAX_QUOTED)
-        .flat_map(char::escape_debug)
-        .collect();
-    if text.chars().count() > MAX_QUOTED {
-        out.push_str("...");
-    }
-    out
+    let head = census_proto::text::cut(text, MAX_QUOTED);
+    head.chars().flat_map(char::escape_debug).collect()
 }
 
 /// Refusals: UNAUTHENTICATED (no or bad credentials), PERMISSION_DENIED
@@ -178,16 +171,7 @@ impl AuthError {
 const MAX_MESSAGE: usize = 512;
 
 fn bounded_message(message: impl std::fmt::Display) -> String {
-    let mut text = message.to_string();
-    if text.len() > MAX_MESSAGE {
-        let mut cut = MAX_MESSAGE;
-        while !text.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        text.truncate(cut);
-        text.push_str("...");
-    }
-    text
+    census_proto::text::cut(&message.to_string(), MAX_MESSAGE).into_owned()
 }
 
 impl From<AuthError> for tonic::Status {

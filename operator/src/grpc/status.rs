@@ -24,7 +24,7 @@ pub(super) fn not_leader_status(refusal: &NotLeader) -> Status {
 
 /// A refused field: its error may quote what the client sent, so it is shown bounded.
 pub(super) fn field(e: FieldError) -> Status {
-    Status::invalid_argument(untrusted(&e.to_string()).owned())
+    Status::invalid_argument(untrusted(&e.to_string()).to_string())
 }
 
 pub(super) fn version(e: VersionMismatch) -> Status {

@@ -106,7 +106,7 @@ impl Refusals {
     }
 
     fn is_news(&self, caller: &str, status: &Status) -> bool {
-        let seen = (status.code(), untrusted(status.message()).owned());
+        let seen = (status.code(), untrusted(status.message()).to_string());
         let mut last = self.0.lock();
         if last.get(caller) == Some(&seen) {
             return false;
@@ -172,7 +172,7 @@ impl EndpointStreams {
                 Status::failed_precondition("the first message on EndpointSync must be Hello"),
             ));
         };
-        let who = untrusted(&hello.node).owned();
+        let who = untrusted(&hello.node).to_string();
         check_version(hello.protocol_version).map_err(|e| refuse(&who, version(e)))?;
         let node =
             node_from_wire(&hello.node, "hello.node").map_err(|e| refuse(&caller, field(e)))?;
@@ -499,7 +499,7 @@ impl Stream {
                 .get_or_create(&ReasonLabels { reason: r.kind() })
                 .inc();
             let reasons = now.entry(r.key.clone()).or_default();
-            let reason = untrusted(&r.error.to_string()).owned();
+            let reason = untrusted(&r.error.to_string()).to_string();
             let known = self
                 .rejected
                 .get(&r.key)

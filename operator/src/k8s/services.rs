@@ -171,7 +171,7 @@ fn cidr_ranges(object: &ServiceCIDR) -> Option<(String, Vec<IpNet>)> {
             Err(_) => {
                 warn!(
                     servicecidr = name,
-                    cidr = text.chars().take(64).collect::<String>(),
+                    cidr = %census_proto::text::cut(text, 64),
                     "skipping a ServiceCIDR range that is not a CIDR"
                 );
                 None

@@ -546,13 +546,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
 const PANIC_MESSAGE_MAX: usize = 200;
 
 fn bounded(message: &str) -> String {
-    if message.len() <= PANIC_MESSAGE_MAX {
-        return message.to_owned();
-    }
-    format!(
-        "{}...",
-        &message[..message.floor_char_boundary(PANIC_MESSAGE_MAX)]
-    )
+    census_proto::text::cut(message, PANIC_MESSAGE_MAX).into_owned()
 }
 
 // ---------------------------------------------------------------------------------------

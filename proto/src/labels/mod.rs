@@ -67,15 +67,7 @@ impl LabelError {
 
 /// Labels in error messages are cut so a hostile input cannot make them huge.
 fn shorten(s: &str) -> String {
-    const MAX: usize = 300;
-    if s.len() <= MAX {
-        return s.to_owned();
-    }
-    let mut end = MAX;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &s[..end])
+    crate::text::cut(s, 300).into_owned()
 }
 
 /// One label, borrowed from its text.

@@ -63,7 +63,7 @@ impl Agent {
         };
         if status != 200 {
             let text = String::from_utf8_lossy(&body);
-            let mut quoted: String = one_line(&text).chars().take(MAX_QUOTED).collect();
+            let mut quoted = census_proto::text::cut(&one_line(&text), MAX_QUOTED).into_owned();
             if quoted.is_empty() {
                 quoted = "(no body)".to_owned();
             }
