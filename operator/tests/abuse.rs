@@ -11,9 +11,8 @@
 //! (`cargo xtask bench abuse`), not asserted here.
 
 use std::{
-    io::{BufRead as _, BufReader},
     net::SocketAddr,
-    process::{Child, Command, Stdio},
+    process::Command,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -31,7 +30,7 @@ use census_proto::{
 };
 use census_testkit::{
     h2attack::{EMPTY_SETTINGS, PREFACE, call, framed, hello, prefix, push},
-    process,
+    process::{self, Spawned},
 };
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
@@ -58,7 +57,7 @@ const SLACK: Duration = Duration::from_secs(5);
 
 /// A `census-operator` process, its stderr counted and drained.
 struct Operator {
-    child: Child,
+    _process: Spawned,
     addr: SocketAddr,
     admin_addr: SocketAddr,
     pid: u32,
@@ -105,56 +104,19 @@ impl Operator {
             ])
             .arg("--store-path")
             .arg(dir.path().join("census.redb"))
-            .args([
-                "--adoption-window",
-                "0s",
-                "--log-format",
-                "json",
-                "--log",
-                "info",
-            ]);
+            .args(["--adoption-window", "0s"]);
         for (flag, value) in timeouts {
             command.arg(flag).arg(format!("{}ms", value.as_millis()));
         }
-        let mut child = command
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let pid = child.id();
-        let stderr = child.stderr.take().ok_or("no stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            let Some(line) = lines.next() else { break };
-            let line = line?;
-            let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
-                continue;
-            };
-            let field = |name: &str| json.pointer(&format!("/fields/{name}"))?.as_str();
-            if let (Some(addr), Some(admin_addr)) = (field("grpc_addr"), field("admin_addr")) {
-                let (addr, admin_addr) = (addr.parse()?, admin_addr.parse()?);
-                let log_bytes = Arc::new(AtomicU64::new(0));
-                let counted = Arc::clone(&log_bytes);
-                // Keep draining stderr so the child never blocks on a full pipe.
-                std::thread::spawn(move || {
-                    for line in lines.by_ref() {
-                        let Ok(line) = line else { return };
-                        counted.fetch_add(line.len() as u64 + 1, Ordering::Relaxed);
-                    }
-                });
-                return Ok(Self {
-                    child,
-                    addr,
-                    admin_addr,
-                    pid,
-                    log_bytes,
-                    _dir: dir,
-                });
-            }
-        }
-        let _ = child.kill();
-        Err("the operator did not report its address".into())
+        let process = Spawned::start(command.args(args), Duration::from_secs(30))?;
+        Ok(Self {
+            addr: process.grpc,
+            admin_addr: process.admin,
+            pid: process.pid(),
+            log_bytes: Arc::clone(&process.log_bytes),
+            _process: process,
+            _dir: dir,
+        })
     }
 
     fn rss_kib(&self) -> Fallible<u64> {
@@ -203,13 +165,6 @@ impl Operator {
     /// stopped: the peaks.
     fn watch_rss(&self) -> process::Watch {
         process::Watch::start(self.pid)
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -4,15 +4,14 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    io::{BufRead, BufReader},
     net::SocketAddr,
     path::Path,
-    process::{Child, Command, Stdio},
+    process::Command,
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use census_proto::{
@@ -22,6 +21,7 @@ use census_proto::{
         identity_service_client::IdentityServiceClient,
     },
 };
+use census_testkit::process::Spawned;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -31,70 +31,37 @@ type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 const ROUNDS: usize = 8;
 const NODE: &str = "crash-node";
 
+/// A `census-operator` process, killed when dropped.
 struct Operator {
-    child: Child,
+    process: Spawned,
     addr: SocketAddr,
 }
 
 impl Operator {
     fn start(store: &Path) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_census-operator"))
-            .args([
-                "--grpc-listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .arg("--store-path")
-            .arg(store)
-            .args([
-                "--adoption-window",
-                "0s",
-                "--max-holds-per-node",
-                "100000",
-                "--log-format",
-                "json",
-                "--log",
-                "info",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let stderr = child.stderr.take().ok_or("no stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            let Some(line) = lines.next() else { break };
-            let line = line?;
-            let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
-                continue;
-            };
-            if let Some(addr) = json.pointer("/fields/grpc_addr").and_then(|v| v.as_str()) {
-                // Keep draining stderr so the child never blocks on a full pipe.
-                std::thread::spawn(move || for _ in lines.by_ref() {});
-                return Ok(Self {
-                    child,
-                    addr: addr.parse()?,
-                });
-            }
-        }
-        let _ = child.kill();
-        Err("the operator did not report its address".into())
+        let process = Spawned::start(
+            Command::new(env!("CARGO_BIN_EXE_census-operator"))
+                .args([
+                    "--grpc-listen",
+                    "127.0.0.1:0",
+                    "--admin-listen",
+                    "127.0.0.1:0",
+                ])
+                .arg("--store-path")
+                .arg(store)
+                .args(["--adoption-window", "0s", "--max-holds-per-node", "100000"]),
+            Duration::from_secs(20),
+        )?;
+        Ok(Self {
+            addr: process.grpc,
+            process,
+        })
     }
 
+    /// SIGKILL: no shutdown path runs.
     fn kill(mut self) -> TestResult {
-        // SIGKILL: no shutdown path runs.
-        self.child.kill()?;
-        self.child.wait()?;
+        self.process.kill();
         Ok(())
-    }
-}
-
-impl Drop for Operator {
-    /// A failing test never leaves an operator behind.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

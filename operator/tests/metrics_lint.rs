@@ -2,28 +2,14 @@
 //! both formats, passes `promtool check metrics` (text format) and a strict
 //! OpenMetrics parser (`census_testkit::promlint`).
 
-use std::{
-    io::{BufRead, BufReader},
-    net::SocketAddr,
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::{net::SocketAddr, process::Command, time::Duration};
 
 use census_proto::{PROTOCOL_VERSION, pb};
-use census_testkit::{TestResult, promlint};
-
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use census_testkit::{TestResult, process::Spawned, promlint};
 
 /// The operator on a redb store in `dir`: the process, its gRPC and admin addresses.
-fn start(dir: &std::path::Path) -> TestResult<(Process, SocketAddr, SocketAddr)> {
-    let mut child = Process(
+fn start(dir: &std::path::Path) -> TestResult<(Spawned, SocketAddr, SocketAddr)> {
+    let process = Spawned::start(
         Command::new(env!("CARGO_BIN_EXE_census-operator"))
             .args([
                 "--grpc-listen",
@@ -32,32 +18,11 @@ fn start(dir: &std::path::Path) -> TestResult<(Process, SocketAddr, SocketAddr)>
                 "127.0.0.1:0",
             ])
             .arg("--store-path")
-            .arg(dir.join("census.redb"))
-            .args(["--log-format", "json", "--log", "info"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?,
-    );
-    let stderr = child.0.stderr.take().ok_or("no stderr")?;
-    let mut lines = BufReader::new(stderr).lines();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        let Some(line) = lines.next() else { break };
-        let Ok(json) = serde_json::from_str::<serde_json::Value>(&line?) else {
-            continue;
-        };
-        let field = |name: &str| {
-            json.pointer(&format!("/fields/{name}"))
-                .and_then(|v| v.as_str())
-                .and_then(|a| a.parse::<SocketAddr>().ok())
-        };
-        if let (Some(grpc), Some(admin)) = (field("grpc_addr"), field("admin_addr")) {
-            // Keep draining stderr so the child never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines.by_ref() {});
-            return Ok((child, grpc, admin));
-        }
-    }
-    Err("the operator did not report its addresses".into())
+            .arg(dir.join("census.redb")),
+        Duration::from_secs(20),
+    )?;
+    let (grpc, admin) = (process.grpc, process.admin);
+    Ok((process, grpc, admin))
 }
 
 #[tokio::test]

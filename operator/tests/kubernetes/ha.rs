@@ -7,15 +7,15 @@
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead, BufReader},
     net::SocketAddr,
     path::Path,
-    process::{Child, Command, Stdio},
+    process::Command,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use census_fake_apiserver::{FakeApiServer, Gvr};
+use census_testkit::process::Spawned;
 use tokio::task::JoinSet;
 
 use crate::{
@@ -30,56 +30,30 @@ const NODES: [&str; 3] = ["node-1", "node-3", "node-4"];
 
 /// A `census-operator` process, killed when dropped.
 struct Process {
-    child: Child,
+    process: Spawned,
     grpc: SocketAddr,
 }
 
 impl Process {
     fn spawn(kubeconfig: &Path, pod: &str) -> TestResult<Self> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_census-operator"))
-            .args(replica_args(
+        let process = Spawned::start(
+            Command::new(env!("CARGO_BIN_EXE_census-operator")).args(replica_args(
                 kubeconfig,
                 pod,
                 &[("--grace-period", "60s"), ("--node-ttl", "3s")],
-            ))
-            .args(["--log-format", "json", "--log", "info"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let stderr = child.stderr.take().ok_or("no stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        let deadline = Instant::now() + WAIT;
-        while Instant::now() < deadline {
-            let Some(line) = lines.next() else { break };
-            let line = line?;
-            let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
-                continue;
-            };
-            if let Some(addr) = json.pointer("/fields/grpc_addr").and_then(|v| v.as_str()) {
-                // Keep draining stderr so the child never blocks on a full pipe.
-                std::thread::spawn(move || for _ in lines.by_ref() {});
-                return Ok(Self {
-                    child,
-                    grpc: addr.parse()?,
-                });
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        fail(format!("operator {pod} did not report its address"))
+            )),
+            WAIT,
+        )
+        .map_err(|e| format!("operator {pod}: {e}"))?;
+        Ok(Self {
+            grpc: process.grpc,
+            process,
+        })
     }
 
     fn kill(&mut self) -> TestResult {
-        self.child.kill()?;
-        self.child.wait()?;
+        self.process.kill();
         Ok(())
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

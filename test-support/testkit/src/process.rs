@@ -122,3 +122,84 @@ mod tests {
         Ok(())
     }
 }
+
+/// A daemon started as a process by a test, with the addresses its `serving` log
+/// line named; killed (and reaped) when dropped.
+#[derive(Debug)]
+pub struct Spawned {
+    pub child: std::process::Child,
+    pub grpc: std::net::SocketAddr,
+    pub admin: std::net::SocketAddr,
+    /// Bytes the process has logged since, counted as they are drained.
+    pub log_bytes: Arc<AtomicU64>,
+}
+
+impl Spawned {
+    /// Starts `command` (a `census-operator`, its flags given) with JSON logs at
+    /// `info` on a pipe, and waits up to `wait` for the line naming its gRPC and
+    /// admin addresses. The log is drained from then on, so the process never
+    /// blocks on a full pipe.
+    pub fn start(command: &mut std::process::Command, wait: Duration) -> TestResult<Self> {
+        use std::io::{BufRead as _, BufReader};
+        let mut child = command
+            .args(["--log-format", "json", "--log", "info"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let Some(stderr) = child.stderr.take() else {
+            kill(&mut child);
+            return Err("no stderr".into());
+        };
+        let mut lines = BufReader::new(stderr).lines();
+        let deadline = std::time::Instant::now() + wait;
+        while std::time::Instant::now() < deadline {
+            let Some(Ok(line)) = lines.next() else { break };
+            let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            let field = |name: &str| {
+                json.pointer(&format!("/fields/{name}"))
+                    .and_then(|v| v.as_str())
+                    .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+            };
+            if let (Some(grpc), Some(admin)) = (field("grpc_addr"), field("admin_addr")) {
+                let log_bytes = Arc::new(AtomicU64::new(0));
+                let counted = Arc::clone(&log_bytes);
+                std::thread::spawn(move || {
+                    for line in lines.by_ref() {
+                        let Ok(line) = line else { return };
+                        counted.fetch_add(line.len() as u64 + 1, Ordering::Relaxed);
+                    }
+                });
+                return Ok(Self {
+                    child,
+                    grpc,
+                    admin,
+                    log_bytes,
+                });
+            }
+        }
+        kill(&mut child);
+        Err("the process did not report its addresses".into())
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kills the process and waits for it.
+    pub fn kill(&mut self) {
+        kill(&mut self.child);
+    }
+}
+
+fn kill(child: &mut std::process::Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        kill(&mut self.child);
+    }
+}
