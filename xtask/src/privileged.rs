@@ -1,10 +1,10 @@
 //! `cargo xtask test-privileged`: the tests that need root.
 //!
-//! Builds `census-agent`'s `privileged` (the datapath against the kernel) and `e2e`
-//! (real operator and agent processes, network namespaces, traffic) test targets as
-//! the calling user would (`cargo test --no-run --message-format=json`), and the
+//! Builds `census-agent`'s `privileged` test target (the datapath against the
+//! kernel, and in its `e2e` module real operator and agent processes, network
+//! namespaces, traffic) as the calling user would (`cargo test --no-run --message-format=json`), and the
 //! `census-operator` and `census-agent` binaries the end-to-end tests run, then runs
-//! the test executables with `--ignored --test-threads=1`, once per attach mode
+//! the test executable with `--ignored --test-threads=1`, once per attach mode
 //! (`CENSUS_TEST_ATTACH_MODE=tcx`, then `tc`). Only these tests need
 //! root: nothing sets a global `runner = "sudo -E"`.
 
@@ -83,7 +83,7 @@ pub(crate) struct Suite {
 
 impl Suite {
     /// Builds the eBPF object (unless `no_build_ebpf`), the operator and agent
-    /// binaries, and the `privileged` and `e2e` test executables, in `profile`.
+    /// binaries, and the `privileged` test executable, in `profile`.
     pub(crate) fn build(no_build_ebpf: bool, profile: Profile) -> anyhow::Result<Self> {
         if !no_build_ebpf {
             ebpf::build(ebpf::Profile::Release)?;
@@ -122,8 +122,6 @@ impl Suite {
                     "census-agent",
                     "--test",
                     "privileged",
-                    "--test",
-                    "e2e",
                 ],
                 release,
             ]

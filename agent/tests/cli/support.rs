@@ -2,7 +2,6 @@
 //! operator in process (its own tempdir redb store), an agent's EndpointSync stream
 //! driven by the test, a fake agent admin port, and a fake operator that answers every
 //! call with one status.
-#![allow(dead_code, reason = "each test target uses part of the fixtures")]
 
 use std::{process::Output, time::Duration};
 

@@ -3,9 +3,6 @@
 //! it must not read (another layout, another shape, no permission) get their own exit
 //! codes and are left as they were.
 
-#[path = "../cli/support.rs"]
-mod cli_support;
-
 use std::{
     collections::BTreeMap,
     net::IpAddr,
@@ -16,7 +13,7 @@ use std::{
 
 use census_agent::bpf::{Datapath, Endpoint, Interface, LAYOUT_VERSION, ServiceKind};
 use census_netlab::Lab;
-use cli_support::{Operator, cli_session, hello};
+use census_testkit::{Operator, session};
 use serde_json::Value;
 
 use crate::support::{
@@ -459,11 +456,13 @@ fn bpf_tables_name_identities_when_the_operator_answers() -> TestResult {
     let (operator, agent, web) = runtime
         .block_on(async {
             let operator = Operator::start(&[]).await?;
-            let agent = hello(&operator, "node-a").await?;
+            let agent = census_testkit::Agent::connect(&operator, "node-a", session(1))
+                .await?
+                .0;
             let web = operator
-                .allocate_ok("node-a", cli_session(), &["k8s:app=web"])
+                .allocate_ok("node-a", session(1), &["k8s:app=web"])
                 .await?;
-            cli_support::TestResult::Ok((operator, agent, web))
+            census_testkit::TestResult::Ok((operator, agent, web))
         })
         .map_err(|e| e.to_string())?;
     datapath.upsert_endpoint("198.18.9.2".parse()?, Endpoint::local(web.id))?;

@@ -32,7 +32,7 @@ use census_testkit::cluster::ControlPlane;
 use serde_json::{Value, json};
 
 use crate::{
-    harness::binaries,
+    e2e::harness::binaries,
     support::{Fallible, PinDir, TestResult, attach_mode_arg, frame_len},
     two_node::{print_logs, report, wait_for, wait_until},
 };

@@ -40,7 +40,7 @@ use census_proto::{
 use tonic::{Code, transport::Channel};
 
 use crate::{
-    harness::{LabCerts, SendResult, binaries, endpoint_entry, pod_labels, wait_for},
+    e2e::harness::{LabCerts, SendResult, binaries, endpoint_entry, pod_labels, wait_for},
     support::{Fallible, PinDir, TestResult, attach_mode_arg, bpftool, bytes, path_str, u32_at},
 };
 

@@ -39,7 +39,7 @@ use nix::{
 };
 
 use crate::{
-    harness::{LabCerts, SendResult, binaries, endpoint_entry, pod_labels},
+    e2e::harness::{LabCerts, SendResult, binaries, endpoint_entry, pod_labels},
     support::{
         Fallible, PinDir, TestResult, attach_mode_arg, bpftool, bytes, frame_len, path_str, u32_at,
     },

@@ -5,39 +5,20 @@
 //! a time. Each uses its own pin directory (`/sys/fs/bpf/census-test-<pid>-<n>`)
 //! and its own namespaces, all removed by guards even when the test fails.
 
-#[path = "privileged/attach.rs"]
 mod attach;
-#[path = "privileged/cli.rs"]
 mod cli;
-#[path = "privileged/count_once/mod.rs"]
 mod count_once;
-#[path = "privileged/datapath_stats.rs"]
 mod datapath_stats;
-#[path = "privileged/endpoint_map.rs"]
+mod e2e;
 mod endpoint_map;
-#[allow(
-    dead_code,
-    reason = "the end-to-end suite's processes; the two-node lab uses some of its helpers"
-)]
-#[path = "e2e/harness.rs"]
-mod harness;
-#[path = "privileged/kwok.rs"]
 mod kwok;
-#[path = "privileged/metrics_lint.rs"]
 mod metrics_lint;
-#[path = "privileged/pin_lock.rs"]
 mod pin_lock;
-#[path = "privileged/pod_route.rs"]
 mod pod_route;
-#[path = "privileged/services.rs"]
 mod services;
-#[path = "privileged/snat.rs"]
 mod snat;
-#[path = "privileged/sockets.rs"]
 mod sockets;
-#[path = "privileged/support.rs"]
 mod support;
-#[path = "privileged/two_node.rs"]
 mod two_node;
 
 use std::{

@@ -1,7 +1,8 @@
 //! `census` against a real operator (in process, on loopback) and a fake agent admin
-//! port, through the real binary: what it prints agrees with what the services say.
+//! port, through the real binary: what it prints agrees with what the services say;
+//! and every way it refuses or fails that needs no root (`errors`).
 
-#[path = "cli/support.rs"]
+mod errors;
 mod support;
 
 use serde_json::{Value, json};

@@ -4,10 +4,7 @@
 //! The map errors that need real pinned maps (another layout, another shape, no
 //! permission) are in the privileged suite (`tests/privileged/cli.rs`).
 
-#[path = "cli/support.rs"]
-mod support;
-
-use support::{
+use crate::support::{
     FakeAgent, FakeOperator, Operator, TestResult, census, cli_session, closed_port, hello,
 };
 use tonic::Status;
