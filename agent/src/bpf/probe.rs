@@ -1,15 +1,11 @@
 //! What the running kernel offers, found by asking it: the minimum kernel census
 //! runs on, and whether TCX links exist (tried, not guessed from the version:
 //! distributions backport, and aya's `attach()` guesses by version).
-#![allow(unsafe_code)]
+use std::{fmt, fs, io, os::fd::AsFd as _, str::FromStr};
 
-use std::{
-    fmt, fs, io,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-    str::FromStr,
-};
+use aya_obj::generated::{bpf_attach_type, bpf_cmd, bpf_prog_type};
 
-use super::Error;
+use super::{Error, sys};
 
 /// How census attaches its programs to an interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -113,54 +109,8 @@ fn parse_release(release: &str) -> Option<(u32, u32)> {
     Some((major, minor))
 }
 
-const BPF_PROG_LOAD: libc::c_long = 5;
-const BPF_LINK_CREATE: libc::c_long = 28;
-const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
-const BPF_TCX_INGRESS: u32 = 46;
+/// The loopback device of every network namespace.
 const LOOPBACK_IFINDEX: u32 = 1;
-
-/// `union bpf_attr` for `BPF_PROG_LOAD`, up to `prog_name`.
-#[repr(C)]
-struct ProgLoadAttr {
-    prog_type: u32,
-    insn_cnt: u32,
-    insns: u64,
-    license: u64,
-    log_level: u32,
-    log_size: u32,
-    log_buf: u64,
-    kern_version: u32,
-    prog_flags: u32,
-    prog_name: [u8; 16],
-}
-
-/// `union bpf_attr` for `BPF_LINK_CREATE`, without the per-type options (zero).
-#[repr(C)]
-struct LinkCreateAttr {
-    prog_fd: u32,
-    target_ifindex: u32,
-    attach_type: u32,
-    flags: u32,
-}
-
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<OwnedFd> {
-    // SAFETY: `attr` is a live, initialized `#[repr(C)]` prefix of `union bpf_attr`
-    // for `cmd`, and its size is passed along; the kernel zero-extends the rest.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            std::ptr::from_mut(attr),
-            size_of::<T>() as libc::c_uint,
-        )
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = i32::try_from(ret).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-    // SAFETY: on success both commands return a new descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
 
 /// Tries a TCX link on the loopback of this thread's network namespace with a
 /// program that only returns TC_ACT_UNSPEC (`r0 = -1; exit`), and removes both
@@ -172,29 +122,22 @@ fn probe_tcx() -> io::Result<()> {
         u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0]),
     ];
     let license = c"Apache-2.0";
-    let mut name = [0; 16];
-    name[..12].copy_from_slice(b"census_probe");
-    let mut load = ProgLoadAttr {
-        prog_type: BPF_PROG_TYPE_SCHED_CLS,
-        insn_cnt: insns.len() as u32,
-        insns: insns.as_ptr() as u64,
-        license: license.as_ptr() as u64,
-        log_level: 0,
-        log_size: 0,
-        log_buf: 0,
-        kern_version: 0,
-        prog_flags: 0,
-        prog_name: name,
-    };
-    let program = bpf(BPF_PROG_LOAD, &mut load)?;
-    let mut create = LinkCreateAttr {
-        prog_fd: u32::try_from(program.as_raw_fd())
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-        target_ifindex: LOOPBACK_IFINDEX,
-        attach_type: BPF_TCX_INGRESS,
-        flags: 0,
-    };
-    let link = bpf(BPF_LINK_CREATE, &mut create)?;
+    let mut name: [libc::c_char; 16] = [0; 16];
+    for (to, from) in name.iter_mut().zip(b"census_probe") {
+        *to = *from as libc::c_char;
+    }
+    let mut load = sys::zeroed_attr();
+    load.__bindgen_anon_3.prog_type = bpf_prog_type::BPF_PROG_TYPE_SCHED_CLS as u32;
+    load.__bindgen_anon_3.insn_cnt = insns.len() as u32;
+    load.__bindgen_anon_3.insns = insns.as_ptr() as u64;
+    load.__bindgen_anon_3.license = license.as_ptr() as u64;
+    load.__bindgen_anon_3.prog_name = name;
+    let program = sys::bpf_fd(bpf_cmd::BPF_PROG_LOAD, &mut load)?;
+    let mut create = sys::zeroed_attr();
+    create.link_create.__bindgen_anon_1.prog_fd = sys::fd_u32(program.as_fd())?;
+    create.link_create.__bindgen_anon_2.target_ifindex = LOOPBACK_IFINDEX;
+    create.link_create.attach_type = bpf_attach_type::BPF_TCX_INGRESS as u32;
+    let link = sys::bpf_fd(bpf_cmd::BPF_LINK_CREATE, &mut create)?;
     drop(link);
     drop(program);
     Ok(())

@@ -1,9 +1,11 @@
 //! What aya 0.14 does not expose: four `bpf(2)` commands (the TCX and cgroup part
 //! of a link's info, `BPF_LINK_UPDATE` of a pinned cgroup link, `BPF_LINK_DETACH`, and
 //! `BPF_OBJ_GET` with `BPF_F_RDONLY`), and a read-only mapping of an mmapable
-//! array map.
+//! array map. The one raw `bpf()` wrapper ([`bpf`]; the TCX probe uses it too),
+//! with the kernel's types and numbers from aya's generated bindings (`aya-obj`).
 #![allow(unsafe_code)]
 
+use aya_obj::generated::{BPF_F_RDONLY, bpf_attr, bpf_cmd, bpf_link_info, bpf_link_type};
 use std::{
     ffi::CString,
     io,
@@ -15,96 +17,50 @@ use std::{
     ptr::NonNull,
 };
 
-const BPF_OBJ_GET: libc::c_long = 7;
-const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-const BPF_LINK_UPDATE: libc::c_long = 29;
-const BPF_LINK_DETACH: libc::c_long = 34;
-
 /// `enum bpf_link_type`'s `BPF_LINK_TYPE_CGROUP`.
-pub(super) const BPF_LINK_TYPE_CGROUP: u32 = 3;
+pub(super) const BPF_LINK_TYPE_CGROUP: u32 = bpf_link_type::BPF_LINK_TYPE_CGROUP as u32;
 /// `enum bpf_link_type`'s `BPF_LINK_TYPE_TCX`.
-pub(super) const BPF_LINK_TYPE_TCX: u32 = 11;
+pub(super) const BPF_LINK_TYPE_TCX: u32 = bpf_link_type::BPF_LINK_TYPE_TCX as u32;
 
-/// The head of `struct bpf_link_info` and its `tcx` member: the union that
-/// follows `prog_id` is 8-byte aligned, so `tcx` starts at offset 16. The kernel
-/// copies at most the size we pass and zero-fills nothing beyond it.
-#[repr(C)]
+/// What census reads of a link's `struct bpf_link_info`: its type and ids, and the
+/// TCX or cgroup member (by its type).
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct LinkInfo {
     pub(super) link_type: u32,
     pub(super) id: u32,
     pub(super) prog_id: u32,
-    _pad: u32,
     /// For a TCX link: 0 once its device is gone.
     pub(super) tcx_ifindex: u32,
     pub(super) tcx_attach_type: u32,
+    cgroup_id: u64,
 }
 
-const _: () = assert!(size_of::<LinkInfo>() == 24);
-
 impl LinkInfo {
-    /// For a cgroup link: the cgroup's id (`cgroup.cgroup_id`, a `u64` where a
-    /// TCX link has its ifindex and attach type).
+    /// For a cgroup link: the cgroup's id.
     pub(super) fn cgroup_id(&self) -> u64 {
-        (u64::from(self.tcx_attach_type) << 32) | u64::from(self.tcx_ifindex)
+        self.cgroup_id
     }
 }
 
-/// `union bpf_attr` for `BPF_LINK_UPDATE`.
-#[repr(C)]
-struct LinkUpdateAttr {
-    link_fd: u32,
-    new_prog_fd: u32,
-    flags: u32,
-    old_prog_fd: u32,
+/// A `union bpf_attr` of zeros, for a command to fill in.
+pub(super) fn zeroed_attr() -> bpf_attr {
+    // SAFETY: `bpf_attr` is a union of plain integer structs (the kernel's UAPI), for
+    // which all zeros is a valid value, and the one the kernel expects in every byte
+    // a command does not use.
+    unsafe { std::mem::zeroed() }
 }
 
-/// Makes the link `link` run the program `program` instead of its own, in
-/// place (`BPF_LINK_UPDATE`): the hook is never without a program.
-pub(super) fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
-    let mut attr = LinkUpdateAttr {
-        link_fd: fd_u32(link)?,
-        new_prog_fd: fd_u32(program)?,
-        flags: 0,
-        old_prog_fd: 0,
-    };
-    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
-}
-
-/// `union bpf_attr` for `BPF_OBJ_GET`.
-#[repr(C)]
-struct ObjGetAttr {
-    pathname: u64,
-    bpf_fd: u32,
-    file_flags: u32,
-    path_fd: i32,
-    _pad: u32,
-}
-
-/// `union bpf_attr` for `BPF_OBJ_GET_INFO_BY_FD`.
-#[repr(C)]
-struct InfoByFdAttr {
-    bpf_fd: u32,
-    info_len: u32,
-    info: u64,
-}
-
-/// `union bpf_attr` for `BPF_LINK_DETACH`.
-#[repr(C)]
-struct LinkDetachAttr {
-    link_fd: u32,
-}
-
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a live, initialized `#[repr(C)]` prefix of `union bpf_attr`
-    // for `cmd`, and its size is passed along; the kernel zero-extends the rest
-    // and writes back at most that many bytes.
+/// `bpf(2)`: `cmd` with `attr` (the kernel's `union bpf_attr`, aya's bindings of
+/// it). Every raw `bpf()` call census makes goes through here.
+pub(super) fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a live, initialized `union bpf_attr` whose size is passed
+    // along; the kernel reads and writes back at most that many bytes.
     let ret = unsafe {
         libc::syscall(
             libc::SYS_bpf,
-            cmd,
+            cmd as libc::c_long,
             std::ptr::from_mut(attr),
-            size_of::<T>() as libc::c_uint,
+            size_of::<bpf_attr>() as libc::c_uint,
         )
     };
     if ret < 0 {
@@ -114,8 +70,23 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
     }
 }
 
-/// `BPF_F_RDONLY`: a descriptor through which the map can only be read.
-const BPF_F_RDONLY: u32 = 1 << 3;
+/// [`bpf`] for a command that returns a new file descriptor.
+pub(super) fn bpf_fd(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> {
+    let fd = bpf(cmd, attr)?;
+    let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    // SAFETY: on success, the commands this is called for (object get, program load,
+    // link create) return a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Makes the link `link` run the program `program` instead of its own, in
+/// place (`BPF_LINK_UPDATE`): the hook is never without a program.
+pub(super) fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = zeroed_attr();
+    attr.link_update.link_fd = fd_u32(link)?;
+    attr.link_update.__bindgen_anon_1.new_prog_fd = fd_u32(program)?;
+    bpf(bpf_cmd::BPF_LINK_UPDATE, &mut attr).map(drop)
+}
 
 /// Opens the object pinned at `path`.
 pub(super) fn obj_get(path: &Path) -> io::Result<OwnedFd> {
@@ -132,42 +103,52 @@ pub(super) fn obj_get_read_only(path: &Path) -> io::Result<OwnedFd> {
 fn obj_get_with_flags(path: &Path, file_flags: u32) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let mut attr = ObjGetAttr {
-        pathname: path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags,
-        path_fd: 0,
-        _pad: 0,
-    };
-    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
-    let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-    // SAFETY: on success BPF_OBJ_GET returns a new file descriptor that nothing
-    // else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let mut attr = zeroed_attr();
+    attr.__bindgen_anon_4.pathname = path.as_ptr() as u64;
+    attr.__bindgen_anon_4.file_flags = file_flags;
+    bpf_fd(bpf_cmd::BPF_OBJ_GET, &mut attr)
 }
 
 /// The info of the link `fd` refers to.
 pub(super) fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
-    let mut info = LinkInfo::default();
-    let mut attr = InfoByFdAttr {
-        bpf_fd: fd_u32(fd)?,
-        info_len: size_of::<LinkInfo>() as u32,
-        info: std::ptr::from_mut(&mut info) as u64,
+    // SAFETY: `bpf_link_info` is plain integers (a union of integer structs): all
+    // zeros is valid.
+    let mut info: bpf_link_info = unsafe { std::mem::zeroed() };
+    let mut attr = zeroed_attr();
+    attr.info.bpf_fd = fd_u32(fd)?;
+    attr.info.info_len = size_of::<bpf_link_info>() as u32;
+    attr.info.info = std::ptr::from_mut(&mut info) as u64;
+    bpf(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    let mut read = LinkInfo {
+        link_type: info.type_,
+        id: info.id,
+        prog_id: info.prog_id,
+        ..LinkInfo::default()
     };
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
-    Ok(info)
+    // SAFETY: the kernel filled the member of the union that the link's type names;
+    // each is plain integers, and the rest stayed zero.
+    unsafe {
+        match info.type_ {
+            BPF_LINK_TYPE_TCX => {
+                read.tcx_ifindex = info.__bindgen_anon_1.tcx.ifindex;
+                read.tcx_attach_type = info.__bindgen_anon_1.tcx.attach_type;
+            }
+            BPF_LINK_TYPE_CGROUP => read.cgroup_id = info.__bindgen_anon_1.cgroup.cgroup_id,
+            _ => {}
+        }
+    }
+    Ok(read)
 }
 
 /// Detaches the link `fd` refers to from its hook now, whoever else holds it
 /// (pins, other processes): they keep a defunct link.
 pub(super) fn link_detach(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let mut attr = LinkDetachAttr {
-        link_fd: fd_u32(fd)?,
-    };
-    bpf(BPF_LINK_DETACH, &mut attr).map(drop)
+    let mut attr = zeroed_attr();
+    attr.link_detach.link_fd = fd_u32(fd)?;
+    bpf(bpf_cmd::BPF_LINK_DETACH, &mut attr).map(drop)
 }
 
-fn fd_u32(fd: BorrowedFd<'_>) -> io::Result<u32> {
+pub(super) fn fd_u32(fd: BorrowedFd<'_>) -> io::Result<u32> {
     u32::try_from(fd.as_raw_fd()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
