@@ -138,6 +138,13 @@ impl Default for Metrics {
 impl Metrics {
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("census");
+        self.register_calls(r);
+        self.register_map(r);
+        self.register_connections(r);
+    }
+
+    /// Calls, the core's and the store's work for them, what agents sent.
+    fn register_calls(&self, r: &mut Registry) {
         r.register(
             "grpc_requests",
             "gRPC calls by method and status code",
@@ -188,6 +195,10 @@ impl Metrics {
             "Entries of EndpointSync snapshots and deltas rejected alone (the rest of the message was applied), and Hello addresses not claimed, by reason",
             self.rejected_entries.clone(),
         );
+    }
+
+    /// The endpoint map's batches, full maps and watchers.
+    fn register_map(&self, r: &mut Registry) {
         r.register(
             "map_batches_built",
             "Endpoint map batches of changes built, each encoded once for every watcher",
@@ -238,6 +249,10 @@ impl Metrics {
             "Batches a watcher was behind the latest when it was sent one",
             self.map_watcher_lag.clone(),
         );
+    }
+
+    /// Connections, message limits, quotas and authentication.
+    fn register_connections(&self, r: &mut Registry) {
         r.register(
             "grpc_connections",
             "Open gRPC connections",

@@ -132,17 +132,13 @@ fn client(mut config: kube::Config, retry: bool) -> Result<Client, ClusterError>
 /// Connects to the cluster and starts this replica as a follower.
 pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, ClusterError> {
     let KubernetesArgs {
-        kubeconfig: _,
         namespace,
-        lease_name,
-        lease_duration,
-        lease_renew_deadline,
-        lease_retry_period,
         pod_name,
         pod_ip,
         agent_service_account,
         token_audience,
         require_node_address,
+        ..
     } = args;
     let Parts {
         cfg,
@@ -159,53 +155,21 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
     let namespace = namespace
         .clone()
         .unwrap_or_else(|| config.default_namespace.clone());
-    let identity = pod_name
-        .clone()
-        .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
-        .unwrap_or_else(|| format!("census-operator-{:08x}", rand::random::<u32>()));
-    let lease = LeaseConfig {
-        namespace: namespace.clone(),
-        name: lease_name.clone(),
-        identity: identity.clone(),
-        address: pod_ip.map(|ip| SocketAddr::new(ip, grpc_addr.port()).to_string()),
-        duration: *lease_duration,
-        renew_deadline: *lease_renew_deadline,
-        retry_period: *lease_retry_period,
-    };
+    let identity = replica_identity(pod_name.as_deref());
+    let lease = lease_config(args, &namespace, &identity, grpc_addr.port());
     lease.check()?;
     let writes = client(config.clone(), false)?;
     let reads = client(config.clone(), true)?;
     let leases = client(config.clone(), false)?;
-    // A caller waits for its review: no kube retries (the review has its own timeout).
-    let tokens = TokenReviewer::counted(
-        client(config, false)?,
-        TokenReviewConfig::new(token_audience.clone(), agent_service_account.clone()),
-        tokenreview::Counted {
-            reviews: metrics.token_reviews.clone(),
-            cached: metrics.token_review_cache_entries.clone(),
-        },
-    );
-    let waiting = match check_crd(&reads).await? {
-        Some(error) => format!(
-            "cannot list Identity objects from the API server yet ({error}); the watch retries"
-        ),
-        None => "listing the Identity objects".to_owned(),
-    };
-    readiness.set_not_ready(format!("replica {identity}: {waiting}"));
+    let tokens = token_reviewer(config, args, &metrics)?;
+    readiness.set_not_ready(format!("replica {identity}: {}", waiting(&reads).await?));
 
     let fence = Arc::new(Fence::closed());
     let store = Arc::new(KubeStore::new(
         writes.clone(),
         reads.clone(),
         fence.clone(),
-        KubeStoreConfig {
-            limits,
-            request_timeout: store_timeout,
-            events: Some(EventsConfig {
-                instance: identity.clone(),
-            }),
-            ..KubeStoreConfig::default()
-        },
+        store_config(limits, store_timeout, &identity),
     ));
     let nodes = Arc::new(NodeIndex::binding_peers(*require_node_address));
     let runtime = Runtime::new_replica(
@@ -219,62 +183,24 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         },
     );
     let services = ServiceAddresses::listing(service_cidrs, runtime.clone());
-    let mut tasks = vec![
-        tokio::spawn(
-            services::run_cidrs(services.clone(), reads.clone())
-                .instrument(info_span!("watch", resource = "servicecidrs")),
-        ),
-        tokio::spawn(
-            services::run_services(services.clone(), reads.clone())
-                .instrument(info_span!("watch", resource = "services")),
-        ),
-        tokio::spawn(
-            nodes::run(nodes.clone(), reads, runtime.clone())
-                .instrument(info_span!("watch", resource = "nodes")),
-        ),
-    ];
-    if let Some(events) = store.events() {
-        tasks.push(tokio::spawn(feed_store_events(runtime.clone(), events)));
-    }
-    {
-        let store = store.clone();
-        let nodes = nodes.clone();
-        let identity = identity.clone();
-        let agents = agent_service_account.clone();
-        tasks.push(tokio::spawn(async move {
-            store.wait_synced().await;
-            let agents = format!("agents' ServiceAccount {agents}");
-            readiness.set_ready(format!(
-                "replica {identity}: listed {} Identity objects; serving reads; {agents}",
-                store.cached_objects()
-            ));
-            info!(nodes = nodes.len(), "listed the Identity objects: ready");
-        }));
-    }
-    let slice = match pod_ip {
-        Some(ip) => {
-            let me = Me {
-                pod: identity.clone(),
-                ip: *ip,
-                port: grpc_addr.port(),
-            };
-            Some(Publisher::start(LeaderSlice::new(
-                writes,
-                &namespace,
-                me,
-                fence.clone(),
-            )))
-        }
-        None => {
-            warn!(
-                "no --pod-ip: followers cannot tell clients the leader's address, and the \
-                 leader publishes none in the census-operator-leader EndpointSlice, so agents \
-                 cannot reach it through that Service"
-            );
-            None
-        }
-    };
+    let tasks = spawn_tasks(Tasks {
+        services: &services,
+        nodes: &nodes,
+        store: &store,
+        reads,
+        runtime: &runtime,
+        readiness,
+        identity: &identity,
+        agents: agent_service_account,
+    });
+    let me = pod_ip.map(|ip| Me {
+        pod: identity.clone(),
+        ip,
+        port: grpc_addr.port(),
+    });
+    let slice = leader_slice(me, writes, &namespace, &fence);
     let (stop, stop_rx) = watch::channel(false);
+    let span = info_span!("leader_election", lease = %lease.name, identity = %identity);
     let leadership = Leadership {
         runtime: runtime.clone(),
         store: store.clone(),
@@ -286,11 +212,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         store_timeout,
         stop: stop_rx,
     };
-    let leadership = tokio::spawn(
-        leadership
-            .run()
-            .instrument(info_span!("leader_election", lease = %lease.name, identity = %identity)),
-    );
+    let leadership = tokio::spawn(leadership.run().instrument(span));
     info!(
         agent_service_account = %agent_service_account,
         token_audience = %token_audience,
@@ -308,6 +230,150 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         leadership,
         tasks,
     })
+}
+
+/// What `/readyz` says while the Identity objects are being listed: why they
+/// cannot be yet, if the first try failed (the watch retries).
+async fn waiting(reads: &Client) -> Result<String, ClusterError> {
+    Ok(match check_crd(reads).await? {
+        Some(error) => format!(
+            "cannot list Identity objects from the API server yet ({error}); the watch retries"
+        ),
+        None => "listing the Identity objects".to_owned(),
+    })
+}
+
+/// The publisher of the leader EndpointSlice, for a replica that knows its pod's
+/// address (`--pod-ip`); without it, agents cannot find the leader through that
+/// Service, which is said once.
+fn leader_slice(
+    me: Option<Me>,
+    writes: Client,
+    namespace: &str,
+    fence: &Arc<Fence>,
+) -> Option<Publisher> {
+    let Some(me) = me else {
+        warn!(
+            "no --pod-ip: followers cannot tell clients the leader's address, and the \
+             leader publishes none in the census-operator-leader EndpointSlice, so agents \
+             cannot reach it through that Service"
+        );
+        return None;
+    };
+    Some(Publisher::start(LeaderSlice::new(
+        writes,
+        namespace,
+        me,
+        fence.clone(),
+    )))
+}
+
+/// The authenticator of agents' tokens. A caller waits for its review: no kube
+/// retries (the review has its own timeout).
+fn token_reviewer(
+    config: kube::Config,
+    args: &KubernetesArgs,
+    metrics: &Metrics,
+) -> Result<TokenReviewer, ClusterError> {
+    Ok(TokenReviewer::counted(
+        client(config, false)?,
+        TokenReviewConfig::new(
+            args.token_audience.clone(),
+            args.agent_service_account.clone(),
+        ),
+        tokenreview::Counted {
+            reviews: metrics.token_reviews.clone(),
+            cached: metrics.token_review_cache_entries.clone(),
+        },
+    ))
+}
+
+/// The Lease this replica takes part in, and the address it publishes there.
+fn lease_config(
+    args: &KubernetesArgs,
+    namespace: &str,
+    identity: &str,
+    grpc_port: u16,
+) -> LeaseConfig {
+    LeaseConfig {
+        namespace: namespace.to_owned(),
+        name: args.lease_name.clone(),
+        identity: identity.to_owned(),
+        address: args
+            .pod_ip
+            .map(|ip| SocketAddr::new(ip, grpc_port).to_string()),
+        duration: args.lease_duration,
+        renew_deadline: args.lease_renew_deadline,
+        retry_period: args.lease_retry_period,
+    }
+}
+
+/// This replica's name in the Lease: the pod's name (`--pod-name`, else the
+/// `HOSTNAME` the kubelet sets), or a random one outside a pod.
+fn replica_identity(pod_name: Option<&str>) -> String {
+    pod_name
+        .map(str::to_owned)
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+        .unwrap_or_else(|| format!("census-operator-{:08x}", rand::random::<u32>()))
+}
+
+/// The Identity store's settings: its label limits, its request timeout, and the
+/// Events it records as this replica.
+fn store_config(limits: LabelLimits, request_timeout: Duration, identity: &str) -> KubeStoreConfig {
+    KubeStoreConfig {
+        limits,
+        request_timeout,
+        events: Some(EventsConfig {
+            instance: identity.to_owned(),
+        }),
+        ..KubeStoreConfig::default()
+    }
+}
+
+/// What a follower runs besides leader election.
+struct Tasks<'a> {
+    services: &'a Arc<ServiceAddresses>,
+    nodes: &'a Arc<NodeIndex>,
+    store: &'a Arc<KubeStore>,
+    reads: Client,
+    runtime: &'a Arc<Runtime>,
+    readiness: Readiness,
+    identity: &'a str,
+    agents: &'a ServiceAccountRef,
+}
+
+/// The watches of ServiceCIDRs, Services and Nodes, the store's events into the
+/// core, and the task that says Ready once the Identity objects are listed.
+fn spawn_tasks(t: Tasks<'_>) -> Vec<JoinHandle<()>> {
+    let mut tasks = vec![
+        tokio::spawn(
+            services::run_cidrs(t.services.clone(), t.reads.clone())
+                .instrument(info_span!("watch", resource = "servicecidrs")),
+        ),
+        tokio::spawn(
+            services::run_services(t.services.clone(), t.reads.clone())
+                .instrument(info_span!("watch", resource = "services")),
+        ),
+        tokio::spawn(
+            nodes::run(t.nodes.clone(), t.reads, t.runtime.clone())
+                .instrument(info_span!("watch", resource = "nodes")),
+        ),
+    ];
+    if let Some(events) = t.store.events() {
+        tasks.push(tokio::spawn(feed_store_events(t.runtime.clone(), events)));
+    }
+    let (store, nodes, readiness) = (t.store.clone(), t.nodes.clone(), t.readiness);
+    let identity = t.identity.to_owned();
+    let agents = format!("agents' ServiceAccount {}", t.agents);
+    tasks.push(tokio::spawn(async move {
+        store.wait_synced().await;
+        readiness.set_ready(format!(
+            "replica {identity}: listed {} Identity objects; serving reads; {agents}",
+            store.cached_objects()
+        ));
+        info!(nodes = nodes.len(), "listed the Identity objects: ready");
+    }));
+    tasks
 }
 
 /// Fails fast when the CRD is missing; any other failure is left to the watch, which
