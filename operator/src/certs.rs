@@ -323,17 +323,15 @@ fn ia5(value: &str, what: &str) -> Result<rcgen::string::Ia5String, CertsError> 
     rcgen::string::Ia5String::try_from(value).map_err(generate(what))
 }
 
-/// Write what `args` asks for; returns the files written, in order.
-pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
+/// Refuses what `args` cannot mean, before anything is read or written.
+fn check(args: &CertsArgs) -> Result<(), CertsError> {
     let CertsArgs {
-        out_dir,
         dns,
-        ips,
         nodes,
         readers,
         node_ips,
         days,
-        force,
+        ..
     } = args;
     if *days == 0 {
         return Err(CertsError::NoDays);
@@ -360,6 +358,22 @@ pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
             });
         }
     }
+    Ok(())
+}
+
+/// Write what `args` asks for; returns the files written, in order.
+pub fn run(args: &CertsArgs) -> Result<Vec<PathBuf>, CertsError> {
+    check(args)?;
+    let CertsArgs {
+        out_dir,
+        dns,
+        ips,
+        nodes,
+        readers,
+        node_ips,
+        days,
+        force,
+    } = args;
     let serving = !dns.is_empty() || !ips.is_empty();
     let mut leaves = Vec::new();
     if serving {

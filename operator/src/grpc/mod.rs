@@ -178,24 +178,8 @@ pub(crate) async fn serve(
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<IdentityServiceServer<Identities>>()
-        .await;
-    health_reporter.set_serving::<EndpointSyncServer>().await;
-    health_reporter
-        .set_serving::<NodeServiceServer<Nodes>>()
-        .await;
-    health_reporter.set_serving::<EndpointMapServer>().await;
-
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+    let health = health().await;
+    let (reflection_v1, reflection_v1alpha) = reflection()?;
 
     let connections = Arc::new(conn::Connections::default());
     let incoming = conn::incoming(
@@ -242,6 +226,46 @@ pub(crate) async fn serve(
         })
         .await?;
     Ok(())
+}
+
+/// gRPC health, every census service serving.
+async fn health()
+-> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<IdentityServiceServer<Identities>>()
+        .await;
+    reporter.set_serving::<EndpointSyncServer>().await;
+    reporter.set_serving::<NodeServiceServer<Nodes>>().await;
+    reporter.set_serving::<EndpointMapServer>().await;
+    health
+}
+
+/// Reflection, v1 and v1alpha, describing census's services and health.
+#[allow(
+    clippy::type_complexity,
+    reason = "the two services' types, as tonic names them"
+)]
+fn reflection() -> Result<
+    (
+        tonic_reflection::pb::v1::server_reflection_server::ServerReflectionServer<
+            impl tonic_reflection::pb::v1::server_reflection_server::ServerReflection,
+        >,
+        tonic_reflection::pb::v1alpha::server_reflection_server::ServerReflectionServer<
+            impl tonic_reflection::pb::v1alpha::server_reflection_server::ServerReflection,
+        >,
+    ),
+    ServeError,
+> {
+    let v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+    Ok((v1, v1alpha))
 }
 
 /// Counts calls by method and status code, and times them.

@@ -190,39 +190,9 @@ impl EndpointStreams {
             .map_err(|e| refuse(&who, field(e)))?;
         // Under mutual TLS, only those the node's certificate vouches for: one node
         // cannot make another's addresses (or its pods') its own.
-        let (addresses, unvouched) = principal.vouched().split(addresses);
-        if !unvouched.is_empty() {
-            self.metrics
-                .rejected_entries
-                .get_or_create(&ReasonLabels {
-                    reason: "uncertified_address",
-                })
-                .inc_by(unvouched.len() as u64);
-            warn!(
-                %node,
-                ?unvouched,
-                "Hello addresses the node's certificate does not name are not claimed as the node's: \
-                 write its certificate with census-operator certs --node {node} --node-ip ADDRESS"
-            );
-        }
-
+        let addresses = self.vouched(&principal, &node, addresses);
         let (tx, rx) = mpsc::channel(OUTBOUND);
-        let settings = self.operator.settings();
-        let reply = pb::OperatorMessage {
-            body: Some(pb::operator_message::Body::HelloReply(pb::HelloReply {
-                protocol_version: PROTOCOL_VERSION,
-                operator_version: env!("CARGO_PKG_VERSION").to_owned(),
-                filter: Some(filter_to_wire(&settings.filter)),
-                snapshot_interval_ms: settings.snapshot_interval.as_millis() as u64,
-                limits: Some(pb::Limits {
-                    max_snapshot_endpoints: settings.wire.max_snapshot_endpoints as u32,
-                    max_labels: settings.wire.labels.max_labels as u32,
-                    max_ips_per_endpoint: settings.wire.max_ips_per_endpoint as u32,
-                    max_message_bytes: settings.max_message_bytes as u64,
-                }),
-                services: self.operator.services().map(|s| services_to_wire(&s)),
-            })),
-        };
+        let reply = self.hello_reply();
         // The reply is queued before the stream is registered, so it is always first.
         tx.try_send(Ok(wire::frame(&reply)))
             .map_err(|_| Status::internal("cannot queue HelloReply"))?;
@@ -261,6 +231,53 @@ impl EndpointStreams {
             ReceiverStream::new(rx),
             principal.expires(),
         ))
+    }
+
+    /// Of the node addresses a Hello names, those `principal`'s credentials vouch
+    /// for; the rest are counted and logged.
+    fn vouched(
+        &self,
+        principal: &auth::Principal,
+        node: &census_proto::domain::NodeName,
+        addresses: Vec<std::net::IpAddr>,
+    ) -> Vec<std::net::IpAddr> {
+        let (addresses, unvouched) = principal.vouched().split(addresses);
+        if !unvouched.is_empty() {
+            self.metrics
+                .rejected_entries
+                .get_or_create(&ReasonLabels {
+                    reason: "uncertified_address",
+                })
+                .inc_by(unvouched.len() as u64);
+            warn!(
+                %node,
+                ?unvouched,
+                "Hello addresses the node's certificate does not name are not claimed as the node's: \
+                 write its certificate with census-operator certs --node {node} --node-ip ADDRESS"
+            );
+        }
+        addresses
+    }
+
+    /// The answer to an accepted Hello: the protocol, the filter, the interval, the
+    /// limits and the Service set.
+    fn hello_reply(&self) -> pb::OperatorMessage {
+        let settings = self.operator.settings();
+        pb::OperatorMessage {
+            body: Some(pb::operator_message::Body::HelloReply(pb::HelloReply {
+                protocol_version: PROTOCOL_VERSION,
+                operator_version: env!("CARGO_PKG_VERSION").to_owned(),
+                filter: Some(filter_to_wire(&settings.filter)),
+                snapshot_interval_ms: settings.snapshot_interval.as_millis() as u64,
+                limits: Some(pb::Limits {
+                    max_snapshot_endpoints: settings.wire.max_snapshot_endpoints as u32,
+                    max_labels: settings.wire.labels.max_labels as u32,
+                    max_ips_per_endpoint: settings.wire.max_ips_per_endpoint as u32,
+                    max_message_bytes: settings.max_message_bytes as u64,
+                }),
+                services: self.operator.services().map(|s| services_to_wire(&s)),
+            })),
+        }
     }
 
     fn invalid(&self, kind: &'static str) {

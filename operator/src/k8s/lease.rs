@@ -159,31 +159,7 @@ impl Elector {
             .await
             .map_err(|e| self.error(e))?
         else {
-            let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(self.cfg.name.clone()),
-                    namespace: Some(self.cfg.namespace.clone()),
-                    annotations: self.annotations(),
-                    ..ObjectMeta::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(self.cfg.identity.clone()),
-                    lease_duration_seconds: Some(self.cfg.duration_seconds()),
-                    acquire_time: Some(stamp.clone()),
-                    renew_time: Some(stamp),
-                    lease_transitions: Some(0),
-                    ..LeaseSpec::default()
-                }),
-            };
-            return match self.api.create(&PostParams::default(), &lease).await {
-                Ok(created) => {
-                    self.observe(&created, now);
-                    Ok(Outcome::Leading { previous: None })
-                }
-                // Created by another replica first.
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(Outcome::Conflict),
-                Err(e) => Err(self.error(e)),
-            };
+            return self.create(stamp, now).await;
         };
         let rv = lease.metadata.resource_version.clone().unwrap_or_default();
         let seen_now = Instant::now();
@@ -222,6 +198,49 @@ impl Elector {
             }
         }
         // Free, expired, or ours: write ourselves in, conditional on what we read.
+        self.take_over(lease, spec, holder, stamp, now).await
+    }
+
+    /// Creates the Lease with this replica as its holder (none existed).
+    async fn create(&mut self, stamp: MicroTime, now: Instant) -> Result<Outcome, ElectionError> {
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(self.cfg.name.clone()),
+                namespace: Some(self.cfg.namespace.clone()),
+                annotations: self.annotations(),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(self.cfg.identity.clone()),
+                lease_duration_seconds: Some(self.cfg.duration_seconds()),
+                acquire_time: Some(stamp.clone()),
+                renew_time: Some(stamp),
+                lease_transitions: Some(0),
+                ..LeaseSpec::default()
+            }),
+        };
+        match self.api.create(&PostParams::default(), &lease).await {
+            Ok(created) => {
+                self.observe(&created, now);
+                Ok(Outcome::Leading { previous: None })
+            }
+            // Created by another replica first.
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(Outcome::Conflict),
+            Err(e) => Err(self.error(e)),
+        }
+    }
+
+    /// Writes this replica into `lease` (free, expired, or its own), conditional on
+    /// the version read.
+    async fn take_over(
+        &mut self,
+        lease: Lease,
+        spec: LeaseSpec,
+        holder: Option<String>,
+        stamp: MicroTime,
+        now: Instant,
+    ) -> Result<Outcome, ElectionError> {
+        let ours = holder.as_deref() == Some(self.cfg.identity.as_str());
         let mut next = lease;
         next.metadata.annotations = match self.annotations() {
             Some(mine) => Some(
