@@ -193,36 +193,7 @@ impl Allocator {
             return;
         }
         match result {
-            Ok(()) => {
-                // Watch is told at the drain, with the holds added below.
-                entry.phase = Phase::Live;
-                entry.ended_tomb = None;
-                let waiters = std::mem::take(&mut entry.waiters);
-                for waiter in waiters {
-                    match waiter {
-                        Waiter::Request { req, node } => {
-                            if let Some(n) = self.nodes.get_mut(&node) {
-                                n.pending = n.pending.saturating_sub(1);
-                                core.add_hold(n, id, now);
-                            }
-                            core.reply(req, Ok(id));
-                        }
-                        Waiter::Rebind { node, conn, key } => {
-                            if self
-                                .nodes
-                                .get(&node)
-                                .is_some_and(|n| rebind_due(n, conn, &key, id))
-                            {
-                                let msg = AgentMsg::Rebind { key, identity: id };
-                                core.fx.push(Effect::Agent { node, conn, msg });
-                            }
-                        }
-                    }
-                }
-                if core.ids.get(id).is_some_and(|e| !e.wanted()) {
-                    core.gc.unused.push(id);
-                }
-            }
+            Ok(()) => self.create_succeeded(id, now),
             Err(StoreError::Conflict { found, .. }) => {
                 bump(&mut core.counters.create_failures, "conflict");
                 self.rehome(id, Blocked::StoreConflict { found }, now);
@@ -236,53 +207,97 @@ impl Allocator {
                 bump(&mut core.counters.create_failures, "labels_bound");
                 self.take_over(id, bound, now);
             }
-            Err(e) => {
-                // Also a binding of the labels that the core cannot take (its id is
-                // bound to other labels here, quarantined for other labels, or its lost
-                // tombstone is being written again: each passes): retried later like an
-                // unavailable store, on the same id, so no id is spent on it.
-                bump(&mut core.counters.create_failures, e.cause());
-                let attempt = attempt + 1;
-                let retry_at = now.plus(core.cfg.backoff(attempt));
-                entry.phase = Phase::Creating {
-                    inflight: false,
-                    attempt,
-                    retry_at,
-                };
-                // Callers are told now and may retry; endpoints keep waiting for their rebind.
-                let cause = e.cause();
-                let (requests, mut rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
-                    .into_iter()
-                    .partition(|w| matches!(w, Waiter::Request { .. }));
-                // Only endpoints still in their view at this identity, on their stream,
-                // wait on: the others' Rebinds would never be sent.
-                rest.retain(|w| match w {
-                    Waiter::Rebind { node, conn, key } => self
-                        .nodes
-                        .get(node)
-                        .is_some_and(|n| rebind_due(n, *conn, key, id)),
-                    Waiter::Request { .. } => false,
-                });
-                entry.waiters = rest;
-                // Refused for labels bound elsewhere, nothing was written: with no one
-                // left to wait for it, the binding goes (a retry could only meet the
-                // same binding, for as long as the store keeps it).
-                let forget = matches!(e, StoreError::LabelsBound { .. }) && !entry.wanted();
-                if !forget {
-                    core.gc.create_retries.insert((retry_at, id));
+            Err(e) => self.create_failed(id, attempt, &e, now),
+        }
+    }
+
+    /// `id`'s create was written: it is live, and whoever waited for it is answered.
+    fn create_succeeded(&mut self, id: IdentityId, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(entry) = core.ids.get_mut(id) else {
+            return;
+        };
+        // Watch is told at the drain, with the holds added below.
+        entry.phase = Phase::Live;
+        entry.ended_tomb = None;
+        let waiters = std::mem::take(&mut entry.waiters);
+        for waiter in waiters {
+            match waiter {
+                Waiter::Request { req, node } => {
+                    if let Some(n) = self.nodes.get_mut(&node) {
+                        n.pending = n.pending.saturating_sub(1);
+                        core.add_hold(n, id, now);
+                    }
+                    core.reply(req, Ok(id));
                 }
-                for waiter in requests {
-                    if let Waiter::Request { req, node } = waiter {
-                        if let Some(n) = self.nodes.get_mut(&node) {
-                            n.pending = n.pending.saturating_sub(1);
-                        }
-                        core.reply(req, Err(AllocError::StoreUnavailable { cause }));
+                Waiter::Rebind { node, conn, key } => {
+                    if self
+                        .nodes
+                        .get(&node)
+                        .is_some_and(|n| rebind_due(n, conn, &key, id))
+                    {
+                        let msg = AgentMsg::Rebind { key, identity: id };
+                        core.fx.push(Effect::Agent { node, conn, msg });
                     }
                 }
-                if forget {
-                    core.forget_unwritten(id, now);
-                }
             }
+        }
+        if core.ids.get(id).is_some_and(|e| !e.wanted()) {
+            core.gc.unused.push(id);
+        }
+    }
+
+    /// `id`'s create failed for `e` (attempt `attempt`): retried later on the same
+    /// id; callers are told now, endpoints wait for their rebind.
+    fn create_failed(&mut self, id: IdentityId, attempt: u32, e: &StoreError, now: Timestamp) {
+        let core = &mut self.core;
+        let Some(entry) = core.ids.get_mut(id) else {
+            return;
+        };
+        // Also a binding of the labels that the core cannot take (its id is
+        // bound to other labels here, quarantined for other labels, or its lost
+        // tombstone is being written again: each passes): retried later like an
+        // unavailable store, on the same id, so no id is spent on it.
+        bump(&mut core.counters.create_failures, e.cause());
+        let attempt = attempt + 1;
+        let retry_at = now.plus(core.cfg.backoff(attempt));
+        entry.phase = Phase::Creating {
+            inflight: false,
+            attempt,
+            retry_at,
+        };
+        // Callers are told now and may retry; endpoints keep waiting for their rebind.
+        let cause = e.cause();
+        let (requests, mut rest): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
+            .into_iter()
+            .partition(|w| matches!(w, Waiter::Request { .. }));
+        // Only endpoints still in their view at this identity, on their stream,
+        // wait on: the others' Rebinds would never be sent.
+        rest.retain(|w| match w {
+            Waiter::Rebind { node, conn, key } => self
+                .nodes
+                .get(node)
+                .is_some_and(|n| rebind_due(n, *conn, key, id)),
+            Waiter::Request { .. } => false,
+        });
+        entry.waiters = rest;
+        // Refused for labels bound elsewhere, nothing was written: with no one
+        // left to wait for it, the binding goes (a retry could only meet the
+        // same binding, for as long as the store keeps it).
+        let forget = matches!(e, StoreError::LabelsBound { .. }) && !entry.wanted();
+        if !forget {
+            core.gc.create_retries.insert((retry_at, id));
+        }
+        for waiter in requests {
+            if let Waiter::Request { req, node } = waiter {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.pending = n.pending.saturating_sub(1);
+                }
+                core.reply(req, Err(AllocError::StoreUnavailable { cause }));
+            }
+        }
+        if forget {
+            core.forget_unwritten(id, now);
         }
     }
 
