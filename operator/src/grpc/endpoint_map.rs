@@ -370,36 +370,9 @@ impl Watcher {
             match std::mem::replace(&mut self.phase, Phase::Done) {
                 Phase::Done => return None,
                 Phase::Resync(reason) => {
-                    let progress = InProgress::new(&self.metrics, reason);
-                    let resyncs = Arc::clone(&self.watch.resyncs);
-                    let permit = match self.until(resyncs.acquire_owned()).await {
-                        Woken::Value(Ok(permit)) => permit,
-                        Woken::Value(Err(_)) | Woken::ShuttingDown => {
-                            return self.end(shutting_down());
-                        }
-                        Woken::TermChanged => {
-                            if let Err(status) = self.new_term() {
-                                return self.end(status);
-                            }
-                            continue;
-                        }
-                    };
-                    let operator = Arc::clone(&self.operator);
-                    let term = self.watch.term;
-                    // Building a full map encodes it: off the async workers.
-                    let built = tokio::task::spawn_blocking(move || operator.map_resync(term));
-                    let resync = match built.await {
-                        Ok(Ok(resync)) => resync,
-                        Ok(Err(refusal)) => return self.end(refused(refusal)),
-                        Err(_) => return self.end(shutting_down()),
-                    };
-                    self.phase = Phase::Full {
-                        full: resync.full,
-                        next: 0,
-                        catch_up: resync.catch_up.into(),
-                        changes: resync.changes,
-                        turn: Some((permit, progress)),
-                    };
+                    if let Err(end) = self.resync(reason).await {
+                        return end;
+                    }
                 }
                 Phase::Full {
                     full,
@@ -452,39 +425,84 @@ impl Watcher {
                     }
                     None => self.phase = Phase::Live { changes, last },
                 },
-                Phase::Live { mut changes, last } => {
-                    let received = match self.until(changes.recv()).await {
-                        Woken::Value(received) => received,
-                        Woken::ShuttingDown => return self.end(shutting_down()),
-                        Woken::TermChanged => {
-                            if let Err(status) = self.new_term() {
-                                return self.end(status);
-                            }
-                            continue;
-                        }
-                    };
-                    match received {
-                        Ok(batch) if batch.version <= last => {
-                            self.phase = Phase::Live { changes, last };
-                        }
-                        Ok(batch) if batch.version == last + 1 => {
-                            self.metrics.map_watcher_lag.observe(changes.len() as f64);
-                            self.phase = Phase::Live {
-                                changes,
-                                last: batch.version,
-                            };
-                            self.sent("batch", &batch.bytes);
-                            return Some(Ok(batch.bytes));
-                        }
-                        // A gap cannot happen by construction; a full map repairs one.
-                        Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
-                            debug!(node = %self.caller.node, "map watcher fell behind: sending the full map again");
-                            self.phase = Phase::Resync("lagged");
-                        }
-                        Err(broadcast::error::RecvError::Closed) => return None,
+                Phase::Live { changes, last } => {
+                    if let Some(sent) = self.live(changes, last).await {
+                        return sent;
                     }
                 }
             }
+        }
+    }
+
+    /// Waits for its turn, builds the full map (off the async workers) and starts
+    /// sending it; `Err` with the stream's end when it cannot.
+    async fn resync(&mut self, reason: &'static str) -> Result<(), Option<Result<Bytes, Status>>> {
+        let progress = InProgress::new(&self.metrics, reason);
+        let resyncs = Arc::clone(&self.watch.resyncs);
+        let permit = match self.until(resyncs.acquire_owned()).await {
+            Woken::Value(Ok(permit)) => permit,
+            Woken::Value(Err(_)) | Woken::ShuttingDown => return Err(self.end(shutting_down())),
+            Woken::TermChanged => {
+                return match self.new_term() {
+                    Ok(()) => Ok(()),
+                    Err(status) => Err(self.end(status)),
+                };
+            }
+        };
+        let operator = Arc::clone(&self.operator);
+        let term = self.watch.term;
+        let built = tokio::task::spawn_blocking(move || operator.map_resync(term));
+        let resync = match built.await {
+            Ok(Ok(resync)) => resync,
+            Ok(Err(refusal)) => return Err(self.end(refused(refusal))),
+            Err(_) => return Err(self.end(shutting_down())),
+        };
+        self.phase = Phase::Full {
+            full: resync.full,
+            next: 0,
+            catch_up: resync.catch_up.into(),
+            changes: resync.changes,
+            turn: Some((permit, progress)),
+        };
+        Ok(())
+    }
+
+    /// The next batch of changes after `last`, when one comes (`Some`: what the
+    /// stream sends or its end); `None` when the phase changed instead (a new
+    /// term, a resync for a watcher that fell behind).
+    async fn live(
+        &mut self,
+        mut changes: broadcast::Receiver<MapBatch>,
+        last: u64,
+    ) -> Option<Option<Result<Bytes, Status>>> {
+        let received = match self.until(changes.recv()).await {
+            Woken::Value(received) => received,
+            Woken::ShuttingDown => return Some(self.end(shutting_down())),
+            Woken::TermChanged => {
+                return self.new_term().err().map(|status| self.end(status));
+            }
+        };
+        match received {
+            Ok(batch) if batch.version <= last => {
+                self.phase = Phase::Live { changes, last };
+                None
+            }
+            Ok(batch) if batch.version == last + 1 => {
+                self.metrics.map_watcher_lag.observe(changes.len() as f64);
+                self.phase = Phase::Live {
+                    changes,
+                    last: batch.version,
+                };
+                self.sent("batch", &batch.bytes);
+                Some(Some(Ok(batch.bytes)))
+            }
+            // A gap cannot happen by construction; a full map repairs one.
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                debug!(node = %self.caller.node, "map watcher fell behind: sending the full map again");
+                self.phase = Phase::Resync("lagged");
+                None
+            }
+            Err(broadcast::error::RecvError::Closed) => Some(None),
         }
     }
 }
