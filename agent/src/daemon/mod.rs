@@ -163,15 +163,7 @@ where
     let metrics = Metrics::default();
     let (status_tx, status_rx) = watch::channel(Status::default());
     let pinned = pinned.map(Arc::new);
-    let mut registry = Registry::default();
-    metrics.register(&mut registry);
-    let admin_metrics = census_daemon::http::AdminMetrics::default();
-    admin_metrics.register(registry.sub_registry_with_prefix("census_agent"));
-    registry.register_collector(Box::new(AgentCollector::new(
-        status_rx.clone(),
-        pinned.clone(),
-    )));
-    registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
+    let (registry, admin_metrics) = registry(&metrics, &status_rx, &pinned);
 
     let (shutdown, stop) = watch::channel(false);
     let (source_tx, source_rx) = mpsc::channel(64);
@@ -185,24 +177,9 @@ where
     let (map_tx, map_rx) = mpsc::channel(16);
     let (map_link_tx, map_link_rx) = watch::channel(MapLink::default());
 
-    let listener = TcpListener::bind(admin_listen)
-        .await
-        .map_err(|source| StartError::Listen {
-            addr: admin_listen,
-            source,
-        })?;
-    let admin_addr = listener.local_addr().map_err(|source| StartError::Listen {
-        addr: admin_listen,
-        source,
-    })?;
-    let health = match health_listen {
-        Some(addr) => Some(
-            admin::bind(addr)
-                .await
-                .map_err(|source| StartError::Listen { addr, source })?,
-        ),
-        None => None,
-    };
+    let servers =
+        AdminServers::bind(admin_listen, health_listen, admin_limits, admin_metrics).await?;
+    let admin_addr = servers.admin_addr;
 
     let description = source.describe();
     let source_filter = source.label_filter();
@@ -231,38 +208,19 @@ where
         .with_attached(attached)
         .with_node(node.clone(), pinned_nodes)
         .with_services(pinned_services);
-    if endpoint_map {
-        let map = MapClient {
-            channel: channel.clone(),
-            node: node.clone(),
-            session,
-            initial_backoff,
-            max_backoff,
-            unsupported_retry: UNSUPPORTED_RETRY,
-            metrics: metrics.clone(),
-            status: map_link_tx,
-        };
-        tasks.push(tokio::spawn(map.run(
-            map_tx,
-            connected_rx.clone(),
-            stop.clone(),
-        )));
-    } else {
-        info!("the endpoint map watch is off (--no-endpoint-map): this agent is local-only");
-        core.on_map(MapEvent::LocalOnly);
-        core.set_map_link(MapLink {
-            state: MapState::Disabled,
-            last_error: None,
-        });
-        drop((map_tx, map_link_tx));
-    }
+    let map = endpoint_map.then(|| MapClient {
+        channel: channel.clone(),
+        node: node.clone(),
+        session,
+        initial_backoff,
+        max_backoff,
+        unsupported_retry: UNSUPPORTED_RETRY,
+        metrics: metrics.clone(),
+        status: map_link_tx,
+    });
+    watch_map(map, &mut core, map_tx, &connected_rx, &stop, &mut tasks);
 
-    let mut reconciler = Reconciler::new(metrics.clone())
-        .reassert_order(reassert_order)
-        .node_hooks(node_hooks);
-    // At once, not at the first full pass: what is missing is logged now, and
-    // reported by every full pass until it is attached.
-    reconciler.repair_node_hooks(&mut maps);
+    let reconciler = reconciler(&metrics, reassert_order, node_hooks, &mut maps);
     let wiring = Wiring {
         core,
         reconciler,
@@ -284,15 +242,7 @@ where
         host_ips,
         reconcile_interval,
     };
-    // Interfaces re-created under the agent get the classifier back at once.
-    let (links_tx, links_rx) = watch::channel(0);
-    match LinkEvents::open() {
-        Ok(events) => tasks.push(tokio::spawn(watch_links(events, links_tx))),
-        Err(error) => warn!(
-            %error,
-            "cannot watch link changes; a re-created interface waits for the full pass"
-        ),
-    }
+    let links_rx = watch_link_events(&mut tasks);
     let span = info_span!("core", %node, %session);
     let inputs = Inputs {
         links: links_rx,
@@ -317,30 +267,7 @@ where
         queries: query_tx,
         maps: pinned,
     };
-    let router = admin::router(admin_state.clone());
-    let mut health_addr = None;
-    if let Some((health, addr)) = health {
-        let router = admin::health_router(admin_state);
-        let health_stop = stop.clone();
-        let metrics = admin_metrics.clone();
-        tasks.push(tokio::spawn(async move {
-            let served =
-                census_daemon::http::serve(health, router, admin_limits, metrics, health_stop);
-            if let Err(e) = served.await {
-                error!(error = %e, "the health and metrics server failed");
-            }
-        }));
-        info!(%addr, "health and metrics server listening");
-        health_addr = Some(addr);
-    }
-    let admin_stop = stop.clone();
-    tasks.push(tokio::spawn(async move {
-        let served =
-            census_daemon::http::serve(listener, router, admin_limits, admin_metrics, admin_stop);
-        if let Err(e) = served.await {
-            error!(error = %e, "the admin server failed");
-        }
-    }));
+    let health_addr = servers.spawn(admin_state, &stop, &mut tasks);
     info!(%admin_addr, "admin server listening");
     Ok(Running {
         admin_addr,
@@ -348,6 +275,158 @@ where
         shutdown,
         tasks,
     })
+}
+
+/// The reconciler, with the node's own hooks attached at once, not at the first
+/// full pass: what is missing is logged now, and reported by every full pass until
+/// it is attached.
+fn reconciler<M: DatapathPort>(
+    metrics: &Metrics,
+    reassert_order: bool,
+    node_hooks: Option<NodeHooks>,
+    maps: &mut M,
+) -> Reconciler {
+    let mut reconciler = Reconciler::new(metrics.clone())
+        .reassert_order(reassert_order)
+        .node_hooks(node_hooks);
+    reconciler.repair_node_hooks(maps);
+    reconciler
+}
+
+/// The operator's cluster-wide endpoint map, watched by `map` into `core`; without
+/// one (`--no-endpoint-map`), the core is told it is local-only.
+fn watch_map(
+    map: Option<MapClient>,
+    core: &mut Core,
+    map_tx: mpsc::Sender<MapEvent>,
+    connected: &watch::Receiver<bool>,
+    stop: &watch::Receiver<bool>,
+    tasks: &mut Vec<JoinHandle<()>>,
+) {
+    match map {
+        Some(map) => tasks.push(tokio::spawn(map.run(
+            map_tx,
+            connected.clone(),
+            stop.clone(),
+        ))),
+        None => {
+            info!("the endpoint map watch is off (--no-endpoint-map): this agent is local-only");
+            core.on_map(MapEvent::LocalOnly);
+            core.set_map_link(MapLink {
+                state: MapState::Disabled,
+                last_error: None,
+            });
+        }
+    }
+}
+
+/// Link changes, so that interfaces re-created under the agent get the classifier
+/// back at once; without them (the socket cannot be opened), the full pass does.
+fn watch_link_events(tasks: &mut Vec<JoinHandle<()>>) -> watch::Receiver<u64> {
+    let (links_tx, links_rx) = watch::channel(0);
+    match LinkEvents::open() {
+        Ok(events) => tasks.push(tokio::spawn(watch_links(events, links_tx))),
+        Err(error) => warn!(
+            %error,
+            "cannot watch link changes; a re-created interface waits for the full pass"
+        ),
+    }
+    links_rx
+}
+
+/// The agent's metrics registry: its own metrics, the admin servers' (returned),
+/// its collector of the core's status and pinned maps, the process's.
+fn registry(
+    metrics: &Metrics,
+    status: &watch::Receiver<Status>,
+    pinned: &Option<Arc<Inspector>>,
+) -> (Registry, census_daemon::http::AdminMetrics) {
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let admin_metrics = census_daemon::http::AdminMetrics::default();
+    admin_metrics.register(registry.sub_registry_with_prefix("census_agent"));
+    registry.register_collector(Box::new(AgentCollector::new(
+        status.clone(),
+        pinned.clone(),
+    )));
+    registry.register_collector(Box::new(census_daemon::ProcessCollector::new()));
+    (registry, admin_metrics)
+}
+
+/// The admin server, and the health and metrics server if one is asked for.
+struct AdminServers {
+    admin: TcpListener,
+    admin_addr: SocketAddr,
+    health: Option<(TcpListener, SocketAddr)>,
+    limits: census_daemon::http::AdminLimits,
+    metrics: census_daemon::http::AdminMetrics,
+}
+
+impl AdminServers {
+    /// Listens on `admin` (and on `health`, if given).
+    async fn bind(
+        admin: SocketAddr,
+        health: Option<SocketAddr>,
+        limits: census_daemon::http::AdminLimits,
+        metrics: census_daemon::http::AdminMetrics,
+    ) -> Result<Self, StartError> {
+        let listen = |addr| async move {
+            admin::bind(addr)
+                .await
+                .map_err(|source| StartError::Listen { addr, source })
+        };
+        let (admin, admin_addr) = listen(admin).await?;
+        let health = match health {
+            Some(addr) => Some(listen(addr).await?),
+            None => None,
+        };
+        Ok(Self {
+            admin,
+            admin_addr,
+            health,
+            limits,
+            metrics,
+        })
+    }
+
+    /// Serves `state` until `stop`, each server a task of `tasks`; the health
+    /// server's address.
+    fn spawn(
+        self,
+        state: AdminState,
+        stop: &watch::Receiver<bool>,
+        tasks: &mut Vec<JoinHandle<()>>,
+    ) -> Option<SocketAddr> {
+        let Self {
+            admin,
+            health,
+            limits,
+            metrics,
+            ..
+        } = self;
+        let router = admin::router(state.clone());
+        let mut health_addr = None;
+        if let Some((health, addr)) = health {
+            let router = admin::health_router(state);
+            let (stop, metrics) = (stop.clone(), metrics.clone());
+            tasks.push(tokio::spawn(async move {
+                let served = census_daemon::http::serve(health, router, limits, metrics, stop);
+                if let Err(e) = served.await {
+                    error!(error = %e, "the health and metrics server failed");
+                }
+            }));
+            info!(%addr, "health and metrics server listening");
+            health_addr = Some(addr);
+        }
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let served = census_daemon::http::serve(admin, router, limits, metrics, stop);
+            if let Err(e) = served.await {
+                error!(error = %e, "the admin server failed");
+            }
+        }));
+        health_addr
+    }
 }
 
 /// A lazily connected channel to the operator: calls fail fast while it is away,
