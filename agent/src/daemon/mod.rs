@@ -564,23 +564,7 @@ impl<M: DatapathPort> Wiring<M> {
                     let link = link.borrow_and_update().clone();
                     self.core.set_operator_link(link);
                 }
-                Step::Map(event) => {
-                    let built = match &event {
-                        MapEvent::Batch(batch) => batch.built_at_ms,
-                        MapEvent::LocalOnly => 0,
-                    };
-                    let applied = self.core.on_map(event);
-                    if applied.skipped > 0 {
-                        self.metrics.map_malformed.inc_by(applied.skipped as u64);
-                        warn!(
-                            skipped = applied.skipped,
-                            "skipped endpoint map entries naming a node the operator never announced"
-                        );
-                    }
-                    if applied.changed > 0 && built > 0 {
-                        built_at_ms = Some(built);
-                    }
-                }
+                Step::Map(event) => built_at_ms = self.on_map(event),
                 Step::MapLink => {
                     let link = map_link.borrow_and_update().clone();
                     self.core.set_map_link(link);
@@ -600,33 +584,64 @@ impl<M: DatapathPort> Wiring<M> {
                     full_pass = true;
                 }
             }
-            self.apply_all();
-            if let Some(built) = built_at_ms {
-                self.metrics.map_propagation.observe(since_ms(built));
-            }
-            if !was_synced && self.core.synced() {
-                // The first full set: what it does not list can go now.
-                full_pass = true;
-                let _ = self.ready.send(true);
-                info!(
-                    endpoints = self.core.len(),
-                    "the first full set of endpoints is in place"
-                );
-            }
-            if !was_complete && self.core.map_complete() {
-                // The first whole map: what a previous run pinned and it lacks goes now.
-                full_pass = true;
-                info!(
-                    nodes = self.core.status().map.nodes,
-                    "the first full endpoint map is in place"
-                );
-            }
-            if full_pass {
-                self.full_pass();
-                self.apply_all();
-            }
-            self.status.send_replace(self.core.status());
+            self.after_step(built_at_ms, was_synced, was_complete, full_pass);
         }
+    }
+
+    /// A batch of the endpoint map into the core; when the operator built it, if it
+    /// changed anything.
+    fn on_map(&mut self, event: MapEvent) -> Option<u64> {
+        let built = match &event {
+            MapEvent::Batch(batch) => batch.built_at_ms,
+            MapEvent::LocalOnly => 0,
+        };
+        let applied = self.core.on_map(event);
+        if applied.skipped > 0 {
+            self.metrics.map_malformed.inc_by(applied.skipped as u64);
+            warn!(
+                skipped = applied.skipped,
+                "skipped endpoint map entries naming a node the operator never announced"
+            );
+        }
+        (applied.changed > 0 && built > 0).then_some(built)
+    }
+
+    /// What every step ends with: the core's effects applied, a full pass when one
+    /// is due (asked for, the first full set of endpoints, the first whole map), the
+    /// status published.
+    fn after_step(
+        &mut self,
+        built_at_ms: Option<u64>,
+        was_synced: bool,
+        was_complete: bool,
+        mut full_pass: bool,
+    ) {
+        self.apply_all();
+        if let Some(built) = built_at_ms {
+            self.metrics.map_propagation.observe(since_ms(built));
+        }
+        if !was_synced && self.core.synced() {
+            // The first full set: what it does not list can go now.
+            full_pass = true;
+            let _ = self.ready.send(true);
+            info!(
+                endpoints = self.core.len(),
+                "the first full set of endpoints is in place"
+            );
+        }
+        if !was_complete && self.core.map_complete() {
+            // The first whole map: what a previous run pinned and it lacks goes now.
+            full_pass = true;
+            info!(
+                nodes = self.core.status().map.nodes,
+                "the first full endpoint map is in place"
+            );
+        }
+        if full_pass {
+            self.full_pass();
+            self.apply_all();
+        }
+        self.status.send_replace(self.core.status());
     }
 
     /// Hands the operator's label filter to a source that filters labels itself.
