@@ -418,8 +418,10 @@ fn is_pod(ep: &EndpointValue) -> bool {
 fn add_packet<P: Packet>(packet: &P, family: Family, key: &FlowKey) {
     let (len, _) = packet.len_and_segments();
     let segments = segments(packet);
+    // A cgroup hook's packet lacks the first segment's Ethernet header; every
+    // further segment's is in the headers it repeats, below.
     let link = (ETH_HLEN - P::L2_LEN) as u64;
-    let mut bytes = u64::from(len) + segments * link;
+    let mut bytes = u64::from(len) + link;
     if segments > 1 {
         bytes += (segments - 1) * (ETH_HLEN as u64 + u64::from(header_len(packet, family)));
     }
