@@ -445,6 +445,8 @@ fn encode_stats(
         log_suppressed,
         service_marked,
         marked_counted,
+        service_flow_inserts,
+        service_flow_insert_failures,
     } = *stats;
     for (name, help, value) in [
         (
@@ -496,6 +498,18 @@ fn encode_stats(
              rewrites the whole skb mark",
             stats.marks_lost(),
         ),
+        (
+            "census_agent_service_flow_inserts",
+            "Entries the datapath inserted into SERVICE_FLOWS (client, Service address, port, \
+             protocol, direction)",
+            service_flow_inserts,
+        ),
+        (
+            "census_agent_service_flow_insert_failures",
+            "SERVICE_FLOWS inserts the kernel refused: those packets went uncounted there (FLOWS \
+             counted them)",
+            service_flow_insert_failures,
+        ),
     ] {
         let counter = ConstCounter::new(value);
         counter.encode(e.encode_descriptor(name, help, None, counter.metric_type())?)?;
@@ -544,6 +558,7 @@ mod tests {
             log_suppressed: 7,
             service_marked: 30,
             marked_counted: 20,
+            ..DatapathStats::default()
         };
         let mut registry = Registry::default();
         registry.register_collector(Box::new(StatsOnly(stats, 65_000)));
