@@ -82,42 +82,53 @@ fn service_flows_error(source: MapError) -> Error {
     }
 }
 
-impl Datapath {
-    /// Every SERVICE_FLOWS entry, summed over CPUs, ordered by client, Service
-    /// address, port, protocol and direction. The map evicts least recently used
-    /// entries when full, and the walk is not atomic: an entry evicted meanwhile
-    /// is missing, never counted twice. Entries census does not write (a key
-    /// whose address or direction is not well formed) are left out.
-    pub fn service_flows(&self) -> Result<Vec<ServiceFlow>, Error> {
-        let mut flows = BTreeMap::new();
-        for entry in self.service_flows.iter() {
-            match entry {
-                Ok((key, per_cpu)) => {
-                    let (Some(service), Some(direction)) =
-                        (key.service.ip(), ServiceDirection::from_raw(key.direction))
-                    else {
-                        continue;
-                    };
-                    let (packets, bytes) = per_cpu.iter().fold((0u64, 0u64), |(p, b), v| {
-                        (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
-                    });
-                    let flow = ServiceFlow {
-                        client_identity: key.client_identity,
-                        service,
-                        port: key.port,
-                        protocol: key.protocol,
-                        direction,
-                        packets,
-                        bytes,
-                    };
-                    let order = (key.client_identity, service, key.port, key.protocol, direction);
-                    flows.insert(order, flow);
-                }
-                Err(error) if is_not_found(&error) => {}
-                Err(error) => return Err(service_flows_error(error)),
+/// Every entry of a SERVICE_FLOWS map, summed over CPUs, ordered by client,
+/// Service address, port, protocol and direction. The map evicts least recently
+/// used entries when full, and the walk is not atomic: an entry evicted meanwhile
+/// is missing, never counted twice. Entries census does not write (a key whose
+/// address or direction is not well formed) are left out.
+pub(super) fn read_all(map: &ServiceFlowsMap) -> Result<Vec<ServiceFlow>, MapError> {
+    let mut flows = BTreeMap::new();
+    for entry in map.iter() {
+        match entry {
+            Ok((key, per_cpu)) => {
+                let (Some(service), Some(direction)) =
+                    (key.service.ip(), ServiceDirection::from_raw(key.direction))
+                else {
+                    continue;
+                };
+                let (packets, bytes) = per_cpu.iter().fold((0u64, 0u64), |(p, b), v| {
+                    (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
+                });
+                let flow = ServiceFlow {
+                    client_identity: key.client_identity,
+                    service,
+                    port: key.port,
+                    protocol: key.protocol,
+                    direction,
+                    packets,
+                    bytes,
+                };
+                let order = (
+                    key.client_identity,
+                    service,
+                    key.port,
+                    key.protocol,
+                    direction,
+                );
+                flows.insert(order, flow);
             }
+            Err(error) if is_not_found(&error) => {}
+            Err(error) => return Err(error),
         }
-        Ok(flows.into_values().collect())
+    }
+    Ok(flows.into_values().collect())
+}
+
+impl Datapath {
+    /// Every SERVICE_FLOWS entry (see [`read_all`]).
+    pub fn service_flows(&self) -> Result<Vec<ServiceFlow>, Error> {
+        read_all(&self.service_flows).map_err(service_flows_error)
     }
 
     /// SERVICE_FLOWS' size, as created.

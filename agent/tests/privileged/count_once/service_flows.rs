@@ -19,8 +19,7 @@ use census_agent::bpf::{ServiceDirection, identity};
 use census_netlab::{Side, kube_proxy::Protocol};
 
 use super::{
-    BACKEND, CLIENT, COUNT, Counts, Lab, PAYLOAD, Shape, TARGET_PORT, cluster_ip, each_way,
-    through,
+    BACKEND, CLIENT, COUNT, Counts, Lab, PAYLOAD, Shape, TARGET_PORT, cluster_ip, each_way, through,
 };
 use crate::support::{Fallible, TestResult, frame_len};
 
@@ -65,12 +64,7 @@ fn udp_each_way(client: u32, service: SocketAddr) -> ServiceCounts {
     let each = (COUNT as u64, COUNT as u64 * frame_len(PAYLOAD, false));
     [ServiceDirection::Request, ServiceDirection::Reply]
         .into_iter()
-        .map(|direction| {
-            (
-                (client, service.ip(), service.port(), UDP, direction),
-                each,
-            )
-        })
+        .map(|direction| ((client, service.ip(), service.port(), UDP, direction), each))
         .collect()
 }
 
@@ -101,8 +95,7 @@ fn a_pod_calling_a_cluster_ip_with_its_backend_on_its_node_counts_the_service() 
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
-fn a_pod_calling_a_cluster_ip_with_its_backend_on_another_node_counts_the_service() -> TestResult
-{
+fn a_pod_calling_a_cluster_ip_with_its_backend_on_another_node_counts_the_service() -> TestResult {
     a_pod_calling_a_cluster_ip(Side::B, 22)
 }
 
@@ -182,11 +175,23 @@ fn a_fragmented_datagram_counts_the_service_once_per_datagram() -> TestResult {
         lab.service_counts()?,
         ServiceCounts::from([
             (
-                (CLIENT, address.ip(), address.port(), UDP, ServiceDirection::Request),
+                (
+                    CLIENT,
+                    address.ip(),
+                    address.port(),
+                    UDP,
+                    ServiceDirection::Request
+                ),
                 each
             ),
             (
-                (CLIENT, address.ip(), address.port(), UDP, ServiceDirection::Reply),
+                (
+                    CLIENT,
+                    address.ip(),
+                    address.port(),
+                    UDP,
+                    ServiceDirection::Reply
+                ),
                 each
             ),
         ])
@@ -194,7 +199,10 @@ fn a_fragmented_datagram_counts_the_service_once_per_datagram() -> TestResult {
     let fragments = (3 * COUNT as u64, COUNT as u64 * FRAGMENT_FRAMES);
     assert_eq!(
         lab.counts()?,
-        Counts::from([((CLIENT, BACKEND), fragments), ((BACKEND, CLIENT), fragments)])
+        Counts::from([
+            ((CLIENT, BACKEND), fragments),
+            ((BACKEND, CLIENT), fragments)
+        ])
     );
     Ok(())
 }
