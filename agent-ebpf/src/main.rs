@@ -472,12 +472,16 @@ fn count_service_request(
     let Some(client) = service_client(from) else {
         return;
     };
-    let (protocol, _, dst_port) = transport(ctx, family);
-    let (service, port) = if is_service(dst) {
-        (*dst, dst_port)
+    // The headers' ports only once the packet is a Service's: nearly no packet a
+    // socket sends is.
+    let (service, port, protocol) = if is_service(dst) {
+        let (protocol, _, dst_port) = transport(ctx, family);
+        (*dst, dst_port, protocol)
     } else {
         match socket_destination(ctx, family) {
-            Some((address, port)) if address != *dst && is_service(&address) => (address, port),
+            Some((address, port)) if address != *dst && is_service(&address) => {
+                (address, port, transport(ctx, family).0)
+            }
             _ => return,
         }
     };
