@@ -12,16 +12,26 @@
 //! the cycled address in `BENCH_ENDPOINTS`, a map made and filled as census's
 //! ENDPOINTS is. The memory of one lookup among that many entries is what no
 //! classifier that names the peer by its address can avoid.
+//!
+//! `bench_lpm_src`/`bench_lpm_dst` are the peer reference: the same lookup in
+//! `BENCH_IPCACHE`, the same addresses in a longest-prefix-match trie (each a
+//! /32 or /128), the structure Cilium's ipcache uses.
+//!
+//! `bench_cgroup_empty` is the floor of the root cgroup's programs
+//! (`census_sockets`, `census_sockets_ingress`): an empty `cgroup_skb` program.
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
     bindings::TC_ACT_UNSPEC,
-    macros::{classifier, map},
-    maps::{Array, HashMap, PerCpuArray, ProgramArray},
-    programs::TcContext,
+    macros::{cgroup_skb, classifier, map},
+    maps::{Array, HashMap, LpmTrie, PerCpuArray, ProgramArray, lpm_trie::Key},
+    programs::{SkBuffContext, TcContext},
 };
-use census_common::{ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue};
+use census_common::{
+    BPF_F_NO_PREALLOC, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue,
+    SERVICE_LOOKUP_PREFIX_LEN,
+};
 
 #[map(name = "BENCH_TARGET")]
 static TARGET: ProgramArray = ProgramArray::with_max_entries(1, 0);
@@ -38,6 +48,12 @@ static CURSOR: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "BENCH_ENDPOINTS")]
 static ENDPOINTS: HashMap<EndpointKey, EndpointValue> =
     HashMap::with_max_entries(ENDPOINTS_MAX_ENTRIES, ENDPOINTS_MAP_FLAGS);
+
+/// The addresses of BENCH_ENDPOINTS in a longest-prefix-match trie, each a /32
+/// or /128 (keyed as SERVICES is: the family's 32 bits, then the address).
+#[map(name = "BENCH_IPCACHE")]
+static IPCACHE: LpmTrie<EndpointKey, EndpointValue> =
+    LpmTrie::with_max_entries(ENDPOINTS_MAX_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// Where the lookups leave the identity they found, so that they are not
 /// optimized away.
@@ -81,6 +97,24 @@ fn bench_cycle_v6_dst(ctx: TcContext) -> i32 {
     cycle::<IPV6_DST_LAST>(&ctx)
 }
 
+/// Does nothing: the floor of the root cgroup's programs.
+#[cgroup_skb(ingress)]
+fn bench_cgroup_empty(_ctx: SkBuffContext) -> i32 {
+    1
+}
+
+/// One ipcache-like (LPM) lookup of the packet's source address.
+#[classifier]
+fn bench_lpm_src(ctx: TcContext) -> i32 {
+    lpm::<0>(&ctx)
+}
+
+/// One ipcache-like (LPM) lookup of the packet's destination address.
+#[classifier]
+fn bench_lpm_dst(ctx: TcContext) -> i32 {
+    lpm::<1>(&ctx)
+}
+
 /// One ENDPOINTS-like lookup of the packet's source address.
 #[classifier]
 fn bench_lookup_src(ctx: TcContext) -> i32 {
@@ -95,6 +129,50 @@ fn bench_lookup_dst(ctx: TcContext) -> i32 {
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+
+/// Looks up address `WHICH` (0 the source, 1 the destination) in BENCH_IPCACHE.
+#[inline(always)]
+fn lpm<const WHICH: usize>(ctx: &TcContext) -> i32 {
+    let Some(key) = address::<WHICH>(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    let identity = IPCACHE
+        .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, key))
+        .map_or(0, |ep| ep.identity);
+    if let Some(sink) = SINK.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot.
+        unsafe { *sink = identity };
+    }
+    TC_ACT_UNSPEC
+}
+
+/// Address `WHICH` (0 the source, 1 the destination) of an IPv4 or IPv6
+/// packet, as census's classifier reads it.
+#[inline(always)]
+fn address<const WHICH: usize>(ctx: &TcContext) -> Option<EndpointKey> {
+    #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
+    let protocol = u16::from_be(ctx.skb.protocol() as u16);
+    let (start, end) = (ctx.data(), ctx.data_end());
+    if protocol == ETH_P_IP {
+        let offset = ETH_HLEN + 12 + WHICH * 4;
+        if start + offset + 4 > end {
+            return None;
+        }
+        // SAFETY: bounds checked above.
+        Some(EndpointKey::v4_word(unsafe {
+            core::ptr::read_unaligned((start + offset) as *const u32)
+        }))
+    } else {
+        let offset = ETH_HLEN + 8 + WHICH * 16;
+        if start + offset + 16 > end {
+            return None;
+        }
+        // SAFETY: bounds checked above.
+        Some(EndpointKey::v6_words(unsafe {
+            core::ptr::read_unaligned((start + offset) as *const [u32; 4])
+        }))
+    }
+}
 
 /// Looks up address `WHICH` (0 the source, 1 the destination) of an IPv4 or
 /// IPv6 packet, as census's classifier reads it.

@@ -44,6 +44,16 @@
 //!   address the node serves itself (a node-local DNS cache). No TC hook sees a
 //!   packet delivered locally.
 //!
+//! The root cgroup's two programs also count SERVICE_FLOWS, beside FLOWS and
+//! changing nothing of it (docs/design.md, "Which Service"): every socket of
+//! the node, a pod's included, passes them, where a request still carries the
+//! Service address its client dialled (a pod's packet is translated later, in
+//! the node's namespace; a host-network socket's is translated before the hook,
+//! but its socket still holds the address it connected to) and a reply carries
+//! it back (translated back before delivery). Egress counts a request from a
+//! pod of this node or from the node itself to a Service address, ingress a
+//! reply from a Service address to one of them.
+//!
 //! The sender of a marked packet is the endpoint behind the interface it came in
 //! by (`skb->ingress_ifindex`'s INTERFACES entry): so a request that kube-proxy
 //! masqueraded to the node's address is still its sender's. The mark is taken
@@ -96,8 +106,8 @@ use census_common::{
     ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES,
     FlowKey, FlowValue, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue,
     MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
-    SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAX_ENTRIES, flags,
-    identity, interface_slot, stats,
+    SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES,
+    STATS_MAX_ENTRIES, ServiceFlowKey, flags, identity, interface_slot, service_direction, stats,
 };
 
 /// Not preallocated: sized for the cluster, it costs memory only for the entries
@@ -125,6 +135,11 @@ static INTERFACES: Array<InterfaceValue> =
 #[map(name = "SERVICES")]
 static SERVICES: LpmTrie<EndpointKey, u32> =
     LpmTrie::with_max_entries(SERVICES_MAX_ENTRIES, SERVICES_MAP_FLAGS);
+
+/// Per client, Service address, port, protocol and direction, in FLOWS' units.
+#[map(name = "SERVICE_FLOWS")]
+static SERVICE_FLOWS: LruPerCpuHashMap<ServiceFlowKey, FlowValue> =
+    LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
 
 /// census's bit of `skb->mark` (`census_common::MARK_BIT_GLOBAL`): the agent sets
 /// it at load, as read-only data, so the verifier sees a constant.
@@ -168,6 +183,12 @@ const TCP_DATA_OFFSET: usize = 12;
 const UDP_HLEN: u32 = 8;
 const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
+/// Offset of the flags and fragment offset in an IPv4 header.
+const IPV4_FRAGMENT: usize = 6;
+/// The fragment offset's bits of those two bytes (big-endian).
+const IPV4_FRAGMENT_OFFSET: u16 = 0x1fff;
+const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
 /// `-EEXIST`: the pair was inserted meanwhile (by another CPU).
 const EEXIST: i32 = -17;
 
@@ -341,10 +362,22 @@ fn count_from_node(ctx: &SkBuffContext) {
         return;
     };
     let from = endpoint(&src);
+    count_service_request(ctx, family, from, &dst);
+    count_pair_from_node(ctx, family, (&src, from), &dst);
+}
+
+/// [`count_from_node`]'s FLOWS part, `from` the source's ENDPOINTS entry.
+#[inline(always)]
+fn count_pair_from_node(
+    ctx: &SkBuffContext,
+    family: Family,
+    (src, from): (&EndpointKey, Option<EndpointValue>),
+    dst: &EndpointKey,
+) {
     if from.is_some_and(|ep| ep.flags & flags::HOST == 0) {
         return;
     }
-    let Some(pod) = endpoint(&dst).filter(is_pod) else {
+    let Some(pod) = endpoint(dst).filter(is_pod) else {
         return;
     };
     if from.is_none() {
@@ -354,7 +387,7 @@ fn count_from_node(ctx: &SkBuffContext) {
         let by_its_interface = pod.is_local()
             && interface(ifindex)
                 .is_some_and(|i| i.identity == pod.identity || i.identity == identity::INVALID);
-        if !by_its_interface || !is_service(&src) {
+        if !by_its_interface || !is_service(src) {
             return;
         }
     }
@@ -383,6 +416,7 @@ fn count_delivered(ctx: &SkBuffContext) {
     // Before the headers (`marked_by` checks the mark first): most packets a
     // node receives are not marked.
     let Some(sender) = marked_by(ctx, ingress_ifindex) else {
+        count_service_reply(ctx);
         return;
     };
     let Some((family, src, dst)) = addresses(ctx) else {
@@ -403,6 +437,181 @@ fn count_delivered(ctx: &SkBuffContext) {
     add_packet(ctx, family, &key);
 }
 
+/// The client a socket's packet is counted for in SERVICE_FLOWS, from its
+/// address's ENDPOINTS entry: a pod of this node, or the node itself (`host`).
+/// Anything else (another node's pod or address, an unknown address) is not
+/// this node's to count: a lab of several nodes on one kernel shares the root
+/// cgroup, and a pod's address is only LOCAL on its own node.
+#[inline(always)]
+fn service_client(ep: Option<EndpointValue>) -> Option<u32> {
+    let ep = ep?;
+    if ep.flags & flags::HOST != 0 {
+        Some(identity::HOST)
+    } else if ep.is_local() {
+        Some(ep.identity)
+    } else {
+        None
+    }
+}
+
+/// SERVICE_FLOWS, egress of the root cgroup: a request of a pod of this node
+/// or of the node itself (`from`, its source's ENDPOINTS entry) to a Service
+/// address. A pod's packet is not translated yet here (its DNAT happens in the
+/// node's namespace, after it leaves the pod): its destination is the Service
+/// address and port. A host-network socket's packet was translated in OUTPUT,
+/// before this hook: its socket still holds the address and port it connected
+/// to. An unconnected host-network socket's datagram (`sendto`) is seen
+/// translated, and not counted.
+#[inline(always)]
+fn count_service_request(
+    ctx: &SkBuffContext,
+    family: Family,
+    from: Option<EndpointValue>,
+    dst: &EndpointKey,
+) {
+    let Some(client) = service_client(from) else {
+        return;
+    };
+    // The headers' ports only once the packet is a Service's: nearly no packet a
+    // socket sends is.
+    let (service, port, protocol) = if is_service(dst) {
+        let (protocol, _, dst_port) = transport(ctx, family);
+        (*dst, dst_port, protocol)
+    } else {
+        match socket_destination(ctx, family) {
+            Some((address, port)) if address != *dst && is_service(&address) => {
+                (address, port, transport(ctx, family).0)
+            }
+            _ => return,
+        }
+    };
+    let key = ServiceFlowKey {
+        client_identity: client,
+        port,
+        protocol,
+        direction: service_direction::REQUEST,
+        service,
+    };
+    let (packets, bytes) = packets_and_bytes(ctx, family);
+    add_service(ctx, &key, packets, bytes);
+}
+
+/// SERVICE_FLOWS, ingress of the root cgroup: a reply from a Service address
+/// (translated back before delivery) to a pod of this node or to the node
+/// itself.
+#[inline(always)]
+fn count_service_reply(ctx: &SkBuffContext) {
+    let Some((family, src, dst)) = addresses(ctx) else {
+        return;
+    };
+    // The Service address first: nearly no packet a socket receives is from one.
+    if !is_service(&src) {
+        return;
+    }
+    let Some(client) = service_client(endpoint(&dst)) else {
+        return;
+    };
+    let (protocol, src_port, _) = transport(ctx, family);
+    let key = ServiceFlowKey {
+        client_identity: client,
+        port: src_port,
+        protocol,
+        direction: service_direction::REPLY,
+        service: src,
+    };
+    let (packets, bytes) = packets_and_bytes(ctx, family);
+    add_service(ctx, &key, packets, bytes);
+}
+
+/// The address and port the packet's socket is connected to, in the packet's
+/// family (an IPv6 socket connected to an IPv4-mapped address gives the IPv4
+/// address); `None` without a socket, or for one not connected.
+#[inline(always)]
+fn socket_destination(ctx: &SkBuffContext, family: Family) -> Option<(EndpointKey, u16)> {
+    // SAFETY: `sk` is a readable field of a cgroup_skb program's context (a
+    // socket or null); a non-null one is the packet's socket for the program's
+    // whole run, and `family`, `dst_port`, `dst_ip4` and `dst_ip6` are readable
+    // fields of any socket (its common part). Each read is of one field, the
+    // width the verifier allows.
+    unsafe {
+        let sk = core::ptr::read_volatile(&raw const (*ctx.skb.skb).__bindgen_anon_2.sk);
+        if sk.is_null() {
+            return None;
+        }
+        let sk_family = core::ptr::read_volatile(&raw const (*sk).family);
+        let port = u16::from_be(core::ptr::read_volatile(&raw const (*sk).dst_port));
+        let address = match (family, sk_family) {
+            (Family::V4, AF_INET) => {
+                EndpointKey::v4_word(core::ptr::read_volatile(&raw const (*sk).dst_ip4))
+            }
+            (Family::V4, AF_INET6) => {
+                let words = [
+                    core::ptr::read_volatile(&raw const (*sk).dst_ip6[0]),
+                    core::ptr::read_volatile(&raw const (*sk).dst_ip6[1]),
+                    core::ptr::read_volatile(&raw const (*sk).dst_ip6[2]),
+                ];
+                if words != [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])] {
+                    return None;
+                }
+                EndpointKey::v4_word(core::ptr::read_volatile(&raw const (*sk).dst_ip6[3]))
+            }
+            (Family::V6, AF_INET6) => EndpointKey::v6_words([
+                core::ptr::read_volatile(&raw const (*sk).dst_ip6[0]),
+                core::ptr::read_volatile(&raw const (*sk).dst_ip6[1]),
+                core::ptr::read_volatile(&raw const (*sk).dst_ip6[2]),
+                core::ptr::read_volatile(&raw const (*sk).dst_ip6[3]),
+            ]),
+            _ => return None,
+        };
+        (port != 0).then_some((address, port))
+    }
+}
+
+/// The packet's IP protocol and, for TCP and UDP, its source and destination
+/// ports (host order; 0 where it carries none: another protocol, an IPv4
+/// fragment after the first, an IPv6 transport header after extension
+/// headers, which counts as the extension header's protocol).
+#[inline(always)]
+fn transport<P: Packet>(packet: &P, family: Family) -> (u8, u16, u16) {
+    let l3 = P::L2_LEN;
+    let (ip_len, protocol, first) = match family {
+        Family::V4 => {
+            let Some([version_ihl, _]) = packet.read::<[u8; 2]>(l3) else {
+                return (0, 0, 0);
+            };
+            let fragment = packet
+                .read::<[u8; 2]>(l3 + IPV4_FRAGMENT)
+                .map_or(0, u16::from_be_bytes);
+            let protocol = packet
+                .read::<[u8; 2]>(l3 + IPV4_PROTOCOL - 1)
+                .map_or(0, |[_, p]| p);
+            (
+                usize::from(version_ihl & 0x0f) * 4,
+                protocol,
+                fragment & IPV4_FRAGMENT_OFFSET == 0,
+            )
+        }
+        Family::V6 => (
+            IPV6_HLEN,
+            packet
+                .read::<[u8; 2]>(l3 + IPV6_NEXT_HEADER)
+                .map_or(0, |[next, _]| next),
+            true,
+        ),
+    };
+    if !first || (protocol != IPPROTO_TCP && protocol != IPPROTO_UDP) {
+        return (protocol, 0, 0);
+    }
+    match packet.read::<[u8; 4]>(l3 + ip_len) {
+        Some([s0, s1, d0, d1]) => (
+            protocol,
+            u16::from_be_bytes([s0, s1]),
+            u16::from_be_bytes([d0, d1]),
+        ),
+        None => (protocol, 0, 0),
+    }
+}
+
 /// Whether an ENDPOINTS entry is a pod (here or on another node): not one of
 /// this node's addresses, nor another node's.
 #[inline(always)]
@@ -416,14 +625,23 @@ fn is_pod(ep: &EndpointValue) -> bool {
 /// Ethernet header is added).
 #[inline(always)]
 fn add_packet<P: Packet>(packet: &P, family: Family, key: &FlowKey) {
+    let (packets, bytes) = packets_and_bytes(packet, family);
+    add(packet, key, packets, bytes);
+}
+
+/// The packets and bytes FLOWS counts for this packet (see [`add_packet`]).
+#[inline(always)]
+fn packets_and_bytes<P: Packet>(packet: &P, family: Family) -> (u64, u64) {
     let (len, _) = packet.len_and_segments();
     let segments = segments(packet);
+    // A cgroup hook's packet lacks the first segment's Ethernet header; every
+    // further segment's is in the headers it repeats, below.
     let link = (ETH_HLEN - P::L2_LEN) as u64;
-    let mut bytes = u64::from(len) + segments * link;
+    let mut bytes = u64::from(len) + link;
     if segments > 1 {
         bytes += (segments - 1) * (ETH_HLEN as u64 + u64::from(header_len(packet, family)));
     }
-    add(packet, key, segments, bytes);
+    (segments, bytes)
 }
 
 /// census's mark bit, as the agent set it at load.
@@ -711,6 +929,50 @@ fn add<C: EbpfContext>(ctx: &C, key: &FlowKey, packets: u64, bytes: u64) {
             bump(key, packets, bytes);
         }
         Err(error) => insert_failed(ctx, key, error),
+    }
+}
+
+/// Adds to SERVICE_FLOWS' counters of `key`, inserting it if new.
+#[inline(always)]
+fn add_service<C: EbpfContext>(ctx: &C, key: &ServiceFlowKey, packets: u64, bytes: u64) {
+    if bump_service(key, packets, bytes) {
+        return;
+    }
+    let value = FlowValue { packets, bytes };
+    match SERVICE_FLOWS.insert(key, value, u64::from(BPF_NOEXIST)) {
+        Ok(()) => count_event(stats::SERVICE_FLOW_INSERTS),
+        Err(EEXIST) => {
+            bump_service(key, packets, bytes);
+        }
+        Err(error) => service_insert_failed(ctx, key, error),
+    }
+}
+
+/// Adds to this CPU's counters of `key` in SERVICE_FLOWS, if it exists.
+#[inline(always)]
+fn bump_service(key: &ServiceFlowKey, packets: u64, bytes: u64) -> bool {
+    let Some(value) = SERVICE_FLOWS.get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: as in `bump`: this CPU's slot of a live element.
+    unsafe {
+        (*value).packets += packets;
+        (*value).bytes += bytes;
+    }
+    true
+}
+
+#[inline(never)]
+fn service_insert_failed<C: EbpfContext>(ctx: &C, key: &ServiceFlowKey, error: i32) {
+    count_event(stats::SERVICE_FLOW_INSERT_FAILURES);
+    if may_log(Level::Warn) {
+        warn!(
+            ctx,
+            "SERVICE_FLOWS refused a new entry for client {} (error {}): the packet is not \
+             counted there",
+            key.client_identity,
+            error
+        );
     }
 }
 

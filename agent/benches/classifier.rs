@@ -44,6 +44,20 @@
 //! STATS: each run marked, counted a marked packet, or marked nothing, as its path
 //! says.
 //!
+//! A peer reference sits beside the hash lookup: the same cycler tail-calling one
+//! lookup of the peer in `BENCH_IPCACHE`, the same addresses in a
+//! longest-prefix-match trie (each a /32 or /128), the structure Cilium's ipcache
+//! uses (`lpm`, `x lpm`; measured with the log off).
+//!
+//! The root cgroup's programs (`census_sockets`, `census_sockets_ingress`: the
+//! node's own sockets and every pod's, and SERVICE_FLOWS) have rows of their own
+//! after the tables: an unmarked packet a socket receives (nearly every packet a
+//! node's sockets receive) and one it sends, a Service request and a Service
+//! reply, each as a ratio to an empty `cgroup_skb` program measured in the same
+//! run (no cycler: a cgroup program cannot tail-call a TC one, so each row runs on
+//! one packet, its map entries in the CPU's caches). Each checks SERVICE_FLOWS:
+//! the Service rows count every run, the others none.
+//!
 //! Needs root: run it with `cargo xtask bench-classifier`. Without root (as in
 //! `cargo bench --workspace`) it says so and exits successfully.
 //!
@@ -66,11 +80,12 @@ use aya::{
         Array, HashMap, MapData, PerCpuArray, ProgramArray,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::{ProgramFd, SchedClassifier, TestRun as _, TestRunOptions},
+    programs::{CgroupSkb, ProgramFd, SchedClassifier, TestRun as _, TestRunOptions},
 };
 use census_common::{
-    ENDPOINTS_MAP, EndpointKey, EndpointValue, INTERFACES_MAP, InterfaceValue, MARK_BIT_DEFAULT,
-    PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP, ServiceKey, flags,
+    ENDPOINTS_MAP, EndpointKey, EndpointValue, FlowValue, INTERFACES_MAP, InterfaceValue,
+    MARK_BIT_DEFAULT, PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_SOCKETS, PROGRAM_SOCKETS_INGRESS,
+    PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP, ServiceFlowKey, ServiceKey, flags,
     interface_slot, service, stats,
 };
 use census_netlab::packet;
@@ -117,6 +132,10 @@ const V6_WORLD: u32 = 0xc000_0000;
 /// LoadBalancer addresses in SERVICES besides the ranges, per family (from
 /// 203.0.113.0 and 2001:db8:1::), so that the trie is not one node.
 const LOAD_BALANCERS: u32 = 64;
+/// What census aims for on the root cgroup: an ordinary socket packet, and a
+/// Service request or reply, as a ratio to an empty `cgroup_skb` program.
+const SOCKET_TARGET_RATIO: f64 = 1.5;
+const SERVICE_TARGET_RATIO: f64 = 3.0;
 /// A marked row's test runs per round are `--repeat` divided by this.
 const SINGLE_RUN_DIVISOR: u32 = 100;
 
@@ -361,7 +380,35 @@ impl Census {
                 .try_into()?;
             program.load()?;
         }
+        for name in [PROGRAM_SOCKETS, PROGRAM_SOCKETS_INGRESS] {
+            let program: &mut CgroupSkb = ebpf
+                .program_mut(name)
+                .ok_or_else(|| format!("no program {name}"))?
+                .try_into()?;
+            program.load()?;
+        }
         Ok(Self { ebpf })
+    }
+
+    fn socket_program(&self, name: &str) -> Fallible<&CgroupSkb> {
+        Ok(self
+            .ebpf
+            .program(name)
+            .ok_or_else(|| format!("no program {name}"))?
+            .try_into()?)
+    }
+
+    /// SERVICE_FLOWS' packets, every entry summed over CPUs.
+    fn service_packets(&self) -> Fallible<u64> {
+        let map = self.ebpf.map(SERVICE_FLOWS_MAP).ok_or("no SERVICE_FLOWS")?;
+        let flows: aya::maps::PerCpuHashMap<&MapData, ServiceFlowKey, FlowValue> =
+            aya::maps::PerCpuHashMap::try_from(map)?;
+        let mut sum = 0;
+        for entry in flows.iter() {
+            let (_, values) = entry?;
+            sum += values.iter().map(|v| v.packets).sum::<u64>();
+        }
+        Ok(sum)
     }
 
     fn endpoints(&mut self) -> Fallible<HashMap<&mut MapData, EndpointKey, EndpointValue>> {
@@ -451,6 +498,8 @@ impl Bench {
             "bench_empty",
             "bench_lookup_src",
             "bench_lookup_dst",
+            "bench_lpm_src",
+            "bench_lpm_dst",
             "bench_cycle_v4_src",
             "bench_cycle_v4_dst",
             "bench_cycle_v6_src",
@@ -462,7 +511,37 @@ impl Bench {
                 .try_into()?;
             program.load()?;
         }
+        let empty: &mut CgroupSkb = ebpf
+            .program_mut("bench_cgroup_empty")
+            .ok_or("no program bench_cgroup_empty")?
+            .try_into()?;
+        empty.load()?;
         Ok(Self { ebpf })
+    }
+
+    fn cgroup_empty(&self) -> Fallible<&CgroupSkb> {
+        Ok(self
+            .ebpf
+            .program("bench_cgroup_empty")
+            .ok_or("no program bench_cgroup_empty")?
+            .try_into()?)
+    }
+
+    /// The peer reference: BENCH_ENDPOINTS' addresses in a trie.
+    fn ipcache(&mut self) -> Fallible<LpmTrie<&mut MapData, EndpointKey, EndpointValue>> {
+        let map = self
+            .ebpf
+            .map_mut("BENCH_IPCACHE")
+            .ok_or("no BENCH_IPCACHE")?;
+        Ok(LpmTrie::try_from(map)?)
+    }
+
+    /// The LPM program looking up the peer's address in `scenario`'s packets.
+    fn lpm(hook: Hook) -> &'static str {
+        match hook {
+            Hook::Ingress | Hook::Uplink => "bench_lpm_dst",
+            Hook::Egress => "bench_lpm_src",
+        }
     }
 
     fn program(&self, name: &str) -> Fallible<&SchedClassifier> {
@@ -553,12 +632,43 @@ fn peers_of(entries: u32, family: Family, peer: Peer) -> (u32, u32) {
     (first_word(family, peer), count)
 }
 
+/// Fills the LPM reference with what [`fill`] writes into ENDPOINTS, each
+/// address a /32 or /128.
+fn fill_ipcache(
+    ipcache: &mut LpmTrie<&mut MapData, EndpointKey, EndpointValue>,
+    entries: u32,
+    already: u32,
+) -> Fallible<()> {
+    fill_with(entries, already, |key, value| {
+        let bits = if key.family == census_common::family::IPV4 {
+            32
+        } else {
+            128
+        };
+        let key = ServiceKey::range(key, bits);
+        ipcache.insert(&Key::new(key.prefix_len, key.address), value, 0)?;
+        Ok(())
+    })
+}
+
 /// Fills `endpoints` (census's ENDPOINTS, or the reference map) with `entries`
 /// entries: local and remote peers of both families.
 fn fill(
     endpoints: &mut HashMap<&mut MapData, EndpointKey, EndpointValue>,
     entries: u32,
     already: u32,
+) -> Fallible<()> {
+    fill_with(entries, already, |key, value| {
+        endpoints.insert(key, value, 0)?;
+        Ok(())
+    })
+}
+
+/// Gives `write` the entries [`fill`] writes.
+fn fill_with(
+    entries: u32,
+    already: u32,
+    mut write: impl FnMut(EndpointKey, EndpointValue) -> Fallible<()>,
 ) -> Fallible<()> {
     for family in [Family::V4, Family::V6] {
         // Service and world peers are in no ENDPOINTS entry.
@@ -572,7 +682,7 @@ fn fill(
                     // Remote peers are on node 1.
                     node: u16::from(peer == Peer::Remote),
                 };
-                endpoints.insert(EndpointKey::from(peer_ip(family, first + i)), value, 0)?;
+                write(EndpointKey::from(peer_ip(family, first + i)), value)?;
             }
         }
     }
@@ -694,6 +804,12 @@ struct Row {
     floor: Duration,
     /// The cycler and one lookup of the peer in a map like ENDPOINTS.
     lookup: Duration,
+    /// The cycler and one lookup of the peer in an LPM trie of the same
+    /// addresses (measured with the log off).
+    lpm: Option<Duration>,
+    /// Whether the peer is in ENDPOINTS (and the LPM reference): a local or
+    /// remote peer, not a Service or world address.
+    in_maps: bool,
     judged: bool,
 }
 
@@ -720,6 +836,10 @@ fn run(objects: &Objects) -> Fallible<()> {
     println!("empty TC program: {} ns/packet", empty_ns.as_nanos());
 
     let mut worst: Option<(f64, f64, String)> = None;
+    // The judged rows at 512k entries, log off, whose peer the maps hold: census
+    // / one hash lookup and census / one LPM lookup, lowest and highest.
+    let mut lookup_range: Option<(f64, f64)> = None;
+    let mut lpm_range: Option<(f64, f64)> = None;
     for (log_name, log_level) in [("off", 0u8), ("on (debug)", aya_log::Level::Debug as u8)] {
         let mut census = Census::load(&census_object, log_level)?;
         census.fill_services()?;
@@ -729,6 +849,7 @@ fn run(objects: &Objects) -> Fallible<()> {
             fill(&mut census.endpoints()?, entries, filled)?;
             if log_level == 0 {
                 fill(&mut bench.endpoints()?, entries, filled)?;
+                fill_ipcache(&mut bench.ipcache()?, entries, filled)?;
             }
             filled = entries;
             for scenario in scenarios() {
@@ -789,6 +910,16 @@ fn run(objects: &Objects) -> Fallible<()> {
                     .try_clone()?;
                 bench.aim(&lookup, peers, first)?;
                 let (lookup, _) = measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?;
+                let lpm = if log_level == 0 {
+                    let lpm = bench
+                        .program(Bench::lpm(scenario.hook))?
+                        .fd()?
+                        .try_clone()?;
+                    bench.aim(&lpm, peers, first)?;
+                    Some(measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?.0)
+                } else {
+                    None
+                };
                 rows.push(Row {
                     name: scenario.name,
                     entries,
@@ -796,6 +927,8 @@ fn run(objects: &Objects) -> Fallible<()> {
                     measured,
                     floor,
                     lookup,
+                    lpm,
+                    in_maps: matches!(scenario.peer, Peer::Local | Peer::Remote),
                     judged: scenario.judged,
                 });
             }
@@ -803,14 +936,26 @@ fn run(objects: &Objects) -> Fallible<()> {
         println!();
         println!("datapath log {log_name}:");
         println!(
-            "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>8} {:>7} {:>9}",
-            "scenario", "entries", "peers", "ns", "floor", "x floor", "lookup", "x lookup"
+            "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>8} {:>7} {:>9} {:>6} {:>6}",
+            "scenario",
+            "entries",
+            "peers",
+            "ns",
+            "floor",
+            "x floor",
+            "lookup",
+            "x lookup",
+            "lpm",
+            "x lpm"
         );
         for row in &rows {
             let ratio = row.measured.as_secs_f64() / row.floor.as_secs_f64().max(1e-12);
             let over_lookup = row.measured.as_secs_f64() / row.lookup.as_secs_f64().max(1e-12);
+            let over_lpm = row
+                .lpm
+                .map(|lpm| row.measured.as_secs_f64() / lpm.as_secs_f64().max(1e-12));
             println!(
-                "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>7.2}x {:>7} {:>8.2}x",
+                "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>7.2}x {:>7} {:>8.2}x {:>6} {:>6}",
                 row.name,
                 row.entries,
                 row.peers,
@@ -818,7 +963,10 @@ fn run(objects: &Objects) -> Fallible<()> {
                 row.floor.as_nanos(),
                 ratio,
                 row.lookup.as_nanos(),
-                over_lookup
+                over_lookup,
+                row.lpm
+                    .map_or_else(|| "-".to_owned(), |lpm| lpm.as_nanos().to_string()),
+                over_lpm.map_or_else(|| "-".to_owned(), |x| format!("{x:.2}x")),
             );
             if log_level == 0
                 && row.judged
@@ -827,9 +975,28 @@ fn run(objects: &Objects) -> Fallible<()> {
             {
                 worst = Some((ratio, over_lookup, row.name.clone()));
             }
+            if log_level == 0 && row.judged && row.in_maps && row.entries == CLUSTER_ENTRIES {
+                let over_lpm = over_lpm.unwrap_or(f64::NAN);
+                let (lo, hi) = lookup_range.unwrap_or((over_lookup, over_lookup));
+                lookup_range = Some((lo.min(over_lookup), hi.max(over_lookup)));
+                let (lo, hi) = lpm_range.unwrap_or((over_lpm, over_lpm));
+                lpm_range = Some((lo.min(over_lpm), hi.max(over_lpm)));
+            }
         }
     }
+    socket_rows(&census_object, &bench, &options)?;
     endpoints_memory(&census_object, options.memory_entries)?;
+    if let (Some((lookup_lo, lookup_hi)), Some((lpm_lo, lpm_hi))) = (lookup_range, lpm_range) {
+        println!();
+        println!(
+            "peers in the maps at {CLUSTER_ENTRIES} entries, log off, judged rows: census is {lookup_lo:.2}x \
+             to {lookup_hi:.2}x one hash lookup of the peer (target within 1.3x: {}), \
+             {lpm_lo:.2}x to {lpm_hi:.2}x one LPM lookup of the peer in a trie of the same \
+             addresses, as Cilium's ipcache (target at or under 1x: {})",
+            if lookup_hi <= 1.3 { "met" } else { "MISSED" },
+            if lpm_hi <= 1.0 { "met" } else { "MISSED" },
+        );
+    }
     if let Some((ratio, over_lookup, name)) = worst {
         let verdict = if ratio <= TARGET_RATIO {
             "within"
@@ -842,6 +1009,119 @@ fn run(objects: &Objects) -> Fallible<()> {
              {verdict} the {TARGET_RATIO}x target; {over_lookup:.2}x one lookup of the peer in a \
              map like ENDPOINTS"
         );
+    }
+    Ok(())
+}
+
+/// The root cgroup's programs: each row as a ratio to an empty `cgroup_skb`
+/// program, on census's maps filled for the cluster, SERVICES as in the tables.
+#[expect(clippy::print_stdout, reason = "a benchmark's report")]
+fn socket_rows(object: &[u8], bench: &Bench, options: &Options) -> Fallible<()> {
+    let mut census = Census::load(object, 0)?;
+    census.fill_services()?;
+    fill(&mut census.endpoints()?, CLUSTER_ENTRIES, 0)?;
+    let local = |family| peer_ip(family, first_word(family, Peer::Local) + 1);
+    let remote = |family| peer_ip(family, first_word(family, Peer::Remote) + 1);
+    let service = |family| peer_ip(family, first_word(family, Peer::Service) + 1);
+    let run = |program: &CgroupSkb, frame: &[u8], repeat: u32| -> Fallible<Duration> {
+        let result = program.test_run(TestRunOptions {
+            data_in: Some(frame),
+            ctx_in: Some(&context(0, 0)),
+            repeat,
+            ..TestRunOptions::default()
+        })?;
+        if result.return_value != 1 {
+            return Err(format!("returned {} instead of 1 (pass)", result.return_value).into());
+        }
+        Ok(result.duration)
+    };
+    let median = |program: &CgroupSkb, frame: &[u8]| -> Fallible<Duration> {
+        run(program, frame, 1_000)?;
+        let mut means = Vec::with_capacity(options.rounds);
+        for _ in 0..options.rounds {
+            means.push(run(program, frame, options.repeat)?);
+        }
+        means.sort();
+        Ok(means.get(means.len() / 2).copied().unwrap_or_default())
+    };
+    println!();
+    println!(
+        "root cgroup programs (census_sockets egress, census_sockets_ingress ingress), ENDPOINTS \
+         at {CLUSTER_ENTRIES} entries, one packet each, ratio to an empty cgroup_skb program:"
+    );
+    println!(
+        "  {:<64} {:>6} {:>6} {:>8} {:>7}",
+        "scenario", "ns", "empty", "x empty", "target"
+    );
+    let mut missed = Vec::new();
+    for family in [Family::V4, Family::V6] {
+        let v = if family == Family::V4 { "IPv4" } else { "IPv6" };
+        for (program, src, dst, counts, target, what) in [
+            (
+                PROGRAM_SOCKETS_INGRESS,
+                remote(family),
+                local(family),
+                false,
+                SOCKET_TARGET_RATIO,
+                "ingress, an unmarked packet to a pod's socket (skipped)",
+            ),
+            (
+                PROGRAM_SOCKETS,
+                local(family),
+                remote(family),
+                false,
+                SOCKET_TARGET_RATIO,
+                "egress, a pod's socket's packet to a pod (skipped)",
+            ),
+            (
+                PROGRAM_SOCKETS,
+                local(family),
+                service(family),
+                true,
+                SERVICE_TARGET_RATIO,
+                "egress, a Service request (SERVICE_FLOWS)",
+            ),
+            (
+                PROGRAM_SOCKETS_INGRESS,
+                service(family),
+                local(family),
+                true,
+                SERVICE_TARGET_RATIO,
+                "ingress, a Service reply (SERVICE_FLOWS)",
+            ),
+        ] {
+            let frame = packet::udp_frame(src, dst, 64).ok_or("frame")?;
+            let before = census.service_packets()?;
+            let measured = median(census.socket_program(program)?, &frame)?;
+            let runs = 1_000 + u64::from(options.repeat) * options.rounds as u64;
+            let counted = census.service_packets()? - before;
+            let want = if counts { runs } else { 0 };
+            if counted != want {
+                return Err(format!(
+                    "{v} {what}: {runs} runs counted {counted} packets in SERVICE_FLOWS, not {want}"
+                )
+                .into());
+            }
+            let empty = median(bench.cgroup_empty()?, &frame)?;
+            let ratio = measured.as_secs_f64() / empty.as_secs_f64().max(1e-12);
+            let name = format!("{v} {what}");
+            if ratio > target {
+                missed.push(format!("{name} ({ratio:.2}x)"));
+            }
+            println!(
+                "  {:<64} {:>6} {:>6} {:>7.2}x {:>6.1}x",
+                name,
+                measured.as_nanos(),
+                empty.as_nanos(),
+                ratio,
+                target
+            );
+        }
+    }
+    if missed.is_empty() {
+        println!("root cgroup programs: every row within its target");
+    } else {
+        println!("root cgroup programs: OVER target: {}", missed.join("; "));
     }
     Ok(())
 }

@@ -11,7 +11,9 @@ use std::{
 use census_proto::domain::NodeName;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use census_common::{ENDPOINTS_MAX_ENTRIES, FLOWS_MAX_ENTRIES, NODES_MAX_ENTRIES};
+use census_common::{
+    ENDPOINTS_MAX_ENTRIES, FLOWS_MAX_ENTRIES, NODES_MAX_ENTRIES, SERVICE_FLOWS_MAX_ENTRIES,
+};
 
 use crate::bpf::{AttachModeChoice, DEFAULT_PIN_DIR, DatapathLog, MarkBit};
 
@@ -149,6 +151,11 @@ pub struct DatapathArgs {
     /// its size (and its counters) until `census-agent uninstall`.
     #[arg(long, env = "CENSUS_FLOWS_MAX_ENTRIES", default_value_t = FLOWS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub flows_max_entries: u32,
+    /// SERVICE_FLOWS' entries ((client, Service address, port, protocol,
+    /// direction), least recently used evicted first) when the map is created; a
+    /// pinned SERVICE_FLOWS keeps its size (and its counters).
+    #[arg(long, env = "CENSUS_SERVICE_FLOWS_MAX_ENTRIES", default_value_t = SERVICE_FLOWS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
+    pub service_flows_max_entries: u32,
     /// ENDPOINTS' entries (every endpoint of the cluster, local and remote, and
     /// every node address) when the map is created; not preallocated, so an entry
     /// costs kernel memory only once written. A pinned ENDPOINTS keeps its size.

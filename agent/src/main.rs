@@ -107,6 +107,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
     let DatapathArgs {
         attach_mode,
         flows_max_entries,
+        service_flows_max_entries,
         endpoints_max_entries,
         nodes_max_entries,
         reassert_order,
@@ -119,6 +120,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
     let datapath_options = bpf::DatapathOptions {
         attach_mode: attach_mode.into(),
         flows_max_entries: Some(flows_max_entries),
+        service_flows_max_entries: Some(service_flows_max_entries),
         endpoints_max_entries: Some(endpoints_max_entries),
         nodes_max_entries: Some(nodes_max_entries),
         datapath_log,

@@ -11,8 +11,21 @@
 //! the number of series stays bounded however many pairs the node sees. A pair that
 //! moves between the top and `other` makes `other` go down; Prometheus reads that as a
 //! counter reset, which is what it is for that bucket.
+//!
+//! Traffic per Service (SERVICE_FLOWS, both directions summed) is exported the
+//! same way, as `census_agent_service_packets` and `_bytes` labelled `client`
+//! (an identity) and `service` (`namespace/name:port`), for the [`TOP_FLOWS`]
+//! busiest, the rest summed into `other`. Only a Service the operator names now
+//! and a client identity an endpoint of this node holds now (or `host`) get
+//! their own series: a deleted Service's or a released identity's series is gone
+//! at the next scrape, its counts in `other` until the map evicts them.
 
-use std::{fmt, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+    sync::Arc,
+};
 
 use prometheus_client::{
     collector::Collector,
@@ -30,7 +43,7 @@ use census_daemon::metrics::gauge;
 use tokio::sync::watch;
 
 use crate::{
-    bpf::{DatapathStats, Flow, Inspector},
+    bpf::{DatapathStats, Flow, Inspector, ServiceFlow},
     core::{MapState, Status},
 };
 
@@ -239,6 +252,94 @@ impl AgentCollector {
     }
 }
 
+/// `(client, service)` label values -> (packets, bytes).
+type ServiceSeries = Vec<((String, String), (u64, u64))>;
+
+/// SERVICE_FLOWS as series: per (client, `namespace/name:port`), both
+/// directions summed, for a Service `names` names and a client in `live`; the
+/// busiest `top` by bytes, then the rest (the others, and everything unnamed or
+/// no longer in use) summed (`None` when there is none).
+fn service_series(
+    flows: Vec<ServiceFlow>,
+    names: &BTreeMap<IpAddr, census_proto::domain::ClusterIpService>,
+    live: &BTreeSet<u32>,
+    top: usize,
+) -> (ServiceSeries, Option<(u64, u64)>) {
+    let mut series: BTreeMap<(u32, String), (u64, u64)> = BTreeMap::new();
+    let mut rest: Option<(u64, u64)> = None;
+    for flow in flows {
+        let named = names
+            .get(&flow.service)
+            .filter(|_| live.contains(&flow.client_identity));
+        let sum = match named {
+            Some(service) => series
+                .entry((
+                    flow.client_identity,
+                    format!("{}:{}", service.key, flow.port),
+                ))
+                .or_default(),
+            None => rest.get_or_insert((0, 0)),
+        };
+        sum.0 = sum.0.wrapping_add(flow.packets);
+        sum.1 = sum.1.wrapping_add(flow.bytes);
+    }
+    let mut series: Vec<_> = series.into_iter().collect();
+    series.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(b.1.0.cmp(&a.1.0)));
+    if series.len() > top {
+        for (_, (packets, bytes)) in series.split_off(top) {
+            let sum = rest.get_or_insert((0, 0));
+            sum.0 = sum.0.wrapping_add(packets);
+            sum.1 = sum.1.wrapping_add(bytes);
+        }
+    }
+    let series = series
+        .into_iter()
+        .map(|((client, service), counts)| ((client.to_string(), service), counts))
+        .collect();
+    (series, rest)
+}
+
+/// Encodes SERVICE_FLOWS' series (see [`service_series`]).
+fn encode_service_flows(
+    e: &mut DescriptorEncoder<'_>,
+    flows: Vec<ServiceFlow>,
+    status: &Status,
+) -> Result<(), fmt::Error> {
+    let (series, other) = service_series(
+        flows,
+        &status.service_names,
+        &status.local_identities,
+        TOP_FLOWS,
+    );
+    for (name, help, bytes) in [
+        (
+            "census_agent_service_packets",
+            "Packets per (client identity, Service namespace/name:port), both directions, top \
+             pairs and `other`",
+            false,
+        ),
+        (
+            "census_agent_service_bytes",
+            "Bytes per (client identity, Service namespace/name:port), both directions, top pairs \
+             and `other`",
+            true,
+        ),
+    ] {
+        let kind = ConstCounter::new(0u64).metric_type();
+        let mut family = e.encode_descriptor(name, help, None, kind)?;
+        let pick = |(packets, bytes_): (u64, u64)| if bytes { bytes_ } else { packets };
+        for ((client, service), counts) in &series {
+            let labels = [("client", client.as_str()), ("service", service.as_str())];
+            ConstCounter::new(pick(*counts)).encode(family.encode_family(&labels)?)?;
+        }
+        if let Some(counts) = other {
+            let labels = [("client", "other"), ("service", "other")];
+            ConstCounter::new(pick(counts)).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
 /// The busiest `top` pairs by bytes, then the rest summed (`None` when there is no rest).
 fn top_flows(mut flows: Vec<Flow>, top: usize) -> (Vec<Flow>, Option<(u64, u64)>) {
     flows.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.packets.cmp(&a.packets)));
@@ -427,6 +528,9 @@ impl Collector for AgentCollector {
                 ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
             }
         }
+        if let Ok(service_flows) = maps.service_flows() {
+            encode_service_flows(&mut e, service_flows, &g)?;
+        }
         Ok(())
     }
 }
@@ -445,6 +549,8 @@ fn encode_stats(
         log_suppressed,
         service_marked,
         marked_counted,
+        service_flow_inserts,
+        service_flow_insert_failures,
     } = *stats;
     for (name, help, value) in [
         (
@@ -496,6 +602,18 @@ fn encode_stats(
              rewrites the whole skb mark",
             stats.marks_lost(),
         ),
+        (
+            "census_agent_service_flow_inserts",
+            "Entries the datapath inserted into SERVICE_FLOWS (client, Service address, port, \
+             protocol, direction)",
+            service_flow_inserts,
+        ),
+        (
+            "census_agent_service_flow_insert_failures",
+            "SERVICE_FLOWS inserts the kernel refused: those packets went uncounted there (FLOWS \
+             counted them)",
+            service_flow_insert_failures,
+        ),
     ] {
         let counter = ConstCounter::new(value);
         counter.encode(e.encode_descriptor(name, help, None, counter.metric_type())?)?;
@@ -535,6 +653,54 @@ mod tests {
     }
 
     #[test]
+    fn service_series_name_live_clients_of_named_services_and_sum_the_rest()
+    -> Result<(), Box<dyn std::error::Error>> {
+        use crate::bpf::ServiceDirection;
+        use census_proto::domain::{ClusterIpService, EndpointKey};
+        let web: IpAddr = "10.96.0.10".parse()?;
+        let gone: IpAddr = "10.96.0.11".parse()?;
+        let flow = |client, service, direction, bytes| ServiceFlow {
+            client_identity: client,
+            service,
+            port: 80,
+            protocol: 6,
+            direction,
+            packets: bytes / 100,
+            bytes,
+        };
+        let flows = vec![
+            flow(1000, web, ServiceDirection::Request, 1000),
+            flow(1000, web, ServiceDirection::Reply, 3000),
+            flow(1001, web, ServiceDirection::Request, 500),
+            // A released identity, a Service no longer named: in `other`.
+            flow(1002, web, ServiceDirection::Request, 700),
+            flow(1000, gone, ServiceDirection::Request, 900),
+        ];
+        let names = BTreeMap::from([(
+            web,
+            ClusterIpService {
+                key: EndpointKey::new("shop", "web")?,
+                ports: Box::default(),
+            },
+        )]);
+        let live = BTreeSet::from([1000, 1001, 1]);
+        let (series, other) = service_series(flows.clone(), &names, &live, 50);
+        assert_eq!(
+            series,
+            [
+                (("1000".to_owned(), "shop/web:80".to_owned()), (40, 4000)),
+                (("1001".to_owned(), "shop/web:80".to_owned()), (5, 500)),
+            ]
+        );
+        assert_eq!(other, Some((16, 1600)));
+        // Over the top: the smaller pair joins `other`.
+        let (series, other) = service_series(flows, &names, &live, 1);
+        assert_eq!(series.len(), 1);
+        assert_eq!(other, Some((21, 2100)));
+        Ok(())
+    }
+
+    #[test]
     fn encodes_datapath_stats_and_derives_evictions() -> Result<(), fmt::Error> {
         let stats = DatapathStats {
             flow_inserts: 70_000,
@@ -544,6 +710,7 @@ mod tests {
             log_suppressed: 7,
             service_marked: 30,
             marked_counted: 20,
+            ..DatapathStats::default()
         };
         let mut registry = Registry::default();
         registry.register_collector(Box::new(StatsOnly(stats, 65_000)));

@@ -4,12 +4,17 @@
 //! each range once, is what agents are sent ([`Runtime::set_services`]): it is
 //! given to the runtime whenever it changes.
 //!
+//! Each Service's ClusterIPs are named with its `namespace/name` and ports in the
+//! set ([`ServiceSet::insert_cluster_ip`]), for what agents count per Service.
+//!
 //! Memory: per ServiceCIDR its ranges, per Service with an address its key and
-//! addresses; a Service without one holds nothing, and no object is kept.
+//! addresses, per Service with a ClusterIP its key, ClusterIPs and ports; a
+//! headless Service without other addresses holds nothing, and no object is
+//! kept.
 
 use std::{collections::HashMap, net::IpAddr, sync::Arc};
 
-use census_proto::domain::{ServiceKind, ServiceSet};
+use census_proto::domain::{ClusterIpService, EndpointKey, ServiceKind, ServicePort, ServiceSet};
 use ipnet::IpNet;
 use parking_lot::Mutex;
 use tracing::{debug, warn};
@@ -23,6 +28,14 @@ const SERVICES: u8 = 2;
 
 /// A Service's addresses, as [`ServiceAddresses`] keeps them.
 pub type Addresses = Box<[(IpAddr, ServiceKind)]>;
+
+/// A Service's ClusterIPs (each once, every family) and ports, as
+/// [`ServiceAddresses`] keeps them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterIps {
+    pub ips: Box<[IpAddr]>,
+    pub ports: Box<[ServicePort]>,
+}
 
 /// See the module documentation.
 #[derive(Debug)]
@@ -42,6 +55,8 @@ struct Sources {
     cidrs: HashMap<Box<str>, Box<[IpNet]>>,
     /// Service `namespace/name` -> its LoadBalancer and external IPs (never empty).
     services: HashMap<Box<str>, Addresses>,
+    /// Service `namespace/name` -> its ClusterIPs and ports.
+    cluster_ips: HashMap<Box<str>, ClusterIps>,
 }
 
 impl ServiceAddresses {
@@ -110,35 +125,82 @@ impl ServiceAddresses {
 
     /// Replaces every Service's addresses with a fresh list.
     pub fn reset_services(&self, listed: impl IntoIterator<Item = (String, Addresses)>) {
+        self.reset_named_services(
+            listed
+                .into_iter()
+                .map(|(key, addresses)| (key, addresses, None)),
+        );
+    }
+
+    /// Replaces every Service's addresses and ClusterIPs with a fresh list.
+    pub fn reset_named_services(
+        &self,
+        listed: impl IntoIterator<Item = (String, Addresses, Option<ClusterIps>)>,
+    ) {
         let mut sources = self.sources.lock();
-        sources.services = listed
-            .into_iter()
-            .filter(|(_, addresses)| !addresses.is_empty())
-            .map(|(key, addresses)| (key.into_boxed_str(), addresses))
-            .collect();
+        sources.services.clear();
+        sources.cluster_ips.clear();
+        for (key, addresses, cluster_ips) in listed {
+            let key = key.into_boxed_str();
+            if let Some(cluster_ips) = cluster_ips {
+                sources.cluster_ips.insert(key.clone(), cluster_ips);
+            }
+            if !addresses.is_empty() {
+                sources.services.insert(key, addresses);
+            }
+        }
         sources.services.shrink_to_fit();
+        sources.cluster_ips.shrink_to_fit();
         sources.pending &= !SERVICES;
         self.publish(&sources);
+    }
+
+    /// Service `key`'s addresses and ClusterIPs are these now (a Service
+    /// holding neither holds nothing).
+    pub fn set_named_service(
+        &self,
+        key: &str,
+        addresses: Addresses,
+        cluster_ips: Option<ClusterIps>,
+    ) {
+        let mut sources = self.sources.lock();
+        let renamed = if sources.cluster_ips.get(key) == cluster_ips.as_ref() {
+            false
+        } else {
+            match cluster_ips {
+                Some(cluster_ips) => sources.cluster_ips.insert(key.into(), cluster_ips),
+                None => sources.cluster_ips.remove(key),
+            };
+            true
+        };
+        let moved = Self::set_addresses(&mut sources, key, addresses);
+        if renamed || moved {
+            self.publish(&sources);
+        }
+    }
+
+    /// Sets `key`'s addresses in `sources`; whether they changed.
+    fn set_addresses(sources: &mut Sources, key: &str, addresses: Addresses) -> bool {
+        if addresses.is_empty() {
+            return sources.services.remove(key).is_some();
+        }
+        if sources.services.get(key) == Some(&addresses) {
+            return false;
+        }
+        sources.services.insert(key.into(), addresses);
+        true
     }
 
     /// Service `key`'s addresses are `addresses` now (none: it holds nothing).
     pub fn set_service(&self, key: &str, addresses: Addresses) {
         let mut sources = self.sources.lock();
-        if addresses.is_empty() {
-            if sources.services.remove(key).is_some() {
-                self.publish(&sources);
-            }
-            return;
+        if Self::set_addresses(&mut sources, key, addresses) {
+            self.publish(&sources);
         }
-        if sources.services.get(key) == Some(&addresses) {
-            return;
-        }
-        sources.services.insert(key.into(), addresses);
-        self.publish(&sources);
     }
 
     pub fn remove_service(&self, key: &str) {
-        self.set_service(key, Box::default());
+        self.set_named_service(key, Box::default(), None);
     }
 
     /// Services with an address kept.
@@ -157,7 +219,20 @@ impl ServiceAddresses {
             .values()
             .flatten()
             .map(|(ip, kind)| (IpNet::from(*ip), *kind));
-        fixed.chain(addresses).collect()
+        let mut set: ServiceSet = fixed.chain(addresses).collect();
+        for (key, cluster_ips) in &sources.cluster_ips {
+            let Ok(key) = key.parse::<EndpointKey>() else {
+                continue;
+            };
+            let service = ClusterIpService {
+                key,
+                ports: cluster_ips.ports.clone(),
+            };
+            for ip in &cluster_ips.ips {
+                set.insert_cluster_ip(*ip, service.clone());
+            }
+        }
+        set
     }
 
     /// Gives the runtime the union (it takes an unchanged set as no change), once
@@ -167,13 +242,17 @@ impl ServiceAddresses {
             return;
         }
         let mut set = self.union(sources);
-        if set.len() > ServiceSet::MAX_RANGES {
+        if set.len() > ServiceSet::MAX_RANGES
+            || set.cluster_ips().len() > ServiceSet::MAX_CLUSTER_IPS
+        {
             warn!(
                 ranges = set.len(),
                 max = ServiceSet::MAX_RANGES,
+                cluster_ips = set.cluster_ips().len(),
+                max_cluster_ips = ServiceSet::MAX_CLUSTER_IPS,
                 "more Service addresses than agents hold: the rest are left out"
             );
-            set = set.iter().take(ServiceSet::MAX_RANGES).collect();
+            set.truncate(ServiceSet::MAX_RANGES, ServiceSet::MAX_CLUSTER_IPS);
         }
         let ranges = set.len();
         if self.runtime.set_services(set) {
@@ -256,6 +335,43 @@ mod tests {
                 "10.0.0.0/16".to_owned(),
                 ServiceKind::ClusterIpRange
             )])
+        );
+    }
+
+    #[tokio::test]
+    async fn cluster_ips_are_named_and_forgotten_with_their_service() {
+        let runtime = runtime();
+        let addresses = ServiceAddresses::new(vec![net("10.96.0.0/12")], runtime.clone());
+        let web = ClusterIps {
+            ips: vec![
+                IpAddr::from([10, 96, 0, 10]),
+                "fd00::a".parse().unwrap_or(IpAddr::from([0; 16])),
+            ]
+            .into(),
+            ports: vec![ServicePort {
+                port: 80,
+                protocol: 6,
+            }]
+            .into(),
+        };
+        addresses.set_named_service("shop/web", Box::default(), Some(web));
+        let set = runtime.services().unwrap_or_default();
+        let names: Vec<(String, String)> = set
+            .cluster_ips()
+            .map(|(ip, service)| (ip.to_string(), service.key.to_string()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("10.96.0.10".to_owned(), "shop/web".to_owned()),
+                ("fd00::a".to_owned(), "shop/web".to_owned())
+            ]
+        );
+        assert_eq!(set.len(), 1, "a ClusterIP adds no range");
+        addresses.remove_service("shop/web");
+        assert_eq!(
+            runtime.services().unwrap_or_default().cluster_ips().len(),
+            0
         );
     }
 

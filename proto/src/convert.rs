@@ -17,8 +17,8 @@ use ipnet::IpNet;
 use crate::{
     PROTOCOL_VERSION,
     domain::{
-        Endpoint, EndpointKey, IdentityId, NameError, NodeName, ServiceKind, ServiceSet, SessionId,
-        UnusableIp, canonical_ips, check_usable_ip,
+        ClusterIpService, Endpoint, EndpointKey, IdentityId, NameError, NodeName, ServiceKind,
+        ServicePort, ServiceSet, SessionId, UnusableIp, canonical_ips, check_usable_ip,
     },
     labels::{LabelError, LabelFilter, LabelLimits, LabelSet, PatternError},
     pb,
@@ -89,6 +89,27 @@ pub enum Problem {
     Filtered(LabelError),
     #[error(transparent)]
     ServiceRange(#[from] ServiceRangeError),
+    #[error(transparent)]
+    ClusterIp(#[from] ClusterIpError),
+}
+
+/// Why a `ClusterIp` of the wire is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClusterIpError {
+    #[error("address of {0} bytes (neither 4 nor 16)")]
+    AddressLength(usize),
+    #[error("{address}: {source}")]
+    Name { address: IpAddr, source: NameError },
+    #[error("{address}: port {port} is not 1 to 65,535")]
+    Port { address: IpAddr, port: u32 },
+    #[error("{address}: protocol {protocol} is none of TCP (6), UDP (17), SCTP (132)")]
+    Protocol { address: IpAddr, protocol: u32 },
+    #[error("{address}: {count} ports, over the limit of {max}")]
+    TooManyPorts {
+        address: IpAddr,
+        count: usize,
+        max: usize,
+    },
 }
 
 /// Why a `ServiceRange` of the wire is refused; each names the range as far as it
@@ -328,7 +349,7 @@ impl Rejected {
             Problem::Label(LabelError::TooMany { .. }) => "too_many_labels",
             Problem::Label(_) => "labels",
             Problem::Filtered(_) => "labels_after_filter",
-            Problem::Pattern(_) | Problem::ServiceRange(_) => "other",
+            Problem::Pattern(_) | Problem::ServiceRange(_) | Problem::ClusterIp(_) => "other",
         }
     }
 
@@ -487,9 +508,26 @@ pub fn filter_from_wire(filter: Option<&pb::LabelFilter>) -> Result<LabelFilter,
         .map_err(|e| FieldError::new("hello_reply.filter", e))
 }
 
-/// `set` for the wire: every range with its kind, in the set's order.
+/// `set` for the wire: every range with its kind, in the set's order, and every
+/// named ClusterIP.
 pub fn services_to_wire(set: &ServiceSet) -> pb::ServiceSet {
     pb::ServiceSet {
+        cluster_ips: set
+            .cluster_ips()
+            .map(|(address, service)| pb::ClusterIp {
+                address: ip_octets(*address),
+                namespace: service.key.namespace().to_owned(),
+                name: service.key.name().to_owned(),
+                ports: service
+                    .ports
+                    .iter()
+                    .map(|p| pb::ServicePort {
+                        port: u32::from(p.port),
+                        protocol: u32::from(p.protocol),
+                    })
+                    .collect(),
+            })
+            .collect(),
         ranges: set
             .iter()
             .map(|(range, kind)| pb::ServiceRange {
@@ -506,6 +544,63 @@ pub fn services_to_wire(set: &ServiceSet) -> pb::ServiceSet {
             })
             .collect(),
     }
+}
+
+fn ip_octets(address: IpAddr) -> Vec<u8> {
+    match address {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    }
+}
+
+/// One named ClusterIP of the wire, or why not.
+fn cluster_ip_from_wire(
+    entry: &pb::ClusterIp,
+) -> Result<(IpAddr, ClusterIpService), ClusterIpError> {
+    let address = if let Ok(v4) = <[u8; 4]>::try_from(entry.address.as_slice()) {
+        IpAddr::from(v4)
+    } else if let Ok(v6) = <[u8; 16]>::try_from(entry.address.as_slice()) {
+        IpAddr::from(v6).to_canonical()
+    } else {
+        return Err(ClusterIpError::AddressLength(entry.address.len()));
+    };
+    let key = EndpointKey::new(&entry.namespace, &entry.name)
+        .map_err(|source| ClusterIpError::Name { address, source })?;
+    if entry.ports.len() > ClusterIpService::MAX_PORTS {
+        return Err(ClusterIpError::TooManyPorts {
+            address,
+            count: entry.ports.len(),
+            max: ClusterIpService::MAX_PORTS,
+        });
+    }
+    let mut ports = Vec::with_capacity(entry.ports.len());
+    for p in &entry.ports {
+        let port =
+            u16::try_from(p.port)
+                .ok()
+                .filter(|port| *port != 0)
+                .ok_or(ClusterIpError::Port {
+                    address,
+                    port: p.port,
+                })?;
+        let protocol = u8::try_from(p.protocol)
+            .ok()
+            .filter(|protocol| ServicePort::PROTOCOLS.contains(protocol))
+            .ok_or(ClusterIpError::Protocol {
+                address,
+                protocol: p.protocol,
+            })?;
+        ports.push(ServicePort { port, protocol });
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    Ok((
+        address,
+        ClusterIpService {
+            key,
+            ports: ports.into_boxed_slice(),
+        },
+    ))
 }
 
 /// One range of the wire, or why not.
@@ -570,6 +665,15 @@ pub fn services_from_wire(
             },
         ));
     }
+    if set.cluster_ips.len() > ServiceSet::MAX_CLUSTER_IPS {
+        return Err(FieldError::new(
+            format_args!("{field}.cluster_ips"),
+            Problem::TooMany {
+                count: set.cluster_ips.len(),
+                max: ServiceSet::MAX_CLUSTER_IPS,
+            },
+        ));
+    }
     let mut services = ServiceSet::new();
     let mut refused = Vec::new();
     for (i, range) in set.ranges.iter().enumerate() {
@@ -577,6 +681,15 @@ pub fn services_from_wire(
             Ok((net, kind)) => services.insert(net, kind),
             Err(problem) => refused.push(FieldError::new(
                 format_args!("{field}.ranges[{i}]"),
+                problem,
+            )),
+        }
+    }
+    for (i, entry) in set.cluster_ips.iter().enumerate() {
+        match cluster_ip_from_wire(entry) {
+            Ok((address, service)) => services.insert_cluster_ip(address, service),
+            Err(problem) => refused.push(FieldError::new(
+                format_args!("{field}.cluster_ips[{i}]"),
                 problem,
             )),
         }
@@ -985,6 +1098,55 @@ mod tests {
     }
 
     #[test]
+    fn cluster_ips_round_trip_and_bad_entries_are_named() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let mut set = ServiceSet::new();
+        set.insert("10.96.0.0/12".parse()?, ServiceKind::ClusterIpRange);
+        let web = ClusterIpService {
+            key: EndpointKey::new("shop", "web")?,
+            ports: vec![
+                ServicePort {
+                    port: 80,
+                    protocol: 6,
+                },
+                ServicePort {
+                    port: 53,
+                    protocol: 17,
+                },
+            ]
+            .into(),
+        };
+        set.insert_cluster_ip("10.96.0.10".parse()?, web.clone());
+        set.insert_cluster_ip("fd00:10:96::a".parse()?, web);
+        let mut wire = services_to_wire(&set);
+        let (back, refused) = services_from_wire(&wire, "services")?;
+        assert!(refused.is_empty(), "{refused:?}");
+        // Ports come back sorted.
+        let named = back
+            .cluster_ip(&"10.96.0.10".parse()?)
+            .ok_or("10.96.0.10 unnamed")?;
+        assert_eq!(named.key.as_str(), "shop/web");
+        assert!(named.has_port(53, 17) && named.has_port(80, 6) && !named.has_port(80, 17));
+        assert_eq!(back.cluster_ips().len(), 2);
+
+        wire.cluster_ips[0].name = "Web".to_owned();
+        wire.cluster_ips[1].ports[0].protocol = 1;
+        let (back, refused) = services_from_wire(&wire, "services")?;
+        assert_eq!(back.cluster_ips().len(), 0);
+        let text: Vec<String> = refused.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            text,
+            [
+                "services.cluster_ips[0]: 10.96.0.10: endpoint name \"Web\" is not a DNS subdomain \
+                 (lowercase `a-z0-9-.`, at most 253 characters)",
+                "services.cluster_ips[1]: fd00:10:96::a: protocol 1 is none of TCP (6), UDP (17), \
+                 SCTP (132)",
+            ]
+        );
+        Ok(())
+    }
+
+    #[test]
     fn services_round_trip() -> Result<(), Box<dyn std::error::Error>> {
         let set: ServiceSet = [
             ("10.96.0.0/12".parse()?, ServiceKind::ClusterIpRange),
@@ -1009,6 +1171,7 @@ mod tests {
     #[test]
     fn a_malformed_service_range_is_refused_named_and_left_out() -> Result<(), FieldError> {
         let wire = pb::ServiceSet {
+            cluster_ips: Vec::new(),
             ranges: vec![
                 wire_range(&[10, 96, 0, 0], 12, pb::ServiceKind::ClusterIpRange),
                 wire_range(&[10, 96, 0], 12, pb::ServiceKind::ClusterIpRange),
@@ -1046,6 +1209,7 @@ mod tests {
     fn a_service_set_over_the_limit_is_refused_as_a_whole() {
         let range = wire_range(&[10, 0, 0, 1], 32, pb::ServiceKind::ExternalIp);
         let wire = pb::ServiceSet {
+            cluster_ips: Vec::new(),
             ranges: vec![range; ServiceSet::MAX_RANGES + 1],
         };
         assert_eq!(

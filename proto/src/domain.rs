@@ -406,14 +406,88 @@ impl fmt::Display for ServiceKind {
     }
 }
 
+/// One port of a Service: its number and IP protocol (6 TCP, 17 UDP, 132 SCTP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePort {
+    pub port: u16,
+    pub protocol: u8,
+}
+
+impl ServicePort {
+    /// The IP protocols a Service port can have (`TCP`, `UDP`, `SCTP`).
+    pub const PROTOCOLS: [u8; 3] = [6, 17, 132];
+}
+
+/// The Service a ClusterIP belongs to: its `namespace/name` and its ports, for
+/// naming what SERVICE_FLOWS counts (the kernel needs the addresses only).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClusterIpService {
+    /// `namespace/name`, checked as an endpoint key is.
+    pub key: EndpointKey,
+    /// Sorted, each once.
+    pub ports: Box<[ServicePort]>,
+}
+
+impl ClusterIpService {
+    /// Ports a Service may list here at most.
+    pub const MAX_PORTS: usize = 256;
+
+    /// Whether the Service has `port` with `protocol`.
+    pub fn has_port(&self, port: u16, protocol: u8) -> bool {
+        self.ports
+            .binary_search(&ServicePort { port, protocol })
+            .is_ok()
+    }
+}
+
 /// The cluster's Service addresses: each range once (its host bits clear), with
-/// its kind. What the operator sends and what SERVICES holds on every node.
+/// its kind. What the operator sends and what SERVICES holds on every node. It
+/// also names the Services by their ClusterIPs (every family), for the agent's
+/// userspace only.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
-pub struct ServiceSet(BTreeMap<IpNet, ServiceKind>);
+pub struct ServiceSet(
+    BTreeMap<IpNet, ServiceKind>,
+    BTreeMap<IpAddr, ClusterIpService>,
+);
 
 impl ServiceSet {
     /// Ranges a set holds at most: what SERVICES holds.
     pub const MAX_RANGES: usize = 65_536;
+    /// Named ClusterIPs a set holds at most.
+    pub const MAX_CLUSTER_IPS: usize = 65_536;
+
+    /// Names `address` (a ClusterIP, IPv4-mapped read as IPv4) as `service`'s; a
+    /// later name for one address replaces the earlier.
+    pub fn insert_cluster_ip(&mut self, address: IpAddr, service: ClusterIpService) {
+        self.1.insert(address.to_canonical(), service);
+    }
+
+    /// The Service whose ClusterIP `address` is, if known.
+    pub fn cluster_ip(&self, address: &IpAddr) -> Option<&ClusterIpService> {
+        self.1.get(&address.to_canonical())
+    }
+
+    /// Keeps the first `ranges` ranges and the first `cluster_ips` named
+    /// ClusterIPs, in the set's order.
+    pub fn truncate(&mut self, ranges: usize, cluster_ips: usize) {
+        if self.0.len() > ranges {
+            self.0 = std::mem::take(&mut self.0)
+                .into_iter()
+                .take(ranges)
+                .collect();
+        }
+        if self.1.len() > cluster_ips {
+            self.1 = std::mem::take(&mut self.1)
+                .into_iter()
+                .take(cluster_ips)
+                .collect();
+        }
+    }
+
+    /// Every named ClusterIP, by address.
+    pub fn cluster_ips(&self) -> impl ExactSizeIterator<Item = (&IpAddr, &ClusterIpService)> + '_ {
+        self.1.iter()
+    }
 
     pub fn new() -> Self {
         Self::default()

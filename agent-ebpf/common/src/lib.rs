@@ -30,13 +30,16 @@ use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// 5: [`SERVICES_MAP`] (the cluster's Service addresses: a packet leaving an
 /// endpoint for one is marked, and counted once translated). Layout 4's maps are
 /// taken over as they are, SERVICES created beside them.
-pub const LAYOUT_VERSION: u32 = 5;
+/// 6: [`SERVICE_FLOWS_MAP`] (per client identity, Service address, port,
+/// protocol and direction, counted at the root cgroup's hooks). Layout 5's maps
+/// are taken over as they are, SERVICE_FLOWS created beside them.
+pub const LAYOUT_VERSION: u32 = 6;
 
 /// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over,
 /// keeping every entry and counter: the maps whose shape did not change are
 /// reused in place, ENDPOINTS is copied into a map of this layout, and the maps
 /// they lack are created beside them.
-pub const MIGRATES_FROM: [u32; 3] = [2, 3, 4];
+pub const MIGRATES_FROM: [u32; 4] = [2, 3, 4, 5];
 
 /// The layouts of [`MIGRATES_FROM`] whose ENDPOINTS has another shape (before 4):
 /// taking them over copies ENDPOINTS into a new map.
@@ -67,6 +70,12 @@ pub const STATS_MAP: &str = "STATS";
 /// an endpoint for one of them is not counted there but marked
 /// ([`MARK_BIT_GLOBAL`]), and counted where it is seen translated.
 pub const SERVICES_MAP: &str = "SERVICES";
+/// `(client identity, Service address, port, protocol, direction) -> packets,
+/// bytes`, per CPU, least recently used entries evicted first:
+/// [`ServiceFlowKey`] -> [`FlowValue`]. Written by the root cgroup's programs,
+/// where a pod's request still carries the Service address it dialled and its
+/// reply carries it back; FLOWS is counted as it would be without it.
+pub const SERVICE_FLOWS_MAP: &str = "SERVICE_FLOWS";
 /// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
 /// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
 /// so any agent, older or newer, can read it before touching the other maps.
@@ -111,6 +120,9 @@ pub const NODE_ADDRESSES_MAX: usize = 16;
 /// Maximum number of identity pairs counted at once; the least recently used
 /// pair is evicted when the map is full.
 pub const FLOWS_MAX_ENTRIES: u32 = 65_536;
+/// Entries of [`SERVICE_FLOWS_MAP`] unless the agent is told otherwise
+/// (`census-agent --service-flows-max-entries`).
+pub const SERVICE_FLOWS_MAX_ENTRIES: u32 = 16_384;
 /// Slots of [`INTERFACES_MAP`] (a power of two). Two interfaces census counts on
 /// share a slot only when their ifindexes differ by a multiple of this; the one
 /// that does not get it is counted by address, as if it had no entry.
@@ -221,8 +233,13 @@ pub mod stats {
     /// [`SERVICE_MARKED`] over time: the others were dropped, or lost the mark to
     /// a rule that rewrites the whole of `skb->mark`.
     pub const MARKED_COUNTED: u32 = 6;
+    /// New entries inserted into SERVICE_FLOWS.
+    pub const SERVICE_FLOW_INSERTS: u32 = 7;
+    /// Inserts into SERVICE_FLOWS the kernel refused (the race with another
+    /// CPU aside): that packet went uncounted there (FLOWS is not affected).
+    pub const SERVICE_FLOW_INSERT_FAILURES: u32 = 8;
     /// Every slot this layout uses.
-    pub const ALL: [u32; 7] = [
+    pub const ALL: [u32; 9] = [
         FLOW_INSERTS,
         FLOW_INSERT_FAILURES,
         UNPARSABLE,
@@ -230,6 +247,8 @@ pub mod stats {
         LOG_SUPPRESSED,
         SERVICE_MARKED,
         MARKED_COUNTED,
+        SERVICE_FLOW_INSERTS,
+        SERVICE_FLOW_INSERT_FAILURES,
     ];
 }
 
@@ -468,7 +487,33 @@ pub struct FlowKey {
     pub dst_identity: u32,
 }
 
-/// Counters of one identity pair on one CPU, the value of [`FLOWS_MAP`].
+/// Which way a [`ServiceFlowKey`]'s packets went.
+pub mod service_direction {
+    /// From the client to the Service address (the root cgroup's egress).
+    pub const REQUEST: u8 = 1;
+    /// From the Service address back to the client (the root cgroup's ingress).
+    pub const REPLY: u8 = 2;
+}
+
+/// The key of [`SERVICE_FLOWS_MAP`]: a client, the Service address and port it
+/// dialled (as the socket layer sees them, before DNAT and after its reversal),
+/// the IP protocol, and which way ([`service_direction`]).
+///
+/// `port` is in host order; 0 when the packet carries none (neither TCP nor
+/// UDP, a fragment without its transport header). `client_identity` is
+/// [`identity::HOST`] for the node's own (host-network) sockets.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceFlowKey {
+    pub client_identity: u32,
+    pub port: u16,
+    pub protocol: u8,
+    pub direction: u8,
+    pub service: EndpointKey,
+}
+
+/// Counters of one identity pair on one CPU, the value of [`FLOWS_MAP`] (and of
+/// one [`ServiceFlowKey`], in the same units, in [`SERVICE_FLOWS_MAP`]).
 ///
 /// `packets` counts GSO segments (a GSO packet of 10 segments counts 10).
 /// `bytes` counts the link-layer bytes of every segment: `skb->len`, Ethernet
@@ -502,13 +547,17 @@ const _: () = {
     assert!(size_of::<ServiceKey>() == 24);
     assert!(core::mem::offset_of!(ServiceKey, address) == 4);
     assert!(size_of::<FlowValue>() == 16);
+    assert!(size_of::<ServiceFlowKey>() == 28);
+    assert!(align_of::<ServiceFlowKey>() == 4);
+    assert!(core::mem::offset_of!(ServiceFlowKey, service) == 8);
     assert!(align_of::<FlowValue>() == 8);
 };
 
 #[cfg(feature = "user")]
 mod user {
     use super::{
-        EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue, ServiceKey,
+        EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue, ServiceFlowKey,
+        ServiceKey,
     };
 
     // SAFETY: `#[repr(C)]`, only integer fields, no implicit padding (the sizes are
@@ -527,6 +576,8 @@ mod user {
     unsafe impl aya::Pod for NodeValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for ServiceKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for ServiceFlowKey {}
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 pub const ENDPOINTS_PATH: &str = "/v1/endpoints";
 pub const VERSION_PATH: &str = "/v1/version";
 pub const FLOWS_PATH: &str = "/v1/flows";
+pub const SERVICES_PATH: &str = "/v1/services";
 
 /// The fields of a newer agent that this build does not know, by name, written back
 /// after the known ones; empty (and writing nothing) on the agent itself. Never a
@@ -195,6 +196,51 @@ pub struct FlowEntry {
     pub packets: u64,
     /// Link-layer bytes.
     pub bytes: u64,
+}
+
+/// `GET /v1/services`: SERVICE_FLOWS, summed over CPUs, each address named by
+/// the Service whose ClusterIP it is (as the operator last said), and the
+/// Services the operator named.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServicesResponse {
+    pub node: String,
+    /// Ordered by client, address, port, protocol, direction.
+    pub flows: Vec<ServiceFlowEntry>,
+    /// Every ClusterIP the operator named, by address.
+    pub cluster_ips: Vec<NamedClusterIp>,
+}
+
+/// One SERVICE_FLOWS entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceFlowEntry {
+    /// The client's identity (1, `host`, for the node's own sockets).
+    pub client_identity: u32,
+    /// The Service address the client dialled.
+    pub address: std::net::IpAddr,
+    /// Its port; 0 when the packets carry none.
+    pub port: u16,
+    /// `TCP`, `UDP`, `SCTP`, or the IP protocol's number.
+    pub protocol: String,
+    /// `request` (client to Service) or `reply`.
+    pub direction: String,
+    /// `namespace/name` of the Service whose ClusterIP `address` is; `null`
+    /// when the operator named none (a LoadBalancer or external IP, a Service
+    /// deleted since, an operator that sends no names).
+    pub service: Option<String>,
+    /// GSO segments counted one by one.
+    pub packets: u64,
+    /// Link-layer bytes of every segment.
+    pub bytes: u64,
+}
+
+/// A ClusterIP and the Service it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamedClusterIp {
+    pub address: std::net::IpAddr,
+    /// `namespace/name`.
+    pub service: String,
+    /// `80/TCP`, sorted.
+    pub ports: Vec<String>,
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! The agent's admin HTTP port: `/metrics`, `/healthz`, `/readyz`, the JSON API
 //! the `census` CLI reads (`/v1/endpoints`, with the datapath's missing hooks and
-//! Service ranges; `/v1/version`, `/v1/flows`; see [`api`]), and `/debug/pprof/heap` (a heap profile with `--heap-profiling`).
+//! Service ranges; `/v1/version`, `/v1/flows`, `/v1/services`; see [`api`]), and `/debug/pprof/heap` (a heap profile with `--heap-profiling`).
 //! It is unauthenticated and listens on loopback by default (the CLI runs on the
 //! node); `--health-listen` adds a listener with only `/healthz`, `/readyz` and
 //! `/metrics` ([`health_router`]) for the kubelet's probes and Prometheus, which
@@ -33,7 +33,7 @@ use tokio::{
 };
 
 use crate::{
-    bpf::{Inspector, ServiceKind},
+    bpf::{Inspector, ServiceKind, protocol_name},
     core::{EndpointState, EndpointView, MapState, MapStatus, ServiceCounts, Status},
 };
 
@@ -68,6 +68,7 @@ pub(crate) fn router(state: AdminState) -> Router {
         .route(api::ENDPOINTS_PATH, get(endpoints))
         .route(api::VERSION_PATH, get(version))
         .route(api::FLOWS_PATH, get(flows))
+        .route(api::SERVICES_PATH, get(services))
         .with_state(state)
         .merge(census_daemon::profiling::routes())
 }
@@ -353,6 +354,51 @@ async fn flows(State(state): State<AdminState>) -> Response {
         )
             .into_response(),
         Err(_) => unavailable("reading FLOWS was interrupted"),
+    }
+}
+
+async fn services(State(state): State<AdminState>) -> Response {
+    let Some(maps) = state.maps.clone() else {
+        return unavailable("this agent has no pinned SERVICE_FLOWS map to read");
+    };
+    let names = state.status.borrow().service_names.clone();
+    let read = tokio::task::spawn_blocking(move || maps.service_flows()).await;
+    match read {
+        Ok(Ok(flows)) => Json(api::ServicesResponse {
+            node: state.node.clone(),
+            flows: flows
+                .into_iter()
+                .map(|f| api::ServiceFlowEntry {
+                    client_identity: f.client_identity,
+                    address: f.service,
+                    port: f.port,
+                    protocol: protocol_name(f.protocol).into_owned(),
+                    direction: f.direction.name().to_owned(),
+                    service: names.get(&f.service).map(|s| s.key.to_string()),
+                    packets: f.packets,
+                    bytes: f.bytes,
+                })
+                .collect(),
+            cluster_ips: names
+                .iter()
+                .map(|(address, service)| api::NamedClusterIp {
+                    address: *address,
+                    service: service.key.to_string(),
+                    ports: service
+                        .ports
+                        .iter()
+                        .map(|p| format!("{}/{}", p.port, protocol_name(p.protocol)))
+                        .collect(),
+                })
+                .collect(),
+        })
+        .into_response(),
+        Ok(Err(error)) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading SERVICE_FLOWS failed: {error}\n"),
+        )
+            .into_response(),
+        Err(_) => unavailable("reading SERVICE_FLOWS was interrupted"),
     }
 }
 

@@ -32,7 +32,8 @@ use aya::{
 };
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
-    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, SERVICES_MAP, STATS_MAP,
+    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, SERVICE_FLOWS_MAP,
+    SERVICES_MAP, STATS_MAP,
 };
 use ipnet::IpNet;
 
@@ -43,6 +44,7 @@ use super::{
     nodes::{self, NodeRecord, NodesMap},
     pins::{self, Pins},
     privileges,
+    service_flows::{self, ServiceFlow},
     services::{self, ServiceKind, ServicesMap},
     sys::{self, MappedArray},
     tc,
@@ -188,6 +190,8 @@ pub struct Inspector {
     /// INTERFACES' slots, mapped read-only.
     interfaces: MappedArray,
     flows: FlowsMap,
+    /// `None` in the maps of a layout before SERVICE_FLOWS existed.
+    service_flows: Option<service_flows::ServiceFlowsMap>,
     /// `None` in the maps of a layout before STATS existed.
     stats: Option<StatsMap>,
 }
@@ -322,7 +326,23 @@ impl Inspector {
         } else {
             None
         };
+        let service_flows_path = dir.join(SERVICE_FLOWS_MAP);
+        // Layouts before 6 had no SERVICE_FLOWS.
+        let service_flows = if layout == LAYOUT_VERSION || exists(&service_flows_path)? {
+            let (map, info) = open_map(SERVICE_FLOWS_MAP, &service_flows_path)?;
+            let map = service_flows::ServiceFlowsMap::try_from(map).map_err(|source| {
+                InspectError::Map {
+                    path: service_flows_path.clone(),
+                    source,
+                }
+            })?;
+            infos.push((SERVICE_FLOWS_MAP, service_flows_path, info));
+            Some(map)
+        } else {
+            None
+        };
         Ok(Self {
+            service_flows,
             dir,
             layout,
             infos,
@@ -418,6 +438,10 @@ impl Inspector {
                     Some(services) => count(services.keys(), pin)?,
                     None => 0,
                 },
+                SERVICE_FLOWS_MAP => match &self.service_flows {
+                    Some(map) => count(map.keys(), pin)?,
+                    None => 0,
+                },
                 INTERFACES_MAP => used_slots(&self.interfaces).len() as u64,
                 _ => u64::from(shape.max_entries),
             };
@@ -485,6 +509,16 @@ impl Inspector {
                 source: Box::new(other),
             },
         })
+    }
+
+    /// Every SERVICE_FLOWS entry, summed over CPUs (see
+    /// [`Datapath::service_flows`](super::Datapath::service_flows)); empty in the
+    /// maps of a layout without SERVICE_FLOWS.
+    pub fn service_flows(&self) -> Result<Vec<ServiceFlow>, InspectError> {
+        let Some(map) = &self.service_flows else {
+            return Ok(Vec::new());
+        };
+        service_flows::read_all(map).map_err(|source| self.map_error(SERVICE_FLOWS_MAP, source))
     }
 
     /// Every used slot of INTERFACES, by slot: the interfaces census counts on

@@ -17,7 +17,7 @@ use aya::{
 };
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
-    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICES_MAP, STATS_MAP,
+    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP,
 };
 
 use super::log::{DatapathLog, LogForwarder};
@@ -30,6 +30,7 @@ use super::{
     object,
     pins::{self, Layout, Pins},
     privileges,
+    service_flows::ServiceFlowsMap,
     services::{MarkBit, ServicesMap},
     sockets::{SocketHook, socket_program},
 };
@@ -56,6 +57,7 @@ pub struct Datapath {
     pub(super) stats: StatsMap,
     pub(super) nodes: NodesMap,
     pub(super) services: ServicesMap,
+    pub(super) service_flows: ServiceFlowsMap,
     /// ENDPOINTS' and NODES' sizes, as created (for the errors of a full map).
     pub(super) endpoints_max_entries: u32,
     pub(super) nodes_max_entries: u32,
@@ -137,6 +139,9 @@ impl Datapath {
         if let Some(entries) = options.flows_max_entries {
             loader.map_max_entries(FLOWS_MAP, entries);
         }
+        if let Some(entries) = options.service_flows_max_entries {
+            loader.map_max_entries(SERVICE_FLOWS_MAP, entries);
+        }
         loader.map_max_entries(
             ENDPOINTS_MAP,
             options
@@ -180,6 +185,7 @@ impl Datapath {
         let mut endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
         let nodes: NodesMap = take_map(&mut ebpf, NODES_MAP)?;
         let services: ServicesMap = take_map(&mut ebpf, SERVICES_MAP)?;
+        let service_flows: ServiceFlowsMap = take_map(&mut ebpf, SERVICE_FLOWS_MAP)?;
         let max_entries = |map: &'static str, data: &MapData| {
             data.info()
                 .map(|info| info.max_entries())
@@ -218,6 +224,11 @@ impl Datapath {
             pinned.push((*name, data));
         }
         pins::warn_size(&pinned, FLOWS_MAP, options.flows_max_entries);
+        pins::warn_size(
+            &pinned,
+            SERVICE_FLOWS_MAP,
+            options.service_flows_max_entries,
+        );
         pins::warn_size(&pinned, ENDPOINTS_MAP, options.endpoints_max_entries);
         pins::warn_size(&pinned, NODES_MAP, options.nodes_max_entries);
         tracing::info!(
@@ -239,6 +250,7 @@ impl Datapath {
             stats,
             nodes,
             services,
+            service_flows,
             endpoints_max_entries,
             nodes_max_entries,
             endpoints_full: false,
@@ -321,6 +333,10 @@ pub struct Options {
     /// FLOWS' entries when it is created (the object's 65,536 if `None`); a FLOWS
     /// map already pinned keeps its size (and its counters).
     pub flows_max_entries: Option<u32>,
+    /// SERVICE_FLOWS' entries when it is created
+    /// ([`SERVICE_FLOWS_MAX_ENTRIES`](census_common::SERVICE_FLOWS_MAX_ENTRIES)
+    /// if `None`); a pinned one keeps its size and counters.
+    pub service_flows_max_entries: Option<u32>,
     /// ENDPOINTS' entries when it is created
     /// ([`ENDPOINTS_MAX_ENTRIES`](census_common::ENDPOINTS_MAX_ENTRIES) if `None`).
     pub endpoints_max_entries: Option<u32>,

@@ -265,6 +265,11 @@ pub struct DatapathStats {
     pub service_marked: u64,
     /// Marked packets counted once translated.
     pub marked_counted: u64,
+    /// Entries inserted into SERVICE_FLOWS.
+    pub service_flow_inserts: u64,
+    /// SERVICE_FLOWS inserts the kernel refused: those packets went uncounted
+    /// there (FLOWS counted them as always).
+    pub service_flow_insert_failures: u64,
 }
 
 impl DatapathStats {
@@ -297,6 +302,8 @@ impl DatapathStats {
             log_suppressed: slot(stats::LOG_SUPPRESSED)?,
             service_marked: slot(stats::SERVICE_MARKED)?,
             marked_counted: slot(stats::MARKED_COUNTED)?,
+            service_flow_inserts: slot(stats::SERVICE_FLOW_INSERTS)?,
+            service_flow_insert_failures: slot(stats::SERVICE_FLOW_INSERT_FAILURES)?,
         })
     }
 }

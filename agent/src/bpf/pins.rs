@@ -8,6 +8,8 @@
 //! <pin dir>/INTERFACES             array[ifindex % 65536] of (ifindex, identity), mmapable
 //! <pin dir>/FLOWS                  (src identity, dst identity) -> packets, bytes
 //! <pin dir>/STATS                  per-CPU array of u64: the program's own counters
+//! <pin dir>/SERVICE_FLOWS          (client identity, Service address, port, protocol,
+//!                                  direction) -> packets, bytes
 //! <pin dir>/links/<if>-ingress     TCX link of census_ingress on interface <if>
 //! <pin dir>/links/<if>-egress      TCX link of census_egress on interface <if>
 //! <pin dir>/links/<if>-<direction>:tc:<ifindex>:<priority>:<handle>/
@@ -27,8 +29,9 @@ use census_common::{
     EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP,
     INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, LAYOUT_VERSION,
     META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES, MIGRATES_FROM, NODES_MAP, NODES_MAP_FLAGS,
-    NODES_MAX_ENTRIES, NodeValue, SERVICES_MAP, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES,
-    STATS_MAP, STATS_MAX_ENTRIES, ServiceKey,
+    NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAP, SERVICE_FLOWS_MAX_ENTRIES, SERVICES_MAP,
+    SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAP, STATS_MAX_ENTRIES, ServiceFlowKey,
+    ServiceKey,
 };
 
 use super::{Direction, Error, maps::MapShape, privileges, sys};
@@ -39,7 +42,7 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 const LINKS_DIR: &str = "links";
 
 /// Every map census pins, the layout version map first.
-pub(super) const MAPS: [&str; 7] = [
+pub(super) const MAPS: [&str; 8] = [
     META_MAP,
     ENDPOINTS_MAP,
     FLOWS_MAP,
@@ -47,19 +50,21 @@ pub(super) const MAPS: [&str; 7] = [
     STATS_MAP,
     NODES_MAP,
     SERVICES_MAP,
+    SERVICE_FLOWS_MAP,
 ];
 /// The maps of [`MAPS`] that a layout version guards.
-pub(super) const DATA_MAPS: [&str; 6] = [
+pub(super) const DATA_MAPS: [&str; 7] = [
     ENDPOINTS_MAP,
     FLOWS_MAP,
     INTERFACES_MAP,
     STATS_MAP,
     NODES_MAP,
     SERVICES_MAP,
+    SERVICE_FLOWS_MAP,
 ];
 /// The maps a layout sizes as the agent is told (`--*-max-entries`): any size is
 /// that map.
-const SIZED_MAPS: [&str; 3] = [ENDPOINTS_MAP, FLOWS_MAP, NODES_MAP];
+const SIZED_MAPS: [&str; 4] = [ENDPOINTS_MAP, FLOWS_MAP, NODES_MAP, SERVICE_FLOWS_MAP];
 
 /// Paths under one pin directory.
 #[derive(Debug, Clone)]
@@ -147,6 +152,12 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             size_of::<FlowKey>(),
             size_of::<FlowValue>(),
             FLOWS_MAX_ENTRIES,
+        )),
+        SERVICE_FLOWS_MAP => Some(shape(
+            MapType::LruPerCpuHash,
+            size_of::<ServiceFlowKey>(),
+            size_of::<FlowValue>(),
+            SERVICE_FLOWS_MAX_ENTRIES,
         )),
         STATS_MAP => Some(shape(
             MapType::PerCpuArray,

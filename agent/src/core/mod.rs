@@ -55,10 +55,13 @@ use std::{
     mem,
     net::IpAddr,
     num::NonZeroU16,
+    sync::Arc,
 };
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdentityId, NodeName, ServiceKind, ServiceSet},
+    domain::{
+        ClusterIpService, Endpoint, EndpointKey, IdentityId, NodeName, ServiceKind, ServiceSet,
+    },
     labels::{LabelFilter, LabelSet},
 };
 use ipnet::IpNet;
@@ -127,6 +130,8 @@ struct Services {
     known: bool,
     /// Whether the current map stream gave one (a HelloReply's is not newer).
     from_map: bool,
+    /// `set`'s named ClusterIPs, shared with every status.
+    names: Arc<BTreeMap<IpAddr, ClusterIpService>>,
 }
 
 /// See the module documentation.
@@ -499,6 +504,13 @@ impl Core {
             );
         }
         self.queue.services.extend(changes);
+        let names: BTreeMap<IpAddr, ClusterIpService> = set
+            .cluster_ips()
+            .map(|(ip, service)| (*ip, service.clone()))
+            .collect();
+        if *self.services.names != names {
+            self.services.names = Arc::new(names);
+        }
         self.services.set = set;
         self.services.known = true;
     }
@@ -915,6 +927,14 @@ impl Core {
                 .services
                 .known
                 .then(|| ServiceCounts::of(&self.services.set)),
+            service_names: self.services.names.clone(),
+            local_identities: Arc::new(
+                self.table
+                    .values()
+                    .filter_map(|m| m.held.as_ref().map(|held| held.id.get()))
+                    .chain([census_common::identity::HOST])
+                    .collect(),
+            ),
             operator: self.operator_link.clone(),
             map,
         }

@@ -1,10 +1,14 @@
 //! What the core shows: the status the admin API (`/readyz`, `/v1/endpoints`) and
 //! the metrics' gauges read, and each endpoint as it stands.
 
-use std::net::IpAddr;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    sync::Arc,
+};
 
 use census_proto::{
-    domain::{EndpointKey, IdentityId, ServiceKind, ServiceSet},
+    domain::{ClusterIpService, EndpointKey, IdentityId, ServiceKind, ServiceSet},
     labels::LabelSet,
 };
 
@@ -57,6 +61,12 @@ pub(crate) struct Status {
     /// The operator's last set of Service addresses, as ranges per kind; `None`
     /// until one came.
     pub(crate) services: Option<ServiceCounts>,
+    /// The Services the operator named, by ClusterIP (what SERVICE_FLOWS'
+    /// addresses are shown as).
+    pub(crate) service_names: Arc<BTreeMap<IpAddr, ClusterIpService>>,
+    /// The identities this node's endpoints hold now, `host` among them: the
+    /// clients SERVICE_FLOWS may name that are still in use.
+    pub(crate) local_identities: Arc<BTreeSet<u32>>,
     pub(crate) operator: OperatorLink,
     /// The cluster-wide endpoint map.
     pub(crate) map: MapStatus,

@@ -499,6 +499,7 @@ fn a_batchs_service_addresses_are_decoded_without_their_malformed_ranges() {
     };
     let (batch, malformed) = decode(pb::EndpointMapBatch {
         services: Some(pb::ServiceSet {
+            cluster_ips: Vec::new(),
             ranges: vec![
                 range(v4("10.96.0.0"), 12, pb::ServiceKind::ClusterIpRange),
                 range(v4("10.96.0.1"), 12, pb::ServiceKind::ClusterIpRange),

@@ -289,6 +289,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("STATS", "percpu_array", 4, 8),
             ("NODES", "hash", 4, 580),
             ("SERVICES", "lpm_trie", 24, 4),
+            ("SERVICE_FLOWS", "lru_percpu_hash", 28, 16),
         ]
     );
     for map in maps {
@@ -316,8 +317,8 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     assert!(table.starts_with("NAME "), "{table}");
     assert_eq!(
         table.lines().count(),
-        8,
-        "a header and the seven maps: {table}"
+        9,
+        "a header and the eight maps: {table}"
     );
     let one = census_json(&[
         "bpf",

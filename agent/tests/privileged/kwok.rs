@@ -282,9 +282,31 @@ fn counted_once(world: &World, web: &Pod, db: &Pod, (web_id, db_id): (u32, u32))
     Ok(())
 }
 
-#[test]
-#[ignore = "needs root: cargo xtask test-privileged"]
-fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestResult {
+/// The operator replica holding the lease.
+fn holder(plane: &ControlPlane) -> Option<String> {
+    let lease = plane
+        .kubectl_json(&["-n", "census-system", "get", "lease", "census-operator"])
+        .ok()?;
+    lease["spec"]["holderIdentity"].as_str().map(str::to_owned)
+}
+
+/// What every kwok test starts from: the real control plane with census
+/// deployed, a Deployment `web` on the first node and `db` on the second in
+/// `namespace`, their pods in the two-node lab (its nodes named after `lab`),
+/// two operator replicas (one leading) and an agent per node, both pods in both
+/// nodes' ENDPOINTS at the identities their labels got.
+struct Started {
+    world: World,
+    plane: &'static ControlPlane,
+    nodes: Vec<String>,
+    namespace: census_testkit::cluster::Namespace,
+    web: Pod,
+    db: Pod,
+    /// web's and db's identities.
+    ids: (u32, u32),
+}
+
+fn start(namespace: &str, lab: (&str, &str)) -> Fallible<Started> {
     let (agent_bin, operator_bin) = binaries()?;
     let plane = census_testkit::cluster::plane().map_err(|e| e.to_string())?;
     census_testkit::cluster::apply_deploy(plane).map_err(|e| e.to_string())?;
@@ -297,7 +319,7 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
         .into());
     }
     let namespace =
-        census_testkit::cluster::Namespace::create("census-kwok-e2e").map_err(|e| e.to_string())?;
+        census_testkit::cluster::Namespace::create(namespace).map_err(|e| e.to_string())?;
     wait_for("the namespace's default ServiceAccount", || {
         Ok(plane
             .kubectl_ok(&["-n", &namespace.name, "get", "serviceaccount", "default"])
@@ -326,7 +348,7 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
     )?;
 
     let mut world = World {
-        cluster: Cluster::new("kwok-a", "kwok-b")?,
+        cluster: Cluster::new(lab.0, lab.1)?,
         pins: [PinDir::new(), PinDir::new()],
         dir: tempfile::tempdir()?,
         forwards: Vec::new(),
@@ -426,12 +448,7 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
             .forwards
             .push(Forward::start(ns, OPERATOR_PORT, leader.clone())?);
     }
-    let holder = || -> Option<String> {
-        let lease = plane
-            .kubectl_json(&["-n", "census-system", "get", "lease", "census-operator"])
-            .ok()?;
-        lease["spec"]["holderIdentity"].as_str().map(str::to_owned)
-    };
+    let holder = || holder(plane);
     let pods: Vec<String> = world.operators.iter().map(|r| r.pod.clone()).collect();
     wait_for("a replica to lead", || {
         Ok(holder().is_some_and(|h| pods.contains(&h)))
@@ -518,16 +535,49 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
     }
     let (web_id, db_id) = (ids[0], ids[1]);
     report(&format!("kwok: web {web_id}, db {db_id}"));
-    let web = &lab_pods
-        .iter()
-        .find(|(n, _)| n.starts_with("web"))
-        .ok_or("no web pod")?
-        .1;
-    let db = &lab_pods
-        .iter()
-        .find(|(n, _)| n.starts_with("db"))
-        .ok_or("no db pod")?
-        .1;
+    let pod = |prefix: &str| {
+        lab_pods
+            .iter()
+            .position(|(n, _)| n.starts_with(prefix))
+            .ok_or_else(|| format!("no {prefix} pod"))
+    };
+    let (web, db) = (pod("web")?, pod("db")?);
+    let mut pods: Vec<Option<Pod>> = lab_pods.into_iter().map(|(_, pod)| Some(pod)).collect();
+    let web = pods[web].take().ok_or("web twice")?;
+    let db = pods[db].take().ok_or("db twice")?;
+    both_pods_in_endpoints(&world, &web, &db, (web_id, db_id))?;
+    Ok(Started {
+        world,
+        plane,
+        nodes,
+        namespace,
+        web,
+        db,
+        ids: (web_id, db_id),
+    })
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestResult {
+    let Started {
+        mut world,
+        plane,
+        nodes,
+        namespace,
+        web,
+        db,
+        ids: (web_id, db_id),
+    } = start("census-kwok-e2e", ("kwok-a", "kwok-b"))?;
+    let ns = namespace.name.clone();
+    let labels = |app: &str| {
+        vec![
+            format!("k8s:app={app}"),
+            format!("k8s:io.kubernetes.pod.namespace={ns}"),
+        ]
+    };
+    let (web, db) = (&web, &db);
+    let holder = || holder(plane);
     both_pods_in_endpoints(&world, web, db, (web_id, db_id))?;
     counted_once(&world, web, db, (web_id, db_id))?;
 
@@ -571,6 +621,171 @@ fn pods_kwok_runs_are_counted_by_the_identities_their_real_labels_get() -> TestR
         back.elapsed()
     ));
     counted_once(&world, web, db, (web_id, db_id))?;
+    world.passed = true;
+    drop(world);
+    Ok(())
+}
+
+/// Which Service, from the API server to the CLI: a ClusterIP Service `db` in
+/// front of the db pod (its ClusterIP allocated by the real API server), kube-proxy's
+/// rules for it on both lab nodes, web calling it. The operator names the
+/// ClusterIP (`namespace/db`, its port) to the agents; `census bpf services flows`
+/// on web's node shows the requests and replies as web's to `namespace/db:8053`,
+/// and the agent's metrics have the series. Once the Service is deleted, the
+/// series is gone at the next scrape and the CLI shows the address unnamed.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn the_operator_names_the_services_clients_call_and_forgets_a_deleted_one() -> TestResult {
+    use census_netlab::kube_proxy::{self, Protocol, Service};
+
+    const SERVICE_PORT: u16 = 8053;
+    const TARGET_PORT: u16 = 5353;
+    let Started {
+        mut world,
+        plane,
+        namespace,
+        web,
+        db,
+        ids: (web_id, _),
+        ..
+    } = start("census-kwok-svc", ("svc-a", "svc-b"))?;
+    let ns = namespace.name.clone();
+    plane.apply(&json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "db", "namespace": ns},
+        "spec": {
+            "selector": {"app": "db"},
+            "ports": [{"port": SERVICE_PORT, "targetPort": TARGET_PORT, "protocol": "UDP"}],
+        },
+    }))?;
+    let service = plane.kubectl_json(&["-n", &ns, "get", "service", "db"])?;
+    let cluster_ip: Ipv4Addr = service["spec"]["clusterIP"]
+        .as_str()
+        .ok_or("the Service has no ClusterIP")?
+        .parse()?;
+    let rules = Service {
+        name: "svcdb".to_owned(),
+        address: std::net::SocketAddrV4::new(cluster_ip, SERVICE_PORT),
+        protocol: Protocol::Udp,
+        endpoints: vec![std::net::SocketAddrV4::new(
+            match db.ip(false) {
+                IpAddr::V4(v4) => v4,
+                IpAddr::V6(_) => return Err("db has no IPv4 address".into()),
+            },
+            TARGET_PORT,
+        )],
+        masquerade_all: false,
+        node_port: None,
+    };
+    for i in 0..2 {
+        let node = world.cluster.node(side(i)).ns();
+        kube_proxy::install(node)?;
+        kube_proxy::add(node, &rules)?;
+    }
+    let node_a = world.cluster.node(Side::A).ns();
+    let name = format!("{ns}/db");
+    wait_for("web's agent to know the Service by its ClusterIP", || {
+        let (status, body) = node_a.http_get(ADMIN_PORT, "/v1/services")?;
+        let answer: Value = serde_json::from_str(&body)?;
+        Ok(status == 200
+            && answer["cluster_ips"].as_array().is_some_and(|named| {
+                named.iter().any(|n| {
+                    n["address"] == json!(cluster_ip.to_string()) && n["service"] == json!(name)
+                })
+            }))
+    })?;
+
+    let answered = census_netlab::udp_echo_through(
+        &web.ns,
+        web.ip(false),
+        SocketAddr::new(cluster_ip.into(), SERVICE_PORT),
+        &db.ns,
+        SocketAddr::new(db.ip(false), TARGET_PORT),
+        COUNT,
+        PAYLOAD,
+        Duration::from_secs(1),
+    )?;
+    assert_eq!(answered, COUNT);
+
+    let census = |args: &[&str]| -> Fallible<String> {
+        let bpffs = world.pins[0]
+            .path()
+            .to_str()
+            .ok_or("a pin path that is not UTF-8")?
+            .to_owned();
+        let agent = format!("http://127.0.0.1:{ADMIN_PORT}");
+        let mut all = vec![
+            "bpf", "services", "flows", "--bpffs", &bpffs, "--agent", &agent,
+        ];
+        all.extend_from_slice(args);
+        let output = node_a.run(|| {
+            Command::new(env!("CARGO_BIN_EXE_census"))
+                .args(&all)
+                .output()
+        })??;
+        if !output.status.success() {
+            return Err(format!(
+                "census {all:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        Ok(String::from_utf8(output.stdout)?)
+    };
+    let table = census(&[])?;
+    report(&format!("kwok: census bpf services flows\n{table}"));
+    let shown = format!("{name}:{SERVICE_PORT}");
+    let bytes = (COUNT as u64 * frame_len(PAYLOAD, false)).to_string();
+    for direction in ["request", "reply"] {
+        assert!(
+            table.lines().any(|line| {
+                let cells: Vec<&str> = line.split_whitespace().collect();
+                cells.first() == Some(&web_id.to_string().as_str())
+                    && cells.get(1) == Some(&shown.as_str())
+                    && cells.get(4) == Some(&direction)
+                    && cells.get(5) == Some(&COUNT.to_string().as_str())
+                    && cells.get(6) == Some(&bytes.as_str())
+            }),
+            "{direction}s of {web_id} to {shown}: {table}"
+        );
+    }
+    let series =
+        format!("census_agent_service_packets_total{{client=\"{web_id}\",service=\"{shown}\"}}");
+    let metrics = || -> Fallible<String> { Ok(node_a.http_get(ADMIN_PORT, "/metrics")?.1) };
+    let scraped = metrics()?;
+    assert!(
+        scraped
+            .lines()
+            .any(|l| l == format!("{series} {}", 2 * COUNT)),
+        "{series} {} in: {}",
+        2 * COUNT,
+        scraped
+            .lines()
+            .filter(|l| l.contains("census_agent_service"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+
+    // Deleted: the operator's next set names it no more.
+    plane.kubectl_ok(&["-n", &ns, "delete", "service", "db"])?;
+    wait_for("the deleted Service's series to leave the metrics", || {
+        Ok(!metrics()?.contains(&series))
+    })?;
+    let json_flows: Value = serde_json::from_str(&census(&["-o", "json"])?)?;
+    let flows = json_flows.as_array().ok_or("not a list")?;
+    assert!(
+        flows
+            .iter()
+            .any(|f| f["address"] == json!(cluster_ip.to_string())),
+        "the counters stay in the map: {json_flows}"
+    );
+    assert!(
+        flows
+            .iter()
+            .filter(|f| f["address"] == json!(cluster_ip.to_string()))
+            .all(|f| f["service"].is_null()),
+        "unnamed once deleted: {json_flows}"
+    );
     world.passed = true;
     drop(world);
     Ok(())

@@ -71,12 +71,24 @@ fn service_ranges_are_written_read_back_and_replaced() -> TestResult {
     Ok(())
 }
 
-/// An agent of layout 5 takes layout 4's pins over in place: the same ENDPOINTS
-/// map (not copied), its entries, FLOWS' counters, SERVICES created, the layout
-/// stamped 5.
+/// An agent of layout 6 takes layout 4's and 5's pins over in place: the same
+/// ENDPOINTS map (not copied), its entries, FLOWS' counters, the maps the older
+/// layout lacked (SERVICES, SERVICE_FLOWS) created, the layout stamped 6.
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_4_pins_are_taken_over_in_place() -> TestResult {
+    older_pins_are_taken_over_in_place(4, &["SERVICES", "SERVICE_FLOWS"])
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn layout_5_pins_are_taken_over_in_place() -> TestResult {
+    older_pins_are_taken_over_in_place(5, &["SERVICE_FLOWS"])
+}
+
+/// What an agent of `layout` left, without the maps `missing` it lacked, is
+/// taken over in place.
+fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResult {
     let pins = PinDir::new();
     let mut datapath = open_datapath(pins.path())?;
     datapath.upsert_endpoint("198.18.1.2".parse()?, Endpoint::local(POD))?;
@@ -95,20 +107,27 @@ fn layout_4_pins_are_taken_over_in_place() -> TestResult {
     };
     let id_before = endpoints_id(&pins)?;
 
-    // What layout 4 left: no SERVICES, meta saying 4.
-    std::fs::remove_file(pins.join("SERVICES"))?;
+    // What the older layout left: not the maps it lacked, meta saying it.
+    for map in missing {
+        std::fs::remove_file(pins.join(map))?;
+    }
     let mut meta: Array<MapData, u32> =
         Array::try_from(Map::Array(MapData::from_pin(pins.join("CENSUS_META"))?))?;
-    meta.set(0, 4, 0)?;
+    meta.set(0, layout, 0)?;
     drop(meta);
     let old = Inspector::open(pins.path())?;
-    assert_eq!(old.layout_version(), 4);
+    assert_eq!(old.layout_version(), layout);
+    assert_eq!(
+        old.service_flows()?,
+        [],
+        "no SERVICE_FLOWS read in layout {layout}"
+    );
     assert_eq!(old.endpoints()?.len(), 1);
     drop(old);
 
     let mut datapath = open_datapath(pins.path())?;
     assert_eq!(layout_of(&pins)?, LAYOUT_VERSION);
-    assert_eq!(LAYOUT_VERSION, 5);
+    assert_eq!(LAYOUT_VERSION, 6);
     assert_eq!(
         endpoints_id(&pins)?,
         id_before,
@@ -116,7 +135,10 @@ fn layout_4_pins_are_taken_over_in_place() -> TestResult {
     );
     assert_eq!(datapath.endpoints()?.len(), 1);
     assert_eq!(datapath.flows()?, flows, "counters kept");
-    assert!(pins.join("SERVICES").exists());
+    for map in missing {
+        assert!(pins.join(map).exists(), "{map} created");
+    }
+    assert_eq!(datapath.service_flows()?, []);
     datapath.upsert_service(net("10.96.0.0/12")?, ServiceKind::ClusterIpRange)?;
     assert_eq!(datapath.services()?.len(), 1);
     Ok(())

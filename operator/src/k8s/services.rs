@@ -3,15 +3,19 @@
 //! operator's `--service-cidr` says them) and each Service's external IPs
 //! (`spec.externalIPs`) and LoadBalancer IPs (`status.loadBalancer.ingress[].ip`).
 //!
+//! and names each ClusterIP (`spec.clusterIPs`, every family) with the Service's
+//! `namespace/name` and ports, for what agents count per Service.
+//!
 //! A Service is decoded into [`ServiceAddressObject`], which keeps its name,
-//! namespace and resource version and those two lists, and skips everything else
-//! while parsing (annotations, managed fields, ports, selectors), so neither a list
-//! page nor [`ServiceAddresses`] holds whole Service objects. A restart of a watch
+//! namespace and resource version, those two lists, its ClusterIPs and its ports,
+//! and skips everything else while parsing (annotations, managed fields,
+//! selectors), so neither a list page nor [`ServiceAddresses`] holds whole Service
+//! objects. A restart of a watch
 //! becomes one reset: objects gone during the gap are gone.
 
 use std::{borrow::Cow, net::IpAddr, sync::Arc};
 
-use census_proto::domain::ServiceKind;
+use census_proto::domain::{ServiceKind, ServicePort};
 use futures::StreamExt;
 use ipnet::IpNet;
 use k8s_openapi::{
@@ -24,7 +28,7 @@ use kube::{
 use serde::{Deserialize, Deserializer};
 use tracing::{debug, info, warn};
 
-use crate::services::{Addresses, ServiceAddresses};
+use crate::services::{Addresses, ClusterIps, ServiceAddresses};
 
 /// Objects per list page.
 const PAGE: u32 = 500;
@@ -44,6 +48,20 @@ pub struct ServiceAddressObject {
 struct Spec {
     #[serde(default, rename = "externalIPs")]
     external_ips: Option<Vec<String>>,
+    #[serde(default, rename = "clusterIP")]
+    cluster_ip: Option<String>,
+    #[serde(default, rename = "clusterIPs")]
+    cluster_ips: Option<Vec<String>>,
+    #[serde(default)]
+    ports: Option<Vec<Port>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct Port {
+    #[serde(default)]
+    port: Option<i64>,
+    #[serde(default)]
+    protocol: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -126,6 +144,51 @@ impl ServiceAddressObject {
         addresses.sort_unstable();
         addresses.dedup_by_key(|(ip, _)| *ip);
         addresses.into_boxed_slice()
+    }
+}
+
+impl ServiceAddressObject {
+    /// Its ClusterIPs (`spec.clusterIPs`, else `spec.clusterIP`; none for a
+    /// headless Service) with its ports, each once; text that is no address, a
+    /// port out of range or a protocol other than TCP, UDP and SCTP is skipped.
+    pub fn cluster_ips(&self) -> Option<ClusterIps> {
+        let spec = self.spec.as_ref()?;
+        let listed = spec.cluster_ips.iter().flatten();
+        let single = spec
+            .cluster_ip
+            .iter()
+            .filter(|_| spec.cluster_ips.is_none());
+        let mut ips: Vec<IpAddr> = listed
+            .chain(single)
+            .filter_map(|text| text.trim().parse::<IpAddr>().ok())
+            .map(|ip| ip.to_canonical())
+            .collect();
+        ips.sort_unstable();
+        ips.dedup();
+        if ips.is_empty() {
+            return None;
+        }
+        let mut ports: Vec<ServicePort> = spec
+            .ports
+            .iter()
+            .flatten()
+            .filter_map(|p| {
+                let port = u16::try_from(p.port?).ok().filter(|port| *port != 0)?;
+                let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
+                    "TCP" => 6,
+                    "UDP" => 17,
+                    "SCTP" => 132,
+                    _ => return None,
+                };
+                Some(ServicePort { port, protocol })
+            })
+            .collect();
+        ports.sort_unstable();
+        ports.dedup();
+        Some(ClusterIps {
+            ips: ips.into_boxed_slice(),
+            ports: ports.into_boxed_slice(),
+        })
     }
 }
 
@@ -245,14 +308,17 @@ pub async fn run_services(addresses: Arc<ServiceAddresses>, client: Client) {
     let api: Api<ServiceAddressObject> = Api::all(client);
     let stream = watcher(api, watcher::Config::default().page_size(PAGE)).default_backoff();
     let mut stream = std::pin::pin!(stream);
-    let mut listing: Option<Vec<(String, Addresses)>> = None;
+    let mut listing: Option<Vec<(String, Addresses, Option<ClusterIps>)>> = None;
     while let Some(event) = stream.next().await {
         match event {
             Ok(watcher::Event::Init) => listing = Some(Vec::new()),
             Ok(watcher::Event::InitApply(service)) => {
-                let found = service.addresses();
-                if let Some(key) = service.key().filter(|_| !found.is_empty()) {
-                    listing.get_or_insert_with(Vec::new).push((key, found));
+                let (found, cluster_ips) = (service.addresses(), service.cluster_ips());
+                let holds = !found.is_empty() || cluster_ips.is_some();
+                if let Some(key) = service.key().filter(|_| holds) {
+                    listing
+                        .get_or_insert_with(Vec::new)
+                        .push((key, found, cluster_ips));
                 }
             }
             Ok(watcher::Event::InitDone) => {
@@ -261,11 +327,11 @@ pub async fn run_services(addresses: Arc<ServiceAddresses>, client: Client) {
                     services = listed.len(),
                     "listed the Services with addresses"
                 );
-                addresses.reset_services(listed);
+                addresses.reset_named_services(listed);
             }
             Ok(watcher::Event::Apply(service)) => {
                 if let Some(key) = service.key() {
-                    addresses.set_service(&key, service.addresses());
+                    addresses.set_named_service(&key, service.addresses(), service.cluster_ips());
                 }
             }
             Ok(watcher::Event::Delete(service)) => {
@@ -319,6 +385,35 @@ mod tests {
             ("2001:db8::7".parse()?, ServiceKind::ExternalIp),
         ];
         assert_eq!(&*service.addresses(), want.as_slice());
+        // `spec.clusterIP` alone (no `clusterIPs`), a port without a protocol is TCP.
+        let named = service.cluster_ips().ok_or("no ClusterIP")?;
+        assert_eq!(&*named.ips, &["10.96.0.10".parse::<IpAddr>()?]);
+        assert_eq!(
+            &*named.ports,
+            &[ServicePort {
+                port: 80,
+                protocol: 6
+            }]
+        );
+        let dual = decode(serde_json::json!({
+            "metadata": {"name": "dns", "namespace": "kube-system"},
+            "spec": {
+                "clusterIP": "10.96.0.53",
+                "clusterIPs": ["10.96.0.53", "fd00:10:96::35"],
+                "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+            },
+        }))?;
+        let named = dual.cluster_ips().ok_or("no ClusterIP")?;
+        assert_eq!(
+            &*named.ips,
+            &["10.96.0.53".parse::<IpAddr>()?, "fd00:10:96::35".parse()?]
+        );
+        assert_eq!(named.ports.len(), 2);
+        let headless = decode(serde_json::json!({
+            "metadata": {"name": "db", "namespace": "shop"},
+            "spec": {"clusterIP": "None", "clusterIPs": ["None"]},
+        }))?;
+        assert!(headless.cluster_ips().is_none());
 
         let bare = decode(serde_json::json!({"metadata": {"name": "db", "namespace": "shop"}}))?;
         assert!(bare.addresses().is_empty());

@@ -32,13 +32,38 @@ fn set(ranges: &[(&str, ServiceKind)]) -> TestResult<ServiceSet> {
     Ok(set)
 }
 
+/// The ranges of a set the operator sent (`names`: its named ClusterIPs, as
+/// `address namespace/name port/protocol,...`); malformed entries fail the test.
 fn decoded(wire: Option<&pb::ServiceSet>) -> TestResult<ServiceSet> {
+    Ok(decoded_named(wire)?.0)
+}
+
+fn decoded_named(wire: Option<&pb::ServiceSet>) -> TestResult<(ServiceSet, Vec<String>)> {
     let wire = wire.ok_or("no services in the message")?;
     let (set, refused) = services_from_wire(wire, "services")?;
     if !refused.is_empty() {
-        return fail(format!("the operator sent malformed ranges: {refused:?}"));
+        return fail(format!("the operator sent malformed entries: {refused:?}"));
     }
-    Ok(set)
+    Ok((ranges(&set), names(&set)))
+}
+
+/// The set's ranges alone.
+fn ranges(set: &ServiceSet) -> ServiceSet {
+    set.iter().collect()
+}
+
+/// The set's named ClusterIPs, `address namespace/name port/protocol,...`.
+fn names(set: &ServiceSet) -> Vec<String> {
+    set.cluster_ips()
+        .map(|(address, service)| {
+            let ports: Vec<String> = service
+                .ports
+                .iter()
+                .map(|p| format!("{}/{}", p.port, p.protocol))
+                .collect();
+            format!("{address} {} {}", service.key, ports.join(","))
+        })
+        .collect()
 }
 
 /// Hello as `node`; the HelloReply, and the stream (kept open: the session stays
@@ -96,6 +121,19 @@ async fn watch_map(
     Ok((map, first))
 }
 
+async fn next_named_services(
+    map: &mut Streaming<pb::EndpointMapBatch>,
+) -> TestResult<(ServiceSet, Vec<String>)> {
+    loop {
+        let batch = tokio::time::timeout(WAIT, map.message())
+            .await??
+            .ok_or("the map stream ended")?;
+        if batch.services.is_some() {
+            return decoded_named(batch.services.as_ref());
+        }
+    }
+}
+
 async fn next_services(map: &mut Streaming<pb::EndpointMapBatch>) -> TestResult<ServiceSet> {
     loop {
         let batch = tokio::time::timeout(WAIT, map.message())
@@ -150,7 +188,10 @@ async fn service_addresses_reach_agents_and_follow_the_objects() -> TestResult {
     eventually(
         "the operator has listed the Service addresses",
         WAIT,
-        || async { Ok((op.running().runtime.services().as_deref() == Some(&want)).then_some(())) },
+        || async {
+            let have = op.running().runtime.services().map(|set| ranges(&set));
+            Ok((have.as_ref() == Some(&want)).then_some(()))
+        },
     )
     .await?;
     // A Service without an address is not kept.
@@ -158,7 +199,16 @@ async fn service_addresses_reach_agents_and_follow_the_objects() -> TestResult {
     assert_eq!(cluster.services.services_with_addresses(), 1);
 
     let (reply, _tx, _inbound) = hello(&op, "node-1").await?;
-    assert_eq!(decoded(reply.services.as_ref())?, want, "HelloReply");
+    // db's ClusterIP is named with its port (TCP when none is said); web has
+    // none (the fake API server allocates no ClusterIP).
+    assert_eq!(
+        decoded_named(reply.services.as_ref())?,
+        (
+            want.clone(),
+            vec!["10.96.0.20 default/db 5432/6".to_owned()]
+        ),
+        "HelloReply"
+    );
 
     let (mut map, first) = watch_map(&op, "node-1").await?;
     assert!(first.resync_start);
@@ -285,11 +335,29 @@ async fn service_addresses_follow_the_objects_on_the_real_control_plane() -> Tes
     eventually(
         "the operator has listed the Service addresses",
         WAIT,
-        || async { Ok((op.running().runtime.services().as_deref() == Some(&want)).then_some(())) },
+        || async {
+            let have = op.running().runtime.services().map(|set| ranges(&set));
+            Ok((have.as_ref() == Some(&want)).then_some(()))
+        },
     )
     .await?;
     let (reply, _tx, _inbound) = hello(&op, "kwok-0").await?;
-    assert_eq!(decoded(reply.services.as_ref())?, want, "HelloReply");
+    let web_ip =
+        plane.kubectl_json(&["-n", "default", "get", "service", "web"])?["spec"]["clusterIP"]
+            .as_str()
+            .ok_or("web has no ClusterIP")?
+            .to_owned();
+    let (have, named) = decoded_named(reply.services.as_ref())?;
+    assert_eq!(have, want, "HelloReply");
+    // The API server's own Service and web, each at its ClusterIP with its port.
+    let web = format!("{web_ip} default/web 80/6");
+    assert!(named.contains(&web), "{web} in {named:?}");
+    assert!(
+        named
+            .iter()
+            .any(|n| n.ends_with(" default/kubernetes 443/6")),
+        "default/kubernetes in {named:?}"
+    );
     let (mut map, first) = watch_map(&op, "kwok-0").await?;
     assert_eq!(
         decoded(first.services.as_ref())?,
@@ -315,10 +383,12 @@ async fn service_addresses_follow_the_objects_on_the_real_control_plane() -> Tes
         ("10.0.0.0/16", ServiceKind::ClusterIpRange),
         (range, ServiceKind::ClusterIpRange),
     ])?;
-    assert_eq!(
-        next_services(&mut map).await?,
-        want,
-        "after the Service went"
+    let gone = next_named_services(&mut map).await?;
+    assert_eq!(gone.0, want, "after the Service went");
+    assert!(
+        !gone.1.iter().any(|n| n.contains("default/web")),
+        "web no longer named: {:?}",
+        gone.1
     );
     op.shut_down().await
 }

@@ -316,11 +316,46 @@ pub struct ServiceRange {
 /// neither 4 nor 16 bytes, a prefix too long for its family, bits set past the
 /// prefix, an unspecified kind) is refused, named, and never applied; the rest of
 /// the set is.
+///
+/// `cluster_ips` names the Services by their ClusterIPs, for what agents count
+/// per Service (docs/design.md, "Which Service"): each ClusterIP of every Service
+/// (both of a dual-stack one), at most 65,536 (more refuse the set as a whole, as
+/// for ranges). An entry the agent cannot read (an address that is neither 4 nor
+/// 16 bytes, a namespace or name that is not a DNS label or subdomain, a port of
+/// 0 or over 65,535, a protocol other than TCP, UDP or SCTP, over 256 ports) is
+/// refused, named, and left out; the rest is taken. Names never reach the kernel.
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ServiceSet {
     /// Sorted by address family, address, then prefix length.
     #[prost(message, repeated, tag = "1")]
     pub ranges: ::prost::alloc::vec::Vec<ServiceRange>,
+    /// Sorted by address.
+    #[prost(message, repeated, tag = "2")]
+    pub cluster_ips: ::prost::alloc::vec::Vec<ClusterIp>,
+}
+/// One ClusterIP of a Service, with the Service's name and ports.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct ClusterIp {
+    /// 4 or 16 bytes, network order.
+    #[prost(bytes = "vec", tag = "1")]
+    pub address: ::prost::alloc::vec::Vec<u8>,
+    #[prost(string, tag = "2")]
+    pub namespace: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub name: ::prost::alloc::string::String,
+    /// Sorted by port, then protocol.
+    #[prost(message, repeated, tag = "4")]
+    pub ports: ::prost::alloc::vec::Vec<ServicePort>,
+}
+/// One port of a Service (`spec.ports\[\]`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ServicePort {
+    /// 1 to 65,535.
+    #[prost(uint32, tag = "1")]
+    pub port: u32,
+    /// The IP protocol's number: 6 (TCP), 17 (UDP) or 132 (SCTP).
+    #[prost(uint32, tag = "2")]
+    pub protocol: u32,
 }
 /// Acknowledges the message with this seq. `ignored` is set when the message was
 /// older than one already applied and changed nothing (then `rejected` and `pending`

@@ -7,7 +7,10 @@
 
 use std::{future::poll_fn, pin::Pin, time::Duration};
 
-use census_agent::admin::api::{ENDPOINTS_PATH, EndpointsResponse, VERSION_PATH, VersionResponse};
+use census_agent::admin::api::{
+    ENDPOINTS_PATH, EndpointsResponse, SERVICES_PATH, ServicesResponse, VERSION_PATH,
+    VersionResponse,
+};
 use hyper::body::Body as _;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
@@ -45,6 +48,10 @@ impl Agent {
 
     pub(crate) async fn endpoints(&self) -> Result<EndpointsResponse, CliError> {
         self.get_json(ENDPOINTS_PATH).await
+    }
+
+    pub(crate) async fn services(&self) -> Result<ServicesResponse, CliError> {
+        self.get_json(SERVICES_PATH).await
     }
 
     pub(crate) async fn version(&self) -> Result<VersionResponse, CliError> {

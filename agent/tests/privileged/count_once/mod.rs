@@ -17,6 +17,7 @@
 
 mod host_network;
 mod overlay;
+mod service_flows;
 mod world;
 
 use std::{
@@ -94,7 +95,12 @@ impl Lab {
 
     /// [`Lab::new`], shaped as `shape` says.
     fn with(shape: Shape, pods: &[(Side, u32)]) -> Fallible<Self> {
-        let mut cluster = Cluster::with_routing("count-a", "count-b", shape.routing)?;
+        Self::named(shape, ("count-a", "count-b"), pods)
+    }
+
+    /// [`Lab::with`], its nodes' namespaces named after `names`.
+    fn named(shape: Shape, names: (&str, &str), pods: &[(Side, u32)]) -> Fallible<Self> {
+        let mut cluster = Cluster::with_routing(names.0, names.1, shape.routing)?;
         let world = shape
             .world
             .then(|| World::behind(cluster.node(Side::A).ns()))

@@ -214,6 +214,7 @@ mod tests {
             log_suppressed: 0,
             service_marked: 9,
             marked_counted: 8,
+            ..DatapathStats::default()
         };
         let mut maps = vec![
             map("CENSUS_META", 11, "array", 4, 4, 1, 1),

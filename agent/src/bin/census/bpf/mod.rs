@@ -26,7 +26,8 @@ pub(crate) enum BpfCommand {
     /// The NODES map: the other nodes remote endpoints are on -> name, addresses.
     Nodes(nodes::NodesArgs),
     /// The SERVICES map: the cluster's Service addresses (ClusterIP ranges,
-    /// LoadBalancer and external IPs) -> kind.
+    /// LoadBalancer and external IPs) -> kind; `flows`: the SERVICE_FLOWS map,
+    /// packets and bytes per client and Service.
     Services(services::ServicesArgs),
     /// The INTERFACES map: the interfaces census counts on -> the identity of the
     /// endpoint behind each.
@@ -41,7 +42,7 @@ pub(crate) async fn run(command: BpfCommand, ctx: &mut Ctx) -> Result<String, Cl
         BpfCommand::Maps(args) => maps::run(args, ctx),
         BpfCommand::Endpoints(args) => endpoints::run(args, ctx).await,
         BpfCommand::Nodes(args) => nodes::run(args, ctx),
-        BpfCommand::Services(args) => services::run(args, ctx),
+        BpfCommand::Services(args) => services::run(args, ctx).await,
         BpfCommand::Interfaces(args) => interfaces::run(args, ctx).await,
         BpfCommand::Flows(args) => flows::run(args, ctx).await,
     }
