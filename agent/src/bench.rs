@@ -17,7 +17,7 @@ use census_proto::{
 };
 
 use crate::{
-    bpf::{self, Datapath},
+    bpf::{self, Datapath, ServiceKind},
     core::{AllocationEvent, AllocationId, Core, Effects, MapBatch, MapEntry, MapEvent, MapNode},
     reconcile::{DatapathPort, Link, MapKey, Reconciler},
     source::SourceEvent,
@@ -268,7 +268,7 @@ impl DatapathPort for Discard {
         Ok(BTreeMap::new())
     }
 
-    fn write_service(&mut self, _: IpNet, _: bpf::ServiceKind) -> Result<(), bpf::Error> {
+    fn write_service(&mut self, _: IpNet, _: ServiceKind) -> Result<(), bpf::Error> {
         Ok(())
     }
 
@@ -276,7 +276,7 @@ impl DatapathPort for Discard {
         Ok(true)
     }
 
-    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
         Ok(BTreeMap::new())
     }
 

@@ -377,34 +377,8 @@ pub fn check_usable_ip(ip: IpAddr) -> Result<(), UnusableIp> {
     unusable.map_or(Ok(()), Err)
 }
 
-/// What a Service address range is. The order is the precedence when one range
-/// is more than one kind: a ClusterIP range first, then a LoadBalancer IP.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ServiceKind {
-    /// A range of ClusterIPs (a `ServiceCIDR`, or the operator's `--service-cidr`).
-    ClusterIpRange,
-    /// A Service's LoadBalancer ingress IP.
-    LoadBalancerIp,
-    /// A Service's external IP (`spec.externalIPs`).
-    ExternalIp,
-}
-
-impl ServiceKind {
-    /// How the CLI and the logs name it.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Self::ClusterIpRange => "cluster-ip-range",
-            Self::LoadBalancerIp => "load-balancer-ip",
-            Self::ExternalIp => "external-ip",
-        }
-    }
-}
-
-impl fmt::Display for ServiceKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// What a Service address range is (census-common's, shared with the kernel side).
+pub use census_common::ServiceKind;
 
 /// One port of a Service: its number and IP protocol (6 TCP, 17 UDP, 132 SCTP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

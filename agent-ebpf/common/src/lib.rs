@@ -185,13 +185,60 @@ impl ServiceKey {
 }
 
 /// What a [`SERVICES_MAP`] entry is (its value).
-pub mod service {
-    /// A range of ClusterIPs (a `ServiceCIDR`, or `--service-cidr`).
-    pub const CLUSTER_IP_RANGE: u32 = 1;
+/// What a Service address range is: the value SERVICES holds for it, and the one
+/// type the kernel side, the agent and the operator's domain share. The order is
+/// the precedence when one range is more than one kind: a ClusterIP range first,
+/// then a LoadBalancer IP.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ServiceKind {
+    /// A range of ClusterIPs (a `ServiceCIDR`, or the operator's `--service-cidr`).
+    ClusterIpRange = 1,
     /// A Service's LoadBalancer ingress IP.
-    pub const LOAD_BALANCER_IP: u32 = 2;
+    LoadBalancerIp = 2,
     /// A Service's external IP (`spec.externalIPs`).
-    pub const EXTERNAL_IP: u32 = 3;
+    ExternalIp = 3,
+}
+
+impl ServiceKind {
+    /// The value SERVICES holds for this kind.
+    pub const fn raw(self) -> u32 {
+        self as u32
+    }
+
+    /// The kind of a SERVICES value; `None` for a value census does not write.
+    pub const fn from_raw(raw: u32) -> Option<Self> {
+        match raw {
+            service::CLUSTER_IP_RANGE => Some(Self::ClusterIpRange),
+            service::LOAD_BALANCER_IP => Some(Self::LoadBalancerIp),
+            service::EXTERNAL_IP => Some(Self::ExternalIp),
+            _ => None,
+        }
+    }
+
+    /// How the CLI and the logs name it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::ClusterIpRange => "cluster-ip-range",
+            Self::LoadBalancerIp => "load-balancer-ip",
+            Self::ExternalIp => "external-ip",
+        }
+    }
+}
+
+impl core::fmt::Display for ServiceKind {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// [`ServiceKind`]'s values, as the kernel side compares SERVICES' values with them.
+pub mod service {
+    use super::ServiceKind;
+
+    pub const CLUSTER_IP_RANGE: u32 = ServiceKind::ClusterIpRange as u32;
+    pub const LOAD_BALANCER_IP: u32 = ServiceKind::LoadBalancerIp as u32;
+    pub const EXTERNAL_IP: u32 = ServiceKind::ExternalIp as u32;
 }
 
 /// Reserved identities (1..=255 are reserved, 0 is invalid).

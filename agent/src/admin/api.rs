@@ -90,12 +90,7 @@ pub struct ServicesStatus {
 }
 
 /// Ranges per kind.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ServiceCounts {
-    pub cluster_ip_range: u64,
-    pub load_balancer_ip: u64,
-    pub external_ip: u64,
-}
+pub use crate::core::ServiceCounts;
 
 /// The EndpointSync stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -33,7 +33,7 @@ use tokio::{
 };
 
 use crate::{
-    bpf::{Inspector, ServiceKind, protocol_name},
+    bpf::{Inspector, protocol_name},
     core::{EndpointState, EndpointView, MapState, MapStatus, ServiceCounts, Status},
 };
 
@@ -260,24 +260,11 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
 
 /// SERVICES' ranges per kind, read from the pins now; `None` without pinned
 /// maps (an in-memory datapath), else the count or why it cannot be read.
-async fn pinned_services(
-    maps: Option<Arc<Inspector>>,
-) -> Option<Result<api::ServiceCounts, String>> {
+async fn pinned_services(maps: Option<Arc<Inspector>>) -> Option<Result<ServiceCounts, String>> {
     let maps = maps?;
     let read = tokio::task::spawn_blocking(move || maps.services()).await;
     Some(match read {
-        Ok(Ok(services)) => {
-            let mut counts = api::ServiceCounts::default();
-            for kind in services.values() {
-                let count = match kind {
-                    ServiceKind::ClusterIpRange => &mut counts.cluster_ip_range,
-                    ServiceKind::LoadBalancerIp => &mut counts.load_balancer_ip,
-                    ServiceKind::ExternalIp => &mut counts.external_ip,
-                };
-                *count += 1;
-            }
-            Ok(counts)
-        }
+        Ok(Ok(services)) => Ok(ServiceCounts::of_kinds(services.into_values())),
         Ok(Err(error)) => Err(format!("reading SERVICES failed: {error}")),
         Err(_) => Err("reading SERVICES was interrupted".to_owned()),
     })
@@ -285,13 +272,8 @@ async fn pinned_services(
 
 fn datapath_status(
     core: &Status,
-    pinned: Option<Result<api::ServiceCounts, String>>,
+    pinned: Option<Result<ServiceCounts, String>>,
 ) -> api::DatapathStatus {
-    let counts = |c: ServiceCounts| api::ServiceCounts {
-        cluster_ip_range: c.cluster_ip_range,
-        load_balancer_ip: c.load_balancer_ip,
-        external_ip: c.external_ip,
-    };
     let (map, error) = match pinned {
         Some(Ok(map)) => (Some(map), None),
         Some(Err(error)) => (None, Some(error)),
@@ -312,7 +294,7 @@ fn datapath_status(
             })
             .collect(),
         services: api::ServicesStatus {
-            operator: core.services.map(counts),
+            operator: core.services,
             map,
             error,
             extra: api::Extra::new(),

@@ -10,7 +10,7 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 use census_common::{
-    EndpointKey, MARK_BIT_DEFAULT, SERVICES_MAP, SERVICES_MAX_ENTRIES, ServiceKey, service,
+    EndpointKey, MARK_BIT_DEFAULT, SERVICES_MAP, SERVICES_MAX_ENTRIES, ServiceKey,
 };
 use ipnet::IpNet;
 
@@ -21,52 +21,7 @@ use super::{
 
 pub(super) type ServicesMap = LpmTrie<MapData, EndpointKey, u32>;
 
-/// What a SERVICES entry is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ServiceKind {
-    /// A range of ClusterIPs (a `ServiceCIDR`, or the operator's `--service-cidr`).
-    ClusterIpRange,
-    /// A Service's LoadBalancer ingress IP.
-    LoadBalancerIp,
-    /// A Service's external IP (`spec.externalIPs`).
-    ExternalIp,
-}
-
-impl ServiceKind {
-    /// The value SERVICES holds for this kind.
-    pub const fn raw(self) -> u32 {
-        match self {
-            Self::ClusterIpRange => service::CLUSTER_IP_RANGE,
-            Self::LoadBalancerIp => service::LOAD_BALANCER_IP,
-            Self::ExternalIp => service::EXTERNAL_IP,
-        }
-    }
-
-    /// The kind of a SERVICES value; `None` for a value census does not write.
-    pub const fn from_raw(raw: u32) -> Option<Self> {
-        match raw {
-            service::CLUSTER_IP_RANGE => Some(Self::ClusterIpRange),
-            service::LOAD_BALANCER_IP => Some(Self::LoadBalancerIp),
-            service::EXTERNAL_IP => Some(Self::ExternalIp),
-            _ => None,
-        }
-    }
-
-    /// How the CLI and the logs name it.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Self::ClusterIpRange => "cluster-ip-range",
-            Self::LoadBalancerIp => "load-balancer-ip",
-            Self::ExternalIp => "external-ip",
-        }
-    }
-}
-
-impl fmt::Display for ServiceKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use census_common::ServiceKind;
 
 /// census's bit of `skb->mark`: set on a packet that leaves an endpoint for a
 /// Service address, cleared where the packet is counted (it never leaves the

@@ -77,8 +77,9 @@ pub(crate) use identities::{AllocationId, AllocationRequest};
 use identities::{IdentityCache, Lookup, Release};
 use remote::RemoteMap;
 pub(crate) use remote::{MapApplied, NodeEntry};
+pub use status::ServiceCounts;
 pub(crate) use status::{
-    EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, ServiceCounts, Status,
+    EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, Status,
 };
 
 use crate::source::{HostInterface, SourceEndpoint, SourceEvent, SourceFailure};

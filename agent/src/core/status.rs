@@ -72,19 +72,25 @@ pub(crate) struct Status {
     pub(crate) map: MapStatus,
 }
 
-/// Service ranges per kind.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct ServiceCounts {
-    pub(crate) cluster_ip_range: u64,
-    pub(crate) load_balancer_ip: u64,
-    pub(crate) external_ip: u64,
+/// Service address ranges per kind: the operator's set as the core holds it, or
+/// what SERVICES holds (`/v1/endpoints`' `datapath.services`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServiceCounts {
+    pub cluster_ip_range: u64,
+    pub load_balancer_ip: u64,
+    pub external_ip: u64,
 }
 
 impl ServiceCounts {
     /// The ranges of `set`, per kind.
     pub(crate) fn of(set: &ServiceSet) -> Self {
+        Self::of_kinds(set.iter().map(|(_, kind)| kind))
+    }
+
+    /// `kinds` counted per kind.
+    pub fn of_kinds(kinds: impl IntoIterator<Item = ServiceKind>) -> Self {
         let mut counts = Self::default();
-        for (_, kind) in set.iter() {
+        for kind in kinds {
             counts.add(kind);
         }
         counts

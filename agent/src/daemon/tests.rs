@@ -5,6 +5,7 @@ use std::{collections::BTreeMap, net::IpAddr, path::Path, sync::Arc, time::Durat
 
 use census_proto::{
     PROTOCOL_VERSION,
+    domain::ServiceKind,
     labels::{LabelFilter, LabelLimits, LabelSet},
     pb::{self, identity_service_client::IdentityServiceClient},
 };
@@ -626,7 +627,7 @@ async fn without_the_map_the_agent_is_local_only_and_says_so() -> TestResult {
     Ok(())
 }
 
-fn services_of(maps: &Arc<Mutex<FakeMaps>>) -> Vec<(String, bpf::ServiceKind)> {
+fn services_of(maps: &Arc<Mutex<FakeMaps>>) -> Vec<(String, ServiceKind)> {
     maps.lock()
         .services
         .iter()
@@ -653,11 +654,8 @@ async fn the_operators_service_addresses_become_services() -> TestResult {
     )
     .await?;
     let want = vec![
-        ("10.96.0.0/12".to_owned(), bpf::ServiceKind::ClusterIpRange),
-        (
-            "fd00:10:96::/108".to_owned(),
-            bpf::ServiceKind::ClusterIpRange,
-        ),
+        ("10.96.0.0/12".to_owned(), ServiceKind::ClusterIpRange),
+        ("fd00:10:96::/108".to_owned(), ServiceKind::ClusterIpRange),
     ];
     let (d1, d2) = (dir.path().join("n1"), dir.path().join("n2"));
     std::fs::create_dir_all(&d1)?;
@@ -669,7 +667,7 @@ async fn the_operators_service_addresses_become_services() -> TestResult {
     stale
         .lock()
         .services
-        .insert("192.0.2.0/24".parse()?, bpf::ServiceKind::ExternalIp);
+        .insert("192.0.2.0/24".parse()?, ServiceKind::ExternalIp);
     let mapped = agent_on("n1", "198.18.0.1", &d1, op.grpc_addr, stale, true).await?;
     let local = agent_on("n2", "198.18.0.2", &d2, op.grpc_addr, fake_maps(), false).await?;
     for (agent, how) in [(&mapped, "with the map"), (&local, "without the map")] {
@@ -682,24 +680,15 @@ async fn the_operators_service_addresses_become_services() -> TestResult {
 
     // The set changes: the map stream carries it.
     let changed: census_proto::domain::ServiceSet = [
-        (
-            "10.96.0.0/12".parse()?,
-            census_proto::domain::ServiceKind::ClusterIpRange,
-        ),
-        (
-            "203.0.113.7/32".parse()?,
-            census_proto::domain::ServiceKind::LoadBalancerIp,
-        ),
+        ("10.96.0.0/12".parse()?, ServiceKind::ClusterIpRange),
+        ("203.0.113.7/32".parse()?, ServiceKind::LoadBalancerIp),
     ]
     .into_iter()
     .collect();
     assert!(op.running().runtime.set_services(changed));
     let want = vec![
-        ("10.96.0.0/12".to_owned(), bpf::ServiceKind::ClusterIpRange),
-        (
-            "203.0.113.7/32".to_owned(),
-            bpf::ServiceKind::LoadBalancerIp,
-        ),
+        ("10.96.0.0/12".to_owned(), ServiceKind::ClusterIpRange),
+        ("203.0.113.7/32".to_owned(), ServiceKind::LoadBalancerIp),
     ];
     until_some(WAIT, || async {
         (services_of(&mapped.maps) == want).then_some(())

@@ -39,7 +39,7 @@ pub(crate) struct FakeMaps {
     /// no limit).
     pub(crate) endpoints_max_entries: Option<usize>,
     /// SERVICES, by range.
-    pub(crate) services: BTreeMap<IpNet, bpf::ServiceKind>,
+    pub(crate) services: BTreeMap<IpNet, ServiceKind>,
     /// SERVICES writes and deletes.
     pub(crate) service_writes: usize,
     /// Why SERVICES refuses writes, while it does.
@@ -241,7 +241,7 @@ impl DatapathPort for FakeMaps {
         Ok(self.nodes.clone())
     }
 
-    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error> {
+    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
         if let Some(reason) = self.services_refuse {
             return Err(bpf::Error::InvalidInterfaceName {
                 name: "SERVICES".to_owned(),
@@ -265,7 +265,7 @@ impl DatapathPort for FakeMaps {
         Ok(self.services.remove(&range.trunc()).is_some())
     }
 
-    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
         Ok(self.services.clone())
     }
 
@@ -416,7 +416,7 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
         self.lock().read_nodes()
     }
 
-    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error> {
+    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
         self.lock().write_service(range, kind)
     }
 
@@ -424,7 +424,7 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
         self.lock().delete_service(range)
     }
 
-    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
         self.lock().read_services()
     }
 

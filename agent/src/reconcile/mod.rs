@@ -67,31 +67,11 @@ const INTERFACES: &str = "INTERFACES";
 const NODES: &str = "NODES";
 const SERVICES: &str = "SERVICES";
 
-/// SERVICES' value of `kind`.
-fn to_bpf_kind(kind: ServiceKind) -> bpf::ServiceKind {
-    match kind {
-        ServiceKind::ClusterIpRange => bpf::ServiceKind::ClusterIpRange,
-        ServiceKind::LoadBalancerIp => bpf::ServiceKind::LoadBalancerIp,
-        ServiceKind::ExternalIp => bpf::ServiceKind::ExternalIp,
-    }
-}
-
-fn from_bpf_kind(kind: bpf::ServiceKind) -> ServiceKind {
-    match kind {
-        bpf::ServiceKind::ClusterIpRange => ServiceKind::ClusterIpRange,
-        bpf::ServiceKind::LoadBalancerIp => ServiceKind::LoadBalancerIp,
-        bpf::ServiceKind::ExternalIp => ServiceKind::ExternalIp,
-    }
-}
-
 /// What SERVICES holds (a previous run's, at start), for the core: in force until
 /// the operator's first set. Empty if it cannot be read.
 pub(crate) fn pinned_services<M: DatapathPort + ?Sized>(maps: &M) -> ServiceSet {
     match maps.read_services() {
-        Ok(found) => found
-            .into_iter()
-            .map(|(range, kind)| (range, from_bpf_kind(kind)))
-            .collect(),
+        Ok(found) => found.into_iter().collect(),
         Err(error) => {
             warn!(%error, "cannot read SERVICES at start");
             ServiceSet::new()
@@ -211,11 +191,11 @@ pub(crate) trait DatapathPort {
     /// Every NODES entry, by index.
     fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error>;
     /// Writes (creates or replaces) SERVICES' entry of `range`.
-    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error>;
+    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error>;
     /// Removes SERVICES' entry of `range`; `false` if there was none.
     fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error>;
     /// Every SERVICES entry census writes, by range.
-    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error>;
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error>;
     /// The devices packets leave the node by, as [`bpf::default_uplinks`] finds them.
     fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error>;
     /// Attaches (or adopts the pinned link of) the uplink program on `interface`.
@@ -321,7 +301,7 @@ impl DatapathPort for Datapath {
         self.nodes()
     }
 
-    fn write_service(&mut self, range: IpNet, kind: bpf::ServiceKind) -> Result<(), bpf::Error> {
+    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
         self.upsert_service(range, kind)
     }
 
@@ -329,7 +309,7 @@ impl DatapathPort for Datapath {
         Datapath::delete_service(self, range)
     }
 
-    fn read_services(&self) -> Result<BTreeMap<IpNet, bpf::ServiceKind>, bpf::Error> {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
         self.services()
     }
 
@@ -546,7 +526,7 @@ impl Reconciler {
         for (range, want) in changes {
             match want {
                 Some(kind) if self.services.get(range) == Some(kind) => {}
-                Some(kind) => match maps.write_service(*range, to_bpf_kind(*kind)) {
+                Some(kind) => match maps.write_service(*range, *kind) {
                     Ok(()) => {
                         self.services.insert(*range, *kind);
                     }
@@ -1096,13 +1076,13 @@ impl Reconciler {
             }
         };
         for (range, kind) in want.iter() {
-            let have = actual.get(&range).copied().map(from_bpf_kind);
+            let have = actual.get(&range).copied();
             if have == Some(kind) {
                 self.services.insert(range, kind);
                 continue;
             }
             let repair = self.services.get(&range) == Some(&kind);
-            match maps.write_service(range, to_bpf_kind(kind)) {
+            match maps.write_service(range, kind) {
                 Ok(()) => {
                     if repair {
                         warn!(%range, found = ?have, wanted = %kind, "repaired a SERVICES entry changed behind the agent's back");

@@ -18,7 +18,7 @@ fn changes(ranges: &[(&str, Option<ServiceKind>)]) -> Effects {
     }
 }
 
-fn held(maps: &FakeMaps) -> Vec<(String, bpf::ServiceKind)> {
+fn held(maps: &FakeMaps) -> Vec<(String, ServiceKind)> {
     maps.services
         .iter()
         .map(|(r, k)| (r.to_string(), *k))
@@ -49,7 +49,7 @@ fn changes_are_written_only_where_they_differ() {
     assert_eq!(maps.service_writes, 4);
     assert_eq!(
         held(&maps),
-        [("203.0.113.7/32".to_owned(), bpf::ServiceKind::ExternalIp)]
+        [("203.0.113.7/32".to_owned(), ServiceKind::ExternalIp)]
     );
     assert_eq!(
         r.written_services().keys().collect::<Vec<_>>(),
@@ -71,9 +71,9 @@ fn the_full_pass_repairs_services_to_the_operators_set() {
     // Behind the agent's back: one entry deleted, one changed, one added.
     maps.services.remove(&net("fd00:10:96::/112"));
     maps.services
-        .insert(net("10.96.0.0/12"), bpf::ServiceKind::ExternalIp);
+        .insert(net("10.96.0.0/12"), ServiceKind::ExternalIp);
     maps.services
-        .insert(net("192.0.2.0/24"), bpf::ServiceKind::ClusterIpRange);
+        .insert(net("192.0.2.0/24"), ServiceKind::ClusterIpRange);
     let want = set(&[
         ("10.96.0.0/12", ServiceKind::ClusterIpRange),
         ("fd00:10:96::/112", ServiceKind::ClusterIpRange),
@@ -99,7 +99,7 @@ fn the_full_pass_repairs_services_to_the_operators_set() {
 fn before_the_operators_set_the_full_pass_leaves_services_alone() {
     let mut maps = FakeMaps::default();
     maps.services
-        .insert(net("10.96.0.0/12"), bpf::ServiceKind::ClusterIpRange);
+        .insert(net("10.96.0.0/12"), ServiceKind::ClusterIpRange);
     let mut r = Reconciler::default();
     let report = r.full_pass(&mut maps, &Desired::default(), true);
     assert_eq!(report.removed, 0);
@@ -129,6 +129,6 @@ fn a_failed_write_is_made_by_the_next_full_pass() {
     assert_eq!(report.written, 1);
     assert_eq!(
         held(&maps),
-        [("10.96.0.0/12".to_owned(), bpf::ServiceKind::ClusterIpRange)]
+        [("10.96.0.0/12".to_owned(), ServiceKind::ClusterIpRange)]
     );
 }
