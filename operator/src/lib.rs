@@ -28,4 +28,5 @@ pub mod security;
 pub mod services;
 pub mod store;
 mod summary;
+pub mod watch;
 pub mod writer;

@@ -12,12 +12,8 @@
 use std::{borrow::Cow, collections::HashMap, fmt, net::IpAddr, sync::Arc};
 
 use census_proto::domain::NodeName;
-use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::{
-    Api, Client,
-    runtime::{WatchStreamExt, watcher},
-};
+use kube::{Api, Client};
 use parking_lot::RwLock;
 use serde::{
     Deserialize, Deserializer,
@@ -28,10 +24,8 @@ use tracing::{debug, info, warn};
 use crate::{
     replica::{Admission, AdmissionError},
     runtime::Runtime,
+    watch::{self, Watched},
 };
-
-/// Nodes per list page.
-const PAGE: u32 = 500;
 
 /// A Node reduced to what census reads while decoding.
 #[derive(Debug, Clone, Deserialize)]
@@ -292,39 +286,53 @@ impl Admission for NodeIndex {
 /// Watches the Nodes into `index` until the task is dropped; a deleted Node's view is
 /// dropped by the core (on a follower, whose core is empty, this does nothing).
 pub async fn run(index: Arc<NodeIndex>, client: Client, runtime: Arc<Runtime>) {
-    let api: Api<NodeAddresses> = Api::all(client);
-    let stream = watcher(api, watcher::Config::default().page_size(PAGE)).default_backoff();
-    let mut stream = std::pin::pin!(stream);
-    let mut listing: Option<Vec<(NodeName, Box<[IpAddr]>)>> = None;
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(watcher::Event::Init) => listing = Some(Vec::new()),
-            Ok(watcher::Event::InitApply(node)) => {
-                if let Some(name) = node_name(&node) {
-                    listing
-                        .get_or_insert_with(Vec::new)
-                        .push((name, node.addresses.into_boxed_slice()));
-                }
-            }
-            Ok(watcher::Event::InitDone) => {
-                let listed = listing.take().unwrap_or_default();
-                debug!(nodes = listed.len(), "listed the Nodes");
-                for name in index.reset(listed) {
-                    gone(&runtime, &name);
-                }
-                feed_addresses(&index, &runtime);
-            }
-            Ok(watcher::Event::Apply(node)) => {
-                if let Some(name) = index.upsert(&node) {
-                    runtime.with(|alloc, now| alloc.set_node_addresses(&name, node.addresses, now));
-                }
-            }
-            Ok(watcher::Event::Delete(node)) => {
-                if let Some(name) = index.remove(&node) {
-                    gone(&runtime, &name);
-                }
-            }
-            Err(e) => warn!(error = %e, "the watch of Nodes failed; it resumes with backoff"),
+    let nodes = NodeWatch {
+        index,
+        runtime,
+        listing: Vec::new(),
+    };
+    watch::drive(Api::<NodeAddresses>::all(client), nodes).await;
+}
+
+/// The Nodes' watch, into the index and the core.
+struct NodeWatch {
+    index: Arc<NodeIndex>,
+    runtime: Arc<Runtime>,
+    listing: Vec<(NodeName, Box<[IpAddr]>)>,
+}
+
+impl Watched<NodeAddresses> for NodeWatch {
+    const WHAT: &'static str = "Nodes";
+
+    fn relist(&mut self) {
+        self.listing.clear();
+    }
+
+    fn list(&mut self, node: NodeAddresses) {
+        if let Some(name) = node_name(&node) {
+            self.listing.push((name, node.addresses.into_boxed_slice()));
+        }
+    }
+
+    async fn listed(&mut self) {
+        let listed = std::mem::take(&mut self.listing);
+        debug!(nodes = listed.len(), "listed the Nodes");
+        for name in self.index.reset(listed) {
+            gone(&self.runtime, &name);
+        }
+        feed_addresses(&self.index, &self.runtime);
+    }
+
+    async fn apply(&mut self, node: NodeAddresses) {
+        if let Some(name) = self.index.upsert(&node) {
+            self.runtime
+                .with(|alloc, now| alloc.set_node_addresses(&name, node.addresses, now));
+        }
+    }
+
+    async fn delete(&mut self, node: NodeAddresses) {
+        if let Some(name) = self.index.remove(&node) {
+            gone(&self.runtime, &name);
         }
     }
 }

@@ -16,22 +16,18 @@
 use std::{borrow::Cow, net::IpAddr, sync::Arc};
 
 use census_proto::domain::{ServiceKind, ServicePort};
-use futures::StreamExt;
 use ipnet::IpNet;
 use k8s_openapi::{
     api::networking::v1::ServiceCIDR, apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use kube::{
-    Api, Client,
-    runtime::{WatchStreamExt, watcher},
-};
+use kube::{Api, Client, runtime::watcher};
 use serde::{Deserialize, Deserializer};
 use tracing::{debug, info, warn};
 
-use crate::services::{Addresses, ClusterIps, ServiceAddresses};
-
-/// Objects per list page.
-const PAGE: u32 = 500;
+use crate::{
+    services::{Addresses, ClusterIps, ServiceAddresses},
+    watch::{self, Watched},
+};
 
 /// A Service reduced to its addresses while decoding.
 #[derive(Debug, Clone, Deserialize)]
@@ -258,88 +254,115 @@ fn not_served(error: &watcher::Error) -> bool {
 /// API server that does not serve them (before 1.33) is asked again with backoff,
 /// said once.
 pub async fn run_cidrs(addresses: Arc<ServiceAddresses>, client: Client) {
-    let api: Api<ServiceCIDR> = Api::all(client);
-    let stream = watcher(api, watcher::Config::default().page_size(PAGE)).default_backoff();
-    let mut stream = std::pin::pin!(stream);
-    let mut listing: Option<Vec<(String, Vec<IpNet>)>> = None;
-    let mut said_not_served = false;
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(watcher::Event::Init) => listing = Some(Vec::new()),
-            Ok(watcher::Event::InitApply(object)) => {
-                listing
-                    .get_or_insert_with(Vec::new)
-                    .extend(cidr_ranges(&object));
-            }
-            Ok(watcher::Event::InitDone) => {
-                let listed = listing.take().unwrap_or_default();
-                debug!(servicecidrs = listed.len(), "listed the ServiceCIDRs");
-                addresses.reset_cidrs(listed);
-            }
-            Ok(watcher::Event::Apply(object)) => {
-                if let Some((name, ranges)) = cidr_ranges(&object) {
-                    addresses.set_cidrs(&name, ranges);
-                }
-            }
-            Ok(watcher::Event::Delete(object)) => {
-                if let Some(name) = object.metadata.name.as_deref() {
-                    addresses.remove_cidrs(name);
-                }
-            }
-            Err(e) if not_served(&e) => {
-                addresses.cidrs_not_served();
-                if !said_not_served {
-                    said_not_served = true;
-                    info!(
-                        "the API server serves no ServiceCIDRs (Kubernetes before 1.33): the Service ranges are --service-cidr's"
-                    );
-                }
-            }
-            Err(e) => {
-                warn!(error = %e, "the watch of ServiceCIDRs failed; it resumes with backoff");
-            }
+    let cidrs = CidrWatch {
+        addresses,
+        listing: Vec::new(),
+        said_not_served: false,
+    };
+    watch::drive(Api::<ServiceCIDR>::all(client), cidrs).await;
+}
+
+/// The ServiceCIDRs' watch, into the Service address set.
+struct CidrWatch {
+    addresses: Arc<ServiceAddresses>,
+    listing: Vec<(String, Vec<IpNet>)>,
+    said_not_served: bool,
+}
+
+impl Watched<ServiceCIDR> for CidrWatch {
+    const WHAT: &'static str = "ServiceCIDRs";
+
+    fn relist(&mut self) {
+        self.listing.clear();
+    }
+
+    fn list(&mut self, object: ServiceCIDR) {
+        self.listing.extend(cidr_ranges(&object));
+    }
+
+    async fn listed(&mut self) {
+        let listed = std::mem::take(&mut self.listing);
+        debug!(servicecidrs = listed.len(), "listed the ServiceCIDRs");
+        self.addresses.reset_cidrs(listed);
+    }
+
+    async fn apply(&mut self, object: ServiceCIDR) {
+        if let Some((name, ranges)) = cidr_ranges(&object) {
+            self.addresses.set_cidrs(&name, ranges);
         }
+    }
+
+    async fn delete(&mut self, object: ServiceCIDR) {
+        if let Some(name) = object.metadata.name.as_deref() {
+            self.addresses.remove_cidrs(name);
+        }
+    }
+
+    fn failed(&mut self, error: &watcher::Error) -> bool {
+        if !not_served(error) {
+            return false;
+        }
+        self.addresses.cidrs_not_served();
+        if !self.said_not_served {
+            self.said_not_served = true;
+            info!(
+                "the API server serves no ServiceCIDRs (Kubernetes before 1.33): the Service ranges are --service-cidr's"
+            );
+        }
+        true
     }
 }
 
-/// Watches the Services' LoadBalancer and external IPs into `addresses` until the
-/// task is dropped.
+/// Watches the Services' LoadBalancer and external IPs, and their ClusterIPs with
+/// their names, into `addresses` until the task is dropped.
 pub async fn run_services(addresses: Arc<ServiceAddresses>, client: Client) {
-    let api: Api<ServiceAddressObject> = Api::all(client);
-    let stream = watcher(api, watcher::Config::default().page_size(PAGE)).default_backoff();
-    let mut stream = std::pin::pin!(stream);
-    let mut listing: Option<Vec<(String, Addresses, Option<ClusterIps>)>> = None;
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(watcher::Event::Init) => listing = Some(Vec::new()),
-            Ok(watcher::Event::InitApply(service)) => {
-                let (found, cluster_ips) = (service.addresses(), service.cluster_ips());
-                let holds = !found.is_empty() || cluster_ips.is_some();
-                if let Some(key) = service.key().filter(|_| holds) {
-                    listing
-                        .get_or_insert_with(Vec::new)
-                        .push((key, found, cluster_ips));
-                }
-            }
-            Ok(watcher::Event::InitDone) => {
-                let listed = listing.take().unwrap_or_default();
-                debug!(
-                    services = listed.len(),
-                    "listed the Services with addresses"
-                );
-                addresses.reset_named_services(listed);
-            }
-            Ok(watcher::Event::Apply(service)) => {
-                if let Some(key) = service.key() {
-                    addresses.set_named_service(&key, service.addresses(), service.cluster_ips());
-                }
-            }
-            Ok(watcher::Event::Delete(service)) => {
-                if let Some(key) = service.key() {
-                    addresses.remove_service(&key);
-                }
-            }
-            Err(e) => warn!(error = %e, "the watch of Services failed; it resumes with backoff"),
+    let services = ServiceWatch {
+        addresses,
+        listing: Vec::new(),
+    };
+    watch::drive(Api::<ServiceAddressObject>::all(client), services).await;
+}
+
+/// The Services' watch, into the Service address set.
+struct ServiceWatch {
+    addresses: Arc<ServiceAddresses>,
+    listing: Vec<(String, Addresses, Option<ClusterIps>)>,
+}
+
+impl Watched<ServiceAddressObject> for ServiceWatch {
+    const WHAT: &'static str = "Services";
+
+    fn relist(&mut self) {
+        self.listing.clear();
+    }
+
+    fn list(&mut self, service: ServiceAddressObject) {
+        let (found, cluster_ips) = (service.addresses(), service.cluster_ips());
+        let holds = !found.is_empty() || cluster_ips.is_some();
+        if let Some(key) = service.key().filter(|_| holds) {
+            self.listing.push((key, found, cluster_ips));
+        }
+    }
+
+    async fn listed(&mut self) {
+        let listed = std::mem::take(&mut self.listing);
+        debug!(
+            services = listed.len(),
+            "listed the Services with addresses"
+        );
+        self.addresses.reset_named_services(listed);
+    }
+
+    async fn apply(&mut self, service: ServiceAddressObject) {
+        if let Some(key) = service.key() {
+            self.addresses
+                .set_named_service(&key, service.addresses(), service.cluster_ips());
+        }
+    }
+
+    async fn delete(&mut self, service: ServiceAddressObject) {
+        if let Some(key) = service.key() {
+            self.addresses.remove_service(&key);
         }
     }
 }

@@ -250,6 +250,13 @@ async fn allocate_as(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn census_runs_on_the_real_control_plane_with_its_shipped_rbac() -> TestResult {
     census_testkit::init_tracing();
+    // The audit log is the control plane's, shared by earlier runs: this run's
+    // requests are those from this second on.
+    let since: String = k8s_openapi::jiff::Timestamp::now()
+        .to_string()
+        .chars()
+        .take(19)
+        .collect();
     let plane = deployed().await?;
     let operators = running_pods(plane, OPERATOR_NS)?;
     let agents = running_pods(plane, AGENT_NS)?;
@@ -379,6 +386,36 @@ async fn census_runs_on_the_real_control_plane_with_its_shipped_rbac() -> TestRe
             "the replicas never did {needed}: {used:?}"
         );
     }
+    // The watches list from the API server's watch cache: resourceVersion 0 and no
+    // limit (kube leaves the version out of a list with a limit: etcd). Only the
+    // Identity store's load at a leader's start reads etcd, in pages.
+    let lists = |resource: &str| -> Vec<String> {
+        audit
+            .iter()
+            .filter(|e| {
+                e["user"]["username"] == operator
+                    && e["verb"] == "list"
+                    && e["objectRef"]["resource"] == resource
+                    && e["requestReceivedTimestamp"]
+                        .as_str()
+                        .is_some_and(|t| t.get(..19).is_some_and(|t| t >= since.as_str()))
+            })
+            .filter_map(|e| e["requestURI"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let from_cache = |uri: &String| uri.contains("resourceVersion=0") && !uri.contains("limit=");
+    for resource in ["nodes", "services", "servicecidrs"] {
+        let uris = lists(resource);
+        assert!(
+            !uris.is_empty() && uris.iter().all(from_cache),
+            "lists of {resource} not from the watch cache: {uris:#?}"
+        );
+    }
+    let identities = lists("identities");
+    assert!(
+        identities.iter().any(from_cache),
+        "no list of identities from the watch cache: {identities:#?}"
+    );
     drop(dead);
     Ok(())
 }

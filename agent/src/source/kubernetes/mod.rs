@@ -13,12 +13,13 @@
 //! `resourceVersion=0` without a `limit`, which the API server answers from its
 //! watch cache, in memory (k8s.io/apiserver `storage/cacher`
 //! `shouldDelegateList`); a list without a resourceVersion, or with a `limit`
-//! and any other version, is a read from etcd. kube's watcher cannot be used for
-//! this as it is: its default lists with no resourceVersion and pages of 500
-//! (etcd), its `ListSemantic::Any` keeps the page size, and kube's `ListParams`
-//! drops `resourceVersion=0` from a list that has a limit (etcd again). The
-//! list at "0" may be a little behind etcd; the watch that follows from its
-//! resourceVersion catches up.
+//! and any other version, is a read from etcd. This is the operator's list policy
+//! too (`census_operator::watch`); kube's watcher lists so only with its page size
+//! unset and `any_semantic()`, since kube's `ListParams` leaves `resourceVersion=0`
+//! out of a list that has a limit. The list at "0" may be a little behind etcd;
+//! the watch that follows from its resourceVersion catches up. The source keeps a
+//! loop of its own rather than kube's watcher for what follows: resuming without
+//! a list but on 410, a `Retry-After` honoured, and each distinct failure reported.
 //!
 //! **Watches resume; only 410 lists again.** The watch (bookmarks on, so its
 //! resourceVersion keeps up on a quiet node) is resumed from the last

@@ -70,8 +70,6 @@ use crate::{
     replica::{Fence, ReadModel},
 };
 
-/// Objects per list page (load and the watch's re-lists).
-const PAGE: u32 = 500;
 /// Store events buffered for the core.
 const EVENTS: usize = 4096;
 
@@ -282,7 +280,7 @@ impl KubeStore {
         let mut continue_token = None;
         loop {
             let params = ListParams {
-                limit: Some(PAGE),
+                limit: Some(crate::watch::PAGE),
                 continue_token: continue_token.take(),
                 ..ListParams::default()
             };

@@ -7,67 +7,80 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::api::DynamicObject;
 use tracing::{debug, warn};
 
-use super::{PAGE, Shared, index::Source, object};
+use super::{Shared, index::Source, object};
+use crate::watch::{self, Watched};
 
 pub(super) async fn run(shared: Arc<Shared>) {
-    let config = watcher::Config::default().page_size(PAGE);
-    let stream = watcher(shared.reads.clone(), config).default_backoff();
-    let mut stream = std::pin::pin!(stream);
-    // Objects of a (re-)list, applied together at its end.
-    let mut listing: Option<(Vec<object::Parsed>, Vec<String>)> = None;
-    while let Some(event) = stream.next().await {
-        let limits = &shared.cfg.limits;
-        let events = match event {
-            Ok(watcher::Event::Init) => {
-                listing = Some((Vec::new(), Vec::new()));
-                continue;
-            }
-            Ok(watcher::Event::InitApply(obj)) => {
-                let (parsed, bad) = listing.get_or_insert_with(Default::default);
-                match object::parse(&obj, limits) {
-                    Ok(p) => parsed.push(p),
-                    Err(e) => {
-                        warn!("{e}; skipped");
-                        bad.push(e.name);
-                    }
-                }
-                continue;
-            }
-            Ok(watcher::Event::InitDone) => {
-                let (parsed, bad) = listing.take().unwrap_or_default();
-                debug!(objects = parsed.len(), "listed the Identity objects");
-                let events = shared.index.write().reset(parsed, bad);
-                shared.synced.send_replace(true);
-                events
-            }
-            Ok(watcher::Event::Apply(obj)) => match object::parse(&obj, limits) {
-                Ok(p) => shared.index.write().apply(p, Source::Observed),
-                Err(e) => {
-                    if shared.index.write().bad_name(&e.name, true) {
-                        warn!("{e}; skipped");
-                    }
-                    Vec::new()
-                }
-            },
-            Ok(watcher::Event::Delete(obj)) => match object::parse(&obj, limits) {
-                Ok(p) => shared
-                    .index
-                    .write()
-                    .delete(p.id, Some(&p.meta.uid), Source::Observed),
-                Err(e) => {
-                    shared.index.write().bad_name(&e.name, false);
-                    Vec::new()
-                }
-            },
+    let api = shared.reads.clone();
+    let identities = IdentityWatch {
+        shared,
+        listing: (Vec::new(), Vec::new()),
+    };
+    watch::drive(api, identities).await;
+}
+
+/// The Identity objects' watch, into the index; what it changes goes to the core.
+struct IdentityWatch {
+    shared: Arc<Shared>,
+    /// Objects of a (re-)list, applied together at its end: the parsed, and the
+    /// names of those that could not be.
+    listing: (Vec<object::Parsed>, Vec<String>),
+}
+
+impl Watched<DynamicObject> for IdentityWatch {
+    const WHAT: &'static str = "Identity objects";
+
+    fn relist(&mut self) {
+        self.listing = (Vec::new(), Vec::new());
+    }
+
+    fn list(&mut self, obj: DynamicObject) {
+        let (parsed, bad) = &mut self.listing;
+        match object::parse(&obj, &self.shared.cfg.limits) {
+            Ok(p) => parsed.push(p),
             Err(e) => {
-                warn!(error = %e, "the watch of Identity objects failed; it resumes with backoff");
-                continue;
+                warn!("{e}; skipped");
+                bad.push(e.name);
+            }
+        }
+    }
+
+    async fn listed(&mut self) {
+        let (parsed, bad) = std::mem::take(&mut self.listing);
+        debug!(objects = parsed.len(), "listed the Identity objects");
+        let events = self.shared.index.write().reset(parsed, bad);
+        self.shared.synced.send_replace(true);
+        self.shared.emit(events).await;
+    }
+
+    async fn apply(&mut self, obj: DynamicObject) {
+        let events = match object::parse(&obj, &self.shared.cfg.limits) {
+            Ok(p) => self.shared.index.write().apply(p, Source::Observed),
+            Err(e) => {
+                if self.shared.index.write().bad_name(&e.name, true) {
+                    warn!("{e}; skipped");
+                }
+                Vec::new()
             }
         };
-        shared.emit(events).await;
+        self.shared.emit(events).await;
+    }
+
+    async fn delete(&mut self, obj: DynamicObject) {
+        let events = match object::parse(&obj, &self.shared.cfg.limits) {
+            Ok(p) => self
+                .shared
+                .index
+                .write()
+                .delete(p.id, Some(&p.meta.uid), Source::Observed),
+            Err(e) => {
+                self.shared.index.write().bad_name(&e.name, false);
+                Vec::new()
+            }
+        };
+        self.shared.emit(events).await;
     }
 }
