@@ -24,8 +24,8 @@ use crate::client::OperatorChannel;
 use tracing::{Instrument as _, debug, info_span, warn};
 
 use crate::{
+    agent_core::{AllocateFailure, Allocation, AllocationEvent, AllocationId, AllocationRequest},
     backoff::Backoff,
-    core::{AllocateFailure, Allocation, AllocationEvent, AllocationId, AllocationRequest},
     metrics::Metrics,
 };
 

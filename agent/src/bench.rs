@@ -17,8 +17,10 @@ use census_proto::{
 };
 
 use crate::{
+    agent_core::{
+        AllocationEvent, AllocationId, Core, Effects, MapBatch, MapEntry, MapEvent, MapNode,
+    },
     bpf::{self, Datapath, ServiceKind},
-    core::{AllocationEvent, AllocationId, Core, Effects, MapBatch, MapEntry, MapEvent, MapNode},
     reconcile::{DatapathPort, Link, MapKey, Reconciler},
     source::SourceEvent,
 };

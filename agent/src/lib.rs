@@ -1,6 +1,6 @@
 //! census's node agent (`census-agent`, [`daemon`]). At its heart a synchronous core
-//! (`core`: the endpoints, the identity cache, the datapath state they want and the
-//! agent's status) with shells around it that know the core and never each other:
+//! (the `census-agent-core` crate in `agent/core`: the endpoints, the identity cache,
+//! the datapath state they want and the agent's status) with shells around it that know the core and never each other:
 //! the endpoint [`source`]s, the allocate client (`allocate`), the EndpointSync
 //! client (`sync`), the EndpointMap client (`map`: other nodes' endpoints),
 //! reconcile against the datapath (`reconcile` over [`bpf`]) and [`admin`]
@@ -14,13 +14,14 @@
 //! clients and their plumbing are private. `unsafe` is denied everywhere (workspace
 //! lints) but in `bpf`'s raw `bpf(2)` calls.
 pub mod admin;
+/// The core, a crate of its own (`agent/core`).
+pub(crate) use census_agent_core as agent_core;
 mod allocate;
 mod backoff;
 pub mod bench;
 pub mod bpf;
 pub mod client;
 pub mod config;
-mod core;
 pub mod daemon;
 pub mod host;
 #[cfg(test)]

@@ -43,8 +43,8 @@ use census_daemon::metrics::gauge;
 use tokio::sync::watch;
 
 use crate::{
+    agent_core::{MapState, Status},
     bpf::{DatapathStats, Flow, Inspector, ServiceFlow},
-    core::{MapState, Status},
 };
 
 /// Identity pairs exported with their own labels.

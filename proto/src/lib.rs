@@ -6,6 +6,7 @@
 pub mod convert;
 pub mod domain;
 pub mod labels;
+#[cfg(feature = "grpc")]
 pub mod status;
 pub mod text;
 

@@ -16,6 +16,9 @@ fn generated_code_is_fresh() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        // The messages alone without the `grpc` feature (the agent's core).
+        .client_mod_attribute(".", "#[cfg(feature = \"grpc\")]")
+        .server_mod_attribute(".", "#[cfg(feature = \"grpc\")]")
         .emit_rerun_if_changed(false)
         .out_dir(out.path())
         .compile_fds(fds.clone())?;

@@ -90,7 +90,7 @@ pub struct ServicesStatus {
 }
 
 /// Ranges per kind.
-pub use crate::core::ServiceCounts;
+pub use crate::agent_core::ServiceCounts;
 
 /// The EndpointSync stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -33,8 +33,8 @@ use tokio::{
 };
 
 use crate::{
+    agent_core::{EndpointState, EndpointView, MapState, MapStatus, ServiceCounts, Status},
     bpf::{Inspector, protocol_name},
-    core::{EndpointState, EndpointView, MapState, MapStatus, ServiceCounts, Status},
 };
 
 /// A question for the core, answered on its task.

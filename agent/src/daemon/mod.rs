@@ -27,13 +27,13 @@ use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
     admin::{self, AdminState, Query},
-    allocate::AllocateClient,
-    bpf::{self, Inspector},
-    client::OperatorChannel,
-    core::{
+    agent_core::{
         AllocationEvent, Core, Effects, MapEvent, MapLink, MapState, OperatorEvent, OperatorLink,
         Status,
     },
+    allocate::AllocateClient,
+    bpf::{self, Inspector},
+    client::OperatorChannel,
     host::HostIps,
     links::{LinkEvents, watch_links},
     map::MapClient,
@@ -490,7 +490,7 @@ struct Wiring<M> {
     reconciler: Reconciler,
     maps: M,
     allocate: AllocateClient,
-    reports: mpsc::UnboundedSender<crate::core::Report>,
+    reports: mpsc::UnboundedSender<crate::agent_core::Report>,
     /// The source's copy of the operator's label filter, if it filters labels itself.
     source_filter: Option<watch::Sender<LabelFilter>>,
     ready: watch::Sender<bool>,

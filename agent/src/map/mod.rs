@@ -33,8 +33,8 @@ use crate::client::OperatorChannel;
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
+    agent_core::{MapBatch, MapEntry, MapEvent, MapLink, MapNode, MapState, StreamError},
     backoff::{Backoff, jittered},
-    core::{MapBatch, MapEntry, MapEvent, MapLink, MapNode, MapState, StreamError},
     metrics::Metrics,
     shutdown::stopped,
 };

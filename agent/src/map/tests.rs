@@ -12,8 +12,8 @@ use tonic::{Request, Response, Status, service::Routes, transport::Server};
 
 use super::*;
 use crate::{
+    agent_core::Core,
     bpf,
-    core::Core,
     daemon::new_session,
     reconcile::{MapKey, Reconciler, fake::FakeMaps},
 };

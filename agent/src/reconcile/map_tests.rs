@@ -4,7 +4,7 @@
 use census_proto::domain::NodeName;
 
 use super::{fake::FakeMaps, *};
-use crate::core::{Core, map_tests::B};
+use census_agent_core::{Core, testing::B};
 
 fn ip(text: &str) -> IpAddr {
     text.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))

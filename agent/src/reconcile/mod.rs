@@ -54,11 +54,11 @@ pub use node_hooks::NodeHooks;
 use written::Written;
 
 use crate::{
-    bpf::{self, AttachmentState, Datapath, interface_slot},
-    core::{
+    agent_core::{
         DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, MissingHook,
         NodeEntry, ProgramInFront, Reconciled,
     },
+    bpf::{self, AttachmentState, Datapath, interface_slot},
     metrics::{MapLabels, Metrics},
 };
 

@@ -18,7 +18,7 @@ use std::{collections::BTreeSet, path::PathBuf};
 use tracing::{debug, info, warn};
 
 use super::{DatapathPort, Reconciler};
-use crate::{bpf, core::MissingHook};
+use crate::{agent_core::MissingHook, bpf};
 
 /// Where the node's hooks go: the command line, resolved.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -51,10 +51,10 @@ use crate::client::OperatorChannel;
 use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
-    backoff::{Backoff, jittered},
-    core::{
+    agent_core::{
         LabelSettings, OperatorEvent, OperatorLink, Report, StreamError, Verdict, VerdictScope,
     },
+    backoff::{Backoff, jittered},
     host::HostIps,
     metrics::Metrics,
     shutdown::stopped,

@@ -18,7 +18,7 @@ use tonic::transport::Channel;
 
 use super::*;
 use crate::{
-    core::{AllocationEvent, Core, EndpointState},
+    agent_core::{AllocationEvent, Core, EndpointState},
     daemon::new_session,
     source::{HostInterface, SourceEndpoint, SourceEvent},
 };

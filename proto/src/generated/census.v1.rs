@@ -708,6 +708,7 @@ impl ServiceKind {
     }
 }
 /// Generated client implementations.
+#[cfg(feature = "grpc")]
 pub mod identity_service_client {
     #![allow(
         unused_variables,
@@ -933,6 +934,7 @@ pub mod identity_service_client {
     }
 }
 /// Generated server implementations.
+#[cfg(feature = "grpc")]
 pub mod identity_service_server {
     #![allow(
         unused_variables,
@@ -1337,6 +1339,7 @@ pub mod identity_service_server {
     }
 }
 /// Generated client implementations.
+#[cfg(feature = "grpc")]
 pub mod endpoint_sync_client {
     #![allow(
         unused_variables,
@@ -1456,6 +1459,7 @@ pub mod endpoint_sync_client {
     }
 }
 /// Generated server implementations.
+#[cfg(feature = "grpc")]
 pub mod endpoint_sync_server {
     #![allow(
         unused_variables,
@@ -1646,6 +1650,7 @@ pub mod endpoint_sync_server {
     }
 }
 /// Generated client implementations.
+#[cfg(feature = "grpc")]
 pub mod endpoint_map_client {
     #![allow(
         unused_variables,
@@ -1798,6 +1803,7 @@ pub mod endpoint_map_client {
     }
 }
 /// Generated server implementations.
+#[cfg(feature = "grpc")]
 pub mod endpoint_map_server {
     #![allow(
         unused_variables,
@@ -2048,6 +2054,7 @@ pub mod endpoint_map_server {
     }
 }
 /// Generated client implementations.
+#[cfg(feature = "grpc")]
 pub mod node_service_client {
     #![allow(
         unused_variables,
@@ -2208,6 +2215,7 @@ pub mod node_service_client {
     }
 }
 /// Generated server implementations.
+#[cfg(feature = "grpc")]
 pub mod node_service_server {
     #![allow(
         unused_variables,

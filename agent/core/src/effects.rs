@@ -15,7 +15,7 @@ use super::{AllocationId, AllocationRequest, NodeEntry};
 
 /// The ENDPOINTS entry an address should have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Entry {
+pub enum Entry {
     /// An endpoint of this node behind an interface census is attached to.
     Local(IdentityId),
     /// An endpoint of this node whose host-side interface is unknown: no census
@@ -31,7 +31,7 @@ pub(crate) enum Entry {
 
 /// What an interface needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum InterfaceChange {
+pub enum InterfaceChange {
     /// The classifier on both hooks, and an INTERFACES entry carrying `identity`:
     /// the one identity every endpoint behind it holds, `None` when there is no such
     /// single identity (its packets are looked up by address).
@@ -42,7 +42,7 @@ pub(crate) enum InterfaceChange {
 
 /// An allocation to start or to give up.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Allocation {
+pub enum Allocation {
     Start(AllocationRequest),
     /// No endpoint needs the label set any more.
     Cancel(AllocationId),
@@ -50,38 +50,38 @@ pub(crate) enum Allocation {
 
 /// A change of what the agent holds, for the operator.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Report {
+pub enum Report {
     Upsert(Endpoint),
     Delete(EndpointKey),
 }
 
 /// What the shells must do after the events since the last [`super::Core::take_effects`].
 #[derive(Debug, Default)]
-pub(crate) struct Effects {
-    pub(crate) allocations: Vec<Allocation>,
-    pub(crate) reports: Vec<Report>,
+pub struct Effects {
+    pub allocations: Vec<Allocation>,
+    pub reports: Vec<Report>,
     /// The ENDPOINTS entries that may have changed, as they should be now (`None`: no
     /// entry).
-    pub(crate) entries: BTreeMap<IpAddr, Option<Entry>>,
+    pub entries: BTreeMap<IpAddr, Option<Entry>>,
     /// The interfaces that may have changed, as they should be now.
-    pub(crate) interfaces: BTreeMap<String, InterfaceChange>,
+    pub interfaces: BTreeMap<String, InterfaceChange>,
     /// Whether a `None` entry and a `Detach` remove what the datapath holds: not
     /// before the source's first full set, when the agent does not know yet what is
     /// unwanted (a previous run's entries stay in force).
-    pub(crate) prune: bool,
+    pub prune: bool,
     /// The NODES entries that may have changed, as they should be now (`None`: no
     /// entry). Written before the entries, removed after them.
-    pub(crate) nodes: BTreeMap<NonZeroU16, Option<NodeEntry>>,
+    pub nodes: BTreeMap<NonZeroU16, Option<NodeEntry>>,
     /// Whether a `None` entry removes a REMOTE entry: once the cluster-wide map
     /// has completed a resync since start (or the agent is local-only). Until then
     /// the remote entries and nodes pinned by a previous run stay in force.
-    pub(crate) prune_remote: bool,
+    pub prune_remote: bool,
     /// The SERVICES entries that changed, as they should be now (`None`: no entry).
-    pub(crate) services: BTreeMap<IpNet, Option<ServiceKind>>,
+    pub services: BTreeMap<IpNet, Option<ServiceKind>>,
 }
 
 impl Effects {
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.allocations.is_empty()
             && self.reports.is_empty()
             && self.entries.is_empty()
@@ -92,7 +92,7 @@ impl Effects {
 
     /// `later`'s effects after these: a change of the same address or interface is
     /// the later one.
-    pub(crate) fn merge(&mut self, later: Effects) {
+    pub fn merge(&mut self, later: Effects) {
         let Effects {
             allocations,
             reports,
@@ -114,7 +114,7 @@ impl Effects {
     }
 
     /// The label sets whose allocation starts.
-    pub(crate) fn started(&self) -> impl Iterator<Item = &AllocationRequest> {
+    pub fn started(&self) -> impl Iterator<Item = &AllocationRequest> {
         self.allocations.iter().filter_map(|a| match a {
             Allocation::Start(request) => Some(request),
             Allocation::Cancel(_) => None,
@@ -124,19 +124,19 @@ impl Effects {
 
 /// The state the datapath should be in, for a full pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Desired {
-    pub(crate) entries: HashMap<IpAddr, Entry>,
-    pub(crate) interfaces: BTreeSet<String>,
+pub struct Desired {
+    pub entries: HashMap<IpAddr, Entry>,
+    pub interfaces: BTreeSet<String>,
     /// The interfaces of `interfaces` behind which every endpoint holds one same
     /// identity, and that identity: their INTERFACES entries carry it. The others'
     /// entries carry none (the program looks addresses up).
-    pub(crate) interface_identities: HashMap<String, IdentityId>,
+    pub interface_identities: HashMap<String, IdentityId>,
     /// The NODES entries the REMOTE entries name.
-    pub(crate) nodes: BTreeMap<NonZeroU16, NodeEntry>,
+    pub nodes: BTreeMap<NonZeroU16, NodeEntry>,
     /// Whether the remote part is the whole truth (see [`Effects::prune_remote`]):
     /// only then are REMOTE entries and nodes it lacks removed.
-    pub(crate) remote_complete: bool,
+    pub remote_complete: bool,
     /// What SERVICES should hold; `None` until the operator has said (then
     /// SERVICES is left as it is).
-    pub(crate) services: Option<ServiceSet>,
+    pub services: Option<ServiceSet>,
 }

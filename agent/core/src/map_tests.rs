@@ -1,92 +1,13 @@
 //! The cluster-wide map in the core: remote claims against local endpoints and
 //! host addresses, resyncs, fail-static, and the node table.
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    num::NonZeroU32,
-};
+use std::collections::{BTreeMap, HashMap};
 
 use super::*;
 
 const OWN: &str = "n1";
 
-fn ip(text: &str) -> IpAddr {
-    text.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))
-}
-
-fn id(n: u32) -> IdentityId {
-    IdentityId::new(n).unwrap_or(IdentityId::WORLD)
-}
-
-fn name(n: &str) -> NodeName {
-    NodeName::new(n).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn index(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
-}
-
-fn local(n: u16) -> NonZeroU16 {
-    NonZeroU16::new(n).unwrap_or(NonZeroU16::MIN)
-}
-
-/// A batch, built up.
-#[derive(Default)]
-pub(crate) struct B(MapBatch);
-
-impl B {
-    /// A whole resync in one batch.
-    pub(crate) fn resync() -> Self {
-        Self(MapBatch {
-            resync_start: true,
-            resync_end: true,
-            ..MapBatch::default()
-        })
-    }
-
-    pub(crate) fn start() -> Self {
-        Self(MapBatch {
-            resync_start: true,
-            ..MapBatch::default()
-        })
-    }
-
-    pub(crate) fn end(mut self) -> Self {
-        self.0.resync_end = true;
-        self
-    }
-
-    pub(crate) fn node(mut self, i: u32, n: &str) -> Self {
-        self.0.nodes.push(MapNode {
-            index: index(i),
-            name: name(n),
-        });
-        self
-    }
-
-    pub(crate) fn upsert(mut self, address: &str, identity: u32, node: u32) -> Self {
-        self.0.upserts.push(MapEntry {
-            ip: ip(address),
-            identity: id(identity),
-            node: index(node),
-        });
-        self
-    }
-
-    pub(crate) fn remove(mut self, address: &str) -> Self {
-        self.0.removes.push(ip(address));
-        self
-    }
-
-    pub(crate) fn removed_node(mut self, i: u32) -> Self {
-        self.0.removed_nodes.push(index(i));
-        self
-    }
-
-    pub(crate) fn event(self) -> MapEvent {
-        MapEvent::Batch(self.0)
-    }
-}
+use crate::testing::{B, id, ip, local, name};
 
 /// ENDPOINTS and NODES as the effects leave them, applied as reconcile applies
 /// them (REMOTE entries and nodes removed only with `prune_remote`).

@@ -16,10 +16,10 @@ use super::{AllocateFailure, AllocationId, DatapathError};
 
 /// The operator's settings that shape identity labels.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct LabelSettings {
-    pub(crate) filter: LabelFilter,
-    pub(crate) limits: LabelLimits,
-    pub(crate) max_ips: usize,
+pub struct LabelSettings {
+    pub filter: LabelFilter,
+    pub limits: LabelLimits,
+    pub max_ips: usize,
 }
 
 impl Default for LabelSettings {
@@ -35,7 +35,7 @@ impl Default for LabelSettings {
 
 /// Progress of an allocation, from the allocate client.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum AllocationEvent {
+pub enum AllocationEvent {
     Allocated {
         request: AllocationId,
         labels: LabelSet,
@@ -51,7 +51,7 @@ pub(crate) enum AllocationEvent {
 
 /// What the operator tells the core, from the EndpointSync client.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum OperatorEvent {
+pub enum OperatorEvent {
     Settings(LabelSettings),
     Rebind {
         key: EndpointKey,
@@ -65,17 +65,17 @@ pub(crate) enum OperatorEvent {
 
 /// What the operator's Acks say about the endpoints it was sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Verdict {
-    pub(crate) scope: VerdictScope,
+pub struct Verdict {
+    pub scope: VerdictScope,
     /// Entries the operator rejected, with its reason.
-    pub(crate) rejected: BTreeMap<EndpointKey, String>,
+    pub rejected: BTreeMap<EndpointKey, String>,
     /// Entries whose identity the operator decides after its adoption window.
-    pub(crate) pending: BTreeSet<EndpointKey>,
+    pub pending: BTreeSet<EndpointKey>,
 }
 
 /// Whom a [`Verdict`] speaks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum VerdictScope {
+pub enum VerdictScope {
     /// Every endpoint: a snapshot's Ack. An endpoint it does not name is accepted.
     All,
     /// One endpoint: a delta's Ack.
@@ -86,54 +86,50 @@ pub(crate) enum VerdictScope {
 /// interfaces it brought up to date, the failures among them, and what the
 /// datapath holds since.
 #[derive(Debug, Default)]
-pub(crate) struct Reconciled {
-    pub(crate) entries: BTreeSet<IpAddr>,
-    pub(crate) entry_failures: Vec<(IpAddr, DatapathError)>,
-    pub(crate) interfaces: BTreeSet<String>,
-    pub(crate) interface_failures: Vec<(String, DatapathError)>,
+pub struct Reconciled {
+    pub entries: BTreeSet<IpAddr>,
+    pub entry_failures: Vec<(IpAddr, DatapathError)>,
+    pub interfaces: BTreeSet<String>,
+    pub interface_failures: Vec<(String, DatapathError)>,
     /// The interfaces of `interfaces` the classifier is attached to (both hooks)
     /// now; the others of `interfaces` have none.
-    pub(crate) attached: BTreeSet<String>,
+    pub attached: BTreeSet<String>,
     /// The datapath as a whole, as a full pass found it (`None`: not looked at).
-    pub(crate) datapath: Option<DatapathHealth>,
+    pub datapath: Option<DatapathHealth>,
     /// ENDPOINTS entries of this node's endpoints and addresses this agent has
     /// written.
-    pub(crate) local_entries: usize,
+    pub local_entries: usize,
     /// REMOTE entries the core wants whose write failed (the others are written).
-    pub(crate) remote_unwritten: usize,
+    pub remote_unwritten: usize,
     /// Attached interfaces whose INTERFACES slot another interface holds.
-    pub(crate) interfaces_by_address: usize,
+    pub interfaces_by_address: usize,
 }
 
 /// What a full pass found of the datapath as a whole.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct DatapathHealth {
+pub struct DatapathHealth {
     /// Why it is not whole (its pins gone and not put back).
-    pub(crate) error: Option<DatapathError>,
+    pub error: Option<DatapathError>,
     /// Programs that run before census's classifier.
-    pub(crate) in_front: Vec<ProgramInFront>,
+    pub in_front: Vec<ProgramInFront>,
     /// The node's own hooks that are not attached.
-    pub(crate) missing: Vec<MissingHook>,
+    pub missing: Vec<MissingHook>,
 }
 
 /// One of the node's own hooks (an uplink's, the node's sockets') that is not
 /// attached: what it alone counts goes uncounted until a full pass attaches it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct MissingHook {
+pub struct MissingHook {
     /// `uplink eth0`, `uplinks` (none could be listed), `sockets /sys/fs/cgroup`.
-    pub(crate) hook: String,
+    pub hook: String,
     /// Why it is not attached.
-    pub(crate) error: String,
+    pub error: String,
     /// What goes uncounted meanwhile.
-    pub(crate) uncounted: &'static str,
+    pub uncounted: &'static str,
 }
 
 impl MissingHook {
-    pub(crate) fn new(
-        hook: String,
-        error: &dyn std::fmt::Display,
-        uncounted: &'static str,
-    ) -> Self {
+    pub fn new(hook: String, error: &dyn std::fmt::Display, uncounted: &'static str) -> Self {
         Self {
             hook,
             error: error.to_string(),
@@ -145,18 +141,18 @@ impl MissingHook {
 /// A program attached in front of census's classifier: a verdict it returns
 /// bypasses census.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct ProgramInFront {
-    pub(crate) interface: String,
+pub struct ProgramInFront {
+    pub interface: String,
     /// `ingress` or `egress`.
-    pub(crate) direction: &'static str,
+    pub direction: &'static str,
     /// Its name (or a TC filter's kind).
-    pub(crate) program: String,
-    pub(crate) program_id: u32,
+    pub program: String,
+    pub program_id: u32,
 }
 
 /// What the EndpointMap client tells the core.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum MapEvent {
+pub enum MapEvent {
     /// One batch of the cluster-wide map, decoded (its malformed entries left out).
     Batch(MapBatch),
     /// There is no map to watch (the watch is off, or the operator has none): the
@@ -166,36 +162,36 @@ pub(crate) enum MapEvent {
 
 /// One batch of the cluster-wide map (`EndpointMapBatch`), in domain terms.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct MapBatch {
+pub struct MapBatch {
     /// Forget everything received so far: the full map follows, up to the batch
     /// with `resync_end`.
-    pub(crate) resync_start: bool,
-    pub(crate) resync_end: bool,
-    pub(crate) nodes: Vec<MapNode>,
-    pub(crate) upserts: Vec<MapEntry>,
-    pub(crate) removes: Vec<IpAddr>,
-    pub(crate) removed_nodes: Vec<NonZeroU32>,
+    pub resync_start: bool,
+    pub resync_end: bool,
+    pub nodes: Vec<MapNode>,
+    pub upserts: Vec<MapEntry>,
+    pub removes: Vec<IpAddr>,
+    pub removed_nodes: Vec<NonZeroU32>,
     /// When the operator built it, ms since the Unix epoch (0: unknown); the core
     /// has no clock and does not read it.
-    pub(crate) built_at_ms: u64,
-    pub(crate) version: u64,
+    pub built_at_ms: u64,
+    pub version: u64,
     /// The cluster's Service addresses, the whole set, when the batch carries it.
-    pub(crate) services: Option<ServiceSet>,
+    pub services: Option<ServiceSet>,
 }
 
 /// A node of the map, by the operator's index.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct MapNode {
-    pub(crate) index: NonZeroU32,
-    pub(crate) name: NodeName,
+pub struct MapNode {
+    pub index: NonZeroU32,
+    pub name: NodeName,
 }
 
 /// One address of the map: an endpoint of `node`, or `node`'s own address
 /// (identity `remote-node`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct MapEntry {
-    pub(crate) ip: IpAddr,
-    pub(crate) identity: IdentityId,
+pub struct MapEntry {
+    pub ip: IpAddr,
+    pub identity: IdentityId,
     /// The operator's index of the node.
-    pub(crate) node: NonZeroU32,
+    pub node: NonZeroU32,
 }

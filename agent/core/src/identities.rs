@@ -19,16 +19,16 @@ use census_proto::{
 
 /// One Allocate request of the core, from its start to its answer or cancellation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct AllocationId(u64);
+pub struct AllocationId(u64);
 
 impl AllocationId {
     /// No request: for an answer the core did not ask for (the core resolves
     /// answers by label set).
-    pub(crate) const NONE: Self = Self(0);
+    pub const NONE: Self = Self(0);
 
     /// For tests that answer requests they did not get from a core.
     #[cfg(test)]
-    pub(crate) const fn new(n: u64) -> Self {
+    pub const fn new(n: u64) -> Self {
         Self(n)
     }
 }
@@ -53,9 +53,9 @@ pub(crate) enum Lookup {
 
 /// A label set to allocate.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct AllocationRequest {
-    pub(crate) id: AllocationId,
-    pub(crate) labels: LabelSet,
+pub struct AllocationRequest {
+    pub id: AllocationId,
+    pub labels: LabelSet,
 }
 
 /// The answer of [`IdentityCache::release`].

@@ -42,11 +42,14 @@ mod error;
 mod events;
 mod identities;
 #[cfg(test)]
-pub(crate) mod map_tests;
+mod map_tests;
 mod remote;
 #[cfg(test)]
 mod service_tests;
+pub mod source;
 mod status;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 #[cfg(test)]
 mod tests;
 
@@ -67,20 +70,18 @@ use census_proto::{
 use ipnet::IpNet;
 use tracing::{debug, info, warn};
 
-pub(crate) use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
-pub(crate) use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
-pub(crate) use events::{
+pub use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
+pub use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
+pub use events::{
     AllocationEvent, DatapathHealth, LabelSettings, MapBatch, MapEntry, MapEvent, MapNode,
     MissingHook, OperatorEvent, ProgramInFront, Reconciled, Verdict, VerdictScope,
 };
-pub(crate) use identities::{AllocationId, AllocationRequest};
+pub use identities::{AllocationId, AllocationRequest};
 use identities::{IdentityCache, Lookup, Release};
 use remote::RemoteMap;
-pub(crate) use remote::{MapApplied, NodeEntry};
+pub use remote::{MapApplied, NodeEntry};
 pub use status::ServiceCounts;
-pub(crate) use status::{
-    EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, Status,
-};
+pub use status::{EndpointState, EndpointView, MapLink, MapState, MapStatus, OperatorLink, Status};
 
 use crate::source::{HostInterface, SourceEndpoint, SourceEvent, SourceFailure};
 
@@ -137,7 +138,7 @@ struct Services {
 
 /// See the module documentation.
 #[derive(Debug, Default)]
-pub(crate) struct Core {
+pub struct Core {
     settings: LabelSettings,
     table: BTreeMap<EndpointKey, Managed>,
     /// Address -> the endpoints that claim it; the first one gets it.
@@ -172,7 +173,7 @@ pub(crate) struct Core {
 impl Core {
     /// `adoptable`: the identities of the LOCAL entries ENDPOINTS held at start,
     /// which endpoints of the first full set keep until the operator says otherwise.
-    pub(crate) fn new(adoptable: HashMap<IpAddr, u32>) -> Self {
+    pub fn new(adoptable: HashMap<IpAddr, u32>) -> Self {
         Self {
             adoptable: Some(adoptable),
             ..Self::default()
@@ -181,14 +182,14 @@ impl Core {
 
     /// The interfaces the classifier was found attached to at start (a previous
     /// run's links): their addresses stay LOCAL while reconcile adopts them.
-    pub(crate) fn with_attached(mut self, attached: BTreeSet<String>) -> Self {
+    pub fn with_attached(mut self, attached: BTreeSet<String>) -> Self {
         self.attached = attached;
         self
     }
 
     /// This node's name (the cluster-wide map's entries of this node are not kept),
     /// and the nodes NODES held at start (they keep their index).
-    pub(crate) fn with_node(
+    pub fn with_node(
         mut self,
         node: NodeName,
         pinned: impl IntoIterator<Item = (NonZeroU16, NodeName)>,
@@ -200,28 +201,33 @@ impl Core {
 
     /// What SERVICES held at start (a previous run's): in force until the
     /// operator's first set, which changes only what differs from it.
-    pub(crate) fn with_services(mut self, pinned: ServiceSet) -> Self {
+    pub fn with_services(mut self, pinned: ServiceSet) -> Self {
         self.services.set = pinned;
         self
     }
 
     /// Whether the cluster-wide map has completed a resync since start (or the
     /// agent is local-only): remote entries it lacks may go.
-    pub(crate) fn map_complete(&self) -> bool {
+    pub fn map_complete(&self) -> bool {
         self.remote.complete()
     }
 
     /// Whether the source has given its first full set (and removing what it does
     /// not list is allowed).
-    pub(crate) fn synced(&self) -> bool {
+    pub fn synced(&self) -> bool {
         self.synced
     }
 
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.table.len()
     }
 
-    pub(crate) fn on_source(&mut self, event: SourceEvent) {
+    /// Whether it manages no endpoint.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn on_source(&mut self, event: SourceEvent) {
         match event {
             SourceEvent::Reset(set) => {
                 self.source_error = None;
@@ -453,7 +459,7 @@ impl Core {
     }
 
     /// An allocation answered, or an attempt failed (it is retried).
-    pub(crate) fn on_allocation(&mut self, event: AllocationEvent) {
+    pub fn on_allocation(&mut self, event: AllocationEvent) {
         match event {
             AllocationEvent::Allocated { labels, id, .. } => {
                 debug!(%labels, %id, "identity allocated");
@@ -474,7 +480,7 @@ impl Core {
     }
 
     /// The operator's settings, Rebinds and verdicts.
-    pub(crate) fn on_operator(&mut self, event: OperatorEvent) {
+    pub fn on_operator(&mut self, event: OperatorEvent) {
         match event {
             OperatorEvent::Settings(settings) => self.set_settings(settings),
             OperatorEvent::Rebind { key, id } => {
@@ -519,7 +525,7 @@ impl Core {
     /// The cluster's Service addresses in force, and whether the operator said them
     /// (else they are what SERVICES held at start).
     #[cfg(test)]
-    pub(crate) fn services(&self) -> (&ServiceSet, bool) {
+    pub fn services(&self) -> (&ServiceSet, bool) {
         (&self.services.set, self.services.known)
     }
 
@@ -624,12 +630,12 @@ impl Core {
     }
 
     /// The operator's label filter, for a source that keeps only the labels it keeps.
-    pub(crate) fn label_filter(&self) -> &LabelFilter {
+    pub fn label_filter(&self) -> &LabelFilter {
         &self.settings.filter
     }
 
     /// The node's own addresses, flagged HOST in ENDPOINTS.
-    pub(crate) fn set_host_ips(&mut self, ips: BTreeSet<IpAddr>) {
+    pub fn set_host_ips(&mut self, ips: BTreeSet<IpAddr>) {
         if ips == self.host_ips {
             return;
         }
@@ -640,12 +646,12 @@ impl Core {
     }
 
     /// The EndpointSync stream's state, for the status.
-    pub(crate) fn set_operator_link(&mut self, link: OperatorLink) {
+    pub fn set_operator_link(&mut self, link: OperatorLink) {
         self.operator_link = link;
     }
 
     /// A batch of the cluster-wide map, or word that there is none.
-    pub(crate) fn on_map(&mut self, event: MapEvent) -> MapApplied {
+    pub fn on_map(&mut self, event: MapEvent) -> MapApplied {
         match event {
             MapEvent::Batch(mut batch) => {
                 if let Some(set) = batch.services.take() {
@@ -667,7 +673,7 @@ impl Core {
     }
 
     /// The EndpointMap watch's state, for the status.
-    pub(crate) fn set_map_link(&mut self, link: MapLink) {
+    pub fn set_map_link(&mut self, link: MapLink) {
         if link.state != MapState::Connected {
             // The next stream starts with the operator's set again; until then a
             // HelloReply's is the newest.
@@ -677,7 +683,7 @@ impl Core {
     }
 
     /// What reconcile did with the effects, or in a full pass.
-    pub(crate) fn on_reconciled(&mut self, reconciled: Reconciled) {
+    pub fn on_reconciled(&mut self, reconciled: Reconciled) {
         let Reconciled {
             entries,
             entry_failures,
@@ -740,7 +746,7 @@ impl Core {
 
     /// The effects of the events since the last call: the datapath changes as the
     /// state is now.
-    pub(crate) fn take_effects(&mut self) -> Effects {
+    pub fn take_effects(&mut self) -> Effects {
         let Queue {
             allocations,
             reports,
@@ -812,7 +818,7 @@ impl Core {
 
     /// The interfaces the datapath should be attached to, alone (no entries, no
     /// nodes): what a pass over the links needs.
-    pub(crate) fn desired_interfaces(&self) -> Desired {
+    pub fn desired_interfaces(&self) -> Desired {
         Desired {
             interfaces: self.interfaces.keys().cloned().collect(),
             interface_identities: self
@@ -825,7 +831,7 @@ impl Core {
     }
 
     /// The whole desired datapath state.
-    pub(crate) fn desired(&self) -> Desired {
+    pub fn desired(&self) -> Desired {
         let mut entries: HashMap<IpAddr, Entry> =
             self.host_ips.iter().map(|ip| (*ip, Entry::Host)).collect();
         for ip in self.owners.keys() {
@@ -876,7 +882,7 @@ impl Core {
     }
 
     /// Every managed endpoint, sorted by namespace/name.
-    pub(crate) fn view(&self) -> Vec<EndpointView> {
+    pub fn view(&self) -> Vec<EndpointView> {
         self.table
             .iter()
             .map(|(key, m)| {
@@ -896,7 +902,7 @@ impl Core {
 
     /// The status: endpoints by state, the source, the identity cache, the
     /// datapath as reconcile last reported it, and the operator's stream.
-    pub(crate) fn status(&self) -> Status {
+    pub fn status(&self) -> Status {
         let (mut programmed, mut waiting, mut errors) = (0, 0, 0);
         for (key, m) in &self.table {
             match self.state_of(key, m).0 {

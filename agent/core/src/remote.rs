@@ -96,20 +96,20 @@ struct Node {
 
 /// One NODES entry as it should be.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NodeEntry {
-    pub(crate) name: NodeName,
+pub struct NodeEntry {
+    pub name: NodeName,
     /// At most [`NODE_ADDRESSES_MAX`], sorted.
-    pub(crate) addresses: Vec<IpAddr>,
+    pub addresses: Vec<IpAddr>,
 }
 
 /// What a batch did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct MapApplied {
+pub struct MapApplied {
     /// Addresses whose claim changed (written, replaced or removed).
-    pub(crate) changed: usize,
+    pub changed: usize,
     /// Entries skipped: they name a node the stream never announced, or one no
     /// local index is left for.
-    pub(crate) skipped: usize,
+    pub skipped: usize,
 }
 
 /// See the module documentation.

@@ -7,7 +7,7 @@ use census_proto::{convert::FieldError, domain::EndpointKey, labels::LabelError}
 
 /// Why an endpoint has no identity labels.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum LabelsError {
+pub enum LabelsError {
     #[error("{count} addresses, over the operator's limit of {limit}")]
     TooManyAddresses { count: usize, limit: usize },
     #[error(transparent)]
@@ -16,7 +16,7 @@ pub(crate) enum LabelsError {
 
 /// Why one Allocate call gave no identity; the allocation is retried.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum AllocateFailure {
+pub enum AllocateFailure {
     #[error("the operator did not answer Allocate in time")]
     Timeout,
     /// The operator refused the label set (`InvalidArgument`): retrying will not
@@ -33,7 +33,7 @@ pub(crate) enum AllocateFailure {
 
 impl AllocateFailure {
     /// The `outcome` label of `census_agent_allocations_total`.
-    pub(crate) fn metric_label(&self) -> &'static str {
+    pub fn metric_label(&self) -> &'static str {
         match self {
             Self::Timeout => "timeout",
             Self::Refused { .. } => "InvalidArgument",
@@ -43,7 +43,7 @@ impl AllocateFailure {
     }
 
     /// Whether the operator refused the labels themselves, not merely failed to answer.
-    pub(crate) fn is_refusal(&self) -> bool {
+    pub fn is_refusal(&self) -> bool {
         matches!(self, Self::Refused { .. })
     }
 }
@@ -51,10 +51,10 @@ impl AllocateFailure {
 /// A failed datapath operation (a map write, an attachment), as the reconcile shell
 /// reported it: the error itself, shared, so the core can keep it and show it.
 #[derive(Debug, Clone)]
-pub(crate) struct DatapathError(Arc<dyn StdError + Send + Sync>);
+pub struct DatapathError(Arc<dyn StdError + Send + Sync>);
 
 impl DatapathError {
-    pub(crate) fn new(error: impl StdError + Send + Sync + 'static) -> Self {
+    pub fn new(error: impl StdError + Send + Sync + 'static) -> Self {
         Self(Arc::new(error))
     }
 }
@@ -73,7 +73,7 @@ impl StdError for DatapathError {
 
 /// Why the EndpointSync stream ended or could not start.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum StreamError {
+pub enum StreamError {
     #[error("cannot queue Hello")]
     QueueHello,
     #[error("the operator did not answer Hello in time")]
@@ -98,7 +98,7 @@ pub(crate) enum StreamError {
 /// What is wrong with an endpoint (state `error`), or why it still waits for its
 /// identity (state `waiting_for_identity`).
 #[derive(Debug, Clone, thiserror::Error)]
-pub(crate) enum Problem {
+pub enum Problem {
     #[error("no identity labels: {0}")]
     NoLabels(LabelsError),
     #[error("the operator refused the labels: {0}")]
