@@ -115,7 +115,7 @@ pub enum Problem {
     Interface(DatapathError),
     /// The source found no host-side interface, and says why.
     #[error("no host-side interface: {0}")]
-    NoInterface(String),
+    NoInterface(crate::source::NoInterface),
     /// Waiting: the last allocation attempt failed, and is retried.
     #[error("{0}")]
     Allocating(AllocateFailure),

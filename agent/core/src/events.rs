@@ -120,8 +120,7 @@ pub struct DatapathHealth {
 /// attached: what it alone counts goes uncounted until a full pass attaches it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MissingHook {
-    /// `uplink eth0`, `uplinks` (none could be listed), `sockets /sys/fs/cgroup`.
-    pub hook: String,
+    pub hook: NodeHook,
     /// Why it is not attached.
     pub error: String,
     /// What goes uncounted meanwhile.
@@ -129,7 +128,7 @@ pub struct MissingHook {
 }
 
 impl MissingHook {
-    pub fn new(hook: String, error: &dyn std::fmt::Display, uncounted: &'static str) -> Self {
+    pub fn new(hook: NodeHook, error: &dyn std::fmt::Display, uncounted: &'static str) -> Self {
         Self {
             hook,
             error: error.to_string(),
@@ -138,13 +137,62 @@ impl MissingHook {
     }
 }
 
+/// One of the node's own hooks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NodeHook {
+    /// The egress hook of this uplink or tunnel device.
+    Uplink(String),
+    /// The uplinks, when none could be listed.
+    Uplinks,
+    /// The sockets' hooks at this cgroup v2 root, or where none could be found.
+    Sockets(Option<std::path::PathBuf>),
+}
+
+impl std::fmt::Display for NodeHook {
+    /// `uplink eth0`, `uplinks`, `sockets /sys/fs/cgroup`, `sockets`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Uplink(interface) => write!(f, "uplink {interface}"),
+            Self::Uplinks => f.write_str("uplinks"),
+            Self::Sockets(Some(root)) => write!(f, "sockets {}", root.display()),
+            Self::Sockets(None) => f.write_str("sockets"),
+        }
+    }
+}
+
+/// Which of an interface's hooks a program runs at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HookDirection {
+    /// What the endpoint sends.
+    Ingress,
+    /// What the endpoint receives.
+    Egress,
+    /// What leaves the node by an uplink.
+    Uplink,
+}
+
+impl HookDirection {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Ingress => "ingress",
+            Self::Egress => "egress",
+            Self::Uplink => "uplink",
+        }
+    }
+}
+
+impl std::fmt::Display for HookDirection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A program attached in front of census's classifier: a verdict it returns
 /// bypasses census.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ProgramInFront {
     pub interface: String,
-    /// `ingress` or `egress`.
-    pub direction: &'static str,
+    pub direction: HookDirection,
     /// Its name (or a TC filter's kind).
     pub program: String,
     pub program_id: u32,

@@ -73,8 +73,9 @@ use tracing::{debug, info, warn};
 pub use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
 pub use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
 pub use events::{
-    AllocationEvent, DatapathHealth, LabelSettings, MapBatch, MapEntry, MapEvent, MapNode,
-    MissingHook, OperatorEvent, ProgramInFront, Reconciled, Verdict, VerdictScope,
+    AllocationEvent, DatapathHealth, HookDirection, LabelSettings, MapBatch, MapEntry, MapEvent,
+    MapNode, MissingHook, NodeHook, OperatorEvent, ProgramInFront, Reconciled, Verdict,
+    VerdictScope,
 };
 pub use identities::{AllocationId, AllocationRequest};
 use identities::{IdentityCache, Lookup, Release};

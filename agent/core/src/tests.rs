@@ -627,7 +627,7 @@ fn the_datapath_health_of_a_full_pass_is_the_status() {
             error: Some(DatapathError::new(std::io::Error::other("no bpffs"))),
             in_front: vec![ProgramInFront {
                 interface: "veth0".to_owned(),
-                direction: "ingress",
+                direction: HookDirection::Ingress,
                 program: "cni_policy".to_owned(),
                 program_id: 7,
             }],

@@ -258,25 +258,36 @@ async fn endpoints(State(state): State<AdminState>) -> Response {
     .into_response()
 }
 
+/// Why SERVICES' ranges could not be read from the pins.
+#[derive(Debug, thiserror::Error)]
+enum PinnedError {
+    #[error("reading SERVICES failed: {0}")]
+    Read(#[source] crate::bpf::InspectError),
+    #[error("reading SERVICES was interrupted")]
+    Interrupted,
+}
+
 /// SERVICES' ranges per kind, read from the pins now; `None` without pinned
 /// maps (an in-memory datapath), else the count or why it cannot be read.
-async fn pinned_services(maps: Option<Arc<Inspector>>) -> Option<Result<ServiceCounts, String>> {
+async fn pinned_services(
+    maps: Option<Arc<Inspector>>,
+) -> Option<Result<ServiceCounts, PinnedError>> {
     let maps = maps?;
     let read = tokio::task::spawn_blocking(move || maps.services()).await;
     Some(match read {
         Ok(Ok(services)) => Ok(ServiceCounts::of_kinds(services.into_values())),
-        Ok(Err(error)) => Err(format!("reading SERVICES failed: {error}")),
-        Err(_) => Err("reading SERVICES was interrupted".to_owned()),
+        Ok(Err(error)) => Err(PinnedError::Read(error)),
+        Err(_) => Err(PinnedError::Interrupted),
     })
 }
 
 fn datapath_status(
     core: &Status,
-    pinned: Option<Result<ServiceCounts, String>>,
+    pinned: Option<Result<ServiceCounts, PinnedError>>,
 ) -> api::DatapathStatus {
     let (map, error) = match pinned {
         Some(Ok(map)) => (Some(map), None),
-        Some(Err(error)) => (None, Some(error)),
+        Some(Err(error)) => (None, Some(error.to_string())),
         None => (
             None,
             Some("this agent has no pinned SERVICES map to read".to_owned()),
@@ -287,7 +298,7 @@ fn datapath_status(
             .missing_hooks
             .iter()
             .map(|hook| api::MissingHookStatus {
-                hook: hook.hook.clone(),
+                hook: hook.hook.to_string(),
                 error: hook.error.clone(),
                 uncounted: hook.uncounted.to_owned(),
                 extra: api::Extra::new(),

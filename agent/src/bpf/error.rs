@@ -203,7 +203,10 @@ pub enum Error {
         "SERVICES is full ({max_entries} entries): Service range {range} was not written; \
          packets to it are counted as to `world` where they leave their endpoint"
     )]
-    ServicesFull { max_entries: u32, range: String },
+    ServicesFull {
+        max_entries: u32,
+        range: ipnet::IpNet,
+    },
 
     #[error(
         "migrating {map} in {pin_dir} from layout {from} failed ({step}); the next start \

@@ -141,7 +141,7 @@ impl Datapath {
                 if is_full(&source) {
                     Error::ServicesFull {
                         max_entries: SERVICES_MAX_ENTRIES,
-                        range: range.trunc().to_string(),
+                        range: range.trunc(),
                     }
                 } else {
                     services_error(source)

@@ -55,8 +55,8 @@ use written::Written;
 
 use crate::{
     agent_core::{
-        DatapathError, DatapathHealth, Desired, Effects, Entry, InterfaceChange, MissingHook,
-        NodeEntry, ProgramInFront, Reconciled,
+        DatapathError, DatapathHealth, Desired, Effects, Entry, HookDirection, InterfaceChange,
+        MissingHook, NodeEntry, ProgramInFront, Reconciled,
     },
     bpf::{self, AttachmentState, Datapath, interface_slot},
     metrics::{MapLabels, Metrics},
@@ -858,9 +858,9 @@ impl Reconciler {
                 Ok(programs) => found.extend(programs.into_iter().map(|p| ProgramInFront {
                     interface: interface.clone(),
                     direction: match p.direction {
-                        bpf::Direction::Ingress => "ingress",
-                        bpf::Direction::Egress => "egress",
-                        bpf::Direction::Uplink => "uplink",
+                        bpf::Direction::Ingress => HookDirection::Ingress,
+                        bpf::Direction::Egress => HookDirection::Egress,
+                        bpf::Direction::Uplink => HookDirection::Uplink,
                     },
                     program: p.program,
                     program_id: p.program_id,
@@ -874,7 +874,7 @@ impl Reconciler {
             if !self.warned_in_front.contains(seen) {
                 warn!(
                     interface = seen.interface,
-                    direction = seen.direction,
+                    direction = seen.direction.name(),
                     program = seen.program,
                     program_id = seen.program_id,
                     reassert = self.reassert_order,

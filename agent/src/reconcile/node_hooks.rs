@@ -18,7 +18,10 @@ use std::{collections::BTreeSet, path::PathBuf};
 use tracing::{debug, info, warn};
 
 use super::{DatapathPort, Reconciler};
-use crate::{agent_core::MissingHook, bpf};
+use crate::{
+    agent_core::{MissingHook, NodeHook},
+    bpf,
+};
 
 /// Where the node's hooks go: the command line, resolved.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -76,7 +79,7 @@ impl Reconciler {
                 Ok(found) => found,
                 Err(error) => {
                     return vec![MissingHook::new(
-                        "uplinks".to_owned(),
+                        NodeHook::Uplinks,
                         &error,
                         UPLINKS_UNCOUNTED,
                     )];
@@ -93,7 +96,7 @@ impl Reconciler {
                 .collect(),
             Err(error) => {
                 return vec![MissingHook::new(
-                    "uplinks".to_owned(),
+                    NodeHook::Uplinks,
                     &error,
                     UPLINKS_UNCOUNTED,
                 )];
@@ -119,7 +122,7 @@ impl Reconciler {
                 Err(error) => {
                     self.metrics.attach_errors.inc();
                     missing.push(MissingHook::new(
-                        format!("uplink {uplink}"),
+                        NodeHook::Uplink(uplink.clone()),
                         &error,
                         UPLINK_UNCOUNTED,
                     ));
@@ -134,18 +137,23 @@ fn repair_sockets<M: DatapathPort + ?Sized>(
     maps: &mut M,
     hooks: &NodeHooks,
 ) -> Option<MissingHook> {
-    let sockets_missing =
-        |what: String, error: &bpf::Error| Some(MissingHook::new(what, error, SOCKETS_UNCOUNTED));
+    let sockets_missing = |root: Option<PathBuf>, error: &bpf::Error| {
+        Some(MissingHook::new(
+            NodeHook::Sockets(root),
+            error,
+            SOCKETS_UNCOUNTED,
+        ))
+    };
     match maps.sockets_attached() {
         Ok(true) => return None,
         Ok(false) => {}
-        Err(error) => return sockets_missing("sockets".to_owned(), &error),
+        Err(error) => return sockets_missing(None, &error),
     }
     let root = match hooks.cgroup_root.clone() {
         Some(root) => root,
         None => match maps.find_cgroup2_root() {
             Ok(root) => root,
-            Err(error) => return sockets_missing("sockets".to_owned(), &error),
+            Err(error) => return sockets_missing(None, &error),
         },
     };
     match maps.attach_sockets(&root) {
@@ -153,7 +161,7 @@ fn repair_sockets<M: DatapathPort + ?Sized>(
             info!(cgroup = %root.display(), ?outcome, "socket program attached");
             None
         }
-        Err(error) => sockets_missing(format!("sockets {}", root.display()), &error),
+        Err(error) => sockets_missing(Some(root), &error),
     }
 }
 

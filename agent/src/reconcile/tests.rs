@@ -421,7 +421,7 @@ fn a_program_in_front_is_reported_and_moved_behind_only_if_asked() {
         let report = r.full_pass(&mut maps, &want, true);
         assert_eq!(report.in_front.len(), 1, "reassert: {reassert}");
         assert_eq!(report.in_front[0].program, "cni_policy");
-        assert_eq!(report.in_front[0].direction, "ingress");
+        assert_eq!(report.in_front[0].direction.name(), "ingress");
         assert_eq!(
             maps.attaches,
             if reassert { 2 } else { 1 },

@@ -22,7 +22,9 @@ use tokio::sync::{mpsc, watch};
 pub use file::FileSource;
 pub use kubernetes::PodSource;
 
-pub use census_agent_core::source::{HostInterface, SourceEndpoint, SourceEvent, SourceFailure};
+pub use census_agent_core::source::{
+    HostInterface, NoInterface, SourceEndpoint, SourceEvent, SourceFailure,
+};
 
 /// A boxed future, for object-safe sources.
 pub type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;

@@ -31,7 +31,7 @@ use super::{
     pod::{PodEndpoint, PodObject, Read},
     route::InterfaceLookup,
 };
-use crate::source::{HostInterface, SourceEndpoint, SourceEvent};
+use crate::source::{HostInterface, NoInterface, SourceEndpoint, SourceEvent};
 
 /// How many pods the source holds, readable from outside its task.
 #[derive(Debug, Clone, Default)]
@@ -254,7 +254,5 @@ fn lookup(lookup: &dyn InterfaceLookup, ips: &[IpAddr]) -> HostInterface {
             }
         }
     }
-    HostInterface::Unknown(
-        first_error.map_or_else(|| "the pod has no address".to_owned(), |e| e.to_string()),
-    )
+    HostInterface::Unknown(first_error.map_or_else(NoInterface::no_address, NoInterface::new))
 }
