@@ -43,7 +43,7 @@ use census_daemon::metrics::gauge;
 use tokio::sync::watch;
 
 use crate::{
-    agent_core::{MapState, Status},
+    agent_core::{MapState, MapStatus, Status},
     bpf::{DatapathStats, Flow, Inspector, ServiceFlow},
 };
 
@@ -356,122 +356,9 @@ fn top_flows(mut flows: Vec<Flow>, top: usize) -> (Vec<Flow>, Option<(u64, u64)>
 impl Collector for AgentCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
         let g = self.status.borrow().clone();
-        let connected = g.operator.connected;
-        gauge(
-            &mut e,
-            "census_agent_operator_connected",
-            "1 while the EndpointSync stream to the operator is up",
-            u64::from(connected),
-        )?;
-        let kind = ConstGauge::new(0i64).metric_type();
-        let mut family = e.encode_descriptor(
-            "census_agent_endpoints",
-            "Endpoints managed, by state",
-            None,
-            kind,
-        )?;
-        for (state, n) in [
-            ("programmed", g.programmed),
-            ("waiting_for_identity", g.waiting),
-            ("error", g.errors),
-        ] {
-            let labels = [("state", state)];
-            ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
-        }
-        gauge(
-            &mut e,
-            "census_agent_map_entries",
-            "ENDPOINTS entries written by this agent",
-            g.map_entries,
-        )?;
-        let map = &g.map;
-        let mut family = e.encode_descriptor(
-            "census_agent_endpoint_map_entries",
-            "ENDPOINTS entries the agent wants, by kind: this node's endpoints (local) and \
-             addresses (host), other nodes' endpoints (remote) and addresses (remote-node)",
-            None,
-            kind,
-        )?;
-        for (what, n) in [
-            ("local", map.local),
-            ("host", map.host),
-            ("remote", map.remote),
-            ("remote-node", map.remote_node),
-        ] {
-            let labels = [("kind", what)];
-            ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
-        }
-        gauge(
-            &mut e,
-            "census_agent_endpoint_map_shadowed",
-            "Remote claims not written because an endpoint or address of this node holds the address",
-            map.shadowed,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_endpoint_map_nodes",
-            "Other nodes the remote entries name (NODES)",
-            map.nodes,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_endpoint_map_connected",
-            "1 while the EndpointMap watch is up (when it is not, the remote entries stay in force)",
-            u64::from(map.link.state == MapState::Connected),
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_endpoint_map_unsupported",
-            "1 while the operator has no EndpointMap (an older operator): the agent is local-only",
-            u64::from(map.link.state == MapState::Unsupported),
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_identities",
-            "Label sets in the identity cache (only those in use)",
-            g.identities,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_pending_allocations",
-            "Label sets waiting for the operator",
-            g.pending_allocations,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_interfaces",
-            "Interfaces the classifier should be attached to",
-            g.interfaces,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_interfaces_by_address",
-            "Interfaces the classifier is attached to whose INTERFACES slot another interface \
-             holds: their packets are counted by address, not by interface",
-            g.interfaces_by_address,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_endpoints_unattached",
-            "Endpoints with an identity whose interface the classifier is not attached to \
-             (none found, refused or failing): their entries are not LOCAL, so their traffic \
-             is counted where it goes",
-            g.unattached,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_programs_in_front",
-            "Programs found running in front of census's classifier on its interfaces (a \
-             verdict they return bypasses census)",
-            g.in_front.len() as u64,
-        )?;
-        gauge(
-            &mut e,
-            "census_agent_datapath_whole",
-            "0 while census's pins are gone and cannot be put back (the agent is not Ready)",
-            u64::from(g.datapath_error.is_none()),
-        )?;
-
+        encode_endpoints(&mut e, &g)?;
+        encode_endpoint_map(&mut e, &g.map)?;
+        encode_core(&mut e, &g)?;
         let Some(maps) = &self.flows else {
             return Ok(());
         };
@@ -495,44 +382,180 @@ impl Collector for AgentCollector {
         if let Ok(Some(stats)) = maps.stats() {
             encode_stats(&mut e, &stats, pairs)?;
         }
-        let (top, other) = top_flows(flows, TOP_FLOWS);
-        for (name, help, pick) in [
-            (
-                "census_agent_flow_packets",
-                "Packets per (source identity, destination identity), top pairs and `other`",
-                (|f: &Flow| f.packets) as fn(&Flow) -> u64,
-            ),
-            (
-                "census_agent_flow_bytes",
-                "Bytes per (source identity, destination identity), top pairs and `other`",
-                |f: &Flow| f.bytes,
-            ),
-        ] {
-            let kind = ConstCounter::new(0u64).metric_type();
-            let mut family = e.encode_descriptor(name, help, None, kind)?;
-            for flow in &top {
-                let (src, dst) = (flow.src_identity.to_string(), flow.dst_identity.to_string());
-                let labels = [
-                    ("src_identity", src.as_str()),
-                    ("dst_identity", dst.as_str()),
-                ];
-                ConstCounter::new(pick(flow)).encode(family.encode_family(&labels)?)?;
-            }
-            if let Some((packets, bytes)) = other {
-                let value = if name.ends_with("packets") {
-                    packets
-                } else {
-                    bytes
-                };
-                let labels = [("src_identity", "other"), ("dst_identity", "other")];
-                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
-            }
-        }
+        encode_flows(&mut e, flows)?;
         if let Ok(service_flows) = maps.service_flows() {
             encode_service_flows(&mut e, service_flows, &g)?;
         }
         Ok(())
     }
+}
+
+/// The operator link and the endpoints by state.
+fn encode_endpoints(e: &mut DescriptorEncoder<'_>, g: &Status) -> Result<(), fmt::Error> {
+    let connected = g.operator.connected;
+    gauge(
+        e,
+        "census_agent_operator_connected",
+        "1 while the EndpointSync stream to the operator is up",
+        u64::from(connected),
+    )?;
+    let kind = ConstGauge::new(0i64).metric_type();
+    let mut family = e.encode_descriptor(
+        "census_agent_endpoints",
+        "Endpoints managed, by state",
+        None,
+        kind,
+    )?;
+    for (state, n) in [
+        ("programmed", g.programmed),
+        ("waiting_for_identity", g.waiting),
+        ("error", g.errors),
+    ] {
+        let labels = [("state", state)];
+        ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
+    }
+    gauge(
+        e,
+        "census_agent_map_entries",
+        "ENDPOINTS entries written by this agent",
+        g.map_entries,
+    )?;
+    Ok(())
+}
+
+/// The cluster-wide endpoint map as the agent wants it in ENDPOINTS and NODES.
+fn encode_endpoint_map(e: &mut DescriptorEncoder<'_>, map: &MapStatus) -> Result<(), fmt::Error> {
+    let kind = ConstGauge::new(0i64).metric_type();
+    let mut family = e.encode_descriptor(
+        "census_agent_endpoint_map_entries",
+        "ENDPOINTS entries the agent wants, by kind: this node's endpoints (local) and \
+         addresses (host), other nodes' endpoints (remote) and addresses (remote-node)",
+        None,
+        kind,
+    )?;
+    for (what, n) in [
+        ("local", map.local),
+        ("host", map.host),
+        ("remote", map.remote),
+        ("remote-node", map.remote_node),
+    ] {
+        let labels = [("kind", what)];
+        ConstGauge::new(as_i64(n)).encode(family.encode_family(&labels)?)?;
+    }
+    gauge(
+        e,
+        "census_agent_endpoint_map_shadowed",
+        "Remote claims not written because an endpoint or address of this node holds the address",
+        map.shadowed,
+    )?;
+    gauge(
+        e,
+        "census_agent_endpoint_map_nodes",
+        "Other nodes the remote entries name (NODES)",
+        map.nodes,
+    )?;
+    gauge(
+        e,
+        "census_agent_endpoint_map_connected",
+        "1 while the EndpointMap watch is up (when it is not, the remote entries stay in force)",
+        u64::from(map.link.state == MapState::Connected),
+    )?;
+    gauge(
+        e,
+        "census_agent_endpoint_map_unsupported",
+        "1 while the operator has no EndpointMap (an older operator): the agent is local-only",
+        u64::from(map.link.state == MapState::Unsupported),
+    )?;
+    Ok(())
+}
+
+/// The identity cache, the interfaces and the datapath's health.
+fn encode_core(e: &mut DescriptorEncoder<'_>, g: &Status) -> Result<(), fmt::Error> {
+    gauge(
+        e,
+        "census_agent_identities",
+        "Label sets in the identity cache (only those in use)",
+        g.identities,
+    )?;
+    gauge(
+        e,
+        "census_agent_pending_allocations",
+        "Label sets waiting for the operator",
+        g.pending_allocations,
+    )?;
+    gauge(
+        e,
+        "census_agent_interfaces",
+        "Interfaces the classifier should be attached to",
+        g.interfaces,
+    )?;
+    gauge(
+        e,
+        "census_agent_interfaces_by_address",
+        "Interfaces the classifier is attached to whose INTERFACES slot another interface \
+         holds: their packets are counted by address, not by interface",
+        g.interfaces_by_address,
+    )?;
+    gauge(
+        e,
+        "census_agent_endpoints_unattached",
+        "Endpoints with an identity whose interface the classifier is not attached to \
+         (none found, refused or failing): their entries are not LOCAL, so their traffic \
+         is counted where it goes",
+        g.unattached,
+    )?;
+    gauge(
+        e,
+        "census_agent_programs_in_front",
+        "Programs found running in front of census's classifier on its interfaces (a \
+         verdict they return bypasses census)",
+        g.in_front.len() as u64,
+    )?;
+    gauge(
+        e,
+        "census_agent_datapath_whole",
+        "0 while census's pins are gone and cannot be put back (the agent is not Ready)",
+        u64::from(g.datapath_error.is_none()),
+    )?;
+    Ok(())
+}
+
+/// FLOWS' busiest pairs and one `other` series.
+fn encode_flows(e: &mut DescriptorEncoder<'_>, flows: Vec<Flow>) -> Result<(), fmt::Error> {
+    let (top, other) = top_flows(flows, TOP_FLOWS);
+    for (name, help, pick) in [
+        (
+            "census_agent_flow_packets",
+            "Packets per (source identity, destination identity), top pairs and `other`",
+            (|f: &Flow| f.packets) as fn(&Flow) -> u64,
+        ),
+        (
+            "census_agent_flow_bytes",
+            "Bytes per (source identity, destination identity), top pairs and `other`",
+            |f: &Flow| f.bytes,
+        ),
+    ] {
+        let kind = ConstCounter::new(0u64).metric_type();
+        let mut family = e.encode_descriptor(name, help, None, kind)?;
+        for flow in &top {
+            let (src, dst) = (flow.src_identity.to_string(), flow.dst_identity.to_string());
+            let labels = [
+                ("src_identity", src.as_str()),
+                ("dst_identity", dst.as_str()),
+            ];
+            ConstCounter::new(pick(flow)).encode(family.encode_family(&labels)?)?;
+        }
+        if let Some((packets, bytes)) = other {
+            let value = if name.ends_with("packets") {
+                packets
+            } else {
+                bytes
+            };
+            let labels = [("src_identity", "other"), ("dst_identity", "other")];
+            ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
 }
 
 /// The programs' own counters (STATS), and the evictions they imply.
