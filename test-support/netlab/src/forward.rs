@@ -2,14 +2,16 @@
 //! has no route to this machine's loopback, where the API server and the operator
 //! listen; a [`Forward`] accepts on a port of the namespace's loopback and carries
 //! each connection to an address of this machine's (what a Service and kube-proxy
-//! do for a pod).
+//! do for a pod). It counts the bytes it carries back to the clients: what the
+//! processes behind it received from the target (a benchmark's "bytes received from
+//! the API server").
 
 use std::{
-    io,
+    io::{self, Read, Write},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -23,6 +25,8 @@ pub type Target = Arc<dyn Fn() -> Option<SocketAddr> + Send + Sync>;
 /// where its target says, from the caller's namespace; stops when dropped.
 pub struct Forward {
     stop: Arc<AtomicBool>,
+    received: Arc<AtomicU64>,
+    addr: SocketAddr,
 }
 
 impl std::fmt::Debug for Forward {
@@ -37,18 +41,32 @@ impl Forward {
         let listener = ns
             .run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, port)))?
             .map_err(Error::io(what.clone()))?;
+        Self::serve(listener, to, what)
+    }
+
+    /// The same on a free port of this namespace's loopback ([`Forward::addr`]).
+    pub fn start_here(to: Target) -> Result<Self, Error> {
+        let what = "listening on 127.0.0.1:0".to_owned();
+        let listener =
+            TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(Error::io(what.clone()))?;
+        Self::serve(listener, to, what)
+    }
+
+    fn serve(listener: TcpListener, to: Target, what: String) -> Result<Self, Error> {
+        let addr = listener.local_addr().map_err(Error::io(what.clone()))?;
         listener.set_nonblocking(true).map_err(Error::io(what))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
+        let received = Arc::new(AtomicU64::new(0));
+        let (stopped, counter) = (stop.clone(), received.clone());
         std::thread::spawn(move || {
             while !stopped.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((inbound, _)) => {
                         let _ = inbound.set_nonblocking(false);
-                        let to = to.clone();
+                        let (to, counter) = (to.clone(), counter.clone());
                         std::thread::spawn(move || {
                             if let Some(to) = to() {
-                                pipe(inbound, to);
+                                pipe(inbound, to, &counter);
                             }
                         });
                     }
@@ -59,7 +77,21 @@ impl Forward {
                 }
             }
         });
-        Ok(Self { stop })
+        Ok(Self {
+            stop,
+            received,
+            addr,
+        })
+    }
+
+    /// Where it listens (in its namespace).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Bytes carried from the targets back to the clients so far.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
     }
 
     /// A target that is always `addr`.
@@ -74,7 +106,7 @@ impl Drop for Forward {
     }
 }
 
-fn pipe(inbound: TcpStream, to: SocketAddr) {
+fn pipe(inbound: TcpStream, to: SocketAddr, received: &AtomicU64) {
     let Ok(outbound) = TcpStream::connect(to) else {
         return;
     };
@@ -86,7 +118,18 @@ fn pipe(inbound: TcpStream, to: SocketAddr) {
         let _ = out_write.shutdown(std::net::Shutdown::Write);
     });
     let (mut out_read, mut in_write) = (outbound, inbound);
-    let _ = io::copy(&mut out_read, &mut in_write);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match out_read.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                received.fetch_add(n as u64, Ordering::Relaxed);
+                if in_write.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
     let _ = in_write.shutdown(std::net::Shutdown::Write);
     let _ = up.join();
 }
