@@ -135,9 +135,14 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedCache) -> any
         },
         2 * p.objects,
         |plane| {
-            plane
-                .0
-                .kubectl_ok(&["-n", "test", "delete", "configmaps,secrets", "--all"])?;
+            plane.0.kubectl_ok(&[
+                "-n",
+                "test",
+                "delete",
+                "configmaps,secrets",
+                "--all",
+                "--wait=false",
+            ])?;
             Ok(())
         },
     )
@@ -226,9 +231,14 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedCache) -> any
         },
         p.services / chunk,
         |plane| {
-            plane
-                .0
-                .kubectl_ok(&["-n", "services", "delete", "services", "--all"])?;
+            plane.0.kubectl_ok(&[
+                "-n",
+                "services",
+                "delete",
+                "services",
+                "--all",
+                "--wait=false",
+            ])?;
             Ok(())
         },
     )
