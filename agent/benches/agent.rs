@@ -342,6 +342,7 @@ async fn latency(samples: usize) -> Fallible<()> {
         host_ips: HostIps::Fixed(Default::default()),
         reassert_order: false,
         endpoint_map: true,
+        drop_endpoint_deletes: false,
         node_hooks: None,
     };
     let source = FileSource::new(&file, Duration::from_secs(10))?;

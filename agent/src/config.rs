@@ -88,6 +88,12 @@ pub struct AgentArgs {
     /// removed), so traffic with other nodes' pods counts as `world`.
     #[arg(long, env = "CENSUS_NO_ENDPOINT_MAP")]
     pub no_endpoint_map: bool,
+    /// Test only, never for production: do not tell the operator that an endpoint
+    /// went away (no Delete delta is sent; the snapshots still say it), so
+    /// benchmarks can show the operator's snapshot truth repairing every lost pod
+    /// delete (`cargo xtask bench seed-leak`). Hidden from `--help`.
+    #[arg(long, env = "CENSUS_TEST_DROP_ENDPOINT_DELETES", hide = true)]
+    pub test_drop_endpoint_deletes: bool,
     #[command(flatten)]
     pub log: census_daemon::LogArgs,
     #[command(flatten)]

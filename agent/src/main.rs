@@ -82,6 +82,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         reconcile_interval,
         reconnect_max_backoff,
         no_endpoint_map,
+        test_drop_endpoint_deletes,
         log: _,
         profiling,
     } = args;
@@ -180,6 +181,7 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             host_ips: HostIps::Discover,
             reassert_order,
             endpoint_map: !no_endpoint_map,
+            drop_endpoint_deletes: test_drop_endpoint_deletes,
             // Attached as the agent starts, put back by every full pass.
             node_hooks: Some(NodeHooks {
                 uplinks,

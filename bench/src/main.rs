@@ -29,6 +29,7 @@ mod report;
 mod restart;
 mod sample;
 mod scale;
+mod seeds;
 mod watchers;
 
 use std::path::PathBuf;
@@ -60,6 +61,10 @@ struct Options {
     /// Use this census-operator binary instead of building it (release) first.
     #[arg(long)]
     operator: Option<PathBuf>,
+    /// seed presets: the census-agent binary (release, with the eBPF object);
+    /// `cargo xtask bench` builds and passes it.
+    #[arg(long)]
+    agent: Option<PathBuf>,
     /// churn presets: the retained live heap the gate allows, bytes per churned pod.
     /// Lower it to see the gate fail.
     #[arg(long, default_value_t = 64.0)]
@@ -107,6 +112,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         heap_owners,
         out,
         operator,
+        agent,
         max_retained_bytes_per_pod,
         pods,
         warmup_pods,
@@ -178,6 +184,40 @@ async fn run(options: Options) -> anyhow::Result<()> {
         }
         Preset::Restart => restart::run(&binary, &results, presets::restart()).await?,
         Preset::Abuse => abuse::run(&binary, &results).await?,
+        Preset::Seeds
+        | Preset::SeedLeak
+        | Preset::SeedLeakShort
+        | Preset::SeedGc
+        | Preset::SeedCache
+        | Preset::SeedUid => {
+            let agent =
+                agent.context("the seed presets need --agent (cargo xtask bench passes it)")?;
+            anyhow::ensure!(
+                nix::unistd::geteuid().is_root(),
+                "the seed presets run census's agents, which load BPF programs: run as root"
+            );
+            let bins = seeds::world::Binaries {
+                operator: binary,
+                agent,
+            };
+            match preset {
+                Preset::SeedGc => seeds::gc::run(&bins, &results, presets::seed_gc()).await?,
+                Preset::SeedCache => {
+                    seeds::cache::run(&bins, &results, presets::seed_cache()).await?
+                }
+                Preset::SeedUid => seeds::uid::run(&bins, &results, presets::seed_uid()).await?,
+                Preset::Seeds => {
+                    let leak =
+                        seeds::leak::run(&bins, &results, presets::seed_leak(Preset::SeedLeak))
+                            .await?;
+                    let gc = seeds::gc::run(&bins, &results, presets::seed_gc()).await?;
+                    let cache = seeds::cache::run(&bins, &results, presets::seed_cache()).await?;
+                    let uid = seeds::uid::run(&bins, &results, presets::seed_uid()).await?;
+                    leak && gc && cache && uid
+                }
+                _ => seeds::leak::run(&bins, &results, presets::seed_leak(preset)).await?,
+            }
+        }
     };
     say(format!("results: {}", results.dir().display()));
     if !passed {

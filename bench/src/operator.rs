@@ -66,6 +66,8 @@ pub(crate) struct Launch {
     pub(crate) grpc: SocketAddr,
     pub(crate) admin: SocketAddr,
     pub(crate) args: Vec<String>,
+    /// Environment variables set for it.
+    pub(crate) env: Vec<(String, String)>,
     pub(crate) log: PathBuf,
 }
 
@@ -77,6 +79,7 @@ impl Launch {
             grpc: free_port()?,
             admin: free_port()?,
             args,
+            env: Vec::new(),
             log,
         })
     }
@@ -113,6 +116,7 @@ impl Operator {
             .arg(&store)
             .args(&launch.args)
             .env_remove("CENSUS_HEAP_PROFILING")
+            .envs(launch.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

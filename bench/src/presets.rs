@@ -43,6 +43,28 @@ pub(crate) enum Preset {
     /// half-open and stalled connections, huge strings): memory, descriptors, a
     /// concurrent Get's latency.
     Abuse,
+    /// The field reports replayed on a real control plane: seed-leak, seed-gc,
+    /// seed-cache, seed-uid; as root.
+    Seeds,
+    /// seeds/000 replayed on a real control plane with census's real operator and
+    /// agents: 450 Jobs created as the report's loop does, `kubectl delete
+    /// identities --all`, a quiet period; default filter and Job labels kept, each
+    /// with and without lost deletes. As root (the agents load BPF).
+    SeedLeak,
+    /// The same, short (the CI gate): 60 Jobs, Job labels kept, deletes lost.
+    SeedLeakShort,
+    /// seeds/003 replayed on a real control plane: 10,000 released Identity objects
+    /// deleted by census's GC while a second writer annotates them (conflicts), and
+    /// 50,000.
+    SeedGc,
+    /// seeds/004 replayed on a real control plane: census idle while 200 ConfigMaps
+    /// and 200 Secrets of ~500 KB come and go, then 2,000 pods on a node without an
+    /// agent, then 2,000 Services: RSS and bytes received from the API server.
+    SeedCache,
+    /// seeds/002 replayed on a real control plane: the same pod name re-created 2,000
+    /// times on one node, a Deployment rolled 200 times: memory flat, nothing kept
+    /// per UID.
+    SeedUid,
 }
 
 impl Preset {
@@ -59,6 +81,12 @@ impl Preset {
             Self::Gc => "gc",
             Self::Restart => "restart",
             Self::Abuse => "abuse",
+            Self::Seeds => "seeds",
+            Self::SeedLeak => "seed-leak",
+            Self::SeedLeakShort => "seed-leak-short",
+            Self::SeedGc => "seed-gc",
+            Self::SeedCache => "seed-cache",
+            Self::SeedUid => "seed-uid",
         }
     }
 }
@@ -370,5 +398,175 @@ pub(crate) mod millis {
 
     pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u64(d.as_millis() as u64)
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct SeedLeak {
+    pub(crate) preset: &'static str,
+    /// The control plane's name (its directory under `<target>/cluster/`).
+    pub(crate) plane_name: &'static str,
+    pub(crate) nodes: u32,
+    pub(crate) steady_deployments: usize,
+    pub(crate) steady_replicas: usize,
+    /// Jobs per phase, each created with its own `kubectl create`.
+    pub(crate) jobs: usize,
+    /// Where the report read the operator's memory: after this many Jobs.
+    pub(crate) checkpoints: Vec<usize>,
+    pub(crate) ttl_seconds: u32,
+    /// Jobs run through the whole path before the idle level is read.
+    pub(crate) warmup_jobs: usize,
+    /// After `kubectl delete identities --all`.
+    #[serde(with = "millis", rename = "quiet_ms")]
+    pub(crate) quiet: Duration,
+    /// (Job labels kept, deletes lost) per phase.
+    pub(crate) variants: Vec<(bool, bool)>,
+    #[serde(with = "millis", rename = "snapshot_interval_ms")]
+    pub(crate) snapshot_interval: Duration,
+    #[serde(with = "millis", rename = "grace_ms")]
+    pub(crate) grace: Duration,
+    #[serde(with = "millis", rename = "quarantine_ms")]
+    pub(crate) quarantine: Duration,
+    /// Readings (one a second) a level is taken from.
+    pub(crate) level_samples: usize,
+    pub(crate) max_heap_delta_bytes: i64,
+    pub(crate) max_rss_delta_bytes: Option<i64>,
+    /// The operator's heap profiled (one sample per 2^this bytes): its live heap by
+    /// owner at idle and after the quiet period, and what grew in between.
+    pub(crate) heap_sample_lg: Option<u32>,
+}
+
+pub(crate) fn seed_leak(preset: Preset) -> SeedLeak {
+    let short = preset == Preset::SeedLeakShort;
+    SeedLeak {
+        preset: preset.name(),
+        plane_name: if short { "seed-gate" } else { "seeds" },
+        nodes: 3,
+        steady_deployments: 6,
+        steady_replicas: 5,
+        jobs: if short { 60 } else { 450 },
+        checkpoints: if short {
+            vec![30, 60]
+        } else {
+            vec![150, 300, 450]
+        },
+        ttl_seconds: 10,
+        warmup_jobs: if short { 30 } else { 50 },
+        quiet: Duration::from_secs(if short { 100 } else { 60 }),
+        variants: if short {
+            vec![(true, true)]
+        } else {
+            vec![(false, false), (false, true), (true, false), (true, true)]
+        },
+        snapshot_interval: Duration::from_secs(if short { 2 } else { 5 }),
+        grace: Duration::from_secs(if short { 2 } else { 5 }),
+        quarantine: Duration::from_secs(if short { 5 } else { 30 }),
+        level_samples: 5,
+        max_heap_delta_bytes: 64 * 1024,
+        max_rss_delta_bytes: (!short).then_some(2 * 1024 * 1024),
+        // Off: what taking a profile in the run allocates stays in the live
+        // heap it would explain (+112 MiB in a gate run with it on).
+        heap_sample_lg: None,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct SeedGc {
+    pub(crate) preset: &'static str,
+    pub(crate) plane_name: &'static str,
+    /// Released identities per run.
+    pub(crate) sizes: Vec<usize>,
+    /// `kubectl annotate` loops writing at once (the second writer).
+    pub(crate) writers: usize,
+    /// The operator's GC budget, deletes per second.
+    pub(crate) gc_rate: f64,
+    #[serde(with = "millis", rename = "snapshot_interval_ms")]
+    pub(crate) snapshot_interval: Duration,
+    #[serde(with = "millis", rename = "quarantine_ms")]
+    pub(crate) quarantine: Duration,
+    /// A run ends after this long even if objects are left (and fails).
+    pub(crate) limit_seconds: u64,
+    pub(crate) max_delete_seconds_per_10k: f64,
+}
+
+pub(crate) fn seed_gc() -> SeedGc {
+    SeedGc {
+        preset: "seed-gc",
+        plane_name: "seed-gc",
+        sizes: vec![10_000, 50_000],
+        writers: 4,
+        gc_rate: 500.0,
+        snapshot_interval: Duration::from_secs(2),
+        quarantine: Duration::from_secs(1),
+        limit_seconds: 900,
+        max_delete_seconds_per_10k: 60.0,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct SeedCache {
+    pub(crate) preset: &'static str,
+    pub(crate) plane_name: &'static str,
+    /// Nodes with census's agent; the control plane has one more, without.
+    pub(crate) census_nodes: u32,
+    /// ConfigMaps, and as many Secrets.
+    pub(crate) objects: usize,
+    pub(crate) object_bytes: usize,
+    pub(crate) pods: usize,
+    pub(crate) services: usize,
+    /// Services given a ClusterIP (the range is a /24); the rest are headless.
+    pub(crate) cluster_ips: usize,
+    #[serde(with = "millis", rename = "settle_ms")]
+    pub(crate) settle: Duration,
+    /// Sampled after the deletes, before the level is read.
+    #[serde(with = "millis", rename = "after_delete_ms")]
+    pub(crate) after_delete: Duration,
+    pub(crate) max_rss_change_bytes: u64,
+    pub(crate) max_api_bytes: u64,
+}
+
+pub(crate) fn seed_cache() -> SeedCache {
+    SeedCache {
+        preset: "seed-cache",
+        plane_name: "seed-cache",
+        census_nodes: 3,
+        objects: 200,
+        object_bytes: 500_000,
+        pods: 2_000,
+        services: 2_000,
+        cluster_ips: 240,
+        settle: Duration::from_secs(10),
+        after_delete: Duration::from_secs(30),
+        max_rss_change_bytes: 1 << 20,
+        max_api_bytes: 1 << 20,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct SeedUid {
+    pub(crate) preset: &'static str,
+    pub(crate) plane_name: &'static str,
+    pub(crate) nodes: u32,
+    /// The same pod name deleted and re-created this many times.
+    pub(crate) recreations: usize,
+    /// A Deployment of 3 rolled this many times (each roll waited for).
+    pub(crate) rolls: usize,
+    /// Re-creations before the first level.
+    pub(crate) warmup: usize,
+    #[serde(with = "millis", rename = "settle_ms")]
+    pub(crate) settle: Duration,
+    pub(crate) max_heap_delta_bytes: i64,
+}
+
+pub(crate) fn seed_uid() -> SeedUid {
+    SeedUid {
+        preset: "seed-uid",
+        plane_name: "seed-uid",
+        nodes: 3,
+        recreations: 2_000,
+        rolls: 200,
+        warmup: 50,
+        settle: Duration::from_secs(5),
+        max_heap_delta_bytes: 64 * 1024,
     }
 }

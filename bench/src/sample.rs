@@ -89,7 +89,7 @@ impl Metrics {
         Ok(Self::parse(&String::from_utf8_lossy(&body)))
     }
 
-    fn parse(text: &str) -> Self {
+    pub(crate) fn parse(text: &str) -> Self {
         let mut values = BTreeMap::new();
         for line in text.lines() {
             if line.starts_with('#') || line.is_empty() {
@@ -116,6 +116,18 @@ impl Metrics {
 
     pub(crate) fn or_zero(&self, name: &str, labels: &str) -> f64 {
         self.get(name, labels).unwrap_or(0.0)
+    }
+
+    /// Every series of `name` by the value of its one label `label`.
+    pub(crate) fn labelled(&self, name: &str, label: &str) -> BTreeMap<String, u64> {
+        let prefix = format!("{name}{{{label}=\"");
+        self.values
+            .iter()
+            .filter_map(|(k, v)| {
+                let value = k.strip_prefix(&prefix)?.strip_suffix("\"}")?;
+                Some((value.to_owned(), *v as u64))
+            })
+            .collect()
     }
 
     pub(crate) fn identities(&self, state: &str) -> u64 {

@@ -2,6 +2,10 @@
 //! bench/) and `census-operator` in release, and runs the one against the other. The
 //! harness is always a release build: its client side (thousands of streams, hundreds
 //! of concurrent Allocate calls) shares the cores with the operator it measures.
+//!
+//! The seed presets (`seeds`, `seed-leak`, ...) run census as in a cluster on a real
+//! control plane, agents included: for them the eBPF object and `census-agent` are
+//! built too (release), and passed as `--agent`.
 
 use std::{
     collections::BTreeMap,
@@ -11,7 +15,7 @@ use std::{
 
 use anyhow::Context as _;
 
-use crate::cmd;
+use crate::{cmd, ebpf};
 
 #[derive(Debug, clap::Args)]
 #[command(disable_help_flag = true)]
@@ -31,12 +35,16 @@ pub(crate) struct Options {
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let Options { args } = options;
     let own_operator = args.iter().any(|arg| is_operator_flag(arg));
-    let built = cmd::build_binaries(&build_args(own_operator))?;
-    run_built(&built, own_operator, &args)
+    let agent = args.iter().any(|arg| is_seed_preset(arg));
+    if agent {
+        ebpf::build(ebpf::Profile::Release)?;
+    }
+    let built = cmd::build_binaries(&build_args(own_operator, agent))?;
+    Built(built).run(own_operator, &args)
 }
 
-/// The release build of the harness (and of the operator unless the arguments name one),
-/// started in the background at the lowest CPU priority, so that it takes only the cores
+/// The release build of the harness, the operator and the agent (its eBPF object
+/// built already), started in the background at the lowest CPU priority, so that it takes only the cores
 /// the work in the foreground leaves idle (`cargo xtask test` runs it while the tests
 /// run, most of which wait on timers and the network). Its cargo output goes to a log
 /// file, shown only when the build fails.
@@ -59,12 +67,12 @@ impl Background {
             .arg(cmd::host_cargo_program())
             .stderr(file);
         let build =
-            std::thread::spawn(move || cmd::build_binaries_with(command, &build_args(false)));
+            std::thread::spawn(move || cmd::build_binaries_with(command, &build_args(false, true)));
         Ok(Self { build, log })
     }
 
-    /// Waits for the build, then runs census-bench with `args` against its operator.
-    pub(crate) fn run(self, args: &[OsString]) -> anyhow::Result<()> {
+    /// Waits for the build.
+    pub(crate) fn finish(self) -> anyhow::Result<Built> {
         let Self { build, log } = self;
         let built = build
             .join()
@@ -79,34 +87,49 @@ impl Background {
                     tail.join("\n")
                 )
             })?;
-        run_built(&built, false, args)
+        Ok(Built(built))
     }
 }
 
-fn build_args(own_operator: bool) -> Vec<&'static str> {
+/// The release binaries, by name.
+pub(crate) struct Built(BTreeMap<String, PathBuf>);
+
+impl Built {
+    /// Runs census-bench with `args`, against the operator built (unless `args` name
+    /// one), and the agent built for a seed preset.
+    pub(crate) fn run(&self, own_operator: bool, args: &[OsString]) -> anyhow::Result<()> {
+        let path = |name: &str| {
+            self.0
+                .get(name)
+                .cloned()
+                .with_context(|| format!("cargo built no {name}"))
+        };
+        let mut bench = std::process::Command::new(path("census-bench")?);
+        if !own_operator {
+            bench.arg("--operator").arg(path("census-operator")?);
+        }
+        if args.iter().any(|arg| is_seed_preset(arg)) {
+            bench.arg("--agent").arg(path("census-agent")?);
+        }
+        cmd::run(bench.args(args))
+    }
+}
+
+fn build_args(own_operator: bool, agent: bool) -> Vec<&'static str> {
     let mut build = vec!["build", "--release", "-p", "census-bench"];
     if !own_operator {
         build.extend(["-p", "census-operator"]);
     }
+    if agent {
+        build.extend(["-p", "census-agent"]);
+    }
     build
 }
 
-fn run_built(
-    built: &BTreeMap<String, PathBuf>,
-    own_operator: bool,
-    args: &[OsString],
-) -> anyhow::Result<()> {
-    let path = |name: &str| {
-        built
-            .get(name)
-            .cloned()
-            .with_context(|| format!("cargo built no {name}"))
-    };
-    let mut bench = std::process::Command::new(path("census-bench")?);
-    if !own_operator {
-        bench.arg("--operator").arg(path("census-operator")?);
-    }
-    cmd::run(bench.args(args))
+/// A preset that replays a field report on a real control plane (`seeds`,
+/// `seed-leak`, ...).
+fn is_seed_preset(arg: &OsStr) -> bool {
+    arg.to_str().is_some_and(|arg| arg.starts_with("seed"))
 }
 
 /// `--operator PATH` or `--operator=PATH`.

@@ -57,8 +57,10 @@ enum Command {
     /// Regenerate the protobuf code under proto/src/generated/.
     Codegen(codegen::Options),
     /// Benchmark a real census-operator with simulated agents (presets: churn-short,
-    /// churn-long, scale-1k, scale-5k, map-1k, map-5k, alloc, floor, gc, restart, abuse); results
-    /// in results/.
+    /// churn-long, scale-1k, scale-5k, map-1k, map-5k, alloc, floor, gc, restart, abuse), or
+    /// census as in a cluster on a real control plane, replaying the field reports, as
+    /// root (seeds, seed-leak, seed-leak-short, seed-gc, seed-cache, seed-uid); results in
+    /// results/.
     ///
     /// Builds census-bench (bench/) and the operator in release and runs it with these
     /// arguments.

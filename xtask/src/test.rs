@@ -5,9 +5,12 @@
 //! the BPF target), every unit, property and component test of the workspace and of
 //! the types it shares with the kernel (census-common), fresh random cases of the
 //! allocator's model test, as root the privileged end-to-end suite against the real
-//! kernel, and the churn benchmark's gate (no identity left beyond the live set, under
-//! 64 bytes of live heap retained per churned pod). The gate's release build starts before the tests, at the lowest CPU
-//! priority, and so takes only the CPU they leave idle.
+//! kernel, the churn benchmark's gate (no identity left beyond the live set, under
+//! 64 bytes of live heap retained per churned pod), and, as root, the seed-leak gate
+//! (seeds/000's Jobs on a real control plane with census's real agents: identities
+//! back to the live set, the operator's live heap flat). The gates' release build
+//! starts before the tests, at the lowest CPU priority, and so takes only the CPU
+//! they leave idle.
 
 use std::time::{Duration, Instant};
 
@@ -24,7 +27,8 @@ pub(crate) struct Options {
     /// Skip the privileged suite (it needs root; without this flag, not being root is an error).
     #[arg(long)]
     no_privileged: bool,
-    /// Skip the churn benchmark's gate (`cargo xtask bench churn-short`).
+    /// Skip the benchmark gates (`cargo xtask bench churn-short` and, as root,
+    /// `cargo xtask bench seed-leak-short`).
     #[arg(long)]
     no_bench_gate: bool,
 }
@@ -170,11 +174,20 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     }
     drop(plane);
     if let Some(build) = gate_build {
-        let mut build = Some(build);
+        let built = build.finish()?;
         step("churn benchmark gate", &mut || {
-            let build = build.take().context("the gate runs once")?;
-            build.run(&["churn-short".into()])
+            built.run(false, &["churn-short".into()])
         })?;
+        // seeds/000's recipe, short, on a control plane of its own with census's
+        // real agents (which need root): identities back to the live set and the
+        // operator's live heap flat after lost deletes.
+        if no_privileged {
+            println!("\n==> seed-leak gate: skipped (--no-privileged: the agents load BPF)");
+        } else {
+            step("seed-leak gate", &mut || {
+                built.run(false, &["seed-leak-short".into()])
+            })?;
+        }
     } else {
         println!("\n==> churn benchmark gate: skipped (--no-bench-gate)");
     }

@@ -66,6 +66,9 @@ pub struct Options {
     pub reassert_order: bool,
     /// Watch the operator's cluster-wide endpoint map (off: local-only).
     pub endpoint_map: bool,
+    /// Test only (`--test-drop-endpoint-deletes`): send the operator no Delete
+    /// delta, leaving every endpoint's end to the next snapshot.
+    pub drop_endpoint_deletes: bool,
     /// Where the node's own hooks (uplinks, sockets) go, attached at start and
     /// put back by every full pass; `None`: this agent attaches none.
     pub node_hooks: Option<NodeHooks>,
@@ -151,6 +154,7 @@ where
         host_ips,
         reassert_order,
         endpoint_map,
+        drop_endpoint_deletes,
         node_hooks,
     } = options;
     let channel = operator_channel(&operator, &operator_auth)?;
@@ -196,6 +200,7 @@ where
         status: link_tx,
         connected: connected_tx,
         host_ips: host_ips.clone(),
+        drop_deletes: drop_endpoint_deletes,
     };
     tasks.push(tokio::spawn(sync.run(
         reports_rx,

@@ -79,6 +79,7 @@ async fn agent_with(
         host_ips: HostIps::Fixed([host.parse()?].into()),
         reassert_order: false,
         endpoint_map,
+        drop_endpoint_deletes: false,
         node_hooks,
     };
     let source = FileSource::new(dir.join("endpoints.yaml"), Duration::from_millis(200))?;
@@ -474,6 +475,7 @@ async fn the_health_listener_serves_probes_and_metrics_only_and_both_formats_lin
         host_ips: HostIps::Fixed(["198.18.0.1".parse()?].into()),
         reassert_order: false,
         endpoint_map: true,
+        drop_endpoint_deletes: false,
         node_hooks: None,
     };
     let source = FileSource::new(

@@ -96,6 +96,9 @@ pub(crate) struct SyncClient {
     pub connected: watch::Sender<bool>,
     /// The node's own addresses, read for every Hello.
     pub host_ips: HostIps,
+    /// Test only: Delete deltas are not sent (counted as dropped), as if the
+    /// operator had missed every pod delete; the snapshots repair them.
+    pub drop_deletes: bool,
 }
 
 /// What woke the connected loop.
@@ -465,6 +468,10 @@ impl SyncClient {
                     endpoint: Some(endpoint_to_wire(&endpoint)),
                 }),
             ),
+            Report::Delete(_) if self.drop_deletes => {
+                self.metrics.deltas_dropped.inc();
+                return;
+            }
             Report::Delete(key) => {
                 let body = Body::Delete(pb::EndpointDelete {
                     namespace: key.namespace().to_owned(),

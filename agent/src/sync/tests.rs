@@ -37,6 +37,14 @@ struct Client {
 }
 
 fn start(channel: Channel, node: &str) -> Result<Client, Box<dyn std::error::Error + Send + Sync>> {
+    start_with(channel, node, false)
+}
+
+fn start_with(
+    channel: Channel,
+    node: &str,
+    drop_deletes: bool,
+) -> Result<Client, Box<dyn std::error::Error + Send + Sync>> {
     let (reports, reports_rx) = mpsc::unbounded_channel();
     let (events_tx, events) = mpsc::channel(16);
     let (ready, ready_rx) = watch::channel(false);
@@ -54,6 +62,7 @@ fn start(channel: Channel, node: &str) -> Result<Client, Box<dyn std::error::Err
         status: status_tx,
         connected: watch::channel(false).0,
         host_ips: HostIps::Fixed(BTreeSet::new()),
+        drop_deletes,
     };
     let task = tokio::spawn(client.run(reports_rx, events_tx, ready_rx, stop_rx));
     Ok(Client {
@@ -115,6 +124,52 @@ async fn refs(channel: &Channel, id: IdentityId) -> u64 {
     identity(channel, id.get())
         .await
         .map_or(0, |i| i.references)
+}
+
+/// The test-only switch (`--test-drop-endpoint-deletes`): an endpoint's end is never
+/// sent as a delta, so the operator keeps its reference until the next snapshot,
+/// which drops it.
+#[tokio::test]
+async fn dropped_deletes_are_left_to_the_next_snapshot() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let op = Operator::for_agents(dir.path(), 0).await?;
+    let ch = lazy_channel(op.grpc_addr)?;
+    let mut client = start_with(ch.clone(), "n1", true)?;
+    let Some(OperatorEvent::Settings(_)) = client.events.recv().await else {
+        return Err("HelloReply's settings come first".into());
+    };
+    let web = labels("web")?;
+    let web_id = allocate(&ch, "n1", client.session, &web).await?;
+    for (name, ip) in [("web-0", "198.18.1.2"), ("web-1", "198.18.2.2")] {
+        client
+            .reports
+            .send(Report::Upsert(endpoint(name, ip, web_id, &web)?))?;
+    }
+    client.ready.send(true)?;
+    let two = until_some(WAIT, || async {
+        (refs(&ch, web_id).await == 2).then_some(())
+    })
+    .await;
+    assert!(two.is_some(), "both endpoints counted");
+    let snapshots = node(&ch, "n1").await.ok_or("the node")?.last_snapshot_ms;
+    client
+        .reports
+        .send(Report::Delete(EndpointKey::new("default", "web-0")?))?;
+    let dropped = until_some(WAIT, || async {
+        (client.metrics.deltas_dropped.get() == 1).then_some(())
+    })
+    .await;
+    assert!(dropped.is_some(), "the delete was not sent");
+    let repaired = until_some(WAIT, || async {
+        node(&ch, "n1")
+            .await
+            .filter(|n| n.last_snapshot_ms != snapshots && n.endpoints == 1)
+    })
+    .await;
+    assert!(repaired.is_some(), "a later snapshot dropped web-0");
+    assert_eq!(refs(&ch, web_id).await, 1);
+    client.stop.send(true)?;
+    Ok(())
 }
 
 #[tokio::test]
@@ -464,6 +519,7 @@ async fn hello_carries_the_nodes_first_16_addresses_but_link_local_ones() -> Tes
         status: watch::channel(OperatorLink::default()).0,
         connected: watch::channel(false).0,
         host_ips: HostIps::Fixed(ips),
+        drop_deletes: false,
     };
     let sent = client.hello_addresses();
     let want: Vec<String> = (1..=16).map(|i| format!("198.18.0.{i}")).collect();

@@ -16,18 +16,14 @@
 //! kube-proxy does for the `census-operator-leader` Service).
 
 use std::{
-    io,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener},
     process::{Command, Stdio},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::Arc,
     time::Duration,
 };
 
 use census_agent::bpf::Inspector;
-use census_netlab::{ChildGuard, Cluster, Netns, Pod, Side, udp_echo};
+use census_netlab::{ChildGuard, Cluster, Forward, Pod, Side, Target, udp_echo};
 use census_testkit::cluster::ControlPlane;
 use serde_json::{Value, json};
 
@@ -42,67 +38,6 @@ const PAYLOAD: usize = 64;
 /// The operator's port as the agents reach it, on their node's loopback.
 const OPERATOR_PORT: u16 = 9460;
 const ADMIN_PORT: u16 = 9462;
-
-/// Where a forwarded connection goes, asked once per connection.
-type Target = Arc<dyn Fn() -> Option<SocketAddr> + Send + Sync>;
-
-/// Accepts on a port of a node namespace's loopback and connects each connection
-/// to where `to` says, in this namespace; stops when dropped.
-struct Forward {
-    stop: Arc<AtomicBool>,
-}
-
-impl Forward {
-    fn start(ns: &Netns, port: u16, to: Target) -> Fallible<Self> {
-        let listener = ns.run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, port)))??;
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        std::thread::spawn(move || {
-            while !stopped.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((inbound, _)) => {
-                        let _ = inbound.set_nonblocking(false);
-                        let to = to.clone();
-                        std::thread::spawn(move || {
-                            if let Some(to) = to() {
-                                pipe(inbound, to);
-                            }
-                        });
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    Err(_) => break,
-                }
-            }
-        });
-        Ok(Self { stop })
-    }
-}
-
-impl Drop for Forward {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-fn pipe(inbound: TcpStream, to: SocketAddr) {
-    let Ok(outbound) = TcpStream::connect(to) else {
-        return;
-    };
-    let (Ok(mut in_read), Ok(mut out_write)) = (inbound.try_clone(), outbound.try_clone()) else {
-        return;
-    };
-    let up = std::thread::spawn(move || {
-        let _ = io::copy(&mut in_read, &mut out_write);
-        let _ = out_write.shutdown(std::net::Shutdown::Write);
-    });
-    let (mut out_read, mut in_write) = (outbound, inbound);
-    let _ = io::copy(&mut out_read, &mut in_write);
-    let _ = in_write.shutdown(std::net::Shutdown::Write);
-    let _ = up.join();
-}
 
 /// An operator replica, as one of the Deployment's pods.
 struct Replica {

@@ -29,6 +29,7 @@
 pub mod certs;
 mod cluster;
 mod error;
+mod forward;
 pub mod kube_proxy;
 mod lab;
 mod nat;
@@ -39,6 +40,7 @@ mod world;
 
 pub use cluster::{Cluster, ClusterNode, Routing, Side, UPLINK, VXLAN};
 pub use error::Error;
+pub use forward::{Forward, Target};
 pub use lab::{Lab, Pod};
 pub use nat::{Masquerade, TO_ROUTER};
 pub use netns::{ChildGuard, Netns, unique_name};

@@ -32,9 +32,15 @@ pub struct Netns {
 }
 
 impl Netns {
-    /// Creates a namespace named `<prefix>-<pid>-<n>-<role>` with `lo` up.
+    /// Creates a namespace named `census-<pid>-<n>-<role>` with `lo` up.
     pub fn create(role: &str) -> Result<Self, Error> {
-        let name = format!("{}-{role}", unique_name("census"));
+        Self::create_with_prefix("census", role)
+    }
+
+    /// Creates a namespace named `<prefix>-<pid>-<n>-<role>` with `lo` up (a
+    /// benchmark's own prefix keeps its namespaces apart from the tests').
+    pub fn create_with_prefix(prefix: &str, role: &str) -> Result<Self, Error> {
+        let name = format!("{}-{role}", unique_name(prefix));
         run_command(Command::new("ip").args(["netns", "add", &name]))?;
         let netns = Self { name };
         netns.ip(&["link", "set", "lo", "up"])?;

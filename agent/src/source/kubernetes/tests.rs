@@ -818,6 +818,7 @@ async fn the_agent_stays_fail_static_while_the_api_server_is_away() -> TestResul
         host_ips: HostIps::Fixed(Default::default()),
         reassert_order: false,
         endpoint_map: true,
+        drop_endpoint_deletes: false,
         node_hooks: None,
     };
     let running = daemon::start(options, maps.clone(), None, Box::new(source)).await?;

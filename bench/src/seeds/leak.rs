@@ -1,0 +1,890 @@
+//! seed-leak (seeds/000, the retina-operator leak), replayed on the real control
+//! plane: a steady workload on 3 kwok nodes, then Jobs created one `kubectl create`
+//! at a time exactly as the report's script does (one pod each, `restartPolicy:
+//! Never`, `ttlSecondsAfterFinished: 10`; kwok completes the pods, the real Job and
+//! TTL-after-finished controllers finish and delete the Jobs), then every Identity
+//! object deleted with `kubectl delete identities --all` as the report did, then a
+//! quiet period. The operator's and each agent's RSS and live heap are read at the
+//! report's points (idle, after 150, 300 and 450 Jobs, after the quiet period), with
+//! the Identity objects and the identities beyond the live set (the distinct label
+//! sets of the pods the agents hold, under the operator's filter). deploy/'s
+//! admission policy refuses an administrator's `kubectl delete identities`, so the
+//! delete is made as census-operator's ServiceAccount (impersonated), the one
+//! account allowed to.
+//!
+//! Four phases, each with a fresh operator and fresh agents: the default label
+//! filter (what a user gets: every run of a Job shares one identity) and the filter
+//! keeping `job-name` and `controller-uid` (every pod a new identity, as in the
+//! report: the leak test), each with the agents telling the operator of every pod's
+//! end and with the agents dropping every such delete (the agent's test-only switch),
+//! so that only the snapshots bring the identities back to the live set.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io::Write as _,
+    process::Stdio,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context as _, anyhow, bail};
+use census_proto::labels::{KeyPattern, LabelFilter};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::time::{Instant, sleep};
+
+use super::world::{Binaries, Census, CensusFlags, Plane, Reading, poll};
+use crate::{
+    heap,
+    plot::{Panel, Series, figure},
+    presets::{SeedLeak, humantime},
+    report::{Machine, Results, kib, mib, say, say_params},
+    sample::Latency,
+};
+
+/// The report's operator RSS at its points (seeds/000): idle, after 150, 300, 450
+/// Job pods, and 14 minutes after every identity was deleted.
+const REPORT_RSS_MIB: [(&str, f64); 5] = [
+    ("idle", 23.0),
+    ("after 150", 30.0),
+    ("after 300", 37.0),
+    ("after 450", 44.0),
+    ("quiet", 36.0),
+];
+const REFERENCE: &str = "seeds/000 (retina-operator v1.2.3 on kind): operator RSS 23 MiB idle, 30 / 37 / 44 MiB after 150 / 300 / 450 Job pods (+7 MiB per 150, linear), 36 MiB fourteen minutes after `kubectl delete ciliumidentities --all` (+13 MiB retained for identities that existed nowhere)";
+
+/// The only account deploy/'s admission policy lets change or delete Identity objects.
+const OPERATOR_ACCOUNT: &str = "system:serviceaccount:census-system:census-operator";
+
+/// The namespace of the steady workload.
+const STEADY_NS: &str = "seed-steady";
+
+#[derive(Debug, Clone, Serialize)]
+struct Point {
+    name: String,
+    /// Seconds since the phase started.
+    t: f64,
+    operator: Reading,
+    agents: Vec<Reading>,
+    identity_objects: u64,
+    quarantined_objects: u64,
+    /// The distinct label sets of the pods the agents hold.
+    live_set: u64,
+    /// Identities the operator holds bound (live, creating, released, deleting) as
+    /// the point was reached: released ones wait out the grace period.
+    bound_at_point: u64,
+    beyond_at_point: i64,
+    /// The same once settled: what is left beyond the live set, and how long it took
+    /// (at most the settle limit).
+    beyond_settled: i64,
+    settled_seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct PhaseOut {
+    name: String,
+    keep_job_labels: bool,
+    drop_deletes: bool,
+    operator_flags: Vec<String>,
+    points: Vec<Point>,
+    jobs_created_seconds: f64,
+    /// From the last Job created to the TTL controller having deleted every Job.
+    jobs_gone_seconds: f64,
+    deltas_dropped_by_agents: u64,
+    corrections: u64,
+    /// From a Job pod's end (seen Succeeded) to its identity's deletion (the
+    /// Identity object gone or quarantined); only where each pod has its own
+    /// identity. Polled every second: each value is ±1 s.
+    end_to_deletion: Option<Latency>,
+    heap_delta_bytes: i64,
+    rss_delta_bytes: i64,
+    agent_heap_delta_bytes: Vec<i64>,
+    agent_rss_delta_bytes: Vec<i64>,
+    /// What grew in the operator's sampled live heap from idle to after the quiet
+    /// period, by owner (largest first), when profiled.
+    heap_growth_by_owner: Vec<(String, i64)>,
+    passed: bool,
+    failures: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Timeline {
+    phase: String,
+    t: f64,
+    operator_rss_bytes: u64,
+    operator_heap_bytes: u64,
+    agents_rss_bytes: Vec<u64>,
+    identities_bound: u64,
+    jobs_created: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct Output<'a> {
+    params: &'a SeedLeak,
+    machine: Machine,
+    reference: &'static str,
+    phases: Vec<PhaseOut>,
+    timeline: Vec<Timeline>,
+    passed: bool,
+}
+
+pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedLeak) -> anyhow::Result<bool> {
+    say_params(&format!("preset {}", p.preset), &p);
+    let mut machine = Machine::now();
+    say(machine.line());
+    let plane = Plane::up(p.plane_name, p.nodes).await?;
+    say(format!(
+        "control plane: Kubernetes {} at {}, nodes {}",
+        plane.0.kubernetes(),
+        plane.0.server(),
+        plane
+            .0
+            .nodes()
+            .iter()
+            .map(|n| n.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    plane.namespace(STEADY_NS)?;
+    for d in 0..p.steady_deployments {
+        plane.0.apply(&steady_deployment(d, p.steady_replicas))?;
+    }
+    let steady = p.steady_deployments * p.steady_replicas;
+    poll(
+        "kwok runs the steady pods",
+        Duration::from_secs(120),
+        || (plane.0.running_pods(STEADY_NS).ok()?.len() == steady).then_some(()),
+    )
+    .await?;
+
+    let mut phases = Vec::new();
+    let mut timeline = Vec::new();
+    for (k, &(keep, drop_deletes)) in p.variants.iter().enumerate() {
+        let phase = run_phase(
+            bins,
+            results,
+            &plane,
+            &p,
+            k,
+            keep,
+            drop_deletes,
+            &mut timeline,
+        )
+        .await
+        .with_context(|| format!("phase {}", phase_name(keep, drop_deletes)))?;
+        phases.push(phase);
+    }
+    drop(plane);
+    machine.finish();
+    let passed = phases.iter().all(|ph| ph.passed);
+    summary(&p, &phases, &machine, passed);
+    plots(results, &timeline)?;
+    results.write_json(
+        "seed-leak.json",
+        &Output {
+            params: &p,
+            machine,
+            reference: REFERENCE,
+            phases,
+            timeline,
+            passed,
+        },
+    )?;
+    Ok(passed)
+}
+
+fn phase_name(keep: bool, drop_deletes: bool) -> String {
+    format!(
+        "{}{}",
+        if keep {
+            "job-labels-kept"
+        } else {
+            "default-filter"
+        },
+        if drop_deletes { "+deletes-lost" } else { "" }
+    )
+}
+
+fn steady_deployment(d: usize, replicas: usize) -> serde_json::Value {
+    let name = format!("service-{d}");
+    serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": STEADY_NS},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, "app.kubernetes.io/part-of": "shop"}},
+                "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]},
+            },
+        },
+    })
+}
+
+/// The report's Job, in `namespace`.
+fn job_yaml(i: usize, namespace: &str, ttl: u32) -> String {
+    format!(
+        "apiVersion: batch/v1
+kind: Job
+metadata: {{name: churn-{i}, namespace: {namespace}}}
+spec:
+  ttlSecondsAfterFinished: {ttl}
+  template:
+    spec:
+      restartPolicy: Never
+      containers: [{{name: c, image: busybox:1.36, command: [\"true\"]}}]
+"
+    )
+}
+
+fn filter(keep: bool) -> anyhow::Result<LabelFilter> {
+    let include: Vec<KeyPattern> = if keep {
+        ["job-name", "controller-uid"]
+            .iter()
+            .map(|k| k.parse().map_err(|e| anyhow!("{k}: {e:?}")))
+            .collect::<anyhow::Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    Ok(LabelFilter::new(include, Vec::new(), true))
+}
+
+#[expect(clippy::too_many_arguments, reason = "one phase of the preset's run")]
+async fn run_phase(
+    bins: &Binaries,
+    results: &Results,
+    plane: &Plane,
+    p: &SeedLeak,
+    k: usize,
+    keep: bool,
+    drop_deletes: bool,
+    timeline: &mut Vec<Timeline>,
+) -> anyhow::Result<PhaseOut> {
+    let name = phase_name(keep, drop_deletes);
+    let mut operator_flags = vec![
+        "--snapshot-interval".to_owned(),
+        humantime(p.snapshot_interval),
+        "--grace-period".to_owned(),
+        humantime(p.grace),
+        "--quarantine".to_owned(),
+        humantime(p.quarantine),
+    ];
+    if keep {
+        operator_flags.extend([
+            "--label-include".to_owned(),
+            "job-name,controller-uid".to_owned(),
+        ]);
+    }
+    say(format!(
+        "\n== phase {name}: operator flags {}{} ==",
+        operator_flags.join(" "),
+        if drop_deletes {
+            "; agents with --test-drop-endpoint-deletes"
+        } else {
+            ""
+        }
+    ));
+    let flags = CensusFlags {
+        operator: operator_flags.clone(),
+        drop_deletes,
+        agent_nodes: None,
+        heap_sample_lg: p.heap_sample_lg,
+    };
+    let mut census = Census::start(plane, bins, &flags, results.dir(), &format!("{k}")).await?;
+    say(format!(
+        "census up: operator pid {}, agents on {}",
+        census.operator.pid,
+        census.agent_nodes().join(", ")
+    ));
+    let filter = filter(keep)?;
+    let jobs_ns = format!("seed-leak-{k}");
+    plane.namespace(&jobs_ns)?;
+    let started = Instant::now();
+    let settle_limit = p.snapshot_interval * 3 + p.grace + Duration::from_secs(20);
+    let mut failures = Vec::new();
+    let metrics_before = census.operator_metrics().await?;
+
+    // The warm-up: a few Jobs through the whole path before the idle level is read,
+    // so one-time growth (connection pools, the first allocations of each path) is
+    // not counted as retained.
+    let mut created = 0usize;
+    if p.warmup_jobs > 0 {
+        say(format!("warm-up: {} Jobs, then settle", p.warmup_jobs));
+        for _ in 0..p.warmup_jobs {
+            created += 1;
+            create_job(plane, created, &jobs_ns, p.ttl_seconds)?;
+        }
+        jobs_gone(plane, &jobs_ns, Duration::from_secs(180)).await?;
+    }
+    let idle = point(
+        plane,
+        &mut census,
+        &filter,
+        "idle",
+        started,
+        settle_limit,
+        p,
+    )
+    .await?;
+    let idle_owners = owners(&census, results, &name, "idle", p).await?;
+    let mut points = vec![idle];
+
+    // Pod ends and identity deletions, polled in the background.
+    let tracker = keep.then(|| Tracker::start(plane.0.clone(), jobs_ns.clone()));
+    say(format!(
+        "creating {} Jobs one `kubectl create` at a time (as the report's loop)",
+        p.jobs
+    ));
+    let creating = Instant::now();
+    for i in 1..=p.jobs {
+        created += 1;
+        create_job(plane, created, &jobs_ns, p.ttl_seconds)?;
+        if i % 10 == 0 {
+            let op = census.operator_reading().await?;
+            let agents = census.agent_readings()?;
+            let bound = census.operator_metrics().await?.bound();
+            timeline.push(Timeline {
+                phase: name.clone(),
+                t: started.elapsed().as_secs_f64(),
+                operator_rss_bytes: op.rss_bytes,
+                operator_heap_bytes: op.heap_live_bytes,
+                agents_rss_bytes: agents.iter().map(|a| a.rss_bytes).collect(),
+                identities_bound: bound,
+                jobs_created: i,
+            });
+        }
+        if p.checkpoints.contains(&i) {
+            let pt = point(
+                plane,
+                &mut census,
+                &filter,
+                &format!("after {i}"),
+                started,
+                settle_limit,
+                p,
+            )
+            .await?;
+            points.push(pt);
+        }
+    }
+    let jobs_created_seconds = creating.elapsed().as_secs_f64();
+    let gone_from = Instant::now();
+    jobs_gone(plane, &jobs_ns, Duration::from_secs(300)).await?;
+    let jobs_gone_seconds = gone_from.elapsed().as_secs_f64();
+    say(format!(
+        "  {} Jobs created in {jobs_created_seconds:.0} s; every Job deleted by its TTL {jobs_gone_seconds:.0} s after the last was created",
+        p.jobs
+    ));
+    // deploy/'s admission policy refuses an administrator's delete of Identity
+    // objects (403): the one account it lets delete them is census-operator's.
+    say(format!(
+        "  kubectl --as {OPERATOR_ACCOUNT} delete identities --all (as the report did; deploy/ refuses it to anyone else)"
+    ));
+    plane.0.kubectl_ok(&[
+        "--as",
+        OPERATOR_ACCOUNT,
+        "delete",
+        "identities",
+        "--all",
+        "--wait=false",
+    ])?;
+    say(format!("  quiet period: {:?}", p.quiet));
+    let quiet_from = Instant::now();
+    while quiet_from.elapsed() < p.quiet {
+        sleep(Duration::from_secs(2)).await;
+        let op = census.operator_reading().await?;
+        let agents = census.agent_readings()?;
+        let bound = census.operator_metrics().await?.bound();
+        timeline.push(Timeline {
+            phase: name.clone(),
+            t: started.elapsed().as_secs_f64(),
+            operator_rss_bytes: op.rss_bytes,
+            operator_heap_bytes: op.heap_live_bytes,
+            agents_rss_bytes: agents.iter().map(|a| a.rss_bytes).collect(),
+            identities_bound: bound,
+            jobs_created: p.jobs,
+        });
+    }
+    let quiet = point(
+        plane,
+        &mut census,
+        &filter,
+        "quiet",
+        started,
+        settle_limit,
+        p,
+    )
+    .await?;
+    points.push(quiet);
+    let quiet_owners = owners(&census, results, &name, "quiet", p).await?;
+    let heap_growth_by_owner = match (idle_owners, quiet_owners) {
+        (Some(a), Some(b)) => growth(&a, &b),
+        _ => Vec::new(),
+    };
+    for (owner, bytes) in heap_growth_by_owner.iter().take(8) {
+        say(format!("    heap {:>12} {owner}", kib(*bytes)));
+    }
+    let end_to_deletion = match tracker {
+        Some(t) => Some(t.stop()),
+        None => None,
+    };
+    let metrics_after = census.operator_metrics().await?;
+    let corrections = (metrics_after.or_zero("census_corrections_total", "")
+        - metrics_before.or_zero("census_corrections_total", "")) as u64;
+    let mut dropped = 0u64;
+    for agent_metrics in census.agent_metrics()? {
+        dropped += agent_metrics.or_zero("census_agent_deltas_dropped_total", "") as u64;
+    }
+    census.stop().await?;
+    let _ = plane
+        .0
+        .kubectl_ok(&["delete", "namespace", &jobs_ns, "--wait=false"]);
+
+    let first = &points[0];
+    let last = points.last().context("no points")?;
+    let heap_delta = last.operator.heap_live_bytes as i64 - first.operator.heap_live_bytes as i64;
+    let rss_delta = last.operator.rss_bytes as i64 - first.operator.rss_bytes as i64;
+    let agent_heap_delta_bytes: Vec<i64> = first
+        .agents
+        .iter()
+        .zip(&last.agents)
+        .map(|(a, b)| b.heap_live_bytes as i64 - a.heap_live_bytes as i64)
+        .collect();
+    let agent_rss_delta_bytes: Vec<i64> = first
+        .agents
+        .iter()
+        .zip(&last.agents)
+        .map(|(a, b)| b.rss_bytes as i64 - a.rss_bytes as i64)
+        .collect();
+    for pt in &points {
+        if pt.identity_objects != pt.live_set {
+            failures.push(format!(
+                "{}: {} Identity objects for a live set of {}",
+                pt.name, pt.identity_objects, pt.live_set
+            ));
+        }
+        if pt.beyond_settled != 0 {
+            failures.push(format!(
+                "{}: {} identities beyond the live set after {:.0} s",
+                pt.name, pt.beyond_settled, pt.settled_seconds
+            ));
+        }
+    }
+    if heap_delta > p.max_heap_delta_bytes {
+        failures.push(format!(
+            "operator live heap {} over idle after the quiet period (target: within {})",
+            kib(heap_delta),
+            kib(p.max_heap_delta_bytes)
+        ));
+    }
+    if let Some(max) = p.max_rss_delta_bytes
+        && rss_delta > max
+    {
+        failures.push(format!(
+            "operator RSS {} over idle after the quiet period (target: within {})",
+            kib(rss_delta),
+            kib(max)
+        ));
+    }
+    let latency = end_to_deletion.filter(|v| !v.is_empty()).map(Latency::of);
+    Ok(PhaseOut {
+        name,
+        keep_job_labels: keep,
+        drop_deletes,
+        operator_flags,
+        points,
+        jobs_created_seconds,
+        jobs_gone_seconds,
+        deltas_dropped_by_agents: dropped,
+        corrections,
+        end_to_deletion: latency,
+        heap_delta_bytes: heap_delta,
+        rss_delta_bytes: rss_delta,
+        agent_heap_delta_bytes,
+        agent_rss_delta_bytes,
+        heap_growth_by_owner,
+        passed: failures.is_empty(),
+        failures,
+    })
+}
+
+/// The operator's live heap by owner (sampled), saved as `heap-<phase>-<when>.pb.gz`.
+async fn owners(
+    census: &Census,
+    results: &Results,
+    phase: &str,
+    when: &str,
+    p: &SeedLeak,
+) -> anyhow::Result<Option<heap::Owners>> {
+    if p.heap_sample_lg.is_none() {
+        return Ok(None);
+    }
+    let (owners, profile) = heap::owners(census.operator.admin()).await?;
+    std::fs::write(results.path(&format!("heap-{phase}-{when}.pb.gz")), profile)?;
+    Ok(Some(owners))
+}
+
+/// `after - before` per owner, the largest growth first.
+fn growth(before: &heap::Owners, after: &heap::Owners) -> Vec<(String, i64)> {
+    let mut by: BTreeMap<&str, i64> = BTreeMap::new();
+    for (o, b) in &after.owners {
+        *by.entry(o).or_default() += *b as i64;
+    }
+    for (o, b) in &before.owners {
+        *by.entry(o).or_default() -= *b as i64;
+    }
+    let mut v: Vec<(String, i64)> = by
+        .into_iter()
+        .filter(|(_, d)| *d != 0)
+        .map(|(o, d)| (o.to_owned(), d))
+        .collect();
+    v.sort_by_key(|(_, d)| std::cmp::Reverse(*d));
+    v
+}
+
+fn create_job(plane: &Plane, i: usize, namespace: &str, ttl: u32) -> anyhow::Result<()> {
+    let mut child = plane
+        .0
+        .kubectl()
+        .args(["create", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("kubectl create")?;
+    child
+        .stdin
+        .take()
+        .context("kubectl's stdin")?
+        .write_all(job_yaml(i, namespace, ttl).as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "kubectl create Job churn-{i}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+async fn jobs_gone(plane: &Plane, namespace: &str, limit: Duration) -> anyhow::Result<()> {
+    poll("the TTL controller to delete every Job", limit, || {
+        let jobs = plane
+            .0
+            .kubectl_json(&["-n", namespace, "get", "jobs"])
+            .ok()?;
+        let pods = plane
+            .0
+            .kubectl_json(&["-n", namespace, "get", "pods"])
+            .ok()?;
+        let empty = |l: &serde_json::Value| l["items"].as_array().is_some_and(Vec::is_empty);
+        (empty(&jobs) && empty(&pods)).then_some(())
+    })
+    .await
+}
+
+/// Reads everything at one of the report's points: the levels first (the lowest
+/// live heap and the median RSS over a few seconds), then how far the operator is
+/// beyond the live set, then waits (at most `limit`) for it to settle.
+async fn point(
+    plane: &Plane,
+    census: &mut Census,
+    filter: &LabelFilter,
+    name: &str,
+    started: Instant,
+    limit: Duration,
+    p: &SeedLeak,
+) -> anyhow::Result<Point> {
+    let live = plane.live_set(filter)?.len() as u64;
+    let bound_at_point = census.operator_metrics().await?.bound();
+    let mut ops = Vec::new();
+    let mut agents: Vec<Vec<Reading>> = Vec::new();
+    for _ in 0..p.level_samples {
+        ops.push(census.operator_reading().await?);
+        agents.push(census.agent_readings()?);
+        sleep(Duration::from_secs(1)).await;
+    }
+    let operator = level(&ops);
+    let agent_levels: Vec<Reading> = (0..agents.first().map_or(0, Vec::len))
+        .map(|i| level(&agents.iter().map(|a| a[i]).collect::<Vec<_>>()))
+        .collect();
+    let settling = Instant::now();
+    let (mut beyond_settled, mut live_now, mut objects, mut quarantined);
+    loop {
+        live_now = plane.live_set(filter)?.len() as u64;
+        let bound = census.operator_metrics().await?.bound();
+        (objects, quarantined) = plane.identity_objects()?;
+        beyond_settled = bound as i64 - live_now as i64;
+        let settled = beyond_settled == 0 && objects == live_now;
+        if settled || settling.elapsed() > limit {
+            break;
+        }
+        sleep(Duration::from_millis(500)).await;
+    }
+    let pt = Point {
+        name: name.to_owned(),
+        t: started.elapsed().as_secs_f64(),
+        operator,
+        agents: agent_levels,
+        identity_objects: objects,
+        quarantined_objects: quarantined,
+        live_set: live_now,
+        bound_at_point,
+        beyond_at_point: bound_at_point as i64 - live as i64,
+        beyond_settled,
+        settled_seconds: settling.elapsed().as_secs_f64(),
+    };
+    say(format!(
+        "  {:<10} operator RSS {} heap {}; agents RSS {}; Identity objects {} (+{} quarantined); live set {}; beyond it {} at the point, {} after {:.1} s",
+        pt.name,
+        mib(pt.operator.rss_bytes),
+        mib(pt.operator.heap_live_bytes),
+        pt.agents
+            .iter()
+            .map(|a| mib(a.rss_bytes))
+            .collect::<Vec<_>>()
+            .join(" / "),
+        pt.identity_objects,
+        pt.quarantined_objects,
+        pt.live_set,
+        pt.beyond_at_point,
+        pt.beyond_settled,
+        pt.settled_seconds
+    ));
+    Ok(pt)
+}
+
+/// The lowest live heap (a sample is only raised by work in flight) and the median
+/// RSS of some readings.
+pub(crate) fn level(readings: &[Reading]) -> Reading {
+    let mut rss: Vec<u64> = readings.iter().map(|r| r.rss_bytes).collect();
+    rss.sort_unstable();
+    Reading {
+        rss_bytes: rss.get(rss.len() / 2).copied().unwrap_or(0),
+        heap_live_bytes: readings
+            .iter()
+            .map(|r| r.heap_live_bytes)
+            .min()
+            .unwrap_or(0),
+    }
+}
+
+/// Polls the Job pods and the Identity objects every second: when each Job's pod
+/// was first seen Succeeded, and when the identity of its labels was first seen
+/// gone (deleted or quarantined) after having been seen bound.
+struct Tracker {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Duration>>,
+}
+
+#[derive(Default)]
+struct Seen {
+    ended: BTreeMap<String, std::time::Instant>,
+    bound: BTreeSet<String>,
+    deleted: BTreeMap<String, std::time::Instant>,
+}
+
+impl Tracker {
+    fn start(plane: census_cluster::ControlPlane, namespace: String) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let thread = std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let tick = std::time::Instant::now();
+                if let Ok(pods) = plane.kubectl_json(&["-n", &namespace, "get", "pods"]) {
+                    let mut s = seen.lock();
+                    for pod in pods["items"].as_array().into_iter().flatten() {
+                        let job = pod["metadata"]["labels"]["job-name"].as_str();
+                        if let Some(job) = job
+                            && pod["status"]["phase"] == "Succeeded"
+                        {
+                            s.ended.entry(job.to_owned()).or_insert(tick);
+                        }
+                    }
+                }
+                if let Ok(list) = plane.kubectl_json(&["get", "identities"]) {
+                    let mut now_bound = BTreeSet::new();
+                    for o in list["items"].as_array().into_iter().flatten() {
+                        if o["status"]["state"] == "Quarantined" {
+                            continue;
+                        }
+                        let job = o["spec"]["labels"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(serde_json::Value::as_str)
+                            .find_map(|l| l.strip_prefix("k8s:job-name="));
+                        if let Some(job) = job {
+                            now_bound.insert(job.to_owned());
+                        }
+                    }
+                    let mut s = seen.lock();
+                    let gone: Vec<String> = s.bound.difference(&now_bound).cloned().collect();
+                    for job in gone {
+                        s.deleted.entry(job).or_insert(tick);
+                    }
+                    s.bound.extend(now_bound);
+                }
+                let spent = tick.elapsed();
+                if spent < Duration::from_secs(1) {
+                    std::thread::sleep(Duration::from_secs(1) - spent);
+                }
+            }
+            let s = seen.lock();
+            s.ended
+                .iter()
+                .filter_map(|(job, end)| {
+                    s.deleted
+                        .get(job)
+                        .map(|d| d.saturating_duration_since(*end))
+                })
+                .collect()
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> Vec<Duration> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
+}
+
+fn summary(p: &SeedLeak, phases: &[PhaseOut], machine: &Machine, passed: bool) {
+    say("");
+    say(format!(
+        "== {}: {} kwok nodes, {} steady pods, {} Jobs per phase (ttlSecondsAfterFinished {}), quiet period {:?} ==",
+        p.preset,
+        p.nodes,
+        p.steady_deployments * p.steady_replicas,
+        p.jobs,
+        p.ttl_seconds,
+        p.quiet
+    ));
+    say(REFERENCE);
+    say("operator RSS (MiB) at the report's points, the report's first:");
+    let names: Vec<&str> = phases
+        .first()
+        .map(|ph| ph.points.iter().map(|pt| pt.name.as_str()).collect())
+        .unwrap_or_default();
+    let mut header = format!("  {:<30}", "");
+    for n in &names {
+        header.push_str(&format!(" {n:>10}"));
+    }
+    say(header);
+    let mut report = format!("  {:<30}", "seeds/000 retina-operator");
+    for n in &names {
+        let v = REPORT_RSS_MIB
+            .iter()
+            .find(|(k, _)| k == n)
+            .map_or("-".to_owned(), |(_, v)| format!("{v:.0}"));
+        report.push_str(&format!(" {v:>10}"));
+    }
+    say(report);
+    for ph in phases {
+        let mut line = format!("  {:<30}", format!("census {}", ph.name));
+        for pt in &ph.points {
+            line.push_str(&format!(
+                " {:>10.1}",
+                pt.operator.rss_bytes as f64 / 1048576.0
+            ));
+        }
+        say(line);
+    }
+    say(
+        "per phase: operator heap and RSS after the quiet period against idle; agents; identities beyond the live set (at the point / settled); pod end -> identity deleted:",
+    );
+    for ph in phases {
+        let beyond: Vec<String> = ph
+            .points
+            .iter()
+            .map(|pt| format!("{}/{}", pt.beyond_at_point, pt.beyond_settled))
+            .collect();
+        let agents_heap: Vec<String> = ph.agent_heap_delta_bytes.iter().map(|d| kib(*d)).collect();
+        let agents_rss: Vec<String> = ph.agent_rss_delta_bytes.iter().map(|d| kib(*d)).collect();
+        say(format!(
+            "  {:<30} heap {} RSS {}; agents heap {} RSS {}; beyond {}; deletes dropped {} corrections {}; end->deletion {}; {}",
+            ph.name,
+            kib(ph.heap_delta_bytes),
+            kib(ph.rss_delta_bytes),
+            agents_heap.join(" "),
+            agents_rss.join(" "),
+            beyond.join(" "),
+            ph.deltas_dropped_by_agents,
+            ph.corrections,
+            ph.end_to_deletion
+                .as_ref()
+                .map_or("n/a (shared identity)".to_owned(), |l| format!(
+                    "p50 {:.1} s p99 {:.1} s ({} pods)",
+                    l.p50_us / 1e6,
+                    l.p99_us / 1e6,
+                    l.count
+                )),
+            if ph.passed {
+                "PASS".to_owned()
+            } else {
+                format!("FAIL: {}", ph.failures.join("; "))
+            }
+        ));
+    }
+    say(format!(
+        "targets: identities beyond the live set 0 once settled at every point; operator live heap within {} and RSS within {} of idle after the quiet period",
+        kib(p.max_heap_delta_bytes),
+        p.max_rss_delta_bytes.map_or("(not gated)".to_owned(), kib)
+    ));
+    say(machine.line());
+    say(if passed {
+        "seed-leak: PASS"
+    } else {
+        "seed-leak: FAIL"
+    });
+}
+
+fn plots(results: &Results, timeline: &[Timeline]) -> anyhow::Result<()> {
+    let phases: BTreeSet<&str> = timeline.iter().map(|t| t.phase.as_str()).collect();
+    let series = |f: &dyn Fn(&Timeline) -> f64| -> Vec<Series> {
+        phases
+            .iter()
+            .map(|ph| {
+                Series::new(
+                    *ph,
+                    timeline
+                        .iter()
+                        .filter(|t| t.phase == *ph)
+                        .map(|t| (t.t, f(t)))
+                        .collect(),
+                )
+            })
+            .collect()
+    };
+    let mib_of = |b: u64| b as f64 / 1048576.0;
+    figure(
+        &results.path("seed-leak.svg"),
+        "seconds since the phase started",
+        &[
+            Panel {
+                title: "operator RSS".into(),
+                y_label: "MiB".into(),
+                series: series(&|t| mib_of(t.operator_rss_bytes)),
+            },
+            Panel {
+                title: "operator live heap".into(),
+                y_label: "MiB".into(),
+                series: series(&|t| mib_of(t.operator_heap_bytes)),
+            },
+            Panel {
+                title: "agents' RSS (largest)".into(),
+                y_label: "MiB".into(),
+                series: series(&|t| mib_of(t.agents_rss_bytes.iter().copied().max().unwrap_or(0))),
+            },
+            Panel {
+                title: "identities the operator holds".into(),
+                y_label: "identities".into(),
+                series: series(&|t| t.identities_bound as f64),
+            },
+        ],
+    )
+}
