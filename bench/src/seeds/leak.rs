@@ -427,10 +427,7 @@ async fn run_phase(
     for (owner, bytes) in heap_growth_by_owner.iter().take(8) {
         say(format!("    heap {:>12} {owner}", kib(*bytes)));
     }
-    let end_to_deletion = match tracker {
-        Some(t) => Some(t.stop()),
-        None => None,
-    };
+    let end_to_deletion = tracker.map(|t| t.stop());
     let metrics_after = census.operator_metrics().await?;
     let corrections = (metrics_after.or_zero("census_corrections_total", "")
         - metrics_before.or_zero("census_corrections_total", "")) as u64;

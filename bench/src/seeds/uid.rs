@@ -271,7 +271,6 @@ async fn levels(census: &mut Census) -> anyhow::Result<Vec<Reading>> {
         .collect())
 }
 
-#[expect(clippy::too_many_arguments, reason = "one phase of the preset")]
 async fn finish(
     plane: &Plane,
     census: &mut Census,
