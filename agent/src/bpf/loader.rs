@@ -133,25 +133,7 @@ impl Datapath {
             .map(|name| (name, pins.map(name)))
             .collect();
         let mut loader = EbpfLoader::new();
-        for (name, path) in &map_pins {
-            loader.map_pin_path(name, path.as_path());
-        }
-        if let Some(entries) = options.flows_max_entries {
-            loader.map_max_entries(FLOWS_MAP, entries);
-        }
-        if let Some(entries) = options.service_flows_max_entries {
-            loader.map_max_entries(SERVICE_FLOWS_MAP, entries);
-        }
-        loader.map_max_entries(
-            ENDPOINTS_MAP,
-            options
-                .endpoints_max_entries
-                .unwrap_or(ENDPOINTS_MAX_ENTRIES),
-        );
-        loader.map_max_entries(
-            NODES_MAP,
-            options.nodes_max_entries.unwrap_or(NODES_MAX_ENTRIES),
-        );
+        configure(&mut loader, &map_pins, options);
         // aya-log-ebpf's default is every level on: always say which.
         let log_level = options.datapath_log.aya_level();
         loader.override_global(aya_log::LEVEL, &log_level, true);
@@ -217,20 +199,7 @@ impl Datapath {
             DatapathLog::Off => None,
             level => Some(LogForwarder::start(&mut ebpf, level)?),
         };
-        let mut pinned = Vec::new();
-        for (name, path) in &map_pins {
-            let data =
-                MapData::from_pin(path).map_err(|source| Error::Map { map: name, source })?;
-            pinned.push((*name, data));
-        }
-        pins::warn_size(&pinned, FLOWS_MAP, options.flows_max_entries);
-        pins::warn_size(
-            &pinned,
-            SERVICE_FLOWS_MAP,
-            options.service_flows_max_entries,
-        );
-        pins::warn_size(&pinned, ENDPOINTS_MAP, options.endpoints_max_entries);
-        pins::warn_size(&pinned, NODES_MAP, options.nodes_max_entries);
+        let pinned = reopen_pins(&map_pins, options)?;
         tracing::info!(
             pin_dir = %pins.dir().display(),
             reused = layout != Layout::Fresh,
@@ -421,6 +390,55 @@ fn load_socket_program(ebpf: &mut Ebpf, hook: SocketHook) -> Result<(), Error> {
     socket_program(ebpf, hook)?
         .load()
         .map_err(|source| rejected(hook.program(), source))
+}
+
+/// The loader's maps: where each is pinned, and the sizes asked for.
+fn configure<'a>(
+    loader: &mut EbpfLoader<'a>,
+    map_pins: &'a [(&'static str, PathBuf)],
+    options: &Options,
+) {
+    for (name, path) in map_pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    if let Some(entries) = options.flows_max_entries {
+        loader.map_max_entries(FLOWS_MAP, entries);
+    }
+    if let Some(entries) = options.service_flows_max_entries {
+        loader.map_max_entries(SERVICE_FLOWS_MAP, entries);
+    }
+    loader.map_max_entries(
+        ENDPOINTS_MAP,
+        options
+            .endpoints_max_entries
+            .unwrap_or(ENDPOINTS_MAX_ENTRIES),
+    );
+    loader.map_max_entries(
+        NODES_MAP,
+        options.nodes_max_entries.unwrap_or(NODES_MAX_ENTRIES),
+    );
+}
+
+/// Every pinned map opened again from its pin, for inspection; a pin whose size
+/// differs from the one asked for is warned about (the pin's is kept).
+fn reopen_pins(
+    map_pins: &[(&'static str, PathBuf)],
+    options: &Options,
+) -> Result<Vec<(&'static str, MapData)>, Error> {
+    let mut pinned = Vec::new();
+    for (name, path) in map_pins {
+        let data = MapData::from_pin(path).map_err(|source| Error::Map { map: name, source })?;
+        pinned.push((*name, data));
+    }
+    pins::warn_size(&pinned, FLOWS_MAP, options.flows_max_entries);
+    pins::warn_size(
+        &pinned,
+        SERVICE_FLOWS_MAP,
+        options.service_flows_max_entries,
+    );
+    pins::warn_size(&pinned, ENDPOINTS_MAP, options.endpoints_max_entries);
+    pins::warn_size(&pinned, NODES_MAP, options.nodes_max_entries);
+    Ok(pinned)
 }
 
 fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {
