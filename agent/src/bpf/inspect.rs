@@ -211,26 +211,7 @@ impl Inspector {
     /// entry, maps of another layout version and maps of an unexpected kind or size.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self, InspectError> {
         let dir = dir.as_ref().to_owned();
-        match fs::metadata(&dir) {
-            Ok(meta) if meta.is_dir() => {}
-            Ok(_) => return Err(InspectError::NotADir { path: dir }),
-            Err(source) => return Err(io_error("reading", &dir, source, None)),
-        }
-        match privileges::is_bpffs(&dir) {
-            Ok(true) => {}
-            Ok(false) => return Err(InspectError::NotBpffs { path: dir }),
-            Err(Error::Io {
-                operation,
-                path,
-                source,
-            }) => return Err(io_error(operation, &path, source, None)),
-            Err(source) => {
-                return Err(InspectError::Check {
-                    path: dir,
-                    source: Box::new(source),
-                });
-            }
-        }
+        check_dir(&dir)?;
 
         // The layout version first: a map of another layout is never interpreted.
         let meta_path = dir.join(META_MAP);
@@ -287,60 +268,12 @@ impl Inspector {
             (FLOWS_MAP, flows_path, flows_info),
             (INTERFACES_MAP, interfaces_path, interfaces_info),
         ];
-        let stats_path = dir.join(STATS_MAP);
-        // Layout 2 had no STATS; from layout 3 on it is part of the layout.
-        let stats = if layout == LAYOUT_VERSION || exists(&stats_path)? {
-            let (stats, stats_info) = open_map(STATS_MAP, &stats_path)?;
-            let stats = StatsMap::try_from(stats).map_err(|source| InspectError::Map {
-                path: stats_path.clone(),
-                source,
-            })?;
-            infos.push((STATS_MAP, stats_path, stats_info));
-            Some(stats)
-        } else {
-            None
-        };
-        let nodes_path = dir.join(NODES_MAP);
-        // Layouts before 4 had no NODES.
-        let nodes = if layout == LAYOUT_VERSION || exists(&nodes_path)? {
-            let (nodes, nodes_info) = open_map(NODES_MAP, &nodes_path)?;
-            let nodes = NodesMap::try_from(nodes).map_err(|source| InspectError::Map {
-                path: nodes_path.clone(),
-                source,
-            })?;
-            infos.push((NODES_MAP, nodes_path, nodes_info));
-            Some(nodes)
-        } else {
-            None
-        };
-        let services_path = dir.join(SERVICES_MAP);
-        // Layouts before 5 had no SERVICES.
-        let services = if layout == LAYOUT_VERSION || exists(&services_path)? {
-            let (services, services_info) = open_map(SERVICES_MAP, &services_path)?;
-            let services = ServicesMap::try_from(services).map_err(|source| InspectError::Map {
-                path: services_path.clone(),
-                source,
-            })?;
-            infos.push((SERVICES_MAP, services_path, services_info));
-            Some(services)
-        } else {
-            None
-        };
-        let service_flows_path = dir.join(SERVICE_FLOWS_MAP);
-        // Layouts before 6 had no SERVICE_FLOWS.
-        let service_flows = if layout == LAYOUT_VERSION || exists(&service_flows_path)? {
-            let (map, info) = open_map(SERVICE_FLOWS_MAP, &service_flows_path)?;
-            let map = service_flows::ServiceFlowsMap::try_from(map).map_err(|source| {
-                InspectError::Map {
-                    path: service_flows_path.clone(),
-                    source,
-                }
-            })?;
-            infos.push((SERVICE_FLOWS_MAP, service_flows_path, info));
-            Some(map)
-        } else {
-            None
-        };
+        // Maps later layouts added: STATS in 3, NODES in 4, SERVICES in 5,
+        // SERVICE_FLOWS in 6.
+        let stats = open_since(&dir, layout, STATS_MAP, &mut infos)?;
+        let nodes = open_since(&dir, layout, NODES_MAP, &mut infos)?;
+        let services = open_since(&dir, layout, SERVICES_MAP, &mut infos)?;
+        let service_flows = open_since(&dir, layout, SERVICE_FLOWS_MAP, &mut infos)?;
         Ok(Self {
             service_flows,
             dir,
@@ -590,6 +523,63 @@ fn io_error(
             source,
         },
     }
+}
+
+/// `dir` is a directory of a bpffs, or the error that says what it is instead.
+fn check_dir(dir: &Path) -> Result<(), InspectError> {
+    match fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => {
+            return Err(InspectError::NotADir {
+                path: dir.to_owned(),
+            });
+        }
+        Err(source) => return Err(io_error("reading", dir, source, None)),
+    }
+    match privileges::is_bpffs(dir) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(InspectError::NotBpffs {
+                path: dir.to_owned(),
+            });
+        }
+        Err(Error::Io {
+            operation,
+            path,
+            source,
+        }) => return Err(io_error(operation, &path, source, None)),
+        Err(source) => {
+            return Err(InspectError::Check {
+                path: dir.to_owned(),
+                source: Box::new(source),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A map a later layout added: opened and typed when this layout has it or its
+/// pin is there (an older layout's directory has none), its info kept in `infos`.
+fn open_since<M>(
+    dir: &Path,
+    layout: u32,
+    name: &'static str,
+    infos: &mut Vec<(&'static str, PathBuf, MapInfo)>,
+) -> Result<Option<M>, InspectError>
+where
+    M: TryFrom<Map, Error = MapError>,
+{
+    let path = dir.join(name);
+    if layout != LAYOUT_VERSION && !exists(&path)? {
+        return Ok(None);
+    }
+    let (map, info) = open_map(name, &path)?;
+    let map = M::try_from(map).map_err(|source| InspectError::Map {
+        path: path.clone(),
+        source,
+    })?;
+    infos.push((name, path, info));
+    Ok(Some(map))
 }
 
 /// Opens the pin of `name`, checking the map's kind and sizes against this layout.
