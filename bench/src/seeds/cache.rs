@@ -12,7 +12,10 @@ use anyhow::Context as _;
 use serde::Serialize;
 use tokio::time::{Instant, sleep};
 
-use super::world::{Binaries, Census, CensusFlags, Plane, Reading};
+use super::{
+    leak::level,
+    world::{Binaries, Census, CensusFlags, Plane, Reading},
+};
 use crate::{
     plot::{Panel, Series, figure},
     presets::SeedCache,
@@ -408,14 +411,7 @@ async fn levels(census: &mut Census) -> anyhow::Result<Vec<Reading>> {
     }
     let n = all.first().map_or(0, Vec::len);
     Ok((0..n)
-        .map(|i| {
-            let mut rss: Vec<u64> = all.iter().map(|r| r[i].rss_bytes).collect();
-            rss.sort_unstable();
-            Reading {
-                rss_bytes: rss[rss.len() / 2],
-                heap_live_bytes: all.iter().map(|r| r[i].heap_live_bytes).min().unwrap_or(0),
-            }
-        })
+        .map(|i| level(&all.iter().map(|r| r[i]).collect::<Vec<_>>()))
         .collect())
 }
 
