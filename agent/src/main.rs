@@ -218,7 +218,8 @@ async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> 
             .context("no API server to watch pods on: not in a cluster, and no kubeconfig (pass --kubeconfig, or --endpoints-file for the file source)")?,
     };
     let url = config.cluster_url.clone();
-    let client = kube::Client::try_from(config)
+    let pool = census_daemon::apiserver::Pool::default();
+    let client = census_daemon::apiserver::client(config, pool, true)
         .with_context(|| format!("cannot make a client for the API server at {url}"))?;
     tracing::info!(%url, "watching this node's pods on the API server");
     Ok(client)

@@ -2,6 +2,8 @@
 //!
 //! - [`alloc`]: the global allocator, jemalloc, with a counter of live heap bytes
 //!   and the jemalloc options that make freed memory go back to the OS;
+//! - [`apiserver`]: the client of the Kubernetes API server, kube's stack over a
+//!   connection pool with a cap on idle connections and an idle timeout;
 //! - [`profiling`]: jemalloc heap profiles in pprof format at `/debug/pprof/heap`,
 //!   compiled in, inactive unless the daemon runs with `--heap-profiling`;
 //! - [`metrics`]: `/metrics` in the Prometheus text format or OpenMetrics, as the
@@ -19,6 +21,7 @@
 //! stops on [`signal::shutdown`].
 
 pub mod alloc;
+pub mod apiserver;
 pub mod fds;
 pub mod http;
 pub mod log;

@@ -17,6 +17,7 @@ pub mod tokenreview;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use census_daemon::apiserver::Pool;
 use census_proto::labels::LabelLimits;
 use kube::{
     Api, Client,
@@ -122,11 +123,16 @@ async fn kube_config(args: &KubernetesArgs) -> Result<kube::Config, ClusterError
     }
 }
 
-fn client(mut config: kube::Config, retry: bool) -> Result<Client, ClusterError> {
-    // kube retries 429/503/504 up to 15 times with long backoff by default; writes and
-    // the Lease have their own retry (the core's backoff, the retry period).
-    config.default_retry = retry;
-    Client::try_from(config).map_err(ClusterError::Client)
+/// A client of the API server over a connection pool of `max_idle` idle connections,
+/// each closed after 30 s unused (census_daemon::apiserver). With `retry`, 429, 503
+/// and 504 are retried with kube's backoff; writes and the Lease have their own retry
+/// (the core's backoff, the retry period).
+fn client(config: kube::Config, retry: bool, max_idle: usize) -> Result<Client, ClusterError> {
+    let pool = Pool {
+        max_idle,
+        ..Pool::default()
+    };
+    census_daemon::apiserver::client(config, pool, retry).map_err(ClusterError::Client)
 }
 
 /// Connects to the cluster and starts this replica as a follower.
@@ -158,9 +164,12 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
     let identity = replica_identity(pod_name.as_deref());
     let lease = lease_config(args, &namespace, &identity, grpc_addr.port());
     lease.check()?;
-    let writes = client(config.clone(), false)?;
-    let reads = client(config.clone(), true)?;
-    let leases = client(config.clone(), false)?;
+    let store_config = store_config(limits, store_timeout, &identity);
+    // The writes client keeps as many idle connections as the store writes at once,
+    // so a GC pass reuses them; the timeout closes them once the pass is over.
+    let writes = client(config.clone(), false, store_config.concurrency)?;
+    let reads = client(config.clone(), true, Pool::default().max_idle)?;
+    let leases = client(config.clone(), false, 1)?;
     let tokens = token_reviewer(config, args, &metrics)?;
     readiness.set_not_ready(format!("replica {identity}: {}", waiting(&reads).await?));
 
@@ -169,7 +178,7 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         writes.clone(),
         reads.clone(),
         fence.clone(),
-        store_config(limits, store_timeout, &identity),
+        store_config,
     ));
     let nodes = Arc::new(NodeIndex::binding_peers(*require_node_address));
     let runtime = Runtime::new_replica(
@@ -276,7 +285,7 @@ fn token_reviewer(
     metrics: &Metrics,
 ) -> Result<TokenReviewer, ClusterError> {
     Ok(TokenReviewer::counted(
-        client(config, false)?,
+        client(config, false, Pool::default().max_idle)?,
         TokenReviewConfig::new(
             args.token_audience.clone(),
             args.agent_service_account.clone(),
