@@ -86,6 +86,12 @@ struct Options {
     /// one lets identities be released while they are still being allocated).
     #[arg(long, value_parser = humantime_secs)]
     hold_timeout: Option<std::time::Duration>,
+    /// seed-leak presets: profile the operator's heap, one sample per 2^N bytes
+    /// allocated (e.g. 12), and print what grew between idle and the end of the
+    /// quiet period by owner. Off by default: a profile's own allocations stay in the
+    /// live heap the gate measures.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=30))]
+    heap_sample_lg: Option<u32>,
 }
 
 fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
@@ -119,6 +125,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         nodes,
         identities,
         hold_timeout,
+        heap_sample_lg,
     } = options;
     let preset = match (preset, heap_owners) {
         (_, Some(path)) => {
@@ -215,7 +222,11 @@ async fn run(options: Options) -> anyhow::Result<()> {
                     let uid = seeds::uid::run(&bins, &results, presets::seed_uid()).await?;
                     leak && gc && cache && uid
                 }
-                _ => seeds::leak::run(&bins, &results, presets::seed_leak(preset)).await?,
+                _ => {
+                    let mut params = presets::seed_leak(preset);
+                    params.heap_sample_lg = heap_sample_lg;
+                    seeds::leak::run(&bins, &results, params).await?
+                }
             }
         }
     };
