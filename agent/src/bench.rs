@@ -200,7 +200,8 @@ impl RemoteMap {
     }
 }
 
-/// A datapath that takes every write and keeps nothing.
+/// A datapath of the maps [`Reconciler::apply`] writes, that takes every write and
+/// keeps nothing.
 #[derive(Debug)]
 struct Discard;
 

@@ -95,6 +95,14 @@ impl FakeMaps {
             })
             .collect()
     }
+
+    /// What `census-agent uninstall` does under a running agent: every link
+    /// detached, every pin removed (the maps live on in the agent).
+    pub(crate) fn uninstall(&mut self) {
+        self.links.clear();
+        self.slots.clear();
+        self.unpinned = true;
+    }
 }
 
 impl EndpointsPort for FakeMaps {
@@ -359,17 +367,8 @@ impl PinsPort for FakeMaps {
     }
 }
 
-impl FakeMaps {
-    /// What `census-agent uninstall` does under a running agent: every link
-    /// detached, every pin removed (the maps live on in the agent).
-    pub(crate) fn uninstall(&mut self) {
-        self.links.clear();
-        self.slots.clear();
-        self.unpinned = true;
-    }
-}
-
-// A fake a test can look at while the daemon owns it.
+// The same ports on a fake shared with a test, which looks at it while the daemon
+// owns it.
 
 impl EndpointsPort for Arc<Mutex<FakeMaps>> {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
