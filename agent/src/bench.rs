@@ -21,7 +21,10 @@ use crate::{
         AllocationEvent, AllocationId, Core, Effects, MapBatch, MapEntry, MapEvent, MapNode,
     },
     bpf::{self, Datapath, ServiceKind},
-    reconcile::{DatapathPort, Link, MapKey, Reconciler},
+    reconcile::{
+        ClassifierPort, EndpointsPort, InterfacesPort, Link, MapKey, NodesPort, Reconciler,
+        ServicesPort,
+    },
     source::SourceEvent,
 };
 
@@ -197,13 +200,18 @@ impl RemoteMap {
     }
 }
 
-/// A datapath that takes every write and keeps nothing.
+/// A datapath of the maps [`Reconciler::apply`] writes, that takes every write and
+/// keeps nothing.
 #[derive(Debug)]
 struct Discard;
 
-impl DatapathPort for Discard {
+impl EndpointsPort for Discard {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
         Ok(BTreeMap::new())
+    }
+
+    fn read_endpoint(&self, _: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
+        Ok(None)
     }
 
     fn write_endpoint(&mut self, _: IpAddr, _: bpf::Endpoint) -> Result<(), bpf::Error> {
@@ -213,11 +221,37 @@ impl DatapathPort for Discard {
     fn delete_endpoint(&mut self, _: &MapKey) -> Result<bool, bpf::Error> {
         Ok(true)
     }
+}
 
-    fn read_endpoint(&self, _: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
-        Ok(None)
+impl NodesPort for Discard {
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        Ok(BTreeMap::new())
     }
 
+    fn write_node(&mut self, _: NonZeroU16, _: &str, _: &[IpAddr]) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn delete_node(&mut self, _: NonZeroU16) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+}
+
+impl ServicesPort for Discard {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
+        Ok(BTreeMap::new())
+    }
+
+    fn write_service(&mut self, _: IpNet, _: ServiceKind) -> Result<(), bpf::Error> {
+        Ok(())
+    }
+
+    fn delete_service(&mut self, _: IpNet) -> Result<bool, bpf::Error> {
+        Ok(true)
+    }
+}
+
+impl InterfacesPort for Discard {
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
         BTreeMap::new()
     }
@@ -233,7 +267,9 @@ impl DatapathPort for Discard {
     fn clear_interface_slot(&mut self, _: u32) -> Result<(), bpf::Error> {
         Ok(())
     }
+}
 
+impl ClassifierPort for Discard {
     fn attach(&mut self, _: &str) -> Result<u32, bpf::Error> {
         Ok(1)
     }
@@ -250,63 +286,7 @@ impl DatapathPort for Discard {
         Ok(0)
     }
 
-    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
-        Ok(false)
-    }
-
     fn in_front(&self, _: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
         Ok(Vec::new())
-    }
-
-    fn write_node(&mut self, _: NonZeroU16, _: &str, _: &[IpAddr]) -> Result<(), bpf::Error> {
-        Ok(())
-    }
-
-    fn delete_node(&mut self, _: NonZeroU16) -> Result<bool, bpf::Error> {
-        Ok(true)
-    }
-
-    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
-        Ok(BTreeMap::new())
-    }
-
-    fn write_service(&mut self, _: IpNet, _: ServiceKind) -> Result<(), bpf::Error> {
-        Ok(())
-    }
-
-    fn delete_service(&mut self, _: IpNet) -> Result<bool, bpf::Error> {
-        Ok(true)
-    }
-
-    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
-        Ok(BTreeMap::new())
-    }
-
-    fn default_uplinks(&self) -> Result<std::collections::BTreeSet<String>, bpf::Error> {
-        Ok(std::collections::BTreeSet::new())
-    }
-
-    fn attach_uplink(&mut self, _: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
-        Ok(bpf::AttachOutcome::Attached)
-    }
-
-    fn detach_uplink(&mut self, _: &str) -> Result<bool, bpf::Error> {
-        Ok(false)
-    }
-
-    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
-        Ok(Vec::new())
-    }
-
-    fn find_cgroup2_root(&self) -> Result<std::path::PathBuf, bpf::Error> {
-        Ok(std::path::PathBuf::from("/sys/fs/cgroup"))
-    }
-
-    fn attach_sockets(&mut self, _: &std::path::Path) -> Result<bpf::AttachOutcome, bpf::Error> {
-        Ok(bpf::AttachOutcome::Attached)
-    }
-
-    fn sockets_attached(&self) -> Result<bool, bpf::Error> {
-        Ok(true)
     }
 }

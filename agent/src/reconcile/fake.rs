@@ -1,7 +1,23 @@
-//! An in-memory datapath, for tests: ENDPOINTS, INTERFACES and pinned links, with
-//! interfaces that exist or not.
+//! An in-memory datapath, for tests: every map, the pinned links and the node's
+//! hooks, with interfaces that exist or not; it implements each map's port.
 
-use super::*;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    num::NonZeroU16,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use census_proto::domain::ServiceKind;
+use ipnet::IpNet;
+use parking_lot::Mutex;
+
+use super::{
+    ClassifierPort, EndpointsPort, InterfacesPort, Link, MapKey, NodeHooksPort, NodesPort,
+    PinsPort, ServicesPort, endpoints::ENDPOINTS,
+};
+use crate::bpf::{self, AttachmentState, interface_slot};
 
 #[derive(Debug, Default)]
 pub(crate) struct FakeMaps {
@@ -79,9 +95,17 @@ impl FakeMaps {
             })
             .collect()
     }
+
+    /// What `census-agent uninstall` does under a running agent: every link
+    /// detached, every pin removed (the maps live on in the agent).
+    pub(crate) fn uninstall(&mut self) {
+        self.links.clear();
+        self.slots.clear();
+        self.unpinned = true;
+    }
 }
 
-impl DatapathPort for FakeMaps {
+impl EndpointsPort for FakeMaps {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
         Ok(self.entries.clone())
     }
@@ -114,7 +138,63 @@ impl DatapathPort for FakeMaps {
         self.writes += 1;
         Ok(self.entries.remove(key).is_some())
     }
+}
 
+impl NodesPort for FakeMaps {
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        Ok(self.nodes.clone())
+    }
+
+    fn write_node(
+        &mut self,
+        index: NonZeroU16,
+        name: &str,
+        addresses: &[IpAddr],
+    ) -> Result<(), bpf::Error> {
+        // As the datapath does: a node that does not fit is refused.
+        let record = bpf::NodeRecord::checked(index, name, addresses)?;
+        self.node_writes += 1;
+        self.nodes.insert(index.get(), record);
+        Ok(())
+    }
+
+    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
+        self.node_writes += 1;
+        Ok(self.nodes.remove(&index.get()).is_some())
+    }
+}
+
+impl ServicesPort for FakeMaps {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
+        Ok(self.services.clone())
+    }
+
+    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
+        if let Some(reason) = self.services_refuse {
+            return Err(bpf::Error::InvalidInterfaceName {
+                name: "SERVICES".to_owned(),
+                reason,
+            });
+        }
+        self.service_writes += 1;
+        // As the trie does: one entry per range, host bits ignored.
+        self.services.insert(range.trunc(), kind);
+        Ok(())
+    }
+
+    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
+        if let Some(reason) = self.services_refuse {
+            return Err(bpf::Error::InvalidInterfaceName {
+                name: "SERVICES".to_owned(),
+                reason,
+            });
+        }
+        self.service_writes += 1;
+        Ok(self.services.remove(&range.trunc()).is_some())
+    }
+}
+
+impl InterfacesPort for FakeMaps {
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
         self.slots.clone()
     }
@@ -157,7 +237,9 @@ impl DatapathPort for FakeMaps {
         self.slots.remove(&slot);
         Ok(())
     }
+}
 
+impl ClassifierPort for FakeMaps {
     fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error> {
         if !self.interfaces.contains(interface) {
             return Err(bpf::Error::InterfaceNotFound {
@@ -200,75 +282,12 @@ impl DatapathPort for FakeMaps {
         Ok((before - self.links.len()) * 2)
     }
 
-    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
-        if !self.unpinned {
-            return Ok(false);
-        }
-        if let Some(reason) = self.unpinnable {
-            return Err(bpf::Error::InvalidInterfaceName {
-                name: "pins".to_owned(),
-                reason,
-            });
-        }
-        self.unpinned = false;
-        self.repins += 1;
-        Ok(true)
-    }
-
     fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
         Ok(self.in_front.get(interface).cloned().unwrap_or_default())
     }
+}
 
-    fn write_node(
-        &mut self,
-        index: NonZeroU16,
-        name: &str,
-        addresses: &[IpAddr],
-    ) -> Result<(), bpf::Error> {
-        // As the datapath does: a node that does not fit is refused.
-        let record = bpf::NodeRecord::checked(index, name, addresses)?;
-        self.node_writes += 1;
-        self.nodes.insert(index.get(), record);
-        Ok(())
-    }
-
-    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
-        self.node_writes += 1;
-        Ok(self.nodes.remove(&index.get()).is_some())
-    }
-
-    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
-        Ok(self.nodes.clone())
-    }
-
-    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
-        if let Some(reason) = self.services_refuse {
-            return Err(bpf::Error::InvalidInterfaceName {
-                name: "SERVICES".to_owned(),
-                reason,
-            });
-        }
-        self.service_writes += 1;
-        // As the trie does: one entry per range, host bits ignored.
-        self.services.insert(range.trunc(), kind);
-        Ok(())
-    }
-
-    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
-        if let Some(reason) = self.services_refuse {
-            return Err(bpf::Error::InvalidInterfaceName {
-                name: "SERVICES".to_owned(),
-                reason,
-            });
-        }
-        self.service_writes += 1;
-        Ok(self.services.remove(&range.trunc()).is_some())
-    }
-
-    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
-        Ok(self.services.clone())
-    }
-
+impl NodeHooksPort for FakeMaps {
     fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error> {
         Ok(self.default_uplinks.clone())
     }
@@ -331,20 +350,33 @@ impl DatapathPort for FakeMaps {
     }
 }
 
-impl FakeMaps {
-    /// What `census-agent uninstall` does under a running agent: every link
-    /// detached, every pin removed (the maps live on in the agent).
-    pub(crate) fn uninstall(&mut self) {
-        self.links.clear();
-        self.slots.clear();
-        self.unpinned = true;
+impl PinsPort for FakeMaps {
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
+        if !self.unpinned {
+            return Ok(false);
+        }
+        if let Some(reason) = self.unpinnable {
+            return Err(bpf::Error::InvalidInterfaceName {
+                name: "pins".to_owned(),
+                reason,
+            });
+        }
+        self.unpinned = false;
+        self.repins += 1;
+        Ok(true)
     }
 }
 
-/// A fake a test can look at while the daemon owns it.
-impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
+// The same ports on a fake shared with a test, which looks at it while the daemon
+// owns it.
+
+impl EndpointsPort for Arc<Mutex<FakeMaps>> {
     fn read_endpoints(&self) -> Result<BTreeMap<MapKey, bpf::Endpoint>, bpf::Error> {
         self.lock().read_endpoints()
+    }
+
+    fn read_endpoint(&self, ip: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
+        self.lock().read_endpoint(ip)
     }
 
     fn write_endpoint(&mut self, ip: IpAddr, endpoint: bpf::Endpoint) -> Result<(), bpf::Error> {
@@ -354,11 +386,42 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
     fn delete_endpoint(&mut self, key: &MapKey) -> Result<bool, bpf::Error> {
         self.lock().delete_endpoint(key)
     }
+}
 
-    fn read_endpoint(&self, ip: IpAddr) -> Result<Option<bpf::Endpoint>, bpf::Error> {
-        self.lock().read_endpoint(ip)
+impl NodesPort for Arc<Mutex<FakeMaps>> {
+    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
+        self.lock().read_nodes()
     }
 
+    fn write_node(
+        &mut self,
+        index: NonZeroU16,
+        name: &str,
+        addresses: &[IpAddr],
+    ) -> Result<(), bpf::Error> {
+        self.lock().write_node(index, name, addresses)
+    }
+
+    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
+        self.lock().delete_node(index)
+    }
+}
+
+impl ServicesPort for Arc<Mutex<FakeMaps>> {
+    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
+        self.lock().read_services()
+    }
+
+    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
+        self.lock().write_service(range, kind)
+    }
+
+    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
+        self.lock().delete_service(range)
+    }
+}
+
+impl InterfacesPort for Arc<Mutex<FakeMaps>> {
     fn read_interfaces(&self) -> BTreeMap<u32, bpf::Interface> {
         self.lock().read_interfaces()
     }
@@ -374,7 +437,9 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
     fn clear_interface_slot(&mut self, slot: u32) -> Result<(), bpf::Error> {
         self.lock().clear_interface_slot(slot)
     }
+}
 
+impl ClassifierPort for Arc<Mutex<FakeMaps>> {
     fn attach(&mut self, interface: &str) -> Result<u32, bpf::Error> {
         self.lock().attach(interface)
     }
@@ -391,43 +456,12 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
         self.lock().prune_defunct()
     }
 
-    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
-        self.lock().ensure_pinned()
-    }
-
     fn in_front(&self, interface: &str) -> Result<Vec<bpf::InFront>, bpf::Error> {
         self.lock().in_front(interface)
     }
+}
 
-    fn write_node(
-        &mut self,
-        index: NonZeroU16,
-        name: &str,
-        addresses: &[IpAddr],
-    ) -> Result<(), bpf::Error> {
-        self.lock().write_node(index, name, addresses)
-    }
-
-    fn delete_node(&mut self, index: NonZeroU16) -> Result<bool, bpf::Error> {
-        self.lock().delete_node(index)
-    }
-
-    fn read_nodes(&self) -> Result<BTreeMap<u16, bpf::NodeRecord>, bpf::Error> {
-        self.lock().read_nodes()
-    }
-
-    fn write_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), bpf::Error> {
-        self.lock().write_service(range, kind)
-    }
-
-    fn delete_service(&mut self, range: IpNet) -> Result<bool, bpf::Error> {
-        self.lock().delete_service(range)
-    }
-
-    fn read_services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, bpf::Error> {
-        self.lock().read_services()
-    }
-
+impl NodeHooksPort for Arc<Mutex<FakeMaps>> {
     fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error> {
         self.lock().default_uplinks()
     }
@@ -454,5 +488,11 @@ impl DatapathPort for std::sync::Arc<parking_lot::Mutex<FakeMaps>> {
 
     fn sockets_attached(&self) -> Result<bool, bpf::Error> {
         self.lock().sockets_attached()
+    }
+}
+
+impl PinsPort for Arc<Mutex<FakeMaps>> {
+    fn ensure_pinned(&mut self) -> Result<bool, bpf::Error> {
+        self.lock().ensure_pinned()
     }
 }

@@ -1,9 +1,9 @@
 //! The node's own hooks, which no endpoint asks for: `census_uplink` on the
 //! devices packets leave the node by, and `census_sockets` and
-//! `census_sockets_ingress` at the root of the cgroup v2 hierarchy. They are attached at start and put back by every full
-//! pass: a tunnel device created after the agent started (a CNI that makes its
-//! VXLAN device late) gets the uplink program, and a link removed under the agent
-//! is attached again.
+//! `census_sockets_ingress` at the root of the cgroup v2 hierarchy. They are
+//! attached at start and put back by every full pass: a tunnel device created
+//! after the agent started (a CNI that makes its VXLAN device late) gets the
+//! uplink program, and a link removed under the agent is attached again.
 //!
 //! A device that stops being an uplink has the program detached by the next
 //! full pass.
@@ -13,15 +13,73 @@
 //! the Service requests they receive): the agent stays Ready, and `/readyz` and
 //! the admin API say what is missing and why until a pass attaches it.
 
-use std::{collections::BTreeSet, path::PathBuf};
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+};
 
 use tracing::{debug, info, warn};
 
-use super::{DatapathPort, Reconciler};
+use super::{Link, Reconciler};
 use crate::{
     agent_core::{MissingHook, NodeHook},
-    bpf,
+    bpf::{self, Datapath},
 };
+
+/// The node's hooks as reconcile drives them.
+pub(crate) trait NodeHooksPort {
+    /// The devices packets leave the node by, as [`bpf::default_uplinks`] finds them.
+    fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error>;
+    /// Attaches (or adopts the pinned link of) the uplink program on `interface`.
+    fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error>;
+    /// Detaches the uplink program from `interface`; `false` if it was not there.
+    fn detach_uplink(&mut self, interface: &str) -> Result<bool, bpf::Error>;
+    /// The pinned links of the uplink program, one per device.
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error>;
+    /// The root of the node's cgroup v2 hierarchy, as [`bpf::find_cgroup2_root`]
+    /// finds it.
+    fn find_cgroup2_root(&self) -> Result<PathBuf, bpf::Error>;
+    /// Attaches (or adopts the pinned link of) the socket program at `cgroup`.
+    fn attach_sockets(&mut self, cgroup: &Path) -> Result<bpf::AttachOutcome, bpf::Error>;
+    /// Whether the socket program's link is pinned and attached.
+    fn sockets_attached(&self) -> Result<bool, bpf::Error>;
+}
+
+impl NodeHooksPort for Datapath {
+    fn default_uplinks(&self) -> Result<BTreeSet<String>, bpf::Error> {
+        bpf::default_uplinks()
+    }
+
+    fn attach_uplink(&mut self, interface: &str) -> Result<bpf::AttachOutcome, bpf::Error> {
+        Datapath::attach_uplink(self, interface)
+    }
+
+    fn detach_uplink(&mut self, interface: &str) -> Result<bool, bpf::Error> {
+        Datapath::detach_uplink(self, interface)
+    }
+
+    fn uplinks(&self) -> Result<Vec<Link>, bpf::Error> {
+        Ok(Datapath::uplinks(self)?
+            .into_iter()
+            .map(|a| Link {
+                interface: a.interface,
+                state: a.state,
+            })
+            .collect())
+    }
+
+    fn find_cgroup2_root(&self) -> Result<PathBuf, bpf::Error> {
+        bpf::find_cgroup2_root()
+    }
+
+    fn attach_sockets(&mut self, cgroup: &Path) -> Result<bpf::AttachOutcome, bpf::Error> {
+        Datapath::attach_sockets(self, cgroup)
+    }
+
+    fn sockets_attached(&self) -> Result<bool, bpf::Error> {
+        Datapath::sockets_attached(self)
+    }
+}
 
 /// Where the node's hooks go: the command line, resolved.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -51,7 +109,7 @@ impl Reconciler {
 
     /// Attaches the uplink program where it should be and is not, and the socket
     /// program if its link is gone; what is still missing, and why.
-    pub(crate) fn repair_node_hooks<M: DatapathPort + ?Sized>(
+    pub(crate) fn repair_node_hooks<M: NodeHooksPort + ?Sized>(
         &mut self,
         maps: &mut M,
     ) -> Vec<MissingHook> {
@@ -69,7 +127,7 @@ impl Reconciler {
         missing
     }
 
-    fn repair_uplinks<M: DatapathPort + ?Sized>(
+    fn repair_uplinks<M: NodeHooksPort + ?Sized>(
         &mut self,
         maps: &mut M,
         hooks: &NodeHooks,
@@ -133,7 +191,7 @@ impl Reconciler {
     }
 }
 
-fn repair_sockets<M: DatapathPort + ?Sized>(
+fn repair_sockets<M: NodeHooksPort + ?Sized>(
     maps: &mut M,
     hooks: &NodeHooks,
 ) -> Option<MissingHook> {

@@ -1,4 +1,11 @@
+use census_proto::domain::IdentityId;
+
 use super::{fake::FakeMaps, *};
+use crate::{
+    agent_core::{Entry, InterfaceChange},
+    bpf::interface_slot,
+    reconcile::endpoints::ENDPOINTS,
+};
 
 #[test]
 fn only_local_entries_are_adoptable() {
