@@ -36,7 +36,10 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::time::{Instant, sleep};
 
-use super::world::{Binaries, Census, CensusFlags, Plane, Reading, poll};
+use super::{
+    ready,
+    world::{Binaries, Census, CensusFlags, Plane, Reading, poll},
+};
 use crate::{
     heap,
     plot::{Panel, Series, figure},
@@ -60,6 +63,8 @@ const REFERENCE: &str = "seeds/000 (retina-operator v1.2.3 on kind): operator RS
 const OPERATOR_ACCOUNT: &str = "system:serviceaccount:census-system:census-operator";
 
 /// The namespace of the steady workload.
+/// A probe pod for the time to identity every this many Jobs (seeds/ready.rs).
+const PROBE_EVERY: usize = 3;
 const STEADY_NS: &str = "seed-steady";
 
 #[derive(Debug, Clone, Serialize)]
@@ -106,6 +111,8 @@ struct PhaseOut {
     /// What grew in the operator's sampled live heap from idle to after the quiet
     /// period, by owner (largest first), when profiled.
     heap_growth_by_owner: Vec<(String, i64)>,
+    /// From a probe pod's IP to its identity in the maps.
+    time_to_identity: ready::TimeToIdentity,
     passed: bool,
     failures: Vec<String>,
 }
@@ -334,6 +341,8 @@ async fn run_phase(
 
     // Pod ends and identity deletions, polled in the background.
     let tracker = keep.then(|| Tracker::start(plane.0.clone(), jobs_ns.clone()));
+    // Time to identity, on a probe pod created every PROBE_EVERY Jobs.
+    let mut ready = ready::Tracker::start(&plane.0, &jobs_ns, census.agent_pins())?;
     say(format!(
         "creating {} Jobs one `kubectl create` at a time (as the report's loop)",
         p.jobs
@@ -342,6 +351,9 @@ async fn run_phase(
     for i in 1..=p.jobs {
         created += 1;
         create_job(plane, created, &jobs_ns, p.ttl_seconds)?;
+        if i % PROBE_EVERY == 0 {
+            ready.probe(i / PROBE_EVERY)?;
+        }
         if i % 10 == 0 {
             let op = census.operator_reading().await?;
             let agents = census.agent_readings()?;
@@ -371,6 +383,10 @@ async fn run_phase(
         }
     }
     let jobs_created_seconds = creating.elapsed().as_secs_f64();
+    let time_to_identity = ready.stop()?;
+    for line in time_to_identity.lines() {
+        say(format!("  {line}"));
+    }
     let gone_from = Instant::now();
     jobs_gone(plane, &jobs_ns, Duration::from_secs(300)).await?;
     let jobs_gone_seconds = gone_from.elapsed().as_secs_f64();
@@ -378,6 +394,7 @@ async fn run_phase(
         "  {} Jobs created in {jobs_created_seconds:.0} s; every Job deleted by its TTL {jobs_gone_seconds:.0} s after the last was created",
         p.jobs
     ));
+
     // deploy/'s admission policy refuses an administrator's delete of Identity
     // objects (403): the one account it lets delete them is census-operator's.
     say(format!(
@@ -503,6 +520,7 @@ async fn run_phase(
         agent_heap_delta_bytes,
         agent_rss_delta_bytes,
         heap_growth_by_owner,
+        time_to_identity,
         passed: failures.is_empty(),
         failures,
     })
@@ -827,6 +845,19 @@ fn summary(p: &SeedLeak, phases: &[PhaseOut], machine: &Machine, passed: bool) {
             }
         ));
     }
+    for ph in phases {
+        let t = &ph.time_to_identity;
+        say(format!(
+            "  {:<30} time to identity: own node p99 {:.0} ms (target < 250 ms: {}), other nodes p99 {:.0} ms (target < 1 s: {}); {} pods, {} never written",
+            ph.name,
+            t.own_node.p99_us / 1e3,
+            met(t.own_node.p99_us < 250e3),
+            t.other_nodes.p99_us / 1e3,
+            met(t.other_nodes.p99_us < 1e6),
+            t.pods,
+            t.never_written
+        ));
+    }
     say(format!(
         "targets: identities beyond the live set 0 once settled at every point; operator live heap within {} and RSS within {} of idle after the quiet period",
         kib(p.max_heap_delta_bytes),
@@ -838,6 +869,10 @@ fn summary(p: &SeedLeak, phases: &[PhaseOut], machine: &Machine, passed: bool) {
     } else {
         "seed-leak: FAIL"
     });
+}
+
+fn met(yes: bool) -> &'static str {
+    if yes { "met" } else { "missed" }
 }
 
 fn plots(results: &Results, timeline: &[Timeline]) -> anyhow::Result<()> {

@@ -5,5 +5,6 @@
 pub(crate) mod cache;
 pub(crate) mod gc;
 pub(crate) mod leak;
+pub(crate) mod ready;
 pub(crate) mod uid;
 pub(crate) mod world;

@@ -398,6 +398,14 @@ impl Census {
         self.agents.iter().map(|a| a.node.clone()).collect()
     }
 
+    /// Each agent's node and pin directory, in node order.
+    pub(crate) fn agent_pins(&self) -> Vec<(String, PathBuf)> {
+        self.agents
+            .iter()
+            .map(|a| (a.node.clone(), a.pins.clone()))
+            .collect()
+    }
+
     pub(crate) async fn operator_metrics(&self) -> anyhow::Result<Metrics> {
         Metrics::scrape(self.operator.admin()).await
     }
