@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use census_agent::{
     bpf::{self, Datapath, Inspector},
-    config::{AgentArgs, Cli, Command, DatapathArgs, SourceChoice, UninstallArgs},
+    config::{AgentArgs, Cli, Command, DatapathArgs, SourceArgs, SourceChoice, UninstallArgs},
     daemon::{self, NodeHooks, Options},
     host::HostIps,
     source::{
@@ -86,59 +86,9 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
         log: _,
         profiling,
     } = args;
-    let choice = source.choose()?;
-    let node = match (node_name, &choice) {
-        (Some(node), _) => node,
-        // Watching the pods of a guessed name would find none and report an empty node.
-        (None, SourceChoice::Kubernetes { .. }) => bail!(
-            "the Kubernetes pod source needs this node's name: set CENSUS_NODE_NAME from the \
-             downward API (fieldRef spec.nodeName) or pass --node-name"
-        ),
-        (None, SourceChoice::File(_)) => host_name()?,
-    };
-    // The file is checked before the datapath is loaded; the API server's client
-    // needs the runtime.
-    let planned = match choice {
-        SourceChoice::File(path) => Planned::File(FileSource::new(path, reconcile_interval)?),
-        SourceChoice::Kubernetes { kubeconfig } => Planned::Kubernetes { kubeconfig },
-    };
-
-    // Loading fails early and clearly: capabilities, bpffs, the verifier's log. Another
-    // agent on these pins (the old pod of a DaemonSet being replaced) is waited for.
-    let DatapathArgs {
-        attach_mode,
-        flows_max_entries,
-        service_flows_max_entries,
-        endpoints_max_entries,
-        nodes_max_entries,
-        reassert_order,
-        datapath_log,
-        node_ips,
-        mark_bit,
-        uplinks,
-        cgroup_root,
-    } = datapath;
-    let datapath_options = bpf::DatapathOptions {
-        attach_mode: attach_mode.into(),
-        flows_max_entries: Some(flows_max_entries),
-        service_flows_max_entries: Some(service_flows_max_entries),
-        endpoints_max_entries: Some(endpoints_max_entries),
-        nodes_max_entries: Some(nodes_max_entries),
-        datapath_log,
-        node_addresses: node_ips.into_iter().collect(),
-        mark_bit,
-    };
-    let datapath = Datapath::open_waiting(&pin_dir, &datapath_options, |holder| {
-        tracing::warn!(
-            pin_dir = %pin_dir.display(),
-            %holder,
-            "another census agent holds these pins: waiting for it to exit"
-        );
-    })
-    .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
-    let pinned = Inspector::open(&pin_dir)
-        .with_context(|| format!("cannot open the maps pinned in {}", pin_dir.display()))?;
-
+    let (node, planned) = plan_source(node_name, &source, reconcile_interval)?;
+    let (datapath_options, reassert_order, node_hooks) = datapath_options(datapath);
+    let (datapath, pinned) = load_datapath(&pin_dir, &datapath_options)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -150,23 +100,8 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             census_daemon::profiling::activate().await?;
             tracing::info!("jemalloc heap profiling is on: /debug/pprof/heap on the admin port");
         }
-        let source: Box<dyn EndpointSource> = match planned {
-            Planned::File(file) => Box::new(file),
-            Planned::Kubernetes { kubeconfig } => {
-                let client = kube_client(kubeconfig.as_deref()).await?;
-                let timing = Timing {
-                    resync: reconcile_interval,
-                    max_backoff: reconnect_max_backoff,
-                    ..Timing::default()
-                };
-                Box::new(PodSource::new(
-                    client,
-                    node.clone(),
-                    Arc::new(RouteLookup),
-                    timing,
-                ))
-            }
-        };
+        let source =
+            endpoint_source(planned, &node, reconcile_interval, reconnect_max_backoff).await?;
         let options = Options {
             node,
             operator: operator.to_string(),
@@ -183,16 +118,118 @@ fn run(args: AgentArgs) -> anyhow::Result<()> {
             endpoint_map: !no_endpoint_map,
             drop_endpoint_deletes: test_drop_endpoint_deletes,
             // Attached as the agent starts, put back by every full pass.
-            node_hooks: Some(NodeHooks {
-                uplinks,
-                cgroup_root,
-            }),
+            node_hooks: Some(node_hooks),
         };
         let running = daemon::start(options, datapath, Some(pinned), source).await?;
         census_daemon::signal::shutdown().await;
         tracing::info!("shutting down; the datapath stays in place");
         running.shut_down().await;
         Ok(())
+    })
+}
+
+/// This node's name and its endpoint source, all but started. The file is checked
+/// before the datapath is loaded; the API server's client needs the runtime.
+fn plan_source(
+    node_name: Option<NodeName>,
+    source: &SourceArgs,
+    reconcile_interval: Duration,
+) -> anyhow::Result<(NodeName, Planned)> {
+    let choice = source.choose()?;
+    let node = match (node_name, &choice) {
+        (Some(node), _) => node,
+        // Watching the pods of a guessed name would find none and report an empty node.
+        (None, SourceChoice::Kubernetes { .. }) => bail!(
+            "the Kubernetes pod source needs this node's name: set CENSUS_NODE_NAME from the \
+             downward API (fieldRef spec.nodeName) or pass --node-name"
+        ),
+        (None, SourceChoice::File(_)) => host_name()?,
+    };
+    let planned = match choice {
+        SourceChoice::File(path) => Planned::File(FileSource::new(path, reconcile_interval)?),
+        SourceChoice::Kubernetes { kubeconfig } => Planned::Kubernetes { kubeconfig },
+    };
+    Ok((node, planned))
+}
+
+/// What the datapath flags ask for: how it is loaded, whether census reasserts its
+/// place in front, and the node's own hooks.
+fn datapath_options(args: DatapathArgs) -> (bpf::DatapathOptions, bool, NodeHooks) {
+    let DatapathArgs {
+        attach_mode,
+        flows_max_entries,
+        service_flows_max_entries,
+        endpoints_max_entries,
+        nodes_max_entries,
+        reassert_order,
+        datapath_log,
+        node_ips,
+        mark_bit,
+        uplinks,
+        cgroup_root,
+    } = args;
+    let options = bpf::DatapathOptions {
+        attach_mode: attach_mode.into(),
+        flows_max_entries: Some(flows_max_entries),
+        service_flows_max_entries: Some(service_flows_max_entries),
+        endpoints_max_entries: Some(endpoints_max_entries),
+        nodes_max_entries: Some(nodes_max_entries),
+        datapath_log,
+        node_addresses: node_ips.into_iter().collect(),
+        mark_bit,
+    };
+    let node_hooks = NodeHooks {
+        uplinks,
+        cgroup_root,
+    };
+    (options, reassert_order, node_hooks)
+}
+
+/// The datapath loaded (or adopted) on the pins in `pin_dir`, and a reader of its
+/// maps. Loading fails early and clearly: capabilities, bpffs, the verifier's log.
+/// Another agent on these pins (the old pod of a DaemonSet being replaced) is
+/// waited for.
+fn load_datapath(
+    pin_dir: &Path,
+    options: &bpf::DatapathOptions,
+) -> anyhow::Result<(Datapath, Inspector)> {
+    let datapath = Datapath::open_waiting(pin_dir, options, |holder| {
+        tracing::warn!(
+            pin_dir = %pin_dir.display(),
+            %holder,
+            "another census agent holds these pins: waiting for it to exit"
+        );
+    })
+    .with_context(|| format!("cannot load census's datapath in {}", pin_dir.display()))?;
+    let pinned = Inspector::open(pin_dir)
+        .with_context(|| format!("cannot open the maps pinned in {}", pin_dir.display()))?;
+    Ok((datapath, pinned))
+}
+
+/// The endpoint source `planned`: the file, or the pods of `node` from the API
+/// server.
+async fn endpoint_source(
+    planned: Planned,
+    node: &NodeName,
+    resync: Duration,
+    max_backoff: Duration,
+) -> anyhow::Result<Box<dyn EndpointSource>> {
+    Ok(match planned {
+        Planned::File(file) => Box::new(file),
+        Planned::Kubernetes { kubeconfig } => {
+            let client = kube_client(kubeconfig.as_deref()).await?;
+            let timing = Timing {
+                resync,
+                max_backoff,
+                ..Timing::default()
+            };
+            Box::new(PodSource::new(
+                client,
+                node.clone(),
+                Arc::new(RouteLookup),
+                timing,
+            ))
+        }
     })
 }
 

@@ -138,6 +138,14 @@ impl Metrics {
 
     pub(crate) fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("census_agent");
+        self.register_sync(r);
+        self.register_reconcile(r);
+        self.register_endpoints(r);
+        self.register_endpoint_map(r);
+    }
+
+    /// The EndpointSync stream's: what was sent to the operator, and what it answered.
+    fn register_sync(&self, r: &mut Registry) {
         r.register(
             "snapshots_sent",
             "Snapshots sent to the operator",
@@ -168,6 +176,10 @@ impl Metrics {
             "Entries of snapshots and deltas the operator rejected, counted in every Ack that names one (the endpoints themselves: `census endpoint list`, state error)",
             self.rejected_entries.clone(),
         );
+    }
+
+    /// Reconcile's: writes to the BPF maps, attachments, the full pass.
+    fn register_reconcile(&self, r: &mut Registry) {
         r.register(
             "map_write_errors",
             "Failed writes to the BPF maps",
@@ -195,6 +207,15 @@ impl Metrics {
             self.map_removals.clone(),
         );
         r.register(
+            "full_pass_duration_seconds",
+            "Time of one full reconcile pass",
+            self.full_pass_duration.clone(),
+        );
+    }
+
+    /// How this node's endpoints arrive: the source's reads, the Allocate calls.
+    fn register_endpoints(&self, r: &mut Registry) {
+        r.register(
             "source_errors",
             "Reads of the endpoint source that failed (the last good set stayed in force), by kind",
             self.source_errors.clone(),
@@ -204,11 +225,10 @@ impl Metrics {
             "Allocate calls to the operator, by outcome",
             self.allocations.clone(),
         );
-        r.register(
-            "full_pass_duration_seconds",
-            "Time of one full reconcile pass",
-            self.full_pass_duration.clone(),
-        );
+    }
+
+    /// The EndpointMap stream's: the cluster-wide endpoint map received.
+    fn register_endpoint_map(&self, r: &mut Registry) {
         r.register(
             "endpoint_map_batches",
             "Batches of the cluster-wide endpoint map received from the operator",

@@ -117,12 +117,7 @@ impl Datapath {
         lock: impl FnOnce(&Path) -> Result<PinLock, Error>,
     ) -> Result<Self, Error> {
         let pins = Pins::new(pin_dir);
-        let bytes = object::bytes()?;
-        super::probe::check_kernel()?;
-        privileges::check_capabilities()?;
-        privileges::ensure_bpffs(pins.dir())?;
-        let mode = options.attach_mode.resolve()?;
-        pins.create()?;
+        let (bytes, mode) = preflight(&pins, options)?;
         // Before anything pinned is read: the holder may be migrating it.
         let lock = lock(pins.dir())?;
         let layout = pins::check_layout(&pins)?;
@@ -132,62 +127,22 @@ impl Datapath {
             .into_iter()
             .map(|name| (name, pins.map(name)))
             .collect();
-        let mut loader = EbpfLoader::new();
-        configure(&mut loader, &map_pins, options);
-        // aya-log-ebpf's default is every level on: always say which.
-        let log_level = options.datapath_log.aya_level();
-        loader.override_global(aya_log::LEVEL, &log_level, true);
-        let mark_bit = options.mark_bit.get();
-        loader.override_global(MARK_BIT_GLOBAL, &mark_bit, true);
-        let mut ebpf = loader.load(bytes).map_err(Error::Load)?;
-        for direction in Direction::BOTH {
-            load_program(&mut ebpf, direction.program())?;
-        }
-        load_program(&mut ebpf, PROGRAM_UPLINK)?;
-        for hook in SocketHook::BOTH {
-            load_socket_program(&mut ebpf, hook)?;
-        }
-
+        let mut ebpf = load_object(bytes, &map_pins, options)?;
         let mut meta: Array<MapData, u32> = take_map(&mut ebpf, META_MAP)?;
-        let mut stats: StatsMap = take_map(&mut ebpf, STATS_MAP)?;
-        let flows: FlowsMap = take_map(&mut ebpf, FLOWS_MAP)?;
-        if let Layout::Older(from) = layout {
-            // Pairs inserted before STATS existed count as inserted, so evictions
-            // (inserts less pairs present) stay exact.
-            let present = datapath_maps::count_flows(&flows)?;
-            datapath_maps::seed_flow_inserts(&mut stats, present)?;
-            tracing::info!(
-                pin_dir = %pins.dir().display(),
-                from,
-                to = census_common::LAYOUT_VERSION,
-                flow_pairs = present,
-                "took over the maps of an older layout, entries and counters kept"
-            );
-        }
+        let (stats, flows) = take_flows(&mut ebpf, &pins, layout)?;
         let mut endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
         let nodes: NodesMap = take_map(&mut ebpf, NODES_MAP)?;
         let services: ServicesMap = take_map(&mut ebpf, SERVICES_MAP)?;
         let service_flows: ServiceFlowsMap = take_map(&mut ebpf, SERVICE_FLOWS_MAP)?;
-        let max_entries = |map: &'static str, data: &MapData| {
-            data.info()
-                .map(|info| info.max_entries())
-                .map_err(|source| Error::Map { map, source })
-        };
         let endpoints_max_entries = max_entries(ENDPOINTS_MAP, endpoints.map())?;
         let nodes_max_entries = max_entries(NODES_MAP, nodes.map())?;
-        if let Some(migration) = &migration {
-            let copied = migration.copy_into(&mut endpoints, endpoints_max_entries)?;
-            tracing::info!(
-                pin_dir = %pins.dir().display(),
-                from = migration.from,
-                entries = copied,
-                "copied ENDPOINTS into a map of this layout"
-            );
-        }
-        pins::stamp_layout(&mut meta)?;
-        if let Some(migration) = migration {
-            migration.finish()?;
-        }
+        bring_to_layout(
+            &pins,
+            migration,
+            &mut endpoints,
+            endpoints_max_entries,
+            &mut meta,
+        )?;
         let interfaces = ebpf
             .take_map(INTERFACES_MAP)
             .ok_or(Error::MissingFromObject {
@@ -384,6 +339,96 @@ pub struct TestRunOutcome {
     pub return_value: i32,
     /// The kernel's mean run time of one repetition.
     pub mean_duration: Duration,
+}
+
+/// What loading needs before any pin is read: the object, a kernel and privileges
+/// that can load it, bpffs, the attach mode; the pin directory is created.
+fn preflight(pins: &Pins, options: &Options) -> Result<(&'static [u8], AttachMode), Error> {
+    let bytes = object::bytes()?;
+    super::probe::check_kernel()?;
+    privileges::check_capabilities()?;
+    privileges::ensure_bpffs(pins.dir())?;
+    let mode = options.attach_mode.resolve()?;
+    pins.create()?;
+    Ok((bytes, mode))
+}
+
+/// The object loaded with its maps pinned at `map_pins` and sized, its globals set,
+/// and every program verified by the kernel.
+fn load_object(
+    bytes: &[u8],
+    map_pins: &[(&'static str, PathBuf)],
+    options: &Options,
+) -> Result<Ebpf, Error> {
+    let mut loader = EbpfLoader::new();
+    configure(&mut loader, map_pins, options);
+    // aya-log-ebpf's default is every level on: always say which.
+    let log_level = options.datapath_log.aya_level();
+    loader.override_global(aya_log::LEVEL, &log_level, true);
+    let mark_bit = options.mark_bit.get();
+    loader.override_global(MARK_BIT_GLOBAL, &mark_bit, true);
+    let mut ebpf = loader.load(bytes).map_err(Error::Load)?;
+    for direction in Direction::BOTH {
+        load_program(&mut ebpf, direction.program())?;
+    }
+    load_program(&mut ebpf, PROGRAM_UPLINK)?;
+    for hook in SocketHook::BOTH {
+        load_socket_program(&mut ebpf, hook)?;
+    }
+    Ok(ebpf)
+}
+
+/// STATS and FLOWS; taken over from an older `layout`, the flow pairs present
+/// count as inserted.
+fn take_flows(ebpf: &mut Ebpf, pins: &Pins, layout: Layout) -> Result<(StatsMap, FlowsMap), Error> {
+    let mut stats: StatsMap = take_map(ebpf, STATS_MAP)?;
+    let flows: FlowsMap = take_map(ebpf, FLOWS_MAP)?;
+    if let Layout::Older(from) = layout {
+        // Pairs inserted before STATS existed count as inserted, so evictions
+        // (inserts less pairs present) stay exact.
+        let present = datapath_maps::count_flows(&flows)?;
+        datapath_maps::seed_flow_inserts(&mut stats, present)?;
+        tracing::info!(
+            pin_dir = %pins.dir().display(),
+            from,
+            to = census_common::LAYOUT_VERSION,
+            flow_pairs = present,
+            "took over the maps of an older layout, entries and counters kept"
+        );
+    }
+    Ok((stats, flows))
+}
+
+/// The size `map` was created with.
+fn max_entries(map: &'static str, data: &MapData) -> Result<u32, Error> {
+    data.info()
+        .map(|info| info.max_entries())
+        .map_err(|source| Error::Map { map, source })
+}
+
+/// The pins brought to this layout: a `migration`'s ENDPOINTS entries copied into
+/// `endpoints`, the layout stamped in `meta`, then the migration finished.
+fn bring_to_layout(
+    pins: &Pins,
+    migration: Option<migrate::Migration>,
+    endpoints: &mut EndpointsMap,
+    endpoints_max_entries: u32,
+    meta: &mut Array<MapData, u32>,
+) -> Result<(), Error> {
+    if let Some(migration) = &migration {
+        let copied = migration.copy_into(endpoints, endpoints_max_entries)?;
+        tracing::info!(
+            pin_dir = %pins.dir().display(),
+            from = migration.from,
+            entries = copied,
+            "copied ENDPOINTS into a map of this layout"
+        );
+    }
+    pins::stamp_layout(meta)?;
+    if let Some(migration) = migration {
+        migration.finish()?;
+    }
+    Ok(())
 }
 
 fn load_socket_program(ebpf: &mut Ebpf, hook: SocketHook) -> Result<(), Error> {

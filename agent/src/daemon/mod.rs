@@ -157,109 +157,59 @@ where
         drop_endpoint_deletes,
         node_hooks,
     } = options;
-    let channel = operator_channel(&operator, &operator_auth)?;
-    let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
-    let attached = reconcile::attached_at_start(&maps);
-    let pinned_nodes = reconcile::pinned_nodes(&maps);
-    let pinned_services = reconcile::pinned_services(&maps);
-    info!(%node, %session, operator, entries = found.len(), "starting");
-
     let metrics = Metrics::default();
+    let clients = Clients {
+        channel: operator_channel(&operator, &operator_auth)?,
+        node: node.clone(),
+        session,
+        initial_backoff,
+        max_backoff,
+        metrics: metrics.clone(),
+    };
+    let (mut core, entries) = adopt(&maps, &node)?;
+    info!(%node, %session, operator, entries, "starting");
+
     let (status_tx, status_rx) = watch::channel(Status::default());
     let pinned = pinned.map(Arc::new);
     let (registry, admin_metrics) = registry(&metrics, &status_rx, &pinned);
-
-    let (shutdown, stop) = watch::channel(false);
-    let (source_tx, source_rx) = mpsc::channel(64);
-    let (alloc_tx, alloc_rx) = mpsc::channel(1024);
-    let (operator_tx, operator_rx) = mpsc::channel(1024);
-    let (link_tx, link_rx) = watch::channel(OperatorLink::default());
-    let (reports_tx, reports_rx) = mpsc::unbounded_channel();
-    let (ready_tx, ready_rx) = watch::channel(false);
-    let (query_tx, query_rx) = mpsc::channel(16);
-    let (connected_tx, connected_rx) = watch::channel(false);
-    let (map_tx, map_rx) = mpsc::channel(16);
-    let (map_link_tx, map_link_rx) = watch::channel(MapLink::default());
-
     let servers =
         AdminServers::bind(admin_listen, health_listen, admin_limits, admin_metrics).await?;
     let admin_addr = servers.admin_addr;
 
-    let description = source.describe();
-    let source_filter = source.label_filter();
+    let (shutdown, stop) = watch::channel(false);
     let mut tasks = Vec::new();
-    tasks.push(tokio::spawn(source.run(source_tx, stop.clone())));
-
-    let sync = SyncClient {
-        channel: channel.clone(),
-        node: node.clone(),
-        session,
-        initial_backoff,
-        max_backoff,
-        metrics: metrics.clone(),
-        status: link_tx,
-        connected: connected_tx,
-        host_ips: host_ips.clone(),
-        drop_deletes: drop_endpoint_deletes,
-    };
-    tasks.push(tokio::spawn(sync.run(
-        reports_rx,
-        operator_tx,
-        ready_rx,
-        stop.clone(),
-    )));
-
-    let mut core = Core::new(reconcile::adoptable(&found))
-        .with_attached(attached)
-        .with_node(node.clone(), pinned_nodes)
-        .with_services(pinned_services);
-    let map = endpoint_map.then(|| MapClient {
-        channel: channel.clone(),
-        node: node.clone(),
-        session,
-        initial_backoff,
-        max_backoff,
-        unsupported_retry: UNSUPPORTED_RETRY,
-        metrics: metrics.clone(),
-        status: map_link_tx,
-    });
-    watch_map(map, &mut core, map_tx, &connected_rx, &stop, &mut tasks);
+    let source = spawn_source(source, &stop, &mut tasks);
+    let sync = clients.spawn_sync(host_ips.clone(), drop_endpoint_deletes, &stop, &mut tasks);
+    let map = clients.spawn_map(endpoint_map, &mut core, &sync.connected, &stop, &mut tasks);
+    let (allocate, allocations) = clients.allocate(sync.connected);
 
     let reconciler = reconciler(&metrics, reassert_order, node_hooks, &mut maps);
+    let (query_tx, query_rx) = mpsc::channel(16);
     let wiring = Wiring {
         core,
         reconciler,
         maps,
-        allocate: AllocateClient::new(
-            channel,
-            node.clone(),
-            session,
-            alloc_tx,
-            connected_rx,
-            max_backoff,
-            metrics.clone(),
-        ),
-        reports: reports_tx,
-        source_filter,
-        ready: ready_tx,
+        allocate,
+        reports: sync.reports,
+        source_filter: source.filter,
+        ready: sync.ready,
         metrics,
         status: status_tx,
         host_ips,
         reconcile_interval,
     };
-    let links_rx = watch_link_events(&mut tasks);
-    let span = info_span!("core", %node, %session);
     let inputs = Inputs {
-        links: links_rx,
-        source: source_rx,
-        allocations: alloc_rx,
-        operator: operator_rx,
-        link: link_rx,
-        map: map_rx,
-        map_link: map_link_rx,
+        links: watch_link_events(&mut tasks),
+        source: source.events,
+        allocations,
+        operator: sync.operator,
+        link: sync.link,
+        map: map.events,
+        map_link: map.link,
         queries: query_rx,
         stop: stop.clone(),
     };
+    let span = info_span!("core", %node, %session);
     tasks.push(tokio::spawn(wiring.run(inputs).instrument(span)));
 
     let admin_state = AdminState {
@@ -267,19 +217,189 @@ where
         node: node.to_string(),
         operator_address: operator,
         session: session.to_string(),
-        source: description,
+        source: source.description,
         status: status_rx,
         queries: query_tx,
         maps: pinned,
     };
     let health_addr = servers.spawn(admin_state, &stop, &mut tasks);
-    info!(%admin_addr, "admin server listening");
     Ok(Running {
         admin_addr,
         health_addr,
         shutdown,
         tasks,
     })
+}
+
+/// The core, given what a previous run left in the datapath: ENDPOINTS' entries to
+/// adopt, the interfaces the classifier is attached to, the nodes and services
+/// pinned; and how many ENDPOINTS entries were found.
+fn adopt<M: DatapathPort>(maps: &M, node: &NodeName) -> Result<(Core, usize), StartError> {
+    let found = maps.read_endpoints().map_err(StartError::ReadMaps)?;
+    let attached = reconcile::attached_at_start(maps);
+    let pinned_nodes = reconcile::pinned_nodes(maps);
+    let pinned_services = reconcile::pinned_services(maps);
+    let core = Core::new(reconcile::adoptable(&found))
+        .with_attached(attached)
+        .with_node(node.clone(), pinned_nodes)
+        .with_services(pinned_services);
+    Ok((core, found.len()))
+}
+
+/// The core's ends of the endpoint source.
+struct SourceEnds {
+    /// What the source reads, for the admin API.
+    description: String,
+    /// Its copy of the operator's label filter, if it filters labels itself.
+    filter: Option<watch::Sender<LabelFilter>>,
+    events: mpsc::Receiver<SourceEvent>,
+}
+
+/// The endpoint source, as a task of `tasks` until `stop`.
+fn spawn_source(
+    source: Box<dyn EndpointSource>,
+    stop: &watch::Receiver<bool>,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> SourceEnds {
+    let description = source.describe();
+    let filter = source.label_filter();
+    let (events_tx, events) = mpsc::channel(64);
+    tasks.push(tokio::spawn(source.run(events_tx, stop.clone())));
+    SourceEnds {
+        description,
+        filter,
+        events,
+    }
+}
+
+/// What every client of the operator is built from.
+struct Clients {
+    channel: OperatorChannel,
+    node: NodeName,
+    session: SessionId,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+    metrics: Metrics,
+}
+
+/// The core's ends of the EndpointSync client.
+struct SyncEnds {
+    reports: mpsc::UnboundedSender<crate::agent_core::Report>,
+    operator: mpsc::Receiver<OperatorEvent>,
+    link: watch::Receiver<OperatorLink>,
+    ready: watch::Sender<bool>,
+    /// True while the stream is up: Allocate and EndpointMap wait for it.
+    connected: watch::Receiver<bool>,
+}
+
+/// The core's ends of the EndpointMap client; closed when there is none.
+struct MapEnds {
+    events: mpsc::Receiver<MapEvent>,
+    link: watch::Receiver<MapLink>,
+}
+
+impl Clients {
+    /// The EndpointSync client, reporting this node's endpoints to the operator, as
+    /// a task of `tasks` until `stop`.
+    fn spawn_sync(
+        &self,
+        host_ips: HostIps,
+        drop_deletes: bool,
+        stop: &watch::Receiver<bool>,
+        tasks: &mut Vec<JoinHandle<()>>,
+    ) -> SyncEnds {
+        let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+        let (operator_tx, operator_rx) = mpsc::channel(1024);
+        let (link_tx, link_rx) = watch::channel(OperatorLink::default());
+        let (ready_tx, ready_rx) = watch::channel(false);
+        let (connected_tx, connected_rx) = watch::channel(false);
+        let sync = SyncClient {
+            channel: self.channel.clone(),
+            node: self.node.clone(),
+            session: self.session,
+            initial_backoff: self.initial_backoff,
+            max_backoff: self.max_backoff,
+            metrics: self.metrics.clone(),
+            status: link_tx,
+            connected: connected_tx,
+            host_ips,
+            drop_deletes,
+        };
+        tasks.push(tokio::spawn(sync.run(
+            reports_rx,
+            operator_tx,
+            ready_rx,
+            stop.clone(),
+        )));
+        SyncEnds {
+            reports: reports_tx,
+            operator: operator_rx,
+            link: link_rx,
+            ready: ready_tx,
+            connected: connected_rx,
+        }
+    }
+
+    /// The operator's cluster-wide endpoint map, watched into the core as a task of
+    /// `tasks` until `stop`; without it (`--no-endpoint-map`), the core is told it
+    /// is local-only.
+    fn spawn_map(
+        &self,
+        enabled: bool,
+        core: &mut Core,
+        connected: &watch::Receiver<bool>,
+        stop: &watch::Receiver<bool>,
+        tasks: &mut Vec<JoinHandle<()>>,
+    ) -> MapEnds {
+        let (map_tx, map_rx) = mpsc::channel(16);
+        let (map_link_tx, map_link_rx) = watch::channel(MapLink::default());
+        if enabled {
+            let map = MapClient {
+                channel: self.channel.clone(),
+                node: self.node.clone(),
+                session: self.session,
+                initial_backoff: self.initial_backoff,
+                max_backoff: self.max_backoff,
+                unsupported_retry: UNSUPPORTED_RETRY,
+                metrics: self.metrics.clone(),
+                status: map_link_tx,
+            };
+            tasks.push(tokio::spawn(map.run(
+                map_tx,
+                connected.clone(),
+                stop.clone(),
+            )));
+        } else {
+            info!("the endpoint map watch is off (--no-endpoint-map): this agent is local-only");
+            core.on_map(MapEvent::LocalOnly);
+            core.set_map_link(MapLink {
+                state: MapState::Disabled,
+                last_error: None,
+            });
+        }
+        MapEnds {
+            events: map_rx,
+            link: map_link_rx,
+        }
+    }
+
+    /// The Allocate client, and where its answers arrive.
+    fn allocate(
+        self,
+        connected: watch::Receiver<bool>,
+    ) -> (AllocateClient, mpsc::Receiver<AllocationEvent>) {
+        let (alloc_tx, alloc_rx) = mpsc::channel(1024);
+        let client = AllocateClient::new(
+            self.channel,
+            self.node,
+            self.session,
+            alloc_tx,
+            connected,
+            self.max_backoff,
+            self.metrics,
+        );
+        (client, alloc_rx)
+    }
 }
 
 /// The reconciler, with the node's own hooks attached at once, not at the first
@@ -296,33 +416,6 @@ fn reconciler<M: DatapathPort>(
         .node_hooks(node_hooks);
     reconciler.repair_node_hooks(maps);
     reconciler
-}
-
-/// The operator's cluster-wide endpoint map, watched by `map` into `core`; without
-/// one (`--no-endpoint-map`), the core is told it is local-only.
-fn watch_map(
-    map: Option<MapClient>,
-    core: &mut Core,
-    map_tx: mpsc::Sender<MapEvent>,
-    connected: &watch::Receiver<bool>,
-    stop: &watch::Receiver<bool>,
-    tasks: &mut Vec<JoinHandle<()>>,
-) {
-    match map {
-        Some(map) => tasks.push(tokio::spawn(map.run(
-            map_tx,
-            connected.clone(),
-            stop.clone(),
-        ))),
-        None => {
-            info!("the endpoint map watch is off (--no-endpoint-map): this agent is local-only");
-            core.on_map(MapEvent::LocalOnly);
-            core.set_map_link(MapLink {
-                state: MapState::Disabled,
-                last_error: None,
-            });
-        }
-    }
 }
 
 /// Link changes, so that interfaces re-created under the agent get the classifier
@@ -404,10 +497,10 @@ impl AdminServers {
     ) -> Option<SocketAddr> {
         let Self {
             admin,
+            admin_addr,
             health,
             limits,
             metrics,
-            ..
         } = self;
         let router = admin::router(state.clone());
         let mut health_addr = None;
@@ -430,6 +523,7 @@ impl AdminServers {
                 error!(error = %e, "the admin server failed");
             }
         }));
+        info!(%admin_addr, "admin server listening");
         health_addr
     }
 }

@@ -74,57 +74,19 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let query = route::parse_query(parts.uri.query());
     let route = route::parse(parts.uri.path());
-    let param = |name: &str| {
-        query
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
-    };
     let verb = route::verb(
         &parts.method,
         &route,
-        route::is_watch(param("watch").as_deref()),
+        route::is_watch(query_param(&query, "watch").as_deref()),
     );
     let content_type = header_str(&parts.headers, header::CONTENT_TYPE);
     let accept = header_str(&parts.headers, header::ACCEPT);
-    let authorization = header_str(&parts.headers, header::AUTHORIZATION);
-    let user = shared
-        .store
-        .lock()
-        .admission
-        .tokens
-        .authenticate(Some(authorization.as_str()).filter(|a| !a.is_empty()))
-        .map(|user| crate::admission::impersonate(user, &parts.headers));
+    let user = authenticate(&shared, &parts.headers);
     let resource_path = match &route {
         Route::Resource(p) => Some(p),
         _ => None,
     };
-    let mut record = RequestRecord {
-        method: parts.method.clone(),
-        path: parts.uri.path().to_owned(),
-        verb,
-        group: resource_path
-            .map(|p| p.gvr.group.clone())
-            .unwrap_or_default(),
-        version: resource_path
-            .map(|p| p.gvr.version.clone())
-            .unwrap_or_default(),
-        resource: resource_path
-            .map(|p| p.gvr.resource.clone())
-            .unwrap_or_default(),
-        subresource: resource_path.and_then(|p| p.subresource.clone()),
-        namespace: resource_path.and_then(|p| p.namespace.clone()),
-        name: resource_path.and_then(|p| p.name.clone()),
-        label_selector: param("labelSelector"),
-        field_selector: param("fieldSelector"),
-        query: query.clone(),
-        patch_type: (parts.method == Method::PATCH).then(|| content_type.clone()),
-        code: 0,
-        injected: false,
-        at,
-        took: std::time::Duration::ZERO,
-        list_source: None,
-    };
+    let mut record = request_record(&parts, resource_path, verb, &query, &content_type, at);
     let group_resource = resource_path.and_then(|p| {
         let store = shared.store.lock();
         store
@@ -168,6 +130,64 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     record.list_source = response.extensions().get::<ListSource>().copied();
     shared.log.push(record);
     response
+}
+
+/// The value of the query parameter `name`, if the request has it.
+fn query_param(query: &[(String, String)], name: &str) -> Option<String> {
+    query
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+}
+
+/// Who sent the request: its bearer token's user (impersonating another, if its
+/// headers ask); `None` for a token the server does not know.
+fn authenticate(shared: &Shared, headers: &HeaderMap) -> Option<crate::admission::UserInfo> {
+    let authorization = header_str(headers, header::AUTHORIZATION);
+    shared
+        .store
+        .lock()
+        .admission
+        .tokens
+        .authenticate(Some(authorization.as_str()).filter(|a| !a.is_empty()))
+        .map(|user| crate::admission::impersonate(user, headers))
+}
+
+/// The request log's record of the request, before it is answered.
+fn request_record(
+    parts: &http::request::Parts,
+    resource_path: Option<&ResourcePath>,
+    verb: Verb,
+    query: &[(String, String)],
+    content_type: &str,
+    at: Instant,
+) -> RequestRecord {
+    RequestRecord {
+        method: parts.method.clone(),
+        path: parts.uri.path().to_owned(),
+        verb,
+        group: resource_path
+            .map(|p| p.gvr.group.clone())
+            .unwrap_or_default(),
+        version: resource_path
+            .map(|p| p.gvr.version.clone())
+            .unwrap_or_default(),
+        resource: resource_path
+            .map(|p| p.gvr.resource.clone())
+            .unwrap_or_default(),
+        subresource: resource_path.and_then(|p| p.subresource.clone()),
+        namespace: resource_path.and_then(|p| p.namespace.clone()),
+        name: resource_path.and_then(|p| p.name.clone()),
+        label_selector: query_param(query, "labelSelector"),
+        field_selector: query_param(query, "fieldSelector"),
+        query: query.to_vec(),
+        patch_type: (parts.method == Method::PATCH).then(|| content_type.to_owned()),
+        code: 0,
+        injected: false,
+        at,
+        took: std::time::Duration::ZERO,
+        list_source: None,
+    }
 }
 
 /// Apply "touch before write" faults to the request's target object.
@@ -356,6 +376,51 @@ async fn resource(
     verb: Verb,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let (res, spec, sub) = resolve_target(ctx, p, verb)?;
+    let namespace = p.namespace.clone().unwrap_or_default();
+    let key = p.name.as_deref().map(|name| ObjKey::new(&namespace, name));
+    let store = &ctx.shared.store;
+    match (verb, key) {
+        (Verb::Get, Some(key)) => {
+            let obj = store.lock().get(res, &key)?;
+            Ok(object_response(200, &obj, ctx.metadata_only))
+        }
+        (Verb::List, _) => list(ctx, res, &spec, p.namespace.as_deref()),
+        (Verb::Watch, _) => watch(ctx, res, spec, p.namespace.clone(), p.name.as_deref()),
+        (Verb::Create, _) => {
+            let body = read_json(body).await?;
+            let obj = ctx.write_store().create(res, &namespace, body)?;
+            Ok(object_response(201, &obj, false))
+        }
+        (Verb::Update, Some(key)) => {
+            let body = read_json(body).await?;
+            let obj = ctx.write_store().update(res, &key, body, sub)?;
+            Ok(object_response(200, &obj, false))
+        }
+        (Verb::Patch, Some(key)) => patch(ctx, res, &key, sub, body).await,
+        (Verb::Delete, Some(key)) => delete(ctx, res, &spec, &key, body).await,
+        (Verb::DeleteCollection, _) => {
+            let (label, field) = selectors(ctx, &spec, None)?;
+            let (deleted, rv) = {
+                let mut store = ctx.write_store();
+                let deleted = store.delete_collection(res, p.namespace.as_deref(), &label, &field);
+                (deleted, store.rv())
+            };
+            Ok(list_response(&spec, &deleted, rv, None, None, false))
+        }
+        _ => Err(ApiError::MethodNotAllowed),
+    }
+}
+
+/// The resource `p` names (its index in the store and its spec) and the part of
+/// it (`Sub`), if `verb` may be asked of it there: not found as the real server
+/// answers for a namespace where there is none (or none where one is needed), or
+/// a subresource the resource lacks; dry runs are refused.
+fn resolve_target(
+    ctx: &Ctx<'_>,
+    p: &ResourcePath,
+    verb: Verb,
+) -> Result<(usize, ResourceSpec, Sub), ApiError> {
     let (res, spec) = {
         let store = ctx.shared.store.lock();
         let res = store.resolve(&p.gvr).ok_or(ApiError::NoSuchResource)?;
@@ -378,105 +443,99 @@ async fn resource(
     if verb.is_write() && ctx.param("dryRun").is_some() {
         return Err(ApiError::DryRunUnsupported);
     }
-    let namespace = p.namespace.clone().unwrap_or_default();
-    let key = p.name.as_deref().map(|name| ObjKey::new(&namespace, name));
-    let store = &ctx.shared.store;
-    match (verb, key) {
-        (Verb::Get, Some(key)) => {
-            let obj = store.lock().get(res, &key)?;
-            Ok(object_response(200, &obj, ctx.metadata_only))
+    Ok((res, spec, sub))
+}
+
+/// A patch of `key` of the kind its content type names; 201 if it created the
+/// object (server-side apply).
+async fn patch(
+    ctx: &Ctx<'_>,
+    res: usize,
+    key: &ObjKey,
+    sub: Sub,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let kind = PatchKind::from_content_type(&ctx.content_type).ok_or_else(|| {
+        ApiError::UnsupportedPatch {
+            content_type: ctx.content_type.clone(),
         }
-        (Verb::List, _) => list(ctx, res, &spec, p.namespace.as_deref()),
-        (Verb::Watch, _) => watch(ctx, res, spec, p.namespace.clone(), p.name.as_deref()),
-        (Verb::Create, _) => {
-            let body = read_json(body).await?;
-            let obj = ctx.write_store().create(res, &namespace, body)?;
-            Ok(object_response(201, &obj, false))
-        }
-        (Verb::Update, Some(key)) => {
-            let body = read_json(body).await?;
-            let obj = ctx.write_store().update(res, &key, body, sub)?;
-            Ok(object_response(200, &obj, false))
-        }
-        (Verb::Patch, Some(key)) => {
-            let kind = PatchKind::from_content_type(&ctx.content_type).ok_or_else(|| {
-                ApiError::UnsupportedPatch {
-                    content_type: ctx.content_type.clone(),
-                }
-            })?;
-            if kind == PatchKind::Apply && ctx.param("fieldManager").is_none() {
-                return Err(ApiError::Invalid {
-                    kind: "PatchOptions.meta.k8s.io".into(),
-                    name: String::new(),
-                    cause: Invalidity::FieldManagerRequired,
-                });
-            }
-            let patch = read_json(body).await?;
-            let (obj, created) = ctx.write_store().patch(res, &key, kind, &patch, sub)?;
-            Ok(object_response(
-                if created { 201 } else { 200 },
-                &obj,
-                false,
-            ))
-        }
-        (Verb::Delete, Some(key)) => {
-            let bytes = axum::body::to_bytes(body, MAX_BODY)
-                .await
-                .map_err(|_| ApiError::NotAnObject)?;
-            let options: Value = if bytes.is_empty() {
-                Value::Null
-            } else {
-                serde_json::from_slice(&bytes).map_err(|source| ApiError::InvalidJson { source })?
-            };
-            if options["dryRun"].as_array().is_some_and(|a| !a.is_empty()) {
-                return Err(ApiError::DryRunUnsupported);
-            }
-            let grace_period_seconds = match ctx.param("gracePeriodSeconds") {
-                Some(text) => Some(text.parse::<i64>().map_err(|_| ApiError::InvalidParam {
-                    name: "gracePeriodSeconds",
-                    value: text.to_owned(),
-                })?),
-                None => options["gracePeriodSeconds"].as_i64(),
-            };
-            let pre = Preconditions {
-                uid: options["preconditions"]["uid"].as_str().map(str::to_owned),
-                resource_version: options["preconditions"]["resourceVersion"]
-                    .as_str()
-                    .map(str::to_owned),
-                grace_period_seconds,
-            };
-            let outcome = ctx.write_store().delete(res, &key, &pre)?;
-            if let DeleteOutcome::Pending(obj) = &outcome {
-                crate::kubelet::finish_at_grace_end(ctx.shared, res, &key, obj);
-            }
-            Ok(match outcome {
-                DeleteOutcome::Pending(obj) => object_response(200, &obj, false),
-                DeleteOutcome::Gone(obj) if returns_deleted_object(&spec) => {
-                    object_response(200, &obj, false)
-                }
-                DeleteOutcome::Gone(obj) => json_response(
-                    200,
-                    &json!({
-                        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                        "details": {
-                            "name": key.name, "group": spec.group, "kind": spec.plural,
-                            "uid": object::meta_str(&obj, "uid").unwrap_or_default(),
-                        },
-                    }),
-                ),
-            })
-        }
-        (Verb::DeleteCollection, _) => {
-            let (label, field) = selectors(ctx, &spec, None)?;
-            let (deleted, rv) = {
-                let mut store = ctx.write_store();
-                let deleted = store.delete_collection(res, p.namespace.as_deref(), &label, &field);
-                (deleted, store.rv())
-            };
-            Ok(list_response(&spec, &deleted, rv, None, None, false))
-        }
-        _ => Err(ApiError::MethodNotAllowed),
+    })?;
+    if kind == PatchKind::Apply && ctx.param("fieldManager").is_none() {
+        return Err(ApiError::Invalid {
+            kind: "PatchOptions.meta.k8s.io".into(),
+            name: String::new(),
+            cause: Invalidity::FieldManagerRequired,
+        });
     }
+    let patch = read_json(body).await?;
+    let (obj, created) = ctx.write_store().patch(res, key, kind, &patch, sub)?;
+    Ok(object_response(
+        if created { 201 } else { 200 },
+        &obj,
+        false,
+    ))
+}
+
+/// A delete of `key`: the object while it waits for its grace period (the
+/// kubelet's part finishes it), else as the resource answers a delete.
+async fn delete(
+    ctx: &Ctx<'_>,
+    res: usize,
+    spec: &ResourceSpec,
+    key: &ObjKey,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let pre = delete_options(ctx, body).await?;
+    let outcome = ctx.write_store().delete(res, key, &pre)?;
+    if let DeleteOutcome::Pending(obj) = &outcome {
+        crate::kubelet::finish_at_grace_end(ctx.shared, res, key, obj);
+    }
+    Ok(match outcome {
+        DeleteOutcome::Pending(obj) => object_response(200, &obj, false),
+        DeleteOutcome::Gone(obj) if returns_deleted_object(spec) => {
+            object_response(200, &obj, false)
+        }
+        DeleteOutcome::Gone(obj) => json_response(
+            200,
+            &json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                "details": {
+                    "name": key.name, "group": spec.group, "kind": spec.plural,
+                    "uid": object::meta_str(&obj, "uid").unwrap_or_default(),
+                },
+            }),
+        ),
+    })
+}
+
+/// A delete's options: its body (DeleteOptions, possibly empty) and its query's
+/// grace period, which wins over the body's.
+async fn delete_options(ctx: &Ctx<'_>, body: Body) -> Result<Preconditions, ApiError> {
+    let bytes = axum::body::to_bytes(body, MAX_BODY)
+        .await
+        .map_err(|_| ApiError::NotAnObject)?;
+    let options: Value = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).map_err(|source| ApiError::InvalidJson { source })?
+    };
+    if options["dryRun"].as_array().is_some_and(|a| !a.is_empty()) {
+        return Err(ApiError::DryRunUnsupported);
+    }
+    let grace_period_seconds = match ctx.param("gracePeriodSeconds") {
+        Some(text) => Some(text.parse::<i64>().map_err(|_| ApiError::InvalidParam {
+            name: "gracePeriodSeconds",
+            value: text.to_owned(),
+        })?),
+        None => options["gracePeriodSeconds"].as_i64(),
+    };
+    Ok(Preconditions {
+        uid: options["preconditions"]["uid"].as_str().map(str::to_owned),
+        resource_version: options["preconditions"]["resourceVersion"]
+            .as_str()
+            .map(str::to_owned),
+        grace_period_seconds,
+    })
 }
 
 fn selectors(

@@ -119,6 +119,105 @@ fn valid_label_key(k: &str) -> bool {
     prefix_ok && !name.is_empty() && valid_label_value(name)
 }
 
+/// One requirement of a label selector: `!key`, `key`, or `key` with an operator;
+/// what is wrong with it, if it does not parse.
+fn requirement(it: &mut Tokens) -> Result<LabelReq, &'static str> {
+    let negated = it.next_if_eq(&Token::Not).is_some();
+    let key = match it.next() {
+        Some(Token::Ident(k)) => k,
+        _ => return Err("found unexpected token, expected a key"),
+    };
+    if !valid_label_key(&key) {
+        return Err("invalid label key");
+    }
+    if negated {
+        return Ok(LabelReq::NotExists(key));
+    }
+    match it.peek() {
+        None | Some(Token::Comma) => Ok(LabelReq::Exists(key)),
+        Some(Token::Eq | Token::DoubleEq | Token::NotEq) => equality(key, it),
+        Some(Token::Gt | Token::Lt) => comparison(key, it),
+        Some(Token::Ident(op)) if op == "in" || op == "notin" => {
+            let is_in = op == "in";
+            it.next();
+            set(key, is_in, it)
+        }
+        Some(_) => Err("found unexpected token, expected an operator"),
+    }
+}
+
+/// `key=value`, `key==value` or `key!=value` (the value may be empty).
+fn equality(key: String, it: &mut Tokens) -> Result<LabelReq, &'static str> {
+    let negate = it.next() == Some(Token::NotEq);
+    let value = match it.peek() {
+        Some(Token::Ident(_)) => match it.next() {
+            Some(Token::Ident(v)) => v,
+            _ => String::new(),
+        },
+        None | Some(Token::Comma) => String::new(),
+        Some(_) => {
+            return Err("found unexpected token, expected a value");
+        }
+    };
+    if !valid_label_value(&value) {
+        return Err("invalid label value");
+    }
+    Ok(if negate {
+        LabelReq::NotEq(key, value)
+    } else {
+        LabelReq::Eq(key, value)
+    })
+}
+
+/// `key>n` or `key<n`.
+fn comparison(key: String, it: &mut Tokens) -> Result<LabelReq, &'static str> {
+    let greater = it.next() == Some(Token::Gt);
+    let Some(Token::Ident(v)) = it.next() else {
+        return Err("expected an integer value");
+    };
+    let n: i64 = v.parse().map_err(|_| "expected an integer value")?;
+    Ok(if greater {
+        LabelReq::Gt(key, n)
+    } else {
+        LabelReq::Lt(key, n)
+    })
+}
+
+/// The set of `key in (a, b)` (`is_in`) or `key notin (a, b)`: at least one value.
+fn set(key: String, is_in: bool, it: &mut Tokens) -> Result<LabelReq, &'static str> {
+    if it.next() != Some(Token::Open) {
+        return Err("expected '(' after set operator");
+    }
+    let mut values = Vec::new();
+    loop {
+        match it.next() {
+            Some(Token::Ident(v)) => {
+                if !valid_label_value(&v) {
+                    return Err("invalid label value");
+                }
+                values.push(v);
+                match it.next() {
+                    Some(Token::Comma) => {}
+                    Some(Token::Close) => break,
+                    _ => return Err("expected ',' or ')' in value set"),
+                }
+            }
+            Some(Token::Close) if values.is_empty() => {
+                return Err("for 'in', 'notin' operators, values set can't be empty");
+            }
+            _ => return Err("expected a value in value set"),
+        }
+    }
+    Ok(if is_in {
+        LabelReq::In(key, values)
+    } else {
+        LabelReq::NotIn(key, values)
+    })
+}
+
+/// The selector's tokens, read one requirement at a time.
+type Tokens = std::iter::Peekable<std::vec::IntoIter<Token>>;
+
 impl LabelSelector {
     pub(crate) fn parse(selector: &str) -> Result<Self, SelectorError> {
         let fail = |reason| SelectorError::Label {
@@ -129,90 +228,7 @@ impl LabelSelector {
         let mut it = tokens.into_iter().peekable();
         let mut reqs = Vec::new();
         while it.peek().is_some() {
-            let negated = it.next_if_eq(&Token::Not).is_some();
-            let key = match it.next() {
-                Some(Token::Ident(k)) => k,
-                _ => return Err(fail("found unexpected token, expected a key")),
-            };
-            if !valid_label_key(&key) {
-                return Err(fail("invalid label key"));
-            }
-            let req = if negated {
-                LabelReq::NotExists(key)
-            } else {
-                match it.peek() {
-                    None | Some(Token::Comma) => LabelReq::Exists(key),
-                    Some(Token::Eq | Token::DoubleEq | Token::NotEq) => {
-                        let negate = it.next() == Some(Token::NotEq);
-                        let value = match it.peek() {
-                            Some(Token::Ident(_)) => match it.next() {
-                                Some(Token::Ident(v)) => v,
-                                _ => String::new(),
-                            },
-                            None | Some(Token::Comma) => String::new(),
-                            Some(_) => {
-                                return Err(fail("found unexpected token, expected a value"));
-                            }
-                        };
-                        if !valid_label_value(&value) {
-                            return Err(fail("invalid label value"));
-                        }
-                        if negate {
-                            LabelReq::NotEq(key, value)
-                        } else {
-                            LabelReq::Eq(key, value)
-                        }
-                    }
-                    Some(Token::Gt | Token::Lt) => {
-                        let greater = it.next() == Some(Token::Gt);
-                        let Some(Token::Ident(v)) = it.next() else {
-                            return Err(fail("expected an integer value"));
-                        };
-                        let n: i64 = v.parse().map_err(|_| fail("expected an integer value"))?;
-                        if greater {
-                            LabelReq::Gt(key, n)
-                        } else {
-                            LabelReq::Lt(key, n)
-                        }
-                    }
-                    Some(Token::Ident(op)) if op == "in" || op == "notin" => {
-                        let is_in = op == "in";
-                        it.next();
-                        if it.next() != Some(Token::Open) {
-                            return Err(fail("expected '(' after set operator"));
-                        }
-                        let mut values = Vec::new();
-                        loop {
-                            match it.next() {
-                                Some(Token::Ident(v)) => {
-                                    if !valid_label_value(&v) {
-                                        return Err(fail("invalid label value"));
-                                    }
-                                    values.push(v);
-                                    match it.next() {
-                                        Some(Token::Comma) => {}
-                                        Some(Token::Close) => break,
-                                        _ => return Err(fail("expected ',' or ')' in value set")),
-                                    }
-                                }
-                                Some(Token::Close) if values.is_empty() => {
-                                    return Err(fail(
-                                        "for 'in', 'notin' operators, values set can't be empty",
-                                    ));
-                                }
-                                _ => return Err(fail("expected a value in value set")),
-                            }
-                        }
-                        if is_in {
-                            LabelReq::In(key, values)
-                        } else {
-                            LabelReq::NotIn(key, values)
-                        }
-                    }
-                    Some(_) => return Err(fail("found unexpected token, expected an operator")),
-                }
-            };
-            reqs.push(req);
+            reqs.push(requirement(&mut it).map_err(fail)?);
             match it.next() {
                 None => break,
                 Some(Token::Comma) if it.peek().is_some() => {}

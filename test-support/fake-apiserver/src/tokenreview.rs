@@ -466,6 +466,13 @@ fn authenticate(
     if now_secs + LEEWAY.as_secs() < claims.not_before {
         return Err(invalid("service account token is not valid yet"));
     }
+    check_bound_objects(store, claims, now)?;
+    Ok((user_info(claims), audiences))
+}
+
+/// The objects the token is bound to, still as it claims: its service account
+/// (the same uid, not deleted before the leeway) and its pod.
+fn check_bound_objects(store: &Store, claims: &Claims, now: SystemTime) -> Result<(), String> {
     let invalid_if_deleted_before = now.checked_sub(LEEWAY).unwrap_or(UNIX_EPOCH);
     let deleted_long_ago = |obj: &Value| {
         meta_str(obj, "deletionTimestamp")
@@ -508,6 +515,15 @@ fn authenticate(
     if deleted_long_ago(&pod) {
         return Err(invalid("service account token has been invalidated"));
     }
+    Ok(())
+}
+
+/// The user a token's `claims` authenticate as: its service account, with the
+/// pod (and node) it is bound to as extra.
+fn user_info(claims: &Claims) -> Value {
+    let ns = &claims.namespace;
+    let sa_ref = &claims.service_account;
+    let pod_ref = &claims.pod;
     let mut extra: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     extra.insert(
         "authentication.kubernetes.io/pod-name",
@@ -535,7 +551,7 @@ fn authenticate(
             );
         }
     }
-    let user = json!({
+    json!({
         "username": format!("system:serviceaccount:{ns}:{}", sa_ref.name),
         "uid": sa_ref.uid,
         "groups": [
@@ -544,8 +560,7 @@ fn authenticate(
             "system:authenticated",
         ],
         "extra": extra,
-    });
-    Ok((user, audiences))
+    })
 }
 
 fn strs(v: &Value) -> Vec<&str> {

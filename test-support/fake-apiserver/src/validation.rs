@@ -100,13 +100,31 @@ fn push(causes: &mut Vec<FieldCause>, reason: &'static str, path: &str, message:
 /// The structural schema checks (kube-openapi's validate package as
 /// apiextensions runs it). `path` is the field path of `value`.
 pub(crate) fn check_schema(schema: &Value, value: &Value, path: &str, out: &mut Vec<FieldCause>) {
-    let body = |p: &str| {
-        if p.is_empty() {
-            "body".to_owned()
-        } else {
-            format!("{p} in body")
-        }
-    };
+    if !check_type(schema, value, path, out) {
+        return;
+    }
+    check_enum(schema, value, path, out);
+    match value {
+        Value::String(s) => check_string(schema, s, path, out),
+        Value::Array(items) => check_array(schema, items, path, out),
+        Value::Object(map) => check_object(schema, map, path, out),
+        _ => {}
+    }
+}
+
+/// How a message names the field at `path`.
+fn in_body(path: &str) -> String {
+    if path.is_empty() {
+        "body".to_owned()
+    } else {
+        format!("{path} in body")
+    }
+}
+
+/// Whether `value` is of the schema's type (a null only where the schema allows
+/// it; anything for an int-or-string), so that its other checks apply; a wrong
+/// type is reported.
+fn check_type(schema: &Value, value: &Value, path: &str, out: &mut Vec<FieldCause>) -> bool {
     if value.is_null() {
         if schema["nullable"].as_bool() != Some(true) && schema.get("type").is_some() {
             let ty = schema["type"].as_str().unwrap_or_default();
@@ -116,14 +134,14 @@ pub(crate) fn check_schema(schema: &Value, value: &Value, path: &str, out: &mut 
                 path,
                 format!(
                     "Invalid value: \"null\": {} must be of type {ty}: \"null\"",
-                    body(path)
+                    in_body(path)
                 ),
             );
         }
-        return;
+        return false;
     }
     if schema["x-kubernetes-int-or-string"].as_bool() == Some(true) {
-        return;
+        return false;
     }
     if let Some(ty) = schema["type"].as_str() {
         let actual = json_type(value);
@@ -135,12 +153,17 @@ pub(crate) fn check_schema(schema: &Value, value: &Value, path: &str, out: &mut 
                 path,
                 format!(
                     "Invalid value: {actual:?}: {} must be of type {ty}: {actual:?}",
-                    body(path)
+                    in_body(path)
                 ),
             );
-            return;
+            return false;
         }
     }
+    true
+}
+
+/// A value the schema's `enum` does not list.
+fn check_enum(schema: &Value, value: &Value, path: &str, out: &mut Vec<FieldCause>) {
     if let Some(allowed) = schema["enum"].as_array()
         && !allowed.contains(value)
     {
@@ -156,155 +179,164 @@ pub(crate) fn check_schema(schema: &Value, value: &Value, path: &str, out: &mut 
             ),
         );
     }
-    match value {
-        Value::String(s) => {
-            let len = s.len();
-            if let Some(max) = schema["maxLength"].as_u64()
-                && len as u64 > max
-            {
+}
+
+/// A string's length and pattern.
+fn check_string(schema: &Value, s: &str, path: &str, out: &mut Vec<FieldCause>) {
+    let len = s.len();
+    if let Some(max) = schema["maxLength"].as_u64()
+        && len as u64 > max
+    {
+        push(
+            out,
+            "FieldValueTooLong",
+            path,
+            format!("Too long: may not be more than {max} bytes"),
+        );
+    }
+    if let Some(min) = schema["minLength"].as_u64()
+        && (s.chars().count() as u64) < min
+    {
+        push(
+            out,
+            "FieldValueInvalid",
+            path,
+            format!(
+                "Invalid value: {s:?}: {} should be at least {min} chars long",
+                in_body(path)
+            ),
+        );
+    }
+    if let Some(pattern) = schema["pattern"].as_str() {
+        match regex::Regex::new(pattern) {
+            Ok(re) if !re.is_match(s) => push(
+                out,
+                "FieldValueInvalid",
+                path,
+                format!(
+                    "Invalid value: {s:?}: {} should match '{pattern}'",
+                    in_body(path)
+                ),
+            ),
+            Ok(_) => {}
+            Err(error) => push(
+                out,
+                "FieldValueInvalid",
+                path,
+                format!(
+                    "Invalid value: {pattern:?}: the schema's pattern does not compile: {error}"
+                ),
+            ),
+        }
+    }
+}
+
+/// An array's size, a set's duplicates, and each item against the items' schema.
+fn check_array(schema: &Value, items: &[Value], path: &str, out: &mut Vec<FieldCause>) {
+    let n = items.len() as u64;
+    if let Some(max) = schema["maxItems"].as_u64()
+        && n > max
+    {
+        push(
+            out,
+            "FieldValueTooMany",
+            path,
+            format!("Too many: {n}: must have at most {max} items"),
+        );
+    }
+    if let Some(min) = schema["minItems"].as_u64()
+        && n < min
+    {
+        push(
+            out,
+            "FieldValueInvalid",
+            path,
+            format!(
+                "Invalid value: {n}: {} should have at least {min} items",
+                in_body(path)
+            ),
+        );
+    }
+    if schema["x-kubernetes-list-type"].as_str() == Some("set") {
+        for (i, item) in items.iter().enumerate() {
+            if items[..i].contains(item) {
                 push(
                     out,
-                    "FieldValueTooLong",
-                    path,
-                    format!("Too long: may not be more than {max} bytes"),
+                    "FieldValueDuplicate",
+                    &format!("{path}[{i}]"),
+                    format!("Duplicate value: {}", quoted(item)),
                 );
-            }
-            if let Some(min) = schema["minLength"].as_u64()
-                && (s.chars().count() as u64) < min
-            {
-                push(
-                    out,
-                    "FieldValueInvalid",
-                    path,
-                    format!(
-                        "Invalid value: {s:?}: {} should be at least {min} chars long",
-                        body(path)
-                    ),
-                );
-            }
-            if let Some(pattern) = schema["pattern"].as_str() {
-                match regex::Regex::new(pattern) {
-                    Ok(re) if !re.is_match(s) => push(
-                        out,
-                        "FieldValueInvalid",
-                        path,
-                        format!(
-                            "Invalid value: {s:?}: {} should match '{pattern}'",
-                            body(path)
-                        ),
-                    ),
-                    Ok(_) => {}
-                    Err(error) => push(
-                        out,
-                        "FieldValueInvalid",
-                        path,
-                        format!(
-                            "Invalid value: {pattern:?}: the schema's pattern does not compile: {error}"
-                        ),
-                    ),
-                }
             }
         }
-        Value::Array(items) => {
-            let n = items.len() as u64;
-            if let Some(max) = schema["maxItems"].as_u64()
-                && n > max
-            {
-                push(
-                    out,
-                    "FieldValueTooMany",
-                    path,
-                    format!("Too many: {n}: must have at most {max} items"),
-                );
-            }
-            if let Some(min) = schema["minItems"].as_u64()
-                && n < min
-            {
-                push(
-                    out,
-                    "FieldValueInvalid",
-                    path,
-                    format!(
-                        "Invalid value: {n}: {} should have at least {min} items",
-                        body(path)
-                    ),
-                );
-            }
-            if schema["x-kubernetes-list-type"].as_str() == Some("set") {
-                for (i, item) in items.iter().enumerate() {
-                    if items[..i].contains(item) {
-                        push(
-                            out,
-                            "FieldValueDuplicate",
-                            &format!("{path}[{i}]"),
-                            format!("Duplicate value: {}", quoted(item)),
-                        );
-                    }
-                }
-            }
-            if schema["items"].is_object() {
-                for (i, item) in items.iter().enumerate() {
-                    check_schema(&schema["items"], item, &format!("{path}[{i}]"), out);
-                }
-            }
+    }
+    if schema["items"].is_object() {
+        for (i, item) in items.iter().enumerate() {
+            check_schema(&schema["items"], item, &format!("{path}[{i}]"), out);
         }
-        Value::Object(map) => {
-            let n = map.len() as u64;
-            if let Some(max) = schema["maxProperties"].as_u64()
-                && n > max
-            {
-                push(
-                    out,
-                    "FieldValueTooMany",
-                    path,
-                    format!("Too many: {n}: must have at most {max} items"),
-                );
-            }
-            if let Some(min) = schema["minProperties"].as_u64()
-                && n < min
-            {
-                push(
-                    out,
-                    "FieldValueInvalid",
-                    path,
-                    format!(
-                        "Invalid value: {n}: {} should have at least {min} properties",
-                        body(path)
-                    ),
-                );
-            }
-            for name in schema["required"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-            {
-                if !map.contains_key(name) {
-                    push(
-                        out,
-                        "FieldValueRequired",
-                        &child(path, name),
-                        "Required value".to_owned(),
-                    );
-                }
-            }
-            let properties = schema["properties"].as_object();
-            for (name, v) in map {
-                // The root's apiVersion, kind and metadata are checked by the
-                // server's own object-meta validation.
-                if path.is_empty() && matches!(name.as_str(), "apiVersion" | "kind" | "metadata") {
-                    continue;
-                }
-                match properties.and_then(|p| p.get(name)) {
-                    Some(prop) => check_schema(prop, v, &child(path, name), out),
-                    None if schema["additionalProperties"].is_object() => {
-                        check_schema(&schema["additionalProperties"], v, &child(path, name), out);
-                    }
-                    None => {}
-                }
-            }
+    }
+}
+
+/// An object's size, its required properties, and each property against its
+/// schema (or the additional properties').
+fn check_object(
+    schema: &Value,
+    map: &serde_json::Map<String, Value>,
+    path: &str,
+    out: &mut Vec<FieldCause>,
+) {
+    let n = map.len() as u64;
+    if let Some(max) = schema["maxProperties"].as_u64()
+        && n > max
+    {
+        push(
+            out,
+            "FieldValueTooMany",
+            path,
+            format!("Too many: {n}: must have at most {max} items"),
+        );
+    }
+    if let Some(min) = schema["minProperties"].as_u64()
+        && n < min
+    {
+        push(
+            out,
+            "FieldValueInvalid",
+            path,
+            format!(
+                "Invalid value: {n}: {} should have at least {min} properties",
+                in_body(path)
+            ),
+        );
+    }
+    for name in schema["required"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+    {
+        if !map.contains_key(name) {
+            push(
+                out,
+                "FieldValueRequired",
+                &child(path, name),
+                "Required value".to_owned(),
+            );
         }
-        _ => {}
+    }
+    let properties = schema["properties"].as_object();
+    for (name, v) in map {
+        // The root's apiVersion, kind and metadata are checked by the
+        // server's own object-meta validation.
+        if path.is_empty() && matches!(name.as_str(), "apiVersion" | "kind" | "metadata") {
+            continue;
+        }
+        match properties.and_then(|p| p.get(name)) {
+            Some(prop) => check_schema(prop, v, &child(path, name), out),
+            None if schema["additionalProperties"].is_object() => {
+                check_schema(&schema["additionalProperties"], v, &child(path, name), out);
+            }
+            None => {}
+        }
     }
 }
 

@@ -62,14 +62,10 @@ impl Store {
         Ok(())
     }
 
-    pub(crate) fn list(
-        &self,
-        res: usize,
-        namespace: Option<&str>,
-        q: &ListQuery<'_>,
-    ) -> Result<ListPage, ApiError> {
-        let spec = self.spec(res);
-        let (snapshot, after) = match q.continue_token {
+    /// Where a list reads: the revision it sees, and the key it continues after
+    /// (a continue token's), or the revision its `resourceVersion` asks for.
+    fn list_from(&self, q: &ListQuery<'_>) -> Result<(u64, Option<ObjKey>), ApiError> {
+        Ok(match q.continue_token {
             Some(token) => {
                 let (rv, key) =
                     continue_decode(token).ok_or_else(|| ApiError::InvalidContinue {
@@ -101,7 +97,17 @@ impl Store {
                     (rv, None)
                 }
             },
-        };
+        })
+    }
+
+    pub(crate) fn list(
+        &self,
+        res: usize,
+        namespace: Option<&str>,
+        q: &ListQuery<'_>,
+    ) -> Result<ListPage, ApiError> {
+        let spec = self.spec(res);
+        let (snapshot, after) = self.list_from(q)?;
         let overrides = if snapshot < self.rv {
             self.overrides_at(res, snapshot)
         } else {

@@ -183,6 +183,45 @@ impl Store {
         Ok(obj)
     }
 
+    /// Refuses an update whose body names another version, name or namespace than
+    /// the object's, or carries a label value that is not one.
+    fn check_update(
+        &self,
+        res: usize,
+        key: &ObjKey,
+        old_rv: &str,
+        new: &Value,
+        spec: &ResourceSpec,
+    ) -> Result<(), ApiError> {
+        if let Some(rv) = meta_str(new, "resourceVersion")
+            && rv != old_rv
+        {
+            return Err(self.conflict(res, &key.name, ConflictCause::Modified));
+        }
+        if let Some(name) = meta_str(new, "name")
+            && name != key.name
+        {
+            return Err(ApiError::NameMismatch {
+                body: name.to_owned(),
+                url: key.name.clone(),
+            });
+        }
+        if spec.namespaced
+            && let Some(ns) = meta_str(new, "namespace")
+            && ns != key.namespace
+        {
+            return Err(ApiError::NamespaceMismatch);
+        }
+        if let Some((label, value)) = object::bad_label_value(new) {
+            return Err(self.invalid(
+                res,
+                &key.name,
+                Invalidity::BadLabelValue { key: label, value },
+            ));
+        }
+        Ok(())
+    }
+
     /// The update path shared by PUT and PATCH once the new body is known.
     fn update_object(
         &mut self,
@@ -199,81 +238,10 @@ impl Store {
         let old_rv = meta_str(old, "resourceVersion")
             .unwrap_or_default()
             .to_owned();
-        if let Some(rv) = meta_str(&new, "resourceVersion")
-            && rv != old_rv
-        {
-            return Err(self.conflict(res, &key.name, ConflictCause::Modified));
-        }
-        if let Some(name) = meta_str(&new, "name")
-            && name != key.name
-        {
-            return Err(ApiError::NameMismatch {
-                body: name.to_owned(),
-                url: key.name.clone(),
-            });
-        }
-        if spec.namespaced
-            && let Some(ns) = meta_str(&new, "namespace")
-            && ns != key.namespace
-        {
-            return Err(ApiError::NamespaceMismatch);
-        }
-        if let Some((label, value)) = object::bad_label_value(&new) {
-            return Err(self.invalid(
-                res,
-                &key.name,
-                Invalidity::BadLabelValue { key: label, value },
-            ));
-        }
-
+        self.check_update(res, key, &old_rv, &new, &spec)?;
         let mut next = match sub {
-            Sub::Status => {
-                let mut next = (**old).clone();
-                if let Some(map) = next.as_object_mut() {
-                    match new.get("status") {
-                        Some(status) => map.insert("status".into(), status.clone()),
-                        None => map.remove("status"),
-                    };
-                }
-                next
-            }
-            Sub::Main => {
-                let mut next = new;
-                if spec.status_subresource
-                    && let Some(map) = next.as_object_mut()
-                {
-                    match old.get("status") {
-                        Some(status) => map.insert("status".into(), status.clone()),
-                        None => map.remove("status"),
-                    };
-                }
-                for field in [
-                    "uid",
-                    "creationTimestamp",
-                    "deletionTimestamp",
-                    "deletionGracePeriodSeconds",
-                    "generation",
-                ] {
-                    match object::meta(old).and_then(|m| m.get(field)) {
-                        Some(v) => set_meta(&mut next, field, v.clone()),
-                        None => remove_meta(&mut next, field),
-                    }
-                }
-                set_meta(&mut next, "name", Value::String(key.name.clone()));
-                if spec.namespaced {
-                    set_meta(&mut next, "namespace", Value::String(key.namespace.clone()));
-                } else {
-                    remove_meta(&mut next, "namespace");
-                }
-                if let Some(map) = next.as_object_mut() {
-                    map.insert("apiVersion".into(), Value::String(spec.api_version()));
-                    map.insert("kind".into(), Value::String(spec.kind.clone()));
-                }
-                if object::spec_differs(old, &next, spec.status_subresource) {
-                    set_meta(&mut next, "generation", json!(object::generation(old) + 1));
-                }
-                next
-            }
+            Sub::Status => status_update(old, &new),
+            Sub::Main => main_update(old, new, &spec, key),
         };
         set_meta(&mut next, "resourceVersion", Value::String(old_rv));
 
@@ -461,4 +429,58 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// A status update: `old` with `new`'s status (none if it has none).
+fn status_update(old: &Obj, new: &Value) -> Value {
+    let mut next = (**old).clone();
+    if let Some(map) = next.as_object_mut() {
+        match new.get("status") {
+            Some(status) => map.insert("status".into(), status.clone()),
+            None => map.remove("status"),
+        };
+    }
+    next
+}
+
+/// An update of the object itself: `new`, with what the client cannot change kept
+/// from `old` (its status, where that is a subresource, and the server-set
+/// metadata), the name and namespace the URL's, and `generation` bumped when the
+/// spec changed.
+fn main_update(old: &Obj, new: Value, spec: &ResourceSpec, key: &ObjKey) -> Value {
+    let mut next = new;
+    if spec.status_subresource
+        && let Some(map) = next.as_object_mut()
+    {
+        match old.get("status") {
+            Some(status) => map.insert("status".into(), status.clone()),
+            None => map.remove("status"),
+        };
+    }
+    for field in [
+        "uid",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "generation",
+    ] {
+        match object::meta(old).and_then(|m| m.get(field)) {
+            Some(v) => set_meta(&mut next, field, v.clone()),
+            None => remove_meta(&mut next, field),
+        }
+    }
+    set_meta(&mut next, "name", Value::String(key.name.clone()));
+    if spec.namespaced {
+        set_meta(&mut next, "namespace", Value::String(key.namespace.clone()));
+    } else {
+        remove_meta(&mut next, "namespace");
+    }
+    if let Some(map) = next.as_object_mut() {
+        map.insert("apiVersion".into(), Value::String(spec.api_version()));
+        map.insert("kind".into(), Value::String(spec.kind.clone()));
+    }
+    if object::spec_differs(old, &next, spec.status_subresource) {
+        set_meta(&mut next, "generation", json!(object::generation(old) + 1));
+    }
+    next
 }
