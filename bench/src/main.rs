@@ -47,7 +47,7 @@ use self::{operator::Binary, presets::Preset, report::say};
 #[command(name = "census-bench")]
 struct Options {
     /// What to run.
-    #[arg(value_enum, required_unless_present = "heap_owners")]
+    #[arg(value_enum, required_unless_present_any = ["heap_owners", "cluster_demo"])]
     preset: Option<Preset>,
     /// Instead of a preset: print the live heap by owner of a saved heap profile
     /// (a run's `heap.pb.gz`, or `curl -o heap.pb.gz <admin>/debug/pprof/heap` from an
@@ -58,6 +58,15 @@ struct Options {
     /// workspace root.
     #[arg(long, default_value = "results")]
     out: PathBuf,
+    /// Instead of a preset: `cargo xtask demo --cluster`, seed-leak's story for a
+    /// user to watch (a control plane, a few Deployments, a burst of Jobs, `census
+    /// identity list` beside `kubectl get identities`); as root, with --agent and
+    /// --cli. Fails unless the identities come back to the live set.
+    #[arg(long, conflicts_with_all = ["preset", "heap_owners"], requires_all = ["agent", "cli"])]
+    cluster_demo: bool,
+    /// --cluster-demo: the `census` CLI binary.
+    #[arg(long)]
+    cli: Option<PathBuf>,
     /// Use this census-operator binary instead of building it (release) first.
     #[arg(long)]
     operator: Option<PathBuf>,
@@ -102,6 +111,39 @@ fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
         .map_err(|e| format!("{s}: {e} (seconds, e.g. 3s)"))
 }
 
+/// `--cluster-demo`, stopped cleanly (every guard dropped: processes, namespaces,
+/// pins, the control plane) on Ctrl-C or SIGTERM.
+async fn cluster_demo_run(
+    operator: Option<PathBuf>,
+    agent: Option<PathBuf>,
+    cli: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    anyhow::ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the cluster demo runs census's agents, which load BPF programs: run as root"
+    );
+    let bins = seeds::world::Binaries {
+        operator: match operator {
+            Some(path) => Binary::at(path)?,
+            None => Binary::build_release()?,
+        },
+        agent: agent.context("--cluster-demo needs --agent")?,
+    };
+    let cli = cli.context("--cluster-demo needs --cli")?;
+    let (mut int, mut term) = (
+        signal(SignalKind::interrupt())?,
+        signal(SignalKind::terminate())?,
+    );
+    let back = tokio::select! {
+        back = seeds::demo::run(&bins, &cli) => back?,
+        _ = int.recv() => anyhow::bail!("interrupted; cleaned up"),
+        _ = term.recv() => anyhow::bail!("terminated; cleaned up"),
+    };
+    anyhow::ensure!(back, "the identities did not come back to the live set");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let options = Options::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -116,6 +158,8 @@ async fn run(options: Options) -> anyhow::Result<()> {
     let Options {
         preset,
         heap_owners,
+        cluster_demo,
+        cli,
         out,
         operator,
         agent,
@@ -127,6 +171,9 @@ async fn run(options: Options) -> anyhow::Result<()> {
         hold_timeout,
         heap_sample_lg,
     } = options;
+    if cluster_demo {
+        return cluster_demo_run(operator, agent, cli).await;
+    }
     let preset = match (preset, heap_owners) {
         (_, Some(path)) => {
             let owners = heap::owners_of_file(&path)?;

@@ -35,7 +35,9 @@ struct Cli {
 enum Command {
     /// The README's main job: set up, build, and run census on this machine (operator,
     /// agent, labelled pods in network namespaces, traffic, identities and counters), then
-    /// clean up. Without root, runs the part that needs none.
+    /// clean up. Without root, runs the part that needs none. `--cluster`: the same story
+    /// on a local Kubernetes control plane (Deployments, a burst of Jobs, identities
+    /// back to the live set), as root and with Go.
     Demo(demo::Options),
     /// Install what building and testing the eBPF side needs (Debian packages,
     /// bpf-linker); idempotent.

@@ -50,7 +50,7 @@ use crate::{
 
 /// The report's operator RSS at its points (seeds/000): idle, after 150, 300, 450
 /// Job pods, and 14 minutes after every identity was deleted.
-const REPORT_RSS_MIB: [(&str, f64); 5] = [
+pub(crate) const REPORT_RSS_MIB: [(&str, f64); 5] = [
     ("idle", 23.0),
     ("after 150", 30.0),
     ("after 300", 37.0),
@@ -63,9 +63,9 @@ const REFERENCE: &str = "seeds/000 (retina-operator v1.2.3 on kind): operator RS
 const OPERATOR_ACCOUNT: &str = "system:serviceaccount:census-system:census-operator";
 
 /// The namespace of the steady workload.
+pub(crate) const STEADY_NS: &str = "seed-steady";
 /// A probe pod for the time to identity every this many Jobs (seeds/ready.rs).
 const PROBE_EVERY: usize = 3;
-const STEADY_NS: &str = "seed-steady";
 
 #[derive(Debug, Clone, Serialize)]
 struct Point {
@@ -215,7 +215,7 @@ fn phase_name(keep: bool, drop_deletes: bool) -> String {
     )
 }
 
-fn steady_deployment(d: usize, replicas: usize) -> serde_json::Value {
+pub(crate) fn steady_deployment(d: usize, replicas: usize) -> serde_json::Value {
     let name = format!("service-{d}");
     serde_json::json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -247,7 +247,7 @@ spec:
     )
 }
 
-fn filter(keep: bool) -> anyhow::Result<LabelFilter> {
+pub(crate) fn filter(keep: bool) -> anyhow::Result<LabelFilter> {
     let include: Vec<KeyPattern> = if keep {
         ["job-name", "controller-uid"]
             .iter()
@@ -560,7 +560,7 @@ fn growth(before: &heap::Owners, after: &heap::Owners) -> Vec<(String, i64)> {
     v
 }
 
-fn create_job(plane: &Plane, i: usize, namespace: &str, ttl: u32) -> anyhow::Result<()> {
+pub(crate) fn create_job(plane: &Plane, i: usize, namespace: &str, ttl: u32) -> anyhow::Result<()> {
     let mut child = plane
         .0
         .kubectl()
@@ -585,7 +585,11 @@ fn create_job(plane: &Plane, i: usize, namespace: &str, ttl: u32) -> anyhow::Res
     Ok(())
 }
 
-async fn jobs_gone(plane: &Plane, namespace: &str, limit: Duration) -> anyhow::Result<()> {
+pub(crate) async fn jobs_gone(
+    plane: &Plane,
+    namespace: &str,
+    limit: Duration,
+) -> anyhow::Result<()> {
     poll("the TTL controller to delete every Job", limit, || {
         let jobs = plane
             .0

@@ -216,8 +216,8 @@ pub(crate) struct Census {
     /// The operator's way to the API server, counting what it receives.
     operator_api: Forward,
     agents: Vec<Agent>,
-    _certs: census_testkit::tls::Certs,
-    _dir: tempfile::TempDir,
+    certs: census_testkit::tls::Certs,
+    dir: tempfile::TempDir,
 }
 
 /// One reading of a process.
@@ -326,7 +326,7 @@ impl Census {
                 Some(&pod.name),
                 3600,
             )?;
-            let token_file = dir.path().join(format!("{}.token", node.name));
+            let token_file = token_file(dir.path(), &node.name);
             std::fs::write(&token_file, census_token)?;
             let pins = PathBuf::from("/sys/fs/bpf").join(format!(
                 "seeds-{}-{tag}-{}",
@@ -371,8 +371,8 @@ impl Census {
             operator,
             operator_api,
             agents,
-            _certs: certs,
-            _dir: dir,
+            certs,
+            dir,
         };
         for agent in &census.agents {
             let ns = &agent.ns;
@@ -392,6 +392,20 @@ impl Census {
             self.operator_api.received(),
             self.agents.iter().map(|a| a.api.received()).collect(),
         )
+    }
+
+    /// The flags `census` (the CLI) reads from the operator with, as it would in the
+    /// first node's agent pod: the operator's address and CA, and that agent's token.
+    pub(crate) fn cli_flags(&self) -> anyhow::Result<Vec<std::ffi::OsString>> {
+        let agent = self.agents.first().context("no agent")?;
+        Ok(vec![
+            "--operator".into(),
+            self.operator.grpc_url().into(),
+            "--tls-ca".into(),
+            self.certs.dir().join("ca.pem").into(),
+            "--token-file".into(),
+            token_file(self.dir.path(), &agent.node).into(),
+        ])
     }
 
     pub(crate) fn agent_nodes(&self) -> Vec<String> {
@@ -464,6 +478,11 @@ impl Census {
         drop(agents);
         operator.stop().await
     }
+}
+
+/// Where the token an agent presents to the operator is written.
+fn token_file(dir: &Path, node: &str) -> PathBuf {
+    dir.join(format!("{node}.token"))
 }
 
 /// Polls `f` every 200 ms until it answers, for at most `limit`.
