@@ -494,7 +494,7 @@ fn memory_line(m: &Memory) {
     say(format!(
         "    census-operator's live heap: {} idle, {} after the burst, {} at the end (the \
          API server connections a burst of Identity writes opened stay pooled, idle, for \
-         up to 30 s after it: docs/benchmarks.md, seed-leak-short)",
+         up to 10 s after it: docs/benchmarks.md, seed-leak-short)",
         mib(m.idle.heap_live_bytes),
         mib(m.burst.heap_live_bytes),
         mib(m.back.heap_live_bytes)

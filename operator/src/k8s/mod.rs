@@ -124,7 +124,7 @@ async fn kube_config(args: &KubernetesArgs) -> Result<kube::Config, ClusterError
 }
 
 /// A client of the API server over a connection pool of `max_idle` idle connections,
-/// each closed after 30 s unused (census_daemon::apiserver). With `retry`, 429, 503
+/// each closed after 10 s unused (census_daemon::apiserver). With `retry`, 429, 503
 /// and 504 are retried with kube's backoff; writes and the Lease have their own retry
 /// (the core's backoff, the retry period).
 fn client(config: kube::Config, retry: bool, max_idle: usize) -> Result<Client, ClusterError> {
