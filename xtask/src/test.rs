@@ -12,7 +12,10 @@
 //! starts before the tests, at the lowest CPU priority, and so takes only the CPU
 //! they leave idle.
 
-use std::time::{Duration, Instant};
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, bail};
 
@@ -33,7 +36,6 @@ pub(crate) struct Options {
     no_bench_gate: bool,
 }
 
-#[expect(clippy::print_stdout, reason = "xtask reports each step")]
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let Options {
         no_privileged,
@@ -46,57 +48,9 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         );
     }
     let root = cmd::workspace_root();
-    let mut timings: Vec<(&str, Duration)> = Vec::new();
-    let mut step =
-        |name: &'static str, f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<()> {
-            println!("\n==> {name}");
-            let started = Instant::now();
-            f().with_context(|| format!("step `{name}` failed"))?;
-            timings.push((name, started.elapsed()));
-            Ok(())
-        };
-
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
-    step("disk space", &mut || {
-        disk::require_free(&target, NEEDED_GIB, "a cold `cargo xtask test`")
-    })?;
-    // The real control plane's components are built with Go: without a Go new enough
-    // for their modules, stop now, naming what to install, rather than skip them.
-    step("Go", &mut || {
-        let go = census_cluster::go::check(&root)?;
-        println!("{go}");
-        Ok(())
-    })?;
-    step("set-up", &mut || setup::run(setup::Options {}))?;
-    step("eBPF build", &mut || ebpf::build(ebpf::Profile::Release))?;
-    step("format", &mut || {
-        cmd::run(
-            cmd::host_cargo()
-                .current_dir(&root)
-                .args(["fmt", "--all", "--", "--check"]),
-        )?;
-        cmd::run(cmd::host_cargo().current_dir(&root).args([
-            "fmt",
-            "--manifest-path",
-            "agent-ebpf/Cargo.toml",
-            "--all",
-            "--",
-            "--check",
-        ]))
-    })?;
-    step("clippy", &mut || {
-        cmd::run(cmd::host_cargo().current_dir(&root).args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ]))
-    })?;
-    // The kernel-side crates (census-common among them), for their own target.
-    step("eBPF clippy", &mut ebpf::clippy)?;
+    let mut steps = Steps::default();
+    prepare(&mut steps, &root)?;
+    lint(&mut steps, &root)?;
     // The gate's release build takes whatever CPU the tests leave idle.
     let gate_build = if no_bench_gate {
         None
@@ -107,7 +61,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     // at the end whatever happens; every test that needs one finds it through
     // CENSUS_TEST_KUBECONFIG and works in namespaces of its own.
     let mut plane = None;
-    step("control plane", &mut || {
+    steps.run("control plane", &mut || {
         plane = Some(cluster::Running(cluster::up(cluster::TEST_NAME, 2)?));
         Ok(())
     })?;
@@ -115,18 +69,112 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         .as_ref()
         .map(|p| p.0.kubeconfig())
         .context("the control plane is up")?;
-    step("tests", &mut || {
+    tests(&mut steps, &root, &kubeconfig, no_privileged)?;
+    drop(plane);
+    gates(&mut steps, gate_build, no_privileged)?;
+    steps.report();
+    Ok(())
+}
+
+/// The steps run so far, and how long each took.
+#[derive(Default)]
+struct Steps(Vec<(&'static str, Duration)>);
+
+impl Steps {
+    /// Runs step `name`, announced; its failure is the run's.
+    #[expect(clippy::print_stdout, reason = "xtask reports each step")]
+    fn run(
+        &mut self,
+        name: &'static str,
+        f: &mut dyn FnMut() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        println!("\n==> {name}");
+        let started = Instant::now();
+        f().with_context(|| format!("step `{name}` failed"))?;
+        self.0.push((name, started.elapsed()));
+        Ok(())
+    }
+
+    #[expect(clippy::print_stdout, reason = "xtask reports each step")]
+    fn report(self) {
+        println!("\nall steps passed:");
+        for (name, took) in self.0 {
+            println!("  {name:<20} {:>8.1?}", took);
+        }
+    }
+}
+
+/// Disk space and Go checked, set-up, the eBPF build.
+#[expect(clippy::print_stdout, reason = "xtask reports each step")]
+fn prepare(steps: &mut Steps, root: &Path) -> anyhow::Result<()> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
+    steps.run("disk space", &mut || {
+        disk::require_free(&target, NEEDED_GIB, "a cold `cargo xtask test`")
+    })?;
+    // The real control plane's components are built with Go: without a Go new enough
+    // for their modules, stop now, naming what to install, rather than skip them.
+    steps.run("Go", &mut || {
+        let go = census_cluster::go::check(root)?;
+        println!("{go}");
+        Ok(())
+    })?;
+    steps.run("set-up", &mut || setup::run(setup::Options {}))?;
+    steps.run("eBPF build", &mut || ebpf::build(ebpf::Profile::Release))
+}
+
+/// Formatting and clippy, on the host's workspace and the kernel-side crates.
+fn lint(steps: &mut Steps, root: &Path) -> anyhow::Result<()> {
+    steps.run("format", &mut || {
+        cmd::run(
+            cmd::host_cargo()
+                .current_dir(root)
+                .args(["fmt", "--all", "--", "--check"]),
+        )?;
+        cmd::run(cmd::host_cargo().current_dir(root).args([
+            "fmt",
+            "--manifest-path",
+            "agent-ebpf/Cargo.toml",
+            "--all",
+            "--",
+            "--check",
+        ]))
+    })?;
+    steps.run("clippy", &mut || {
+        cmd::run(cmd::host_cargo().current_dir(root).args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    // The kernel-side crates (census-common among them), for their own target.
+    steps.run("eBPF clippy", &mut ebpf::clippy)
+}
+
+/// The workspace's tests on the control plane at `kubeconfig`, the allocator's model
+/// on random cases, its mutants, and (unless `no_privileged`) the privileged suite.
+#[expect(clippy::print_stdout, reason = "xtask reports each step")]
+fn tests(
+    steps: &mut Steps,
+    root: &Path,
+    kubeconfig: &Path,
+    no_privileged: bool,
+) -> anyhow::Result<()> {
+    steps.run("tests", &mut || {
         // census-common belongs to the eBPF workspace, so `--workspace` leaves it out;
         // its tests run on the host, as the agent builds it.
         cmd::run(
             cmd::host_cargo()
-                .current_dir(&root)
-                .env("CENSUS_TEST_KUBECONFIG", &kubeconfig)
+                .current_dir(root)
+                .env("CENSUS_TEST_KUBECONFIG", kubeconfig)
                 .args(["test", "--workspace"]),
         )?;
         cmd::run(
             cmd::host_cargo()
-                .current_dir(&root)
+                .current_dir(root)
                 .args(["test", "--package", "census-common"]),
         )
     })?;
@@ -134,14 +182,14 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     // pass or fail by chance); here it also meets fresh random ones, in release:
     // 3,000 cases, about 15 s after a 30 s build. The seed is printed, so a failure is
     // reproduced with PROPTEST_RNG_SEED (docs/testing.md); shrinking is bounded.
-    step("allocator model, random cases", &mut || {
+    steps.run("allocator model, random cases", &mut || {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_secs());
         println!("PROPTEST_RNG_SEED={seed}");
         cmd::run(
             cmd::host_cargo()
-                .current_dir(&root)
+                .current_dir(root)
                 .env("PROPTEST_CASES", "3000")
                 .env("PROPTEST_RNG_SEED", seed.to_string())
                 .env("PROPTEST_MAX_SHRINK_TIME", "60000")
@@ -157,25 +205,34 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     })?;
     // Mutation testing of the allocator lines the change touches (against `main`),
     // bounded to 10 minutes; nothing to do when no allocator source file changed.
-    step(
+    steps.run(
         "allocator mutants in the change",
         &mut mutants::in_diff_step,
     )?;
     if no_privileged {
         println!("\n==> privileged suite: skipped (--no-privileged)");
     } else {
-        step("privileged suite", &mut || {
+        steps.run("privileged suite", &mut || {
             privileged::run(privileged::Options {
                 no_build_ebpf: true,
                 test_args: Vec::new(),
-                kubeconfig: Some(kubeconfig.clone()),
+                kubeconfig: Some(kubeconfig.to_path_buf()),
             })
         })?;
     }
-    drop(plane);
+    Ok(())
+}
+
+/// The benchmark gates on the release build `gate_build` (none: skipped).
+#[expect(clippy::print_stdout, reason = "xtask reports each step")]
+fn gates(
+    steps: &mut Steps,
+    gate_build: Option<bench::Background>,
+    no_privileged: bool,
+) -> anyhow::Result<()> {
     if let Some(build) = gate_build {
         let built = build.finish()?;
-        step("churn benchmark gate", &mut || {
+        steps.run("churn benchmark gate", &mut || {
             built.run(false, &["churn-short".into()])
         })?;
         // seeds/000's recipe, short, on a control plane of its own with census's
@@ -184,17 +241,12 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         if no_privileged {
             println!("\n==> seed-leak gate: skipped (--no-privileged: the agents load BPF)");
         } else {
-            step("seed-leak gate", &mut || {
+            steps.run("seed-leak gate", &mut || {
                 built.run(false, &["seed-leak-short".into()])
             })?;
         }
     } else {
         println!("\n==> churn benchmark gate: skipped (--no-bench-gate)");
-    }
-
-    println!("\nall steps passed:");
-    for (name, took) in timings {
-        println!("  {name:<20} {:>8.1?}", took);
     }
     Ok(())
 }

@@ -483,40 +483,9 @@ suite() {{
         nofile = open_file_limit()?,
         cwd = quote(utf8(cwd.as_os_str())?),
     );
-    let mut forwarded = Vec::new();
-    for name in ["RUST_BACKTRACE", "RUST_LOG"] {
-        if let Some(value) = std::env::var_os(name) {
-            forwarded.push(format!("{name}={}", quote(utf8(&value)?)));
-        }
-    }
+    let forwarded = forwarded_env()?;
     for command in commands {
-        let program = Path::new(command.get_program());
-        let mode = command
-            .get_envs()
-            .find(|(name, _)| *name == "CENSUS_TEST_ATTACH_MODE")
-            .and_then(|(_, value)| value)
-            .map_or("", |value| value.to_str().unwrap_or(""));
-        let label = format!(
-            "{} ({mode})",
-            program.file_name().map_or_else(
-                || program.display().to_string(),
-                |name| name.to_string_lossy().into_owned()
-            )
-        );
-        let mut line = format!("suite {} env", quote(&label));
-        for assignment in &forwarded {
-            let _ = write!(line, " {assignment}");
-        }
-        for (name, value) in command.get_envs() {
-            if let Some(value) = value {
-                let _ = write!(line, " {}={}", utf8(name)?, quote(utf8(value)?));
-            }
-        }
-        let _ = write!(line, " {}", quote(utf8(program.as_os_str())?));
-        for arg in command.get_args() {
-            let _ = write!(line, " {}", quote(utf8(arg)?));
-        }
-        script.push_str(&line);
+        script.push_str(&suite_line(command, &forwarded)?);
         script.push('\n');
     }
     // The suite's harness knows TCX and TC, not `auto`: this is the agent's own
@@ -533,6 +502,50 @@ suite() {{
          sleep 60\n",
     );
     Ok(script)
+}
+
+/// The host's `RUST_BACKTRACE` and `RUST_LOG`, as `NAME=value` for the guest's
+/// commands.
+fn forwarded_env() -> anyhow::Result<Vec<String>> {
+    let mut forwarded = Vec::new();
+    for name in ["RUST_BACKTRACE", "RUST_LOG"] {
+        if let Some(value) = std::env::var_os(name) {
+            forwarded.push(format!("{name}={}", quote(utf8(&value)?)));
+        }
+    }
+    Ok(forwarded)
+}
+
+/// The stage-2 line that runs `command` as a suite, labelled by its program and
+/// attach mode, with the `forwarded` variables and its own.
+fn suite_line(command: &Command, forwarded: &[String]) -> anyhow::Result<String> {
+    let program = Path::new(command.get_program());
+    let mode = command
+        .get_envs()
+        .find(|(name, _)| *name == "CENSUS_TEST_ATTACH_MODE")
+        .and_then(|(_, value)| value)
+        .map_or("", |value| value.to_str().unwrap_or(""));
+    let label = format!(
+        "{} ({mode})",
+        program.file_name().map_or_else(
+            || program.display().to_string(),
+            |name| name.to_string_lossy().into_owned()
+        )
+    );
+    let mut line = format!("suite {} env", quote(&label));
+    for assignment in forwarded {
+        let _ = write!(line, " {assignment}");
+    }
+    for (name, value) in command.get_envs() {
+        if let Some(value) = value {
+            let _ = write!(line, " {}={}", utf8(name)?, quote(utf8(value)?));
+        }
+    }
+    let _ = write!(line, " {}", quote(utf8(program.as_os_str())?));
+    for arg in command.get_args() {
+        let _ = write!(line, " {}", quote(utf8(arg)?));
+    }
+    Ok(line)
 }
 
 /// The soft open-file limit of this process, from `/proc/self/limits`.

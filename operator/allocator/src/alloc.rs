@@ -31,31 +31,7 @@ impl Allocator {
             .ok_or_else(|| SyncError::NoSession {
                 node: node_name.clone(),
             })?;
-        match node.session {
-            None => {
-                return Err(SyncError::NoSession {
-                    node: node_name.clone(),
-                }
-                .into());
-            }
-            Some(current) if current > session => {
-                return Err(SyncError::StaleSession {
-                    node: node_name.clone(),
-                    current,
-                    offered: session,
-                }
-                .into());
-            }
-            Some(current) if current != session => {
-                return Err(SyncError::WrongSession {
-                    node: node_name.clone(),
-                    current,
-                    offered: session,
-                }
-                .into());
-            }
-            Some(_) => {}
-        }
+        in_session(node, node_name, session)?;
         let core = &mut self.core;
         let max = core.cfg.max_holds_per_node;
         if let Some(id) = core.ids.id_of(&labels) {
@@ -791,4 +767,25 @@ impl Core {
 /// node's current one and the endpoint is in the view at `id`.
 fn rebind_due(node: &Node, conn: ConnId, key: &EndpointKey, id: IdentityId) -> bool {
     node.conn == Some(conn) && node.view.get(key).is_some_and(|v| v.id == id)
+}
+
+/// Refuses a request unless `session` is `node`'s current session: without a session,
+/// from an older session (stale) or from another one.
+fn in_session(node: &Node, node_name: &NodeName, session: SessionId) -> Result<(), SyncError> {
+    match node.session {
+        None => Err(SyncError::NoSession {
+            node: node_name.clone(),
+        }),
+        Some(current) if current > session => Err(SyncError::StaleSession {
+            node: node_name.clone(),
+            current,
+            offered: session,
+        }),
+        Some(current) if current != session => Err(SyncError::WrongSession {
+            node: node_name.clone(),
+            current,
+            offered: session,
+        }),
+        Some(_) => Ok(()),
+    }
 }

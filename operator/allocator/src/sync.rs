@@ -195,19 +195,7 @@ impl Allocator {
         node.awaited = false;
         let first = std::mem::replace(&mut node.first_snapshot_pending, false);
 
-        // The common case: nothing changed since the last snapshot and the deltas.
-        // Each entry marks its view entry, so two entries of one key (the view then
-        // lacks some other key) are never taken for an unchanged view.
-        node.snapshots = node.snapshots.wrapping_add(1).max(1);
-        let mark = node.snapshots;
-        let unchanged = endpoints.len() == node.view.len()
-            && endpoints.iter().all(|ep| {
-                node.view
-                    .mark_seen(&ep.key, mark)
-                    .is_some_and(|(first, v)| first && v.id == ep.identity && v.ips.is(&ep.ips))
-                    && core.ids.is_bound(ep.identity, &ep.labels)
-            });
-        if unchanged {
+        if unchanged(node, core, &endpoints) {
             // At rest: the view gives back what a burst of deltas grew it to, so it
             // holds what a changed snapshot would have rebuilt it with.
             // No endpoint took an id up, so no hold ends (see `upsert`).
@@ -274,17 +262,44 @@ impl Allocator {
                 changes += 1;
             }
         }
-        if first {
-            applied.adoptions = changes;
-            node.counters.adoptions += changes;
-            core.counters.adoptions += changes;
-        } else {
-            applied.corrections = changes;
-            node.counters.corrections += changes;
-            core.counters.corrections += changes;
-        }
+        count_changes(node, core, &mut applied, first, changes);
         self.name_conflicts();
         Ok(applied)
+    }
+}
+
+/// The common case of a snapshot: nothing changed since the last snapshot and the
+/// deltas. Each entry marks its view entry, so two entries of one key (the view then
+/// lacks some other key) are never taken for an unchanged view.
+fn unchanged(node: &mut Node, core: &Core, endpoints: &[Endpoint]) -> bool {
+    node.snapshots = node.snapshots.wrapping_add(1).max(1);
+    let mark = node.snapshots;
+    endpoints.len() == node.view.len()
+        && endpoints.iter().all(|ep| {
+            node.view
+                .mark_seen(&ep.key, mark)
+                .is_some_and(|(first, v)| first && v.id == ep.identity && v.ips.is(&ep.ips))
+                && core.ids.is_bound(ep.identity, &ep.labels)
+        })
+}
+
+/// Counts a snapshot's `changes` as adoptions in a session's first snapshot, as
+/// corrections after it.
+fn count_changes(
+    node: &mut Node,
+    core: &mut Core,
+    applied: &mut Applied,
+    first: bool,
+    changes: u64,
+) {
+    if first {
+        applied.adoptions = changes;
+        node.counters.adoptions += changes;
+        core.counters.adoptions += changes;
+    } else {
+        applied.corrections = changes;
+        node.counters.corrections += changes;
+        core.counters.corrections += changes;
     }
 }
 

@@ -149,29 +149,7 @@ impl EndpointStreams {
         // Raised once the Hello is accepted: before, only Hello-sized messages come in.
         let limit = request.extensions().get::<Arc<StreamLimit>>().cloned();
         let mut inbound = request.into_inner();
-        let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
-            .await
-            .map_err(|_| {
-                self.invalid("no_hello");
-                Status::deadline_exceeded(format!(
-                    "no Hello within {HELLO_TIMEOUT:?} of opening the stream"
-                ))
-            })
-            .map_err(|status| refuse(&caller, status))?
-            .map_err(|status| refuse(&caller, codec::client_fault(status)))?
-            .ok_or_else(|| {
-                refuse(
-                    &caller,
-                    Status::failed_precondition("the stream ended before Hello"),
-                )
-            })?;
-        let Some(Body::Hello(hello)) = first.body else {
-            self.invalid("no_hello");
-            return Err(refuse(
-                &caller,
-                Status::failed_precondition("the first message on EndpointSync must be Hello"),
-            ));
-        };
+        let hello = self.hello(&mut inbound, &caller).await?;
         let who = untrusted(&hello.node).to_string();
         check_version(hello.protocol_version).map_err(|e| refuse(&who, version(e)))?;
         let node =
@@ -231,6 +209,40 @@ impl EndpointStreams {
             ReceiverStream::new(rx),
             principal.expires(),
         ))
+    }
+
+    /// The stream's first message, which must be a Hello and come within
+    /// [`HELLO_TIMEOUT`]; a refusal is logged for `caller`.
+    async fn hello(
+        &self,
+        inbound: &mut Messages<pb::AgentMessage>,
+        caller: &str,
+    ) -> Result<pb::Hello, Status> {
+        let refuse = |who: &str, status: Status| self.refusals.note(who, status);
+        let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| {
+                self.invalid("no_hello");
+                Status::deadline_exceeded(format!(
+                    "no Hello within {HELLO_TIMEOUT:?} of opening the stream"
+                ))
+            })
+            .map_err(|status| refuse(caller, status))?
+            .map_err(|status| refuse(caller, codec::client_fault(status)))?
+            .ok_or_else(|| {
+                refuse(
+                    caller,
+                    Status::failed_precondition("the stream ended before Hello"),
+                )
+            })?;
+        let Some(Body::Hello(hello)) = first.body else {
+            self.invalid("no_hello");
+            return Err(refuse(
+                caller,
+                Status::failed_precondition("the first message on EndpointSync must be Hello"),
+            ));
+        };
+        Ok(hello)
     }
 
     /// Of the node addresses a Hello names, those `principal`'s credentials vouch

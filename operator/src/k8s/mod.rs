@@ -135,11 +135,60 @@ fn client(config: kube::Config, retry: bool, max_idle: usize) -> Result<Client, 
     census_daemon::apiserver::client(config, pool, retry).map_err(ClusterError::Client)
 }
 
+/// Who this replica is in the cluster and its clients of the API server.
+struct Connection {
+    namespace: String,
+    identity: String,
+    lease: LeaseConfig,
+    store_config: KubeStoreConfig,
+    /// The Identity store's writes.
+    writes: Client,
+    /// Reads and watches, retried on 429, 503 and 504.
+    reads: Client,
+    /// The Lease's.
+    leases: Client,
+    tokens: TokenReviewer,
+}
+
+/// Resolves the replica's namespace, identity, Lease and store settings from `args`,
+/// and makes its clients of the API server.
+async fn connect(
+    args: &KubernetesArgs,
+    limits: LabelLimits,
+    store_timeout: Duration,
+    grpc_port: u16,
+    metrics: &Metrics,
+) -> Result<Connection, ClusterError> {
+    let config = kube_config(args).await?;
+    let namespace = args
+        .namespace
+        .clone()
+        .unwrap_or_else(|| config.default_namespace.clone());
+    let identity = replica_identity(args.pod_name.as_deref());
+    let lease = lease_config(args, &namespace, &identity, grpc_port);
+    lease.check()?;
+    let store_config = store_config(limits, store_timeout, &identity);
+    // The writes client keeps as many idle connections as the store writes at once,
+    // so a GC pass reuses them; the timeout closes them once the pass is over.
+    let writes = client(config.clone(), false, store_config.concurrency)?;
+    let reads = client(config.clone(), true, Pool::default().max_idle)?;
+    let leases = client(config.clone(), false, 1)?;
+    let tokens = token_reviewer(config, args, metrics)?;
+    Ok(Connection {
+        namespace,
+        identity,
+        lease,
+        store_config,
+        writes,
+        reads,
+        leases,
+        tokens,
+    })
+}
+
 /// Connects to the cluster and starts this replica as a follower.
 pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, ClusterError> {
     let KubernetesArgs {
-        namespace,
-        pod_name,
         pod_ip,
         agent_service_account,
         token_audience,
@@ -157,20 +206,16 @@ pub async fn start(args: &KubernetesArgs, parts: Parts) -> Result<Cluster, Clust
         readiness,
         service_cidrs,
     } = parts;
-    let config = kube_config(args).await?;
-    let namespace = namespace
-        .clone()
-        .unwrap_or_else(|| config.default_namespace.clone());
-    let identity = replica_identity(pod_name.as_deref());
-    let lease = lease_config(args, &namespace, &identity, grpc_addr.port());
-    lease.check()?;
-    let store_config = store_config(limits, store_timeout, &identity);
-    // The writes client keeps as many idle connections as the store writes at once,
-    // so a GC pass reuses them; the timeout closes them once the pass is over.
-    let writes = client(config.clone(), false, store_config.concurrency)?;
-    let reads = client(config.clone(), true, Pool::default().max_idle)?;
-    let leases = client(config.clone(), false, 1)?;
-    let tokens = token_reviewer(config, args, &metrics)?;
+    let Connection {
+        namespace,
+        identity,
+        lease,
+        store_config,
+        writes,
+        reads,
+        leases,
+        tokens,
+    } = connect(args, limits, store_timeout, grpc_addr.port(), &metrics).await?;
     readiness.set_not_ready(format!("replica {identity}: {}", waiting(&reads).await?));
 
     let fence = Arc::new(Fence::closed());

@@ -201,10 +201,24 @@ impl ControlPlane {
     }
 
     fn start(&mut self, bin: &Binaries, say: Say<'_>) -> Result<(), Error> {
-        let dir = self.dir.clone();
-        let pki = dir.join("pki");
-        let p = |f: &str| pki.join(f).display().to_string();
+        let etcd_url = self.start_etcd(bin, say)?;
+        self.start_apiserver(bin, &etcd_url, say)?;
+        let kcm = self.start_controller_manager(bin)?;
+        self.components.push(kcm.clone());
+        let scheduler = self.start_scheduler(bin)?;
+        self.components.push(scheduler.clone());
+        let kwok = self.start_kwok(bin)?;
+        self.components.push(kwok.clone());
+        self.save()?;
+        self.wait_leading(&kcm, &scheduler, bin, say)?;
+        self.add_nodes(&kwok, bin, say)?;
+        go::write(&self.dir.join("env"), &self.env())?;
+        Ok(())
+    }
 
+    /// etcd on free ports, once it answers healthy; its client URL.
+    fn start_etcd(&mut self, bin: &Binaries, say: Say<'_>) -> Result<String, Error> {
+        let dir = self.dir.clone();
         let (client, peer) = (process::free_port()?, process::free_port()?);
         let etcd_url = format!("http://127.0.0.1:{client}");
         self.etcd.clone_from(&etcd_url);
@@ -232,7 +246,20 @@ impl ControlPlane {
             http_get(client, "/health").is_some_and(|body| body.contains("\"health\":\"true\""))
         })?;
         say(&format!("etcd {} ready on {etcd_url}", bin.etcd));
+        Ok(etcd_url)
+    }
 
+    /// kube-apiserver on etcd, the components' and the admin's kubeconfigs, once it is
+    /// ready.
+    fn start_apiserver(
+        &mut self,
+        bin: &Binaries,
+        etcd_url: &str,
+        say: Say<'_>,
+    ) -> Result<(), Error> {
+        let dir = self.dir.clone();
+        let pki = dir.join("pki");
+        let p = |f: &str| pki.join(f).display().to_string();
         let port = process::free_port()?;
         self.server = format!("https://127.0.0.1:{port}");
         go::write(&dir.join("audit-policy.yaml"), AUDIT_POLICY)?;
@@ -290,10 +317,23 @@ impl ControlPlane {
             "kube-apiserver {} ready on {}",
             bin.kubernetes, self.server
         ));
+        Ok(())
+    }
 
-        let kubeconfig = |c: &str| dir.join(format!("{c}.kubeconfig")).display().to_string();
-        let kcm = Component::start(
-            &dir,
+    /// The path of component `c`'s kubeconfig.
+    fn component_kubeconfig(&self, c: &str) -> String {
+        self.dir
+            .join(format!("{c}.kubeconfig"))
+            .display()
+            .to_string()
+    }
+
+    fn start_controller_manager(&self, bin: &Binaries) -> Result<Component, Error> {
+        let pki = self.dir.join("pki");
+        let p = |f: &str| pki.join(f).display().to_string();
+        let kubeconfig = |c: &str| self.component_kubeconfig(c);
+        Component::start(
+            &self.dir,
             "kube-controller-manager",
             &bin.path(Program::KubeControllerManager),
             &strings(&[
@@ -319,10 +359,13 @@ impl ControlPlane {
                 "--profiling=false",
                 "--v=1",
             ]),
-        )?;
-        self.components.push(kcm.clone());
-        let scheduler = Component::start(
-            &dir,
+        )
+    }
+
+    fn start_scheduler(&self, bin: &Binaries) -> Result<Component, Error> {
+        let kubeconfig = |c: &str| self.component_kubeconfig(c);
+        Component::start(
+            &self.dir,
             "kube-scheduler",
             &bin.path(Program::KubeScheduler),
             &strings(&[
@@ -334,10 +377,13 @@ impl ControlPlane {
                 "--profiling=false",
                 "--v=1",
             ]),
-        )?;
-        self.components.push(scheduler.clone());
-        let kwok = Component::start(
-            &dir,
+        )
+    }
+
+    fn start_kwok(&self, bin: &Binaries) -> Result<Component, Error> {
+        let kubeconfig = |c: &str| self.component_kubeconfig(c);
+        Component::start(
+            &self.dir,
             "kwok",
             &bin.path(Program::Kwok),
             &strings(&[
@@ -355,12 +401,21 @@ impl ControlPlane {
                 &format!("--node-ip={FIRST_NODE_IP}"),
                 &format!("--server-address=127.0.0.1:{}", process::free_port()?),
             ]),
-        )?;
-        self.components.push(kwok.clone());
-        self.save()?;
+        )
+    }
+
+    /// Waits until kube-controller-manager and kube-scheduler each hold their leader
+    /// Lease.
+    fn wait_leading(
+        &self,
+        kcm: &Component,
+        scheduler: &Component,
+        bin: &Binaries,
+        say: Say<'_>,
+    ) -> Result<(), Error> {
         for (component, lease) in [
-            (&kcm, "kube-controller-manager"),
-            (&scheduler, "kube-scheduler"),
+            (kcm, "kube-controller-manager"),
+            (scheduler, "kube-scheduler"),
         ] {
             process::wait_ready(component, "holding its leader Lease", READY_WITHIN, || {
                 self.kubectl_output(&[
@@ -376,6 +431,12 @@ impl ControlPlane {
             })?;
             say(&format!("{lease} {} leading", bin.kubernetes));
         }
+        Ok(())
+    }
+
+    /// Creates the Node objects kwok plays, with their status, and waits until every
+    /// one is Ready.
+    fn add_nodes(&self, kwok: &Component, bin: &Binaries, say: Say<'_>) -> Result<(), Error> {
         for node in &self.nodes {
             self.apply(&node_object(node))?;
             // Status is not applied with the object: set it on its subresource.
@@ -389,7 +450,7 @@ impl ControlPlane {
                 &node_status(node).to_string(),
             ])?;
         }
-        process::wait_ready(&kwok, "every node Ready", READY_WITHIN, || {
+        process::wait_ready(kwok, "every node Ready", READY_WITHIN, || {
             self.nodes_ready().unwrap_or(false)
         })?;
         say(&format!(
@@ -402,7 +463,6 @@ impl ControlPlane {
                 .collect::<Vec<_>>()
                 .join(", ")
         ));
-        go::write(&dir.join("env"), &self.env())?;
         Ok(())
     }
 

@@ -312,6 +312,58 @@ const PODS: [(&str, &[(&str, &str)]); 4] = [
 ];
 
 fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
+    let binaries = prepare(no_setup, interrupted)?;
+    let (operator_bin, agent_bin, cli_bin) = (&binaries[0], &binaries[1], &binaries[2]);
+    check(interrupted)?;
+
+    let started = Instant::now();
+    // Dropped in reverse: agent, operator, pins, pods, node namespace, files.
+    let dir = tempfile::Builder::new().prefix("census-demo-").tempdir()?;
+    step("network namespaces: a node and four pods (198.18.0.0/15, no route out)");
+    let mut lab = Lab::new().context("creating the node namespace")?;
+    let pods = add_pods(&mut lab)?;
+    let pins = Pins {
+        agent: agent_bin.clone(),
+        dir: PathBuf::from("/sys/fs/bpf").join(census_netlab::unique_name("census-demo")),
+    };
+    let endpoints = dir.path().join("endpoints.yaml");
+    fs::write(&endpoints, endpoints_file(&pods))?;
+    let certs = certificates(operator_bin, dir.path())?;
+    let mut operator = start_operator(&lab, dir.path(), operator_bin, &certs, interrupted)?;
+    let mut agent = start_agent(&lab, dir.path(), agent_bin, &certs, &pins, &endpoints)?;
+    let listed = wait_programmed(&lab, &mut agent, interrupted)?;
+    print_endpoints(&listed);
+    show_services(cli_bin, &pins, interrupted)?;
+    let service = add_service(&lab, &pods)?;
+    let remote = second_node(&lab, &certs)?;
+    show_remote_endpoints(cli_bin, &pins, interrupted)?;
+    traffic(&pods, interrupted)?;
+    let identities = show_identities(&lab, &certs, &listed, remote.identity)?;
+    let names = identity_names(&identities);
+    let before = show_flows(&lab, &names)?;
+    through_service(&lab, &pods, &service, &listed, &names, &before, interrupted)?;
+
+    step("cleaning up: agent, pins, operator, namespaces, files");
+    drop(remote);
+    agent.stop();
+    drop(agent);
+    drop(pins);
+    operator.stop();
+    drop(operator);
+    drop(pods);
+    drop(lab);
+    drop(dir);
+    say(&format!(
+        "\ndone in {:.1?} after the build. The agent left the datapath in place when it \
+         stopped (fail-static); `census-agent uninstall` removed it.",
+        started.elapsed()
+    ));
+    Ok(())
+}
+
+/// Set-up and the eBPF build (unless `no_setup`), then the operator's, the agent's and
+/// the CLI's binaries, in that order.
+fn prepare(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<Vec<PathBuf>> {
     if !no_setup {
         step("set-up (idempotent)");
         setup::run(setup::Options {})?;
@@ -324,15 +376,11 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     }
     check(interrupted)?;
     step("building census-operator, census-agent and census");
-    let binaries = build(&["census-operator", "census-agent", "census"])?;
-    let (operator_bin, agent_bin, cli_bin) = (&binaries[0], &binaries[1], &binaries[2]);
-    check(interrupted)?;
+    build(&["census-operator", "census-agent", "census"])
+}
 
-    let started = Instant::now();
-    // Dropped in reverse: agent, operator, pins, pods, node namespace, files.
-    let dir = tempfile::Builder::new().prefix("census-demo-").tempdir()?;
-    step("network namespaces: a node and four pods (198.18.0.0/15, no route out)");
-    let mut lab = Lab::new().context("creating the node namespace")?;
+/// A pod namespace in `lab` for each of [`PODS`].
+fn add_pods(lab: &mut Lab) -> anyhow::Result<Vec<DemoPod>> {
     let mut pods = Vec::new();
     for (name, labels) in PODS {
         let pod = lab.add_pod().context("creating a pod namespace")?;
@@ -348,30 +396,37 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         ));
         pods.push(DemoPod { name, labels, pod });
     }
-    let pins = Pins {
-        agent: agent_bin.clone(),
-        dir: PathBuf::from("/sys/fs/bpf").join(census_netlab::unique_name("census-demo")),
-    };
-    let endpoints = dir.path().join("endpoints.yaml");
-    fs::write(&endpoints, endpoints_file(&pods))?;
+    Ok(pods)
+}
 
+/// The demo's certificates, in `dir`'s `tls`.
+fn certificates(operator_bin: &Path, dir: &Path) -> anyhow::Result<tls::DemoCerts> {
     step(
         "certificates (census-operator certs): a CA, the operator's, one per node (the other's naming its address), a reader's",
     );
-    let certs =
-        tls::DemoCerts::generate(operator_bin, dir.path().join("tls"), &[NODE, remote::NODE])?;
+    let certs = tls::DemoCerts::generate(operator_bin, dir.join("tls"), &[NODE, remote::NODE])?;
     certs.vouch(
         operator_bin,
         remote::NODE,
         &[IpAddr::V4(remote::NODE_ADDRESS)],
     )?;
-    say(&format!("    in {}", dir.path().join("tls").display()));
+    say(&format!("    in {}", dir.join("tls").display()));
+    Ok(certs)
+}
 
+/// The operator on its embedded store, in the node namespace, once it listens.
+fn start_operator(
+    lab: &Lab,
+    dir: &Path,
+    operator_bin: &Path,
+    certs: &tls::DemoCerts,
+    interrupted: &Interrupted,
+) -> anyhow::Result<Daemon> {
     step("census-operator on its embedded store, in the node namespace");
     let mut operator = spawn(
         lab.node(),
         "census-operator",
-        dir.path(),
+        dir,
         Command::new(operator_bin)
             .args(["--grpc-listen", &format!("127.0.0.1:{OPERATOR_PORT}")])
             .args(certs.operator_args())
@@ -380,7 +435,7 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
                 &format!("127.0.0.1:{OPERATOR_ADMIN_PORT}"),
             ])
             .arg("--store-path")
-            .arg(dir.path().join("census.redb"))
+            .arg(dir.join("census.redb"))
             .args(["--snapshot-interval", "5s"])
             // A new store in a demo: no agent has identities to re-report first.
             .args(["--adoption-window", "0s"])
@@ -396,14 +451,25 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     })?;
     say(&format!(
         "    listening on 127.0.0.1:{OPERATOR_PORT}, mutual TLS: a caller is the node its certificate names (store {})",
-        dir.path().join("census.redb").display()
+        dir.join("census.redb").display()
     ));
+    Ok(operator)
+}
 
+/// The agent on the endpoints file, in the node namespace.
+fn start_agent(
+    lab: &Lab,
+    dir: &Path,
+    agent_bin: &Path,
+    certs: &tls::DemoCerts,
+    pins: &Pins,
+    endpoints: &Path,
+) -> anyhow::Result<Daemon> {
     step("census-agent on the endpoints file, in the node namespace");
-    let mut agent = spawn(
+    spawn(
         lab.node(),
         "census-agent",
-        dir.path(),
+        dir,
         Command::new(agent_bin)
             .args(["--node-name", NODE])
             .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
@@ -412,9 +478,17 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
             .arg(&pins.dir)
             .args(["--admin-listen", &format!("127.0.0.1:{AGENT_ADMIN_PORT}")])
             .arg("--endpoints-file")
-            .arg(&endpoints)
+            .arg(endpoints)
             .args(["--reconcile-interval", "2s"]),
-    )?;
+    )
+}
+
+/// The agent's `/v1/endpoints` once every endpoint is programmed.
+fn wait_programmed(
+    lab: &Lab,
+    agent: &mut Daemon,
+    interrupted: &Interrupted,
+) -> anyhow::Result<serde_json::Value> {
     let mut listed = serde_json::Value::Null;
     wait_until(
         interrupted,
@@ -433,8 +507,11 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
                 && endpoints.iter().all(|e| e["state"] == "programmed"))
         },
     )?;
-    print_endpoints(&listed);
+    Ok(listed)
+}
 
+/// Waits for the operator's Service range in the agent's SERVICES map, and lists it.
+fn show_services(cli_bin: &Path, pins: &Pins, interrupted: &Interrupted) -> anyhow::Result<()> {
     step("Service addresses: the operator's --service-cidr in the agent's SERVICES map");
     let mut services = Vec::new();
     wait_until(
@@ -465,6 +542,12 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
             service["kind"].as_str().unwrap_or("?")
         ));
     }
+    Ok(())
+}
+
+/// A ClusterIP Service in front of the backend pod, as kube-proxy's iptables mode
+/// makes it in the node namespace.
+fn add_service(lab: &Lab, pods: &[DemoPod]) -> anyhow::Result<Service> {
     let service = Service {
         name: "db".to_owned(),
         address: SocketAddrV4::new(service_ip(SERVICE_HOST), SERVICE_PORT),
@@ -483,7 +566,11 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
          {} (udp) -> {} {}",
         service.address, pods[SERVICE_BACKEND].name, service.endpoints[0]
     ));
+    Ok(service)
+}
 
+/// The other node, simulated over gRPC.
+fn second_node(lab: &Lab, certs: &tls::DemoCerts) -> anyhow::Result<remote::RemoteNode> {
     step("a second node, over gRPC: Hello with its address, Allocate, a Snapshot of one pod");
     let remote = remote::RemoteNode::start(&lab.node().path(), OPERATOR_PORT, certs.clone())?;
     say(&format!(
@@ -494,6 +581,16 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         remote::POD_IP,
         remote.identity
     ));
+    Ok(remote)
+}
+
+/// Waits for the other node's pod in this node's ENDPOINTS, and lists the other
+/// nodes' entries.
+fn show_remote_endpoints(
+    cli_bin: &Path,
+    pins: &Pins,
+    interrupted: &Interrupted,
+) -> anyhow::Result<()> {
     step(
         "the cluster-wide endpoint map: the other node's pod and address in this node's ENDPOINTS",
     );
@@ -539,7 +636,11 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
             node_cell(entry)
         ));
     }
+    Ok(())
+}
 
+/// UDP between the pods, and from web-0 to the other node's pod.
+fn traffic(pods: &[DemoPod], interrupted: &Interrupted) -> anyhow::Result<()> {
     step("traffic between the pods (UDP, 100-byte payloads)");
     let plan: [(usize, usize, usize); 4] = [(0, 2, 10), (2, 0, 10), (3, 1, 5), (1, 0, 3)];
     for (from, to, count) in plan {
@@ -554,20 +655,28 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         ));
     }
 
-    {
-        check(interrupted)?;
-        // No receiver: the other node is simulated. The datagrams are counted as they
-        // leave web-0, then dropped by the node (no route to the other node).
-        let web = &pods[0];
-        let sender = UdpSender::bind(&web.pod.ns, web.pod.ipv4.into())?;
-        sender.send_many(SocketAddr::from((remote::POD_IP, 7)), 7, 100)?;
-        say(&format!(
-            "    {:<12} -> {:<12} 7 datagrams (to the other node's pod)",
-            web.name,
-            remote::POD
-        ));
-    }
+    check(interrupted)?;
+    // No receiver: the other node is simulated. The datagrams are counted as they
+    // leave web-0, then dropped by the node (no route to the other node).
+    let web = &pods[0];
+    let sender = UdpSender::bind(&web.pod.ns, web.pod.ipv4.into())?;
+    sender.send_many(SocketAddr::from((remote::POD_IP, 7)), 7, 100)?;
+    say(&format!(
+        "    {:<12} -> {:<12} 7 datagrams (to the other node's pod)",
+        web.name,
+        remote::POD
+    ));
+    Ok(())
+}
 
+/// The identities of the agent's endpoints and of the other node's pod, as the
+/// operator tells them.
+fn show_identities(
+    lab: &Lab,
+    certs: &tls::DemoCerts,
+    listed: &serde_json::Value,
+    remote_identity: u32,
+) -> anyhow::Result<Vec<pb::Identity>> {
     step("identities, from the operator (IdentityService.Get)");
     let ids: BTreeSet<u32> = listed["endpoints"]
         .as_array()
@@ -575,9 +684,9 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
         .flatten()
         .filter_map(|e| e["identity"].as_u64())
         .filter_map(|id| u32::try_from(id).ok())
-        .chain([remote.identity])
+        .chain([remote_identity])
         .collect();
-    let identities = lab.node().run(|| get_identities(&certs, &ids))??;
+    let identities = lab.node().run(|| get_identities(certs, &ids))??;
     say(&format!(
         "    {:<6} {:<5} {:<6} labels",
         "id", "refs", "holds"
@@ -593,20 +702,41 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
     }
     say("    (web-1's pod-template-hash and batch's job-name are dropped by the operator's");
     say("     label filter: every replica and every run of the job share one identity)");
+    Ok(identities)
+}
 
-    step("traffic per identity pair, from the kernel's FLOWS map (agent: /v1/flows)");
-    let names: BTreeMap<u32, String> = identities
+/// The short name of each identity, the host's and the world's.
+fn identity_names(identities: &[pb::Identity]) -> BTreeMap<u32, String> {
+    identities
         .iter()
         .map(|i| (i.id, short_name(&i.labels)))
         .chain([(1, "host".to_owned()), (WORLD, "world".to_owned())])
-        .collect();
+        .collect()
+}
+
+/// The kernel's FLOWS map by identity pair, printed; what it holds now.
+fn show_flows(lab: &Lab, names: &BTreeMap<u32, String>) -> anyhow::Result<Flows> {
+    step("traffic per identity pair, from the kernel's FLOWS map (agent: /v1/flows)");
     let before = flows(lab.node())?;
-    print_flows(&names, &before);
+    print_flows(names, &before);
     say("    (each packet counted once, on the host side of the sender's veth; api is the");
     say("     other node's pod, known from the cluster-wide endpoint map. `host` is the");
     say("     node's own addresses; `world` is any address no endpoint lists: here IPv6");
     say("     neighbour discovery between link-local and multicast addresses)");
+    Ok(before)
+}
 
+/// Requests from the client pod to the Service and their replies, and what they
+/// added to FLOWS (counted client to backend, else the demo fails).
+fn through_service(
+    lab: &Lab,
+    pods: &[DemoPod],
+    service: &Service,
+    listed: &serde_json::Value,
+    names: &BTreeMap<u32, String>,
+    before: &Flows,
+    interrupted: &Interrupted,
+) -> anyhow::Result<()> {
     let (client, backend) = (&pods[SERVICE_CLIENT], &pods[SERVICE_BACKEND]);
     step(&format!(
         "through the Service: {} -> {} (ClusterIP) -> {} {}, and back",
@@ -628,9 +758,22 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
          conntrack reverses the DNAT)",
         service.address
     ));
-    let added = added_flows(&before, &flows(lab.node())?);
+    let added = added_flows(before, &flows(lab.node())?);
     say("    what the exchange added to FLOWS:");
-    print_flows(&names, &added);
+    print_flows(names, &added);
+    service_counted(client, backend, listed, names, &added, replies)
+}
+
+/// Fails unless the Service exchange's `replies` requests were counted client to
+/// backend and its replies backend to client; says how they were counted.
+fn service_counted(
+    client: &DemoPod,
+    backend: &DemoPod,
+    listed: &serde_json::Value,
+    names: &BTreeMap<u32, String>,
+    added: &Flows,
+    replies: usize,
+) -> anyhow::Result<()> {
     let identity_of = |pod: &DemoPod| {
         listed["endpoints"]
             .as_array()
@@ -665,22 +808,6 @@ fn privileged(no_setup: bool, interrupted: &Interrupted) -> anyhow::Result<()> {
          ({backend_name}, {client_name})\n     where they left {}; {} sees them from the \
          ClusterIP and skips them. As ({client_name}, world): {as_world}.",
         client.name, backend.name, backend.name, client.name
-    ));
-
-    step("cleaning up: agent, pins, operator, namespaces, files");
-    drop(remote);
-    agent.stop();
-    drop(agent);
-    drop(pins);
-    operator.stop();
-    drop(operator);
-    drop(pods);
-    drop(lab);
-    drop(dir);
-    say(&format!(
-        "\ndone in {:.1?} after the build. The agent left the datapath in place when it \
-         stopped (fail-static); `census-agent uninstall` removed it.",
-        started.elapsed()
     ));
     Ok(())
 }
@@ -974,33 +1101,7 @@ async fn identities_over_grpc(port: u16, certs: &tls::DemoCerts) -> anyhow::Resu
 
     step("IdentityService.Allocate for three pods' labels");
     let mut identities = IdentityServiceClient::new(channel);
-    let pods: [(&str, &[&str]); 3] = [
-        ("web-0", &["k8s:app=web"]),
-        ("db-0", &["k8s:app=db"]),
-        (
-            "batch-28871",
-            &["k8s:app=batch", "k8s:job-name=nightly-28871"],
-        ),
-    ];
-    let mut allocated = Vec::new();
-    for (name, labels) in pods {
-        let mut labels: Vec<String> = labels.iter().map(|l| (*l).to_owned()).collect();
-        labels.push("k8s:io.kubernetes.pod.namespace=default".to_owned());
-        labels.push("k8s:io.kubernetes.pod.serviceaccount=default".to_owned());
-        let identity = identities
-            .allocate(pb::AllocateRequest {
-                protocol_version: PROTOCOL_VERSION,
-                node: NODE.to_owned(),
-                session: Some(session),
-                labels: labels.clone(),
-            })
-            .await?
-            .into_inner()
-            .identity
-            .context("Allocate answered no identity")?;
-        say(&format!("    {name:<12} -> {}", identity.id));
-        allocated.push((name, labels, identity.id));
-    }
+    let allocated = allocate_pods(&mut identities, session).await?;
     print_identities(&mut identities, &allocated).await?;
 
     step("EndpointSync Snapshot: the node's endpoints, which the operator counts");
@@ -1028,6 +1129,42 @@ async fn identities_over_grpc(port: u16, certs: &tls::DemoCerts) -> anyhow::Resu
     print_identities(&mut identities, &allocated).await?;
     say("    (holds turned into references: the snapshot is the truth of the node's endpoints)");
     Ok(())
+}
+
+/// Allocates the identities of three pods' labels as the node `NODE` in `session`:
+/// each pod's name, its labels and its identity.
+async fn allocate_pods(
+    identities: &mut IdentityServiceClient<tonic::transport::Channel>,
+    session: pb::Session,
+) -> anyhow::Result<Vec<(&'static str, Vec<String>, u32)>> {
+    let pods: [(&str, &[&str]); 3] = [
+        ("web-0", &["k8s:app=web"]),
+        ("db-0", &["k8s:app=db"]),
+        (
+            "batch-28871",
+            &["k8s:app=batch", "k8s:job-name=nightly-28871"],
+        ),
+    ];
+    let mut allocated = Vec::new();
+    for (name, labels) in pods {
+        let mut labels: Vec<String> = labels.iter().map(|l| (*l).to_owned()).collect();
+        labels.push("k8s:io.kubernetes.pod.namespace=default".to_owned());
+        labels.push("k8s:io.kubernetes.pod.serviceaccount=default".to_owned());
+        let identity = identities
+            .allocate(pb::AllocateRequest {
+                protocol_version: PROTOCOL_VERSION,
+                node: NODE.to_owned(),
+                session: Some(session),
+                labels: labels.clone(),
+            })
+            .await?
+            .into_inner()
+            .identity
+            .context("Allocate answered no identity")?;
+        say(&format!("    {name:<12} -> {}", identity.id));
+        allocated.push((name, labels, identity.id));
+    }
+    Ok(allocated)
 }
 
 async fn print_identities(

@@ -213,23 +213,7 @@ impl Shared {
                 reread = true;
                 continue;
             }
-            // Before writing anything for `id` (free, or a tombstone): labels the store
-            // binds to another id already (an object census did not write) are theirs,
-            // and a second object would be a younger duplicate, invalid for good.
-            let writes = match &known {
-                None | Some((_, State::Tombstone { .. })) => true,
-                Some((_, State::Binding(_) | State::Invalid(_))) => false,
-            };
-            if writes
-                && let Some(bound) = self.index.read().bound_to(labels)
-                && bound != id
-            {
-                return Err(StoreError::LabelsBound {
-                    id,
-                    labels: labels.to_string(),
-                    bound,
-                });
-            }
+            self.labels_free(id, labels, known.as_ref())?;
             let next = match known {
                 None => match self.post(id, labels, until).await {
                     Ok(()) => return Ok(()),
@@ -275,12 +259,7 @@ impl Shared {
                         }
                         Next::Reread
                     } else {
-                        // A tombstone census is done with: replace it.
-                        match self.delete_exact(id, &meta, until).await {
-                            Ok(()) => Next::Again,
-                            Err(Failure::Conflict) => Next::Reread,
-                            Err(e) => return Err(e.into_store_error(&doing())),
-                        }
+                        self.clear_tombstone(id, &meta, until, &doing).await?
                     }
                 }
                 Some((_, state)) => {
@@ -298,6 +277,48 @@ impl Shared {
             }
         }
         Err(Failure::Conflict.into_store_error(&doing()))
+    }
+
+    /// Before writing anything for `id` (free, or a tombstone): labels the store binds
+    /// to another id already (an object census did not write) are theirs, and a second
+    /// object would be a younger duplicate, invalid for good.
+    fn labels_free(
+        &self,
+        id: IdentityId,
+        labels: &LabelSet,
+        known: Option<&(Meta, State)>,
+    ) -> Result<(), StoreError> {
+        let writes = match known {
+            None | Some((_, State::Tombstone { .. })) => true,
+            Some((_, State::Binding(_) | State::Invalid(_))) => false,
+        };
+        if writes
+            && let Some(bound) = self.index.read().bound_to(labels)
+            && bound != id
+        {
+            return Err(StoreError::LabelsBound {
+                id,
+                labels: labels.to_string(),
+                bound,
+            });
+        }
+        Ok(())
+    }
+
+    /// A tombstone census is done with, seen as `meta`, deleted so that CreateIdentity
+    /// can replace it.
+    async fn clear_tombstone(
+        &self,
+        id: IdentityId,
+        meta: &Meta,
+        until: Instant,
+        doing: &(dyn Fn() -> String + Sync),
+    ) -> Result<Next, StoreError> {
+        match self.delete_exact(id, meta, until).await {
+            Ok(()) => Ok(Next::Again),
+            Err(Failure::Conflict) => Ok(Next::Reread),
+            Err(e) => Err(e.into_store_error(&doing())),
+        }
     }
 
     /// DeleteIdentity: turn the binding of `id` to `labels` into a tombstone.
