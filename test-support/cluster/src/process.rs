@@ -134,13 +134,13 @@ impl Component {
         let _ = kill(pid, Signal::SIGTERM);
         let deadline = Instant::now() + grace;
         while self.alive() && Instant::now() < deadline {
-            reap();
+            reap(self.pid);
             std::thread::sleep(Duration::from_millis(50));
         }
         if self.alive() {
             let _ = kill(pid, Signal::SIGKILL);
             while self.alive() {
-                reap();
+                reap(self.pid);
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -192,14 +192,14 @@ pub(crate) fn stop_strays(dir: &Path) -> Vec<u32> {
     stopped
 }
 
-/// Reaps exited children of this process (components it started), so they do not
-/// linger as zombies while it runs.
-fn reap() {
+/// Reaps `pid` if it is an exited child of this process (a component it started),
+/// so it does not linger as a zombie while the process runs. Only that pid: a
+/// `waitpid(-1)` here took the exit of other threads' children (a test's kubectl),
+/// whose own wait then failed with ECHILD.
+fn reap(pid: u32) {
     use nix::sys::wait::{WaitPidFlag, waitpid};
-    while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-        if matches!(status, nix::sys::wait::WaitStatus::StillAlive) {
-            break;
-        }
+    if let Ok(raw) = i32::try_from(pid) {
+        let _ = waitpid(Pid::from_raw(raw), Some(WaitPidFlag::WNOHANG));
     }
 }
 
@@ -255,7 +255,38 @@ pub(crate) fn wait_ready(
                 tail: component.tail(),
             });
         }
-        reap();
+        reap(component.pid);
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+
+    /// Reaping a component leaves the exit of every other child to its own waiter:
+    /// a kubectl another thread started and waits for.
+    #[test]
+    fn reaping_a_component_leaves_other_children_alone() -> Result<(), Box<dyn std::error::Error>> {
+        let mut component = Command::new("sleep").arg("30").spawn()?;
+        let mut other = Command::new("true").spawn()?;
+        // `other` has exited and waits, a zombie, for its own wait.
+        let stat = format!("/proc/{}/stat", other.id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(&stat)?
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        {
+            assert!(Instant::now() < deadline, "`true` did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        reap(component.id());
+        let status = other.wait()?;
+        assert!(status.success());
+        component.kill()?;
+        component.wait()?;
+        Ok(())
     }
 }
