@@ -267,89 +267,24 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Alloc) -> anyhow:
     waiting.push(&keeper);
     wait_connected(&waiting).await?;
     // The keeper's pods are allocated before its first snapshot: wait for the view.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Metrics::scrape(op.admin())
-        .await
-        .map_or(0.0, |m| m.or_zero("census_endpoints", ""))
-        < p.known_pool as f64
-    {
-        if Instant::now() > deadline {
-            bail!("the keeper's view never filled");
-        }
-        sleep(Duration::from_millis(100)).await;
-    }
+    keeper_view_filled(&op, p.known_pool).await?;
 
+    let rig = Rig {
+        op: &op,
+        fleet: &fleet,
+        handles: &handles,
+        sampler: &sampler,
+        p: &p,
+    };
     let mut cells = Vec::new();
     let mut storm_setup_seconds = 0.0;
     for storm in [false, true] {
         if storm {
-            sampler.set_phase("storm setup");
-            say(format!(
-                "GC storm: allocating {} identities from nodes that then go silent",
-                p.storm_identities
-            ));
-            let started = Instant::now();
-            let storm_nodes: Vec<Node> = (0..8)
-                .map(|i| fleet.start_node(i, format!("storm-{i}"), Vec::new(), false))
-                .collect();
-            make_released(&fleet, storm_nodes, p.storm_identities, "storm").await?;
-            // Wait for deletes to start.
-            let deadline = Instant::now() + Duration::from_secs(60);
-            loop {
-                let m = Metrics::scrape(op.admin()).await?;
-                if m.identities("deleting") > 0 {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!("the GC storm never started");
-                }
-                sleep(Duration::from_millis(100)).await;
-            }
-            storm_setup_seconds = started.elapsed().as_secs_f64();
+            storm_setup_seconds = rig.gc_storm().await?;
         }
         for kind in ["known", "new"] {
             for &clients in &p.concurrency {
-                let name = format!("{kind} x{clients}{}", if storm { " +storm" } else { "" });
-                sampler.set_phase(name.clone());
-                let before = Metrics::scrape(op.admin()).await?;
-                let started = Instant::now();
-                let tag = format!("{kind}-{clients}-{storm}");
-                let (lat, errors) = cell(
-                    &fleet,
-                    &handles,
-                    kind,
-                    clients,
-                    p.cell_duration,
-                    p.known_pool,
-                    &tag,
-                )
-                .await;
-                let secs = started.elapsed().as_secs_f64();
-                let after = Metrics::scrape(op.admin()).await?;
-                let deleted =
-                    |m: &Metrics| m.or_zero("census_gc_outcomes_total", "outcome=\"deleted\"");
-                let c = Cell {
-                    storm,
-                    kind,
-                    clients,
-                    calls: lat.len(),
-                    errors,
-                    per_second: lat.len() as f64 / secs,
-                    latency: Latency::of(lat),
-                    gc_deletes_per_second: (deleted(&after) - deleted(&before)) / secs,
-                    gc_backlog_after: after.or_zero("census_gc_backlog", "") as u64
-                        + after.identities("deleting"),
-                };
-                say(format!(
-                    "  {name:<18} {:>8.0}/s  p50 {:>7.0} µs  p99 {:>7.0} µs  p99.9 {:>7.0} µs  errors {}  GC {:.0} deletes/s",
-                    c.per_second,
-                    c.latency.p50_us,
-                    c.latency.p99_us,
-                    c.latency.p999_us,
-                    c.errors,
-                    c.gc_deletes_per_second
-                ));
-                cells.push(c);
+                cells.push(rig.cell(kind, clients, storm).await?);
             }
         }
     }
@@ -375,6 +310,108 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Alloc) -> anyhow:
         },
     )?;
     Ok(true)
+}
+
+/// Waits (up to 60 s) for the operator to hold the keeper's `known_pool` endpoints.
+pub(crate) async fn keeper_view_filled(op: &Operator, known_pool: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Metrics::scrape(op.admin())
+        .await
+        .map_or(0.0, |m| m.or_zero("census_endpoints", ""))
+        < known_pool as f64
+    {
+        if Instant::now() > deadline {
+            bail!("the keeper's view never filled");
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// What the cells run against.
+struct Rig<'a> {
+    op: &'a Operator,
+    fleet: &'a Fleet,
+    handles: &'a [NodeHandle],
+    sampler: &'a Sampler,
+    p: &'a Alloc,
+}
+
+impl Rig<'_> {
+    /// The GC storm: the preset's identities allocated from nodes that then go
+    /// silent, until the GC deletes (up to 60 s). Returns the seconds it took.
+    async fn gc_storm(&self) -> anyhow::Result<f64> {
+        let (op, fleet, p) = (self.op, self.fleet, self.p);
+        self.sampler.set_phase("storm setup");
+        say(format!(
+            "GC storm: allocating {} identities from nodes that then go silent",
+            p.storm_identities
+        ));
+        let started = Instant::now();
+        let storm_nodes: Vec<Node> = (0..8)
+            .map(|i| fleet.start_node(i, format!("storm-{i}"), Vec::new(), false))
+            .collect();
+        make_released(fleet, storm_nodes, p.storm_identities, "storm").await?;
+        // Wait for deletes to start.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let m = Metrics::scrape(op.admin()).await?;
+            if m.identities("deleting") > 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the GC storm never started");
+            }
+            sleep(Duration::from_millis(100)).await;
+        }
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// One cell: `clients` calling Allocate with `kind` labels for the preset's
+    /// duration, with the GC's pace beside it.
+    async fn cell(&self, kind: &'static str, clients: usize, storm: bool) -> anyhow::Result<Cell> {
+        let (op, p) = (self.op, self.p);
+        let name = format!("{kind} x{clients}{}", if storm { " +storm" } else { "" });
+        self.sampler.set_phase(name.clone());
+        let before = Metrics::scrape(op.admin()).await?;
+        let started = Instant::now();
+        let tag = format!("{kind}-{clients}-{storm}");
+        let (lat, errors) = cell(
+            self.fleet,
+            self.handles,
+            kind,
+            clients,
+            p.cell_duration,
+            p.known_pool,
+            &tag,
+        )
+        .await;
+        let secs = started.elapsed().as_secs_f64();
+        let after = Metrics::scrape(op.admin()).await?;
+        let deleted = |m: &Metrics| m.or_zero("census_gc_outcomes_total", "outcome=\"deleted\"");
+        let c = Cell {
+            storm,
+            kind,
+            clients,
+            calls: lat.len(),
+            errors,
+            per_second: lat.len() as f64 / secs,
+            latency: Latency::of(lat),
+            gc_deletes_per_second: (deleted(&after) - deleted(&before)) / secs,
+            gc_backlog_after: after.or_zero("census_gc_backlog", "") as u64
+                + after.identities("deleting"),
+        };
+        say(format!(
+            "  {name:<18} {:>8.0}/s  p50 {:>7.0} µs  p99 {:>7.0} µs  p99.9 {:>7.0} µs  errors {}  GC {:.0} deletes/s",
+            c.per_second,
+            c.latency.p50_us,
+            c.latency.p99_us,
+            c.latency.p999_us,
+            c.errors,
+            c.gc_deletes_per_second
+        ));
+        Ok(c)
+    }
 }
 
 fn summary(cells: &[Cell], machine: &Machine) {

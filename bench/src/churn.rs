@@ -127,61 +127,16 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Churn) -> anyhow:
     let mut machine = Machine::now();
     say(machine.line());
     let store = tempfile::tempdir()?;
-    let mut args = p.timers.flags();
-    args.extend(
-        [
-            "--label-include",
-            "job-name,controller-uid",
-            "--adoption-window",
-            "0s",
-            "--store-cache-bytes",
-            &p.store_cache_bytes.to_string(),
-            "--log",
-            "info",
-        ]
-        .map(String::from),
-    );
+    let args = operator_args(&p);
     say(format!("operator flags: {}", args.join(" ")));
     let launch = Launch::new(store.path(), results.path("operator.log"), args.clone())?;
     let op = Operator::start(binary, launch).await?;
     let sampler = Sampler::start(op.pid, op.admin(), Duration::from_secs(1));
     let fleet = Fleet::connect(&op.grpc_url(), 1).await?;
 
-    // Steady pods: deployments of 5 replicas spread over the nodes.
     sampler.set_phase("steady");
-    let apps: Vec<Labels> = (0..p.steady_apps)
-        .map(|a| {
-            Arc::new(vec![
-                format!("k8s:app=service-{a}"),
-                "k8s:app.kubernetes.io/part-of=shop".into(),
-                format!("k8s:io.kubernetes.pod.namespace=team-{}", a % 5),
-                "k8s:io.kubernetes.pod.serviceaccount=default".into(),
-                "k8s:pod-template-hash=7d9f8b6c4".into(),
-            ])
-        })
-        .collect();
-    let mut nodes: Vec<Node> = Vec::new();
-    for n in 0..p.nodes {
-        let pods = (0..p.steady_pods)
-            .filter(|i| i % p.nodes == n)
-            .map(|i| Pod {
-                namespace: format!("team-{}", (i % p.steady_apps) % 5),
-                name: format!("service-{}-7d9f8b6c4-{i:05}", i % p.steady_apps),
-                ip: pod_ip(i),
-                labels: apps[i % p.steady_apps].clone(),
-            })
-            .collect();
-        nodes.push(fleet.start_node(n, format!("node-{n}"), pods, false));
-    }
-    let steady = wait_for(&op, Duration::from_secs(30), |m| {
-        m.or_zero("census_endpoints", "") as usize == p.steady_pods
-    })
-    .await;
-    if steady.is_err() {
-        bail!("the steady pods never all showed in the operator's views");
-    }
-    // Wait for the steady state: holds seen in views, nothing released.
-    drain(&op, &nodes, Duration::from_secs(30)).await?;
+    let nodes = start_steady(&fleet, &p);
+    steady_state(&op, &nodes, &p).await?;
 
     let mut job_counter = 0usize;
     if p.warmup_pods > 0 {
@@ -196,80 +151,16 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Churn) -> anyhow:
     // Baseline: the level over a few quiet seconds.
     let mut baseline = measure(&sampler, Duration::from_secs(5)).await;
     let first_baseline = baseline;
+    let rig = Rig {
+        op: &op,
+        fleet: &fleet,
+        nodes: &nodes,
+        sampler: &sampler,
+        p: &p,
+    };
     let mut phases = Vec::new();
     for &rate in &p.drop_rates {
-        let name = format!("drop-{:.0}%", rate * 100.0);
-        say(format!(
-            "{name}: {} Job pods at {}/s, {:.0}% of delete events dropped",
-            p.pods,
-            p.pods_per_second,
-            rate * 100.0
-        ));
-        sampler.set_phase(name.clone());
-        let phase_start = sampler.elapsed();
-        let before = Metrics::scrape(op.admin()).await?;
-        let dropped_before = fleet.observed.deletes_dropped.load(Ordering::Relaxed);
-        fleet.observed.take_allocate_latency();
-        fleet.observed.take_snapshot_acks();
-        let started = Instant::now();
-        churn(&nodes, &p, &name, p.pods, rate, &mut job_counter).await;
-        let churn_seconds = started.elapsed().as_secs_f64();
-        let drained = Instant::now();
-        let drain_result = drain(&op, &nodes, drain_limit(&p)).await;
-        let drain_seconds = drained.elapsed().as_secs_f64();
-        let live_set = truth_refs(&nodes).len() as u64;
-        let after = measure(&sampler, Duration::from_secs(5)).await;
-        let metrics = Metrics::scrape(op.admin()).await?;
-        let in_phase: Vec<Sample> = sampler.samples_since(phase_start);
-        let peak_heap = in_phase
-            .iter()
-            .filter_map(|s| s.heap_live_bytes)
-            .max()
-            .unwrap_or(0);
-        let peak_rss = in_phase.iter().map(|s| s.rss_bytes).max().unwrap_or(0);
-        let peak_live = in_phase
-            .iter()
-            .map(|s| s.identities_live + s.identities_creating)
-            .max()
-            .unwrap_or(0);
-        let retained = (after.heap as f64 - baseline.heap as f64) / p.pods as f64;
-        let beyond = metrics.bound() as i64 - live_set as i64;
-        let passed = drain_result.is_ok() && beyond == 0 && retained < p.max_retained_bytes_per_pod;
-        let phase = Phase {
-            name: name.clone(),
-            drop_rate: rate,
-            pods: p.pods,
-            deletes_dropped: fleet.observed.deletes_dropped.load(Ordering::Relaxed)
-                - dropped_before,
-            corrections: (metrics.or_zero("census_corrections_total", "")
-                - before.or_zero("census_corrections_total", "")) as u64,
-            churn_seconds,
-            achieved_pods_per_second: p.pods as f64 / churn_seconds,
-            drain_seconds,
-            baseline_heap_bytes: baseline.heap,
-            peak_heap_bytes: peak_heap,
-            after_heap_bytes: after.heap,
-            baseline_rss_bytes: baseline.rss,
-            peak_rss_bytes: peak_rss,
-            after_rss_bytes: after.rss,
-            retained_heap_bytes_per_pod: retained,
-            retained_rss_bytes_per_pod: (after.rss as f64 - baseline.rss as f64) / p.pods as f64,
-            live_set,
-            peak_live_identities: peak_live,
-            identities_beyond_live_set: beyond,
-            allocate: Latency::of(fleet.observed.take_allocate_latency()),
-            snapshot_ack: Latency::of(fleet.observed.take_snapshot_acks()),
-            allocate_time: AllocateTime::between(&before, &metrics),
-            passed,
-        };
-        if let Err(e) = &drain_result {
-            say(format!("  {name}: {e}"));
-        }
-        say(format!(
-            "  done in {churn_seconds:.1} s ({:.0} pods/s) + {drain_seconds:.1} s drain: heap {:+.1} B/pod, {beyond} identities beyond the live set",
-            p.pods as f64 / churn_seconds,
-            retained
-        ));
+        let (phase, after) = rig.phase(rate, baseline, &mut job_counter).await?;
         phases.push(phase);
         baseline = after;
     }
@@ -300,6 +191,178 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Churn) -> anyhow:
         },
     )?;
     Ok(passed)
+}
+
+/// The operator's flags: the preset's timers and store cache, every Job pod its own
+/// identity.
+fn operator_args(p: &Churn) -> Vec<String> {
+    let mut args = p.timers.flags();
+    args.extend(
+        [
+            "--label-include",
+            "job-name,controller-uid",
+            "--adoption-window",
+            "0s",
+            "--store-cache-bytes",
+            &p.store_cache_bytes.to_string(),
+            "--log",
+            "info",
+        ]
+        .map(String::from),
+    );
+    args
+}
+
+/// The nodes with their steady pods: deployments of 5 replicas spread over the nodes.
+fn start_steady(fleet: &Fleet, p: &Churn) -> Vec<Node> {
+    let apps: Vec<Labels> = (0..p.steady_apps)
+        .map(|a| {
+            Arc::new(vec![
+                format!("k8s:app=service-{a}"),
+                "k8s:app.kubernetes.io/part-of=shop".into(),
+                format!("k8s:io.kubernetes.pod.namespace=team-{}", a % 5),
+                "k8s:io.kubernetes.pod.serviceaccount=default".into(),
+                "k8s:pod-template-hash=7d9f8b6c4".into(),
+            ])
+        })
+        .collect();
+    let mut nodes: Vec<Node> = Vec::new();
+    for n in 0..p.nodes {
+        let pods = (0..p.steady_pods)
+            .filter(|i| i % p.nodes == n)
+            .map(|i| Pod {
+                namespace: format!("team-{}", (i % p.steady_apps) % 5),
+                name: format!("service-{}-7d9f8b6c4-{i:05}", i % p.steady_apps),
+                ip: pod_ip(i),
+                labels: apps[i % p.steady_apps].clone(),
+            })
+            .collect();
+        nodes.push(fleet.start_node(n, format!("node-{n}"), pods, false));
+    }
+    nodes
+}
+
+/// Waits for the steady pods to show in the operator's views, then for the steady
+/// state: holds seen in views, nothing released.
+async fn steady_state(op: &Operator, nodes: &[Node], p: &Churn) -> anyhow::Result<()> {
+    let steady = wait_for(op, Duration::from_secs(30), |m| {
+        m.or_zero("census_endpoints", "") as usize == p.steady_pods
+    })
+    .await;
+    if steady.is_err() {
+        bail!("the steady pods never all showed in the operator's views");
+    }
+    drain(op, nodes, Duration::from_secs(30)).await
+}
+
+/// What a phase runs against.
+struct Rig<'a> {
+    op: &'a Operator,
+    fleet: &'a Fleet,
+    nodes: &'a [Node],
+    sampler: &'a Sampler,
+    p: &'a Churn,
+}
+
+impl Rig<'_> {
+    /// One drop rate's phase: churn, drain, measure, judged against `baseline`.
+    /// Returns the phase and the level after it (the next phase's baseline).
+    async fn phase(
+        &self,
+        rate: f64,
+        baseline: Level,
+        job_counter: &mut usize,
+    ) -> anyhow::Result<(Phase, Level)> {
+        let (op, fleet, nodes, sampler, p) =
+            (self.op, self.fleet, self.nodes, self.sampler, self.p);
+        let name = format!("drop-{:.0}%", rate * 100.0);
+        say(format!(
+            "{name}: {} Job pods at {}/s, {:.0}% of delete events dropped",
+            p.pods,
+            p.pods_per_second,
+            rate * 100.0
+        ));
+        sampler.set_phase(name.clone());
+        let phase_start = sampler.elapsed();
+        let before = Metrics::scrape(op.admin()).await?;
+        let dropped_before = fleet.observed.deletes_dropped.load(Ordering::Relaxed);
+        fleet.observed.take_allocate_latency();
+        fleet.observed.take_snapshot_acks();
+        let started = Instant::now();
+        churn(nodes, p, &name, p.pods, rate, job_counter).await;
+        let churn_seconds = started.elapsed().as_secs_f64();
+        let drained = Instant::now();
+        let drain_result = drain(op, nodes, drain_limit(p)).await;
+        let drain_seconds = drained.elapsed().as_secs_f64();
+        let live_set = truth_refs(nodes).len() as u64;
+        let after = measure(sampler, Duration::from_secs(5)).await;
+        let metrics = Metrics::scrape(op.admin()).await?;
+        let peaks = Peaks::of(&sampler.samples_since(phase_start));
+        let retained = (after.heap as f64 - baseline.heap as f64) / p.pods as f64;
+        let beyond = metrics.bound() as i64 - live_set as i64;
+        let passed = drain_result.is_ok() && beyond == 0 && retained < p.max_retained_bytes_per_pod;
+        let phase = Phase {
+            name: name.clone(),
+            drop_rate: rate,
+            pods: p.pods,
+            deletes_dropped: fleet.observed.deletes_dropped.load(Ordering::Relaxed)
+                - dropped_before,
+            corrections: (metrics.or_zero("census_corrections_total", "")
+                - before.or_zero("census_corrections_total", "")) as u64,
+            churn_seconds,
+            achieved_pods_per_second: p.pods as f64 / churn_seconds,
+            drain_seconds,
+            baseline_heap_bytes: baseline.heap,
+            peak_heap_bytes: peaks.heap,
+            after_heap_bytes: after.heap,
+            baseline_rss_bytes: baseline.rss,
+            peak_rss_bytes: peaks.rss,
+            after_rss_bytes: after.rss,
+            retained_heap_bytes_per_pod: retained,
+            retained_rss_bytes_per_pod: (after.rss as f64 - baseline.rss as f64) / p.pods as f64,
+            live_set,
+            peak_live_identities: peaks.live_identities,
+            identities_beyond_live_set: beyond,
+            allocate: Latency::of(fleet.observed.take_allocate_latency()),
+            snapshot_ack: Latency::of(fleet.observed.take_snapshot_acks()),
+            allocate_time: AllocateTime::between(&before, &metrics),
+            passed,
+        };
+        if let Err(e) = &drain_result {
+            say(format!("  {name}: {e}"));
+        }
+        say(format!(
+            "  done in {churn_seconds:.1} s ({:.0} pods/s) + {drain_seconds:.1} s drain: heap {:+.1} B/pod, {beyond} identities beyond the live set",
+            p.pods as f64 / churn_seconds,
+            retained
+        ));
+        Ok((phase, after))
+    }
+}
+
+/// The highest levels sampled over a phase.
+struct Peaks {
+    heap: u64,
+    rss: u64,
+    live_identities: u64,
+}
+
+impl Peaks {
+    fn of(samples: &[Sample]) -> Self {
+        Self {
+            heap: samples
+                .iter()
+                .filter_map(|s| s.heap_live_bytes)
+                .max()
+                .unwrap_or(0),
+            rss: samples.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
+            live_identities: samples
+                .iter()
+                .map(|s| s.identities_live + s.identities_creating)
+                .max()
+                .unwrap_or(0),
+        }
+    }
 }
 
 fn drain_limit(p: &Churn) -> Duration {

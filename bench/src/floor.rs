@@ -42,11 +42,14 @@ use tonic::{
 
 use super::{
     agents::{Fleet, Node, NodeHandle, pod_ip},
-    alloc::{CALL_TIMEOUT, keeper, known_labels, start_for_allocation, wait_connected},
+    alloc::{
+        CALL_TIMEOUT, keeper, keeper_view_filled, known_labels, start_for_allocation,
+        wait_connected,
+    },
     operator::Binary,
     presets::Floor,
     report::{Machine, Results, say, say_params},
-    sample::{Latency, Metrics},
+    sample::Latency,
 };
 
 /// The operator's request limit at its default `--max-labels 64`: 64 x 512 + 4096
@@ -258,58 +261,11 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Floor) -> anyhow:
     let mut waiting: Vec<&NodeHandle> = handles.iter().collect();
     waiting.push(&keeper);
     wait_connected(&waiting).await?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Metrics::scrape(op.admin())
-        .await
-        .map_or(0.0, |m| m.or_zero("census_endpoints", ""))
-        < p.known_pool as f64
-    {
-        if Instant::now() > deadline {
-            bail!("the keeper's view never filled");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    keeper_view_filled(&op, p.known_pool).await?;
 
     let mut allocate = Vec::new();
     for &n in &p.concurrency {
-        say(format!(
-            "Allocate (known labels) and its floor, {n} clients: {} rounds of {} ms batches, alternating",
-            p.rounds,
-            p.batch.as_millis()
-        ));
-        // One untimed round: connections, caches and the operator's holds warm.
-        for kind in [Kind::Allocate, Kind::AllocateFloor] {
-            batch(&fleet, &handles, kind, n, p.batch, p.known_pool).await;
-        }
-        let (mut call, mut floor) = (Tally::default(), Tally::default());
-        let (mut call_secs, mut floor_secs) = (0.0, 0.0);
-        for round in 0..p.rounds {
-            let order = if round % 2 == 0 {
-                [Kind::Allocate, Kind::AllocateFloor]
-            } else {
-                [Kind::AllocateFloor, Kind::Allocate]
-            };
-            for kind in order {
-                let started = Instant::now();
-                let t = batch(&fleet, &handles, kind, n, p.batch, p.known_pool).await;
-                let secs = started.elapsed().as_secs_f64();
-                match kind {
-                    Kind::Allocate => {
-                        call.add(t);
-                        call_secs += secs;
-                    }
-                    Kind::AllocateFloor => {
-                        floor.add(t);
-                        floor_secs += secs;
-                    }
-                }
-            }
-        }
-        let a = Against::new(
-            call.measured("Allocate (known labels)", n, call_secs),
-            Ok(floor.measured("floor: Lookup, padded", n, floor_secs)),
-            Some(p.target_ratio),
-        );
+        let a = allocate_against_floor(&fleet, &handles, n, &p).await;
         say_against(&a);
         allocate.push(a);
     }
@@ -342,6 +298,54 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Floor) -> anyhow:
     )?;
     // A report, not a gate: a miss is printed, the run still succeeds.
     Ok(true)
+}
+
+/// Allocate (known labels) against its floor with `n` clients: one untimed round,
+/// then the preset's rounds of batches, the order alternating each round.
+async fn allocate_against_floor(
+    fleet: &Fleet,
+    handles: &[NodeHandle],
+    n: usize,
+    p: &Floor,
+) -> Against {
+    say(format!(
+        "Allocate (known labels) and its floor, {n} clients: {} rounds of {} ms batches, alternating",
+        p.rounds,
+        p.batch.as_millis()
+    ));
+    // One untimed round: connections, caches and the operator's holds warm.
+    for kind in [Kind::Allocate, Kind::AllocateFloor] {
+        batch(fleet, handles, kind, n, p.batch, p.known_pool).await;
+    }
+    let (mut call, mut floor) = (Tally::default(), Tally::default());
+    let (mut call_secs, mut floor_secs) = (0.0, 0.0);
+    for round in 0..p.rounds {
+        let order = if round % 2 == 0 {
+            [Kind::Allocate, Kind::AllocateFloor]
+        } else {
+            [Kind::AllocateFloor, Kind::Allocate]
+        };
+        for kind in order {
+            let started = Instant::now();
+            let t = batch(fleet, handles, kind, n, p.batch, p.known_pool).await;
+            let secs = started.elapsed().as_secs_f64();
+            match kind {
+                Kind::Allocate => {
+                    call.add(t);
+                    call_secs += secs;
+                }
+                Kind::AllocateFloor => {
+                    floor.add(t);
+                    floor_secs += secs;
+                }
+            }
+        }
+    }
+    Against::new(
+        call.measured("Allocate (known labels)", n, call_secs),
+        Ok(floor.measured("floor: Lookup, padded", n, floor_secs)),
+        Some(p.target_ratio),
+    )
 }
 
 /// `clients` tasks calling `kind` as fast as they can for `duration`, client `c` on
@@ -421,110 +425,19 @@ async fn batch(
 /// on the same connection.
 async fn snapshot_round_trip(fleet: &Fleet, p: &Floor) -> anyhow::Result<Against> {
     let channel = fleet.channel(0);
-    let node = "snapshot-node".to_owned();
-    let session = pb::Session {
-        start_time_ns: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64),
-        nonce: rand::rng().random(),
-    };
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(pb::AgentMessage {
-        seq: 0,
-        body: Some(Body::Hello(pb::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            node: node.clone(),
-            session: Some(session),
-            agent_version: "census-bench".into(),
-            addresses: Vec::new(),
-        })),
-    })
-    .await?;
-    let mut client = EndpointSyncClient::new(channel.clone())
-        .max_decoding_message_size(64 << 20)
-        .max_encoding_message_size(64 << 20);
-    let mut inbound = client
-        .sync(ReceiverStream::new(rx))
-        .await
-        .context("EndpointSync.Sync")?
-        .into_inner();
-    match inbound.message().await?.and_then(|m| m.body) {
-        Some(operator_message::Body::HelloReply(_)) => {}
-        other => bail!("the snapshot node's Hello was answered {other:?}"),
-    }
-    let mut identity = fleet.identity_client(0);
-    let mut endpoints = Vec::with_capacity(p.snapshot_endpoints);
-    for i in 0..p.snapshot_endpoints {
-        let labels = known_labels(i % p.known_pool).as_ref().clone();
-        let answer = identity
-            .allocate(pb::AllocateRequest {
-                protocol_version: PROTOCOL_VERSION,
-                node: node.clone(),
-                session: Some(session),
-                labels: labels.clone(),
-            })
-            .await
-            .context("the snapshot node's Allocate")?
-            .into_inner();
-        endpoints.push(pb::Endpoint {
-            namespace: format!("team-{}", i % 40),
-            name: format!("snap-{i}-x2b9q"),
-            // Addresses no keeper pod has, so the cluster-wide map sees no conflict.
-            ips: vec![pod_ip(p.known_pool + i)],
-            identity: answer.identity.map_or(0, |id| id.id),
-            labels,
-        });
-    }
+    let mut stream = SnapshotStream::open(channel.clone()).await?;
+    let endpoints = snapshot_endpoints(fleet, &stream.node, stream.session, p).await?;
     let snapshot = Body::Snapshot(pb::Snapshot { endpoints });
-    let mut seq = 0u64;
-    // One snapshot to its Ack: the time, and the encoded size of the Ack's message.
-    let mut send =
-        async |tx: &mpsc::Sender<pb::AgentMessage>| -> anyhow::Result<(Duration, usize)> {
-            seq += 1;
-            let message = pb::AgentMessage {
-                seq,
-                body: Some(snapshot.clone()),
-            };
-            let started = Instant::now();
-            tx.send(message)
-                .await
-                .context("the EndpointSync stream closed")?;
-            loop {
-                let m = tokio::time::timeout(CALL_TIMEOUT, inbound.message())
-                    .await
-                    .context("no Ack within the call timeout")??
-                    .context("the EndpointSync stream ended")?;
-                let bytes = m.encoded_len();
-                if let Some(operator_message::Body::Ack(ack)) = m.body
-                    && ack.seq == seq
-                {
-                    if !ack.rejected.is_empty() || !ack.pending.is_empty() {
-                        bail!(
-                            "the snapshot was not applied whole: {} rejected, {} pending",
-                            ack.rejected.len(),
-                            ack.pending.len()
-                        );
-                    }
-                    return Ok((started.elapsed(), bytes));
-                }
-            }
-        };
     let size = pb::AgentMessage {
         seq: 1,
         body: Some(snapshot.clone()),
     }
     .encoded_len();
-    let floor_possible = if size > DEFAULT_REQUEST_LIMIT {
-        Err(format!(
-            "the snapshot is {size} B; no unary call of the operator accepts a request over {DEFAULT_REQUEST_LIMIT} B (the request limit), and no message on the stream does less work than a snapshot"
-        ))
-    } else {
-        Ok(())
-    };
+    let floor_possible = snapshot_floor_possible(size);
     let labels = known_labels(0).as_ref().clone();
     let mut grpc = Grpc::new(channel);
     // Untimed: the first snapshot builds the view; the ones after it are unchanged.
-    send(&tx).await?;
+    stream.send(&snapshot).await?;
     let (mut call, mut floor) = (Tally::default(), Tally::default());
     let (mut call_secs, mut floor_secs) = (0.0, 0.0);
     for round in 0..p.rounds {
@@ -551,7 +464,7 @@ async fn snapshot_round_trip(fleet: &Fleet, p: &Floor) -> anyhow::Result<Against
                         }
                     }
                 } else {
-                    let (took, bytes) = send(&tx).await?;
+                    let (took, bytes) = stream.send(&snapshot).await?;
                     call.lat.push(took);
                     call.request_bytes += size as u64;
                     call.answer_bytes += bytes as u64;
@@ -564,7 +477,7 @@ async fn snapshot_round_trip(fleet: &Fleet, p: &Floor) -> anyhow::Result<Against
             }
         }
     }
-    drop(tx);
+    drop(stream);
     let name = format!("snapshot ({} endpoints) to Ack", p.snapshot_endpoints);
     let call = call.measured(&name, 1, call_secs);
     let bytes_per_second = call.per_second * size as f64;
@@ -573,6 +486,137 @@ async fn snapshot_round_trip(fleet: &Fleet, p: &Floor) -> anyhow::Result<Against
     let mut a = Against::new(call, floor, None);
     a.bytes_per_second = Some(bytes_per_second);
     Ok(a)
+}
+
+/// Whether a floor exists for a snapshot of `size` bytes: none when it is over the
+/// request limit of every unary call, with the reason.
+fn snapshot_floor_possible(size: usize) -> Result<(), String> {
+    if size > DEFAULT_REQUEST_LIMIT {
+        Err(format!(
+            "the snapshot is {size} B; no unary call of the operator accepts a request over {DEFAULT_REQUEST_LIMIT} B (the request limit), and no message on the stream does less work than a snapshot"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// The snapshot node's EndpointSync stream, its Hello answered.
+struct SnapshotStream {
+    node: String,
+    session: pb::Session,
+    tx: mpsc::Sender<pb::AgentMessage>,
+    inbound: tonic::Streaming<pb::OperatorMessage>,
+    seq: u64,
+}
+
+impl SnapshotStream {
+    async fn open(channel: Channel) -> anyhow::Result<Self> {
+        let node = "snapshot-node".to_owned();
+        let session = pb::Session {
+            start_time_ns: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+            nonce: rand::rng().random(),
+        };
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(pb::AgentMessage {
+            seq: 0,
+            body: Some(Body::Hello(pb::Hello {
+                protocol_version: PROTOCOL_VERSION,
+                node: node.clone(),
+                session: Some(session),
+                agent_version: "census-bench".into(),
+                addresses: Vec::new(),
+            })),
+        })
+        .await?;
+        let mut client = EndpointSyncClient::new(channel)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20);
+        let mut inbound = client
+            .sync(ReceiverStream::new(rx))
+            .await
+            .context("EndpointSync.Sync")?
+            .into_inner();
+        match inbound.message().await?.and_then(|m| m.body) {
+            Some(operator_message::Body::HelloReply(_)) => {}
+            other => bail!("the snapshot node's Hello was answered {other:?}"),
+        }
+        Ok(Self {
+            node,
+            session,
+            tx,
+            inbound,
+            seq: 0,
+        })
+    }
+
+    /// One snapshot to its Ack: the time, and the encoded size of the Ack's message.
+    async fn send(&mut self, snapshot: &Body) -> anyhow::Result<(Duration, usize)> {
+        self.seq += 1;
+        let seq = self.seq;
+        let message = pb::AgentMessage {
+            seq,
+            body: Some(snapshot.clone()),
+        };
+        let started = Instant::now();
+        self.tx
+            .send(message)
+            .await
+            .context("the EndpointSync stream closed")?;
+        loop {
+            let m = tokio::time::timeout(CALL_TIMEOUT, self.inbound.message())
+                .await
+                .context("no Ack within the call timeout")??
+                .context("the EndpointSync stream ended")?;
+            let bytes = m.encoded_len();
+            if let Some(operator_message::Body::Ack(ack)) = m.body
+                && ack.seq == seq
+            {
+                if !ack.rejected.is_empty() || !ack.pending.is_empty() {
+                    bail!(
+                        "the snapshot was not applied whole: {} rejected, {} pending",
+                        ack.rejected.len(),
+                        ack.pending.len()
+                    );
+                }
+                return Ok((started.elapsed(), bytes));
+            }
+        }
+    }
+}
+
+/// The snapshot's endpoints, each with its identity from an Allocate as `node`.
+async fn snapshot_endpoints(
+    fleet: &Fleet,
+    node: &str,
+    session: pb::Session,
+    p: &Floor,
+) -> anyhow::Result<Vec<pb::Endpoint>> {
+    let mut identity = fleet.identity_client(0);
+    let mut endpoints = Vec::with_capacity(p.snapshot_endpoints);
+    for i in 0..p.snapshot_endpoints {
+        let labels = known_labels(i % p.known_pool).as_ref().clone();
+        let answer = identity
+            .allocate(pb::AllocateRequest {
+                protocol_version: PROTOCOL_VERSION,
+                node: node.to_owned(),
+                session: Some(session),
+                labels: labels.clone(),
+            })
+            .await
+            .context("the snapshot node's Allocate")?
+            .into_inner();
+        endpoints.push(pb::Endpoint {
+            namespace: format!("team-{}", i % 40),
+            name: format!("snap-{i}-x2b9q"),
+            // Addresses no keeper pod has, so the cluster-wide map sees no conflict.
+            ips: vec![pod_ip(p.known_pool + i)],
+            identity: answer.identity.map_or(0, |id| id.id),
+            labels,
+        });
+    }
+    Ok(endpoints)
 }
 
 fn ratio_text(r: Option<f64>, target: Option<f64>) -> String {

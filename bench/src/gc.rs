@@ -139,32 +139,12 @@ async fn one(binary: &Binary, results: &Results, p: &Gc, rate: f64) -> anyhow::R
         p.identities
     ));
     let store = tempfile::tempdir()?;
-    let mut timers = p.timers.clone();
-    timers.gc_rate = rate;
-    let mut args = timers.flags();
-    args.extend([
-        "--hold-timeout".to_owned(),
-        super::presets::humantime(p.hold_timeout),
-    ]);
-    args.extend(
-        [
-            "--id-range",
-            p.id_range,
-            "--max-holds-per-node",
-            "100000000",
-            "--adoption-window",
-            "0s",
-            "--log",
-            "info",
-        ]
-        .map(String::from),
-    );
     let op = Operator::start(
         binary,
         Launch::new(
             store.path(),
             results.path(&format!("operator-gc{rate}.log")),
-            args,
+            operator_args(p, rate),
         )?,
     )
     .await?;
@@ -179,23 +159,7 @@ async fn one(binary: &Binary, results: &Results, p: &Gc, rate: f64) -> anyhow::R
         .map(|i| fleet.start_node(i, format!("storm-{i}"), Vec::new(), false))
         .collect();
     make_released(&fleet, storm, p.identities, "gc").await?;
-    let deleted =
-        |m: &Metrics| m.or_zero("census_gc_outcomes_total", "outcome=\"deleted\"") as usize;
-    // Deletes start once the silent nodes are dropped and the grace period passed.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let before_setup = deleted(&Metrics::scrape(op.admin()).await?);
-    let base = loop {
-        let m = Metrics::scrape(op.admin()).await?;
-        // At a low budget a delete is in flight only for the moment of its batch:
-        // watch the counter, not the state.
-        if m.identities("deleting") > 0 || deleted(&m) > before_setup {
-            break deleted(&m);
-        }
-        if Instant::now() > deadline {
-            bail!("GC never started");
-        }
-        sleep(Duration::from_millis(50)).await;
-    };
+    let base = gc_started(&op).await?;
     let setup_seconds = setup.elapsed().as_secs_f64();
     sampler.set_phase("deleting");
     let started = Instant::now();
@@ -206,19 +170,7 @@ async fn one(binary: &Binary, results: &Results, p: &Gc, rate: f64) -> anyhow::R
         p.probe_rate,
         stop.clone(),
     ));
-    let limit = Duration::from_secs_f64(p.identities as f64 / rate * 1.5 + 60.0);
-    loop {
-        let m = Metrics::scrape(op.admin()).await?;
-        if deleted(&m) - base + 1 >= p.identities
-            || (m.identities("released") == 0 && m.identities("deleting") == 0)
-        {
-            break;
-        }
-        if started.elapsed() > limit {
-            bail!("--gc-rate {rate}: not all deleted after {limit:?}");
-        }
-        sleep(Duration::from_millis(100)).await;
-    }
+    all_deleted(&op, p, rate, base, started).await?;
     let delete_seconds = started.elapsed().as_secs_f64();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (known, new, errors) = prober.await.unwrap_or_default();
@@ -249,6 +201,80 @@ async fn one(binary: &Binary, results: &Results, p: &Gc, rate: f64) -> anyhow::R
             .unwrap_or(0),
         samples,
     })
+}
+
+/// The operator's flags: the preset's timers at GC budget `rate`, its hold timeout
+/// and id range, no limit on holds.
+fn operator_args(p: &Gc, rate: f64) -> Vec<String> {
+    let mut timers = p.timers.clone();
+    timers.gc_rate = rate;
+    let mut args = timers.flags();
+    args.extend([
+        "--hold-timeout".to_owned(),
+        super::presets::humantime(p.hold_timeout),
+    ]);
+    args.extend(
+        [
+            "--id-range",
+            p.id_range,
+            "--max-holds-per-node",
+            "100000000",
+            "--adoption-window",
+            "0s",
+            "--log",
+            "info",
+        ]
+        .map(String::from),
+    );
+    args
+}
+
+/// The GC's deletes so far.
+fn gc_deleted(m: &Metrics) -> usize {
+    m.or_zero("census_gc_outcomes_total", "outcome=\"deleted\"") as usize
+}
+
+/// Waits (up to 120 s) for the GC to start deleting: deletes start once the silent
+/// nodes are dropped and the grace period passed. Returns the deletes counted then.
+async fn gc_started(op: &Operator) -> anyhow::Result<usize> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let before_setup = gc_deleted(&Metrics::scrape(op.admin()).await?);
+    loop {
+        let m = Metrics::scrape(op.admin()).await?;
+        // At a low budget a delete is in flight only for the moment of its batch:
+        // watch the counter, not the state.
+        if m.identities("deleting") > 0 || gc_deleted(&m) > before_setup {
+            return Ok(gc_deleted(&m));
+        }
+        if Instant::now() > deadline {
+            bail!("GC never started");
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits for the GC to have deleted the preset's identities from `base` on, within
+/// 1.5 times what the budget `rate` allows, plus a minute.
+async fn all_deleted(
+    op: &Operator,
+    p: &Gc,
+    rate: f64,
+    base: usize,
+    started: Instant,
+) -> anyhow::Result<()> {
+    let limit = Duration::from_secs_f64(p.identities as f64 / rate * 1.5 + 60.0);
+    loop {
+        let m = Metrics::scrape(op.admin()).await?;
+        if gc_deleted(&m) - base + 1 >= p.identities
+            || (m.identities("released") == 0 && m.identities("deleting") == 0)
+        {
+            return Ok(());
+        }
+        if started.elapsed() > limit {
+            bail!("--gc-rate {rate}: not all deleted after {limit:?}");
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Allocate at `rate` per second, alternating known and new label sets, until `stop`.

@@ -32,7 +32,7 @@ mod scale;
 mod seeds;
 mod watchers;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -175,16 +175,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         return cluster_demo_run(operator, agent, cli).await;
     }
     let preset = match (preset, heap_owners) {
-        (_, Some(path)) => {
-            let owners = heap::owners_of_file(&path)?;
-            say(format!(
-                "{}: {} of live heap sampled, by owner:",
-                path.display(),
-                report::mib(owners.total_bytes)
-            ));
-            heap::print(&owners, None, None);
-            return Ok(());
-        }
+        (_, Some(path)) => return print_heap_owners(&path),
         (Some(preset), None) => preset,
         (None, None) => anyhow::bail!("name a preset, or --heap-owners <profile>"),
     };
@@ -243,43 +234,61 @@ async fn run(options: Options) -> anyhow::Result<()> {
         | Preset::SeedLeakShort
         | Preset::SeedGc
         | Preset::SeedCache
-        | Preset::SeedUid => {
-            let agent =
-                agent.context("the seed presets need --agent (cargo xtask bench passes it)")?;
-            anyhow::ensure!(
-                nix::unistd::geteuid().is_root(),
-                "the seed presets run census's agents, which load BPF programs: run as root"
-            );
-            let bins = seeds::world::Binaries {
-                operator: binary,
-                agent,
-            };
-            match preset {
-                Preset::SeedGc => seeds::gc::run(&bins, &results, presets::seed_gc()).await?,
-                Preset::SeedCache => {
-                    seeds::cache::run(&bins, &results, presets::seed_cache()).await?
-                }
-                Preset::SeedUid => seeds::uid::run(&bins, &results, presets::seed_uid()).await?,
-                Preset::Seeds => {
-                    let leak =
-                        seeds::leak::run(&bins, &results, presets::seed_leak(Preset::SeedLeak))
-                            .await?;
-                    let gc = seeds::gc::run(&bins, &results, presets::seed_gc()).await?;
-                    let cache = seeds::cache::run(&bins, &results, presets::seed_cache()).await?;
-                    let uid = seeds::uid::run(&bins, &results, presets::seed_uid()).await?;
-                    leak && gc && cache && uid
-                }
-                _ => {
-                    let mut params = presets::seed_leak(preset);
-                    params.heap_sample_lg = heap_sample_lg;
-                    seeds::leak::run(&bins, &results, params).await?
-                }
-            }
-        }
+        | Preset::SeedUid => run_seeds(preset, binary, agent, &results, heap_sample_lg).await?,
     };
     say(format!("results: {}", results.dir().display()));
     if !passed {
         anyhow::bail!("bench {}: the gate failed (see above)", preset.name());
     }
     Ok(())
+}
+
+/// `--heap-owners`: a saved profile's live heap by owner.
+fn print_heap_owners(path: &Path) -> anyhow::Result<()> {
+    let owners = heap::owners_of_file(path)?;
+    say(format!(
+        "{}: {} of live heap sampled, by owner:",
+        path.display(),
+        report::mib(owners.total_bytes)
+    ));
+    heap::print(&owners, None, None);
+    Ok(())
+}
+
+/// The seed presets, on the real control plane with census's agents (as root).
+async fn run_seeds(
+    preset: Preset,
+    binary: Binary,
+    agent: Option<PathBuf>,
+    results: &report::Results,
+    heap_sample_lg: Option<u32>,
+) -> anyhow::Result<bool> {
+    let agent = agent.context("the seed presets need --agent (cargo xtask bench passes it)")?;
+    anyhow::ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the seed presets run census's agents, which load BPF programs: run as root"
+    );
+    let bins = seeds::world::Binaries {
+        operator: binary,
+        agent,
+    };
+    let passed = match preset {
+        Preset::SeedGc => seeds::gc::run(&bins, results, presets::seed_gc()).await?,
+        Preset::SeedCache => seeds::cache::run(&bins, results, presets::seed_cache()).await?,
+        Preset::SeedUid => seeds::uid::run(&bins, results, presets::seed_uid()).await?,
+        Preset::Seeds => {
+            let leak =
+                seeds::leak::run(&bins, results, presets::seed_leak(Preset::SeedLeak)).await?;
+            let gc = seeds::gc::run(&bins, results, presets::seed_gc()).await?;
+            let cache = seeds::cache::run(&bins, results, presets::seed_cache()).await?;
+            let uid = seeds::uid::run(&bins, results, presets::seed_uid()).await?;
+            leak && gc && cache && uid
+        }
+        _ => {
+            let mut params = presets::seed_leak(preset);
+            params.heap_sample_lg = heap_sample_lg;
+            seeds::leak::run(&bins, results, params).await?
+        }
+    };
+    Ok(passed)
 }

@@ -110,7 +110,97 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
     let mut machine = Machine::now();
     say(machine.line());
     let store = tempfile::tempdir()?;
-    let args: Vec<String> = [
+    let args = operator_args(&p);
+    say(format!("operator flags: {}", args.join(" ")));
+    let op = Operator::start(
+        binary,
+        Launch::new(store.path(), results.path("operator.log"), args.clone())?,
+    )
+    .await?;
+    let sampler = Sampler::start(op.pid, op.admin(), Duration::from_secs(1));
+    sampler.set_phase("ramp");
+
+    let connections = p.nodes.div_ceil(p.nodes_per_connection.max(1));
+    let fleet = Fleet::connect(&op.grpc_url(), connections).await?;
+    let labels = label_pool(p.nodes * p.label_sets_per_node);
+    say(format!(
+        "ramp: {} nodes x {} pods over {connections} HTTP/2 connections",
+        p.nodes, p.pods_per_node
+    ));
+    let (nodes, live) = ramp(&op, &fleet, &labels, &p).await?;
+    sampler.set_phase("ramped");
+    sleep(Duration::from_secs(3)).await;
+    let baseline_rss = baseline_rss(&op).await?;
+
+    say(format!("herd: {} watchers start at once", p.nodes));
+    sampler.set_phase("herd");
+    let herd = herd(&op, &fleet, &nodes, baseline_rss, &p).await?;
+
+    sampler.set_phase("steady");
+    herd.pending.lock().clear();
+    herd.watched.latencies.lock().clear();
+    let churn = Churn {
+        nodes: nodes.iter().map(Node::handle).collect(),
+        labels,
+        live,
+        next_ip: p.nodes * p.pods_per_node,
+        pending: herd.pending.clone(),
+    };
+    let steady = steady(&op, churn, &herd.watched, &p).await?;
+    let (single_resync_seconds, single_resync_bytes) = single_resync(&fleet, &nodes[0]).await?;
+    let after = &steady.after;
+    let entries = after.or_zero("census_map_entries", "kind=\"endpoint\"")
+        + after.or_zero("census_map_entries", "kind=\"node_address\"");
+
+    sampler.set_phase("stop");
+    for w in herd.watchers {
+        w.abort();
+    }
+    for node in nodes {
+        node.stop().await;
+    }
+    op.stop().await?;
+    let samples = sampler.stop().await;
+    machine.finish();
+    let watchers_n = p.nodes as f64;
+    let delta = |name: &str, labels: &str| {
+        steady.after.or_zero(name, labels) - steady.before.or_zero(name, labels)
+    };
+    let out = Output {
+        params: &p,
+        machine,
+        operator_args: args,
+        map_entries: entries as u64,
+        baseline_rss_bytes: baseline_rss,
+        herd_peak_rss_bytes: herd.peak_rss,
+        herd_rss_bytes_per_watcher: (herd.peak_rss as f64 - baseline_rss as f64) / watchers_n,
+        herd_seconds: herd.seconds,
+        herd_operator_cpu_share: herd.cpu_share,
+        herd_full_maps_built: herd.full_maps_built,
+        herd_bytes_per_watcher: herd.bytes as f64 / watchers_n,
+        propagation: steady.propagation,
+        steady_seconds: steady.seconds,
+        steady_operator_cpu_share: steady.cpu_share,
+        steady_bytes_per_second_per_watcher: steady.bytes as f64 / steady.seconds / watchers_n,
+        batches_built: delta("census_map_batches_built_total", ""),
+        batch_messages_sent: delta("census_map_messages_sent_total", "kind=\"batch\""),
+        batch_bytes_encoded: delta("census_map_encoded_bytes_total", "kind=\"batch\""),
+        batch_bytes_sent: delta("census_map_sent_bytes_total", ""),
+        resyncs_lagged: after.or_zero("census_map_resyncs_total", "reason=\"lagged\""),
+        single_resync_seconds,
+        single_resync_bytes,
+        single_resync_entries: entries as u64,
+        watcher_gaps: herd.watched.gaps.load(Ordering::Relaxed),
+        samples,
+    };
+    summary(&out);
+    results.write_json("map.json", &out)?;
+    Ok(out.watcher_gaps == 0)
+}
+
+/// The operator's flags: the preset's map tick and resync limit, snapshots out of the way.
+fn operator_args(p: &Map) -> Vec<String> {
+    [
         "--snapshot-interval",
         "30s",
         "--adoption-window",
@@ -123,20 +213,12 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
         "warn",
     ]
     .map(String::from)
-    .to_vec();
-    say(format!("operator flags: {}", args.join(" ")));
-    let op = Operator::start(
-        binary,
-        Launch::new(store.path(), results.path("operator.log"), args.clone())?,
-    )
-    .await?;
-    let sampler = Sampler::start(op.pid, op.admin(), Duration::from_secs(1));
-    sampler.set_phase("ramp");
+    .to_vec()
+}
 
-    let connections = p.nodes.div_ceil(p.nodes_per_connection.max(1));
-    let fleet = Fleet::connect(&op.grpc_url(), connections).await?;
-    let pool = p.nodes * p.label_sets_per_node;
-    let labels: Vec<Labels> = (0..pool)
+/// `pool` label sets, spread over 40 namespaces.
+fn label_pool(pool: usize) -> Vec<Labels> {
+    (0..pool)
         .map(|i| {
             Arc::new(vec![
                 format!("k8s:app=service-{i}"),
@@ -144,12 +226,34 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
                 format!("k8s:io.kubernetes.pod.namespace=team-{}", i % 40),
             ])
         })
-        .collect();
-    say(format!(
-        "ramp: {} nodes x {} pods over {connections} HTTP/2 connections",
-        p.nodes, p.pods_per_node
-    ));
+        .collect()
+}
+
+/// The ramp: every node with its pods, until the operator's map holds them all.
+async fn ramp(
+    op: &Operator,
+    fleet: &Fleet,
+    labels: &[Labels],
+    p: &Map,
+) -> anyhow::Result<(Vec<Node>, Vec<Vec<String>>)> {
     let ramp = Instant::now();
+    let (nodes, live) = start_nodes(fleet, labels, p).await?;
+    map_holds(op, (p.nodes * p.pods_per_node) as f64).await?;
+    say(format!(
+        "ramp done in {:.1} s",
+        ramp.elapsed().as_secs_f64()
+    ));
+    Ok((nodes, live))
+}
+
+/// Every node with its pods, started 64 at a time (each 64 connected before the
+/// next); returns the nodes and the keys of each node's live pods.
+async fn start_nodes(
+    fleet: &Fleet,
+    labels: &[Labels],
+    p: &Map,
+) -> anyhow::Result<(Vec<Node>, Vec<Vec<String>>)> {
+    let pool = labels.len();
     let mut nodes: Vec<Node> = Vec::with_capacity(p.nodes);
     let mut live = Vec::with_capacity(p.nodes);
     for n in 0..p.nodes {
@@ -177,41 +281,62 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
             }
         }
     }
-    let expected = (p.nodes * p.pods_per_node) as f64;
+    Ok((nodes, live))
+}
+
+/// Waits (up to 900 s) for the operator's map to hold `expected` endpoints.
+async fn map_holds(op: &Operator, expected: f64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
         if let Ok(m) = Metrics::scrape(op.admin()).await
             && m.or_zero("census_map_entries", "kind=\"endpoint\"") >= expected
         {
-            break;
+            return Ok(());
         }
         if Instant::now() > deadline {
             bail!("the map never held all {expected} endpoints");
         }
         sleep(Duration::from_millis(200)).await;
     }
-    say(format!(
-        "ramp done in {:.1} s",
-        ramp.elapsed().as_secs_f64()
-    ));
-    sampler.set_phase("ramped");
-    sleep(Duration::from_secs(3)).await;
+}
+
+/// The operator's RSS before the herd: the median of 10 readings 100 ms apart.
+async fn baseline_rss(op: &Operator) -> anyhow::Result<u64> {
     let mut rss = Vec::new();
     for _ in 0..10 {
         rss.push(Proc::read(op.pid)?.rss);
         sleep(Duration::from_millis(100)).await;
     }
-    let baseline_rss = median(rss);
+    Ok(median(rss))
+}
 
-    // The herd: every watcher at once.
-    say(format!("herd: {} watchers start at once", p.nodes));
-    sampler.set_phase("herd");
+/// What the herd cost, and the watchers it left running.
+struct Herd {
+    watched: Arc<Watched>,
+    pending: Pending,
+    watchers: Vec<tokio::task::JoinHandle<()>>,
+    seconds: f64,
+    cpu_share: f64,
+    peak_rss: u64,
+    full_maps_built: f64,
+    bytes: u64,
+}
+
+/// The herd: every watcher at once, until each has its full map (up to 900 s), the
+/// operator's RSS sampled every 50 ms (its peak told against `baseline_rss`).
+async fn herd(
+    op: &Operator,
+    fleet: &Fleet,
+    nodes: &[Node],
+    baseline_rss: u64,
+    p: &Map,
+) -> anyhow::Result<Herd> {
     let before_herd = Metrics::scrape(op.admin()).await?;
     let watched = Arc::new(Watched::default());
     let pending: Pending = Arc::default();
     let herd = Instant::now();
     let cpu_before = Proc::read(op.pid)?.cpu;
-    let watchers = spawn_watchers(&fleet, &nodes, &watched, &pending, p.probes);
+    let watchers = spawn_watchers(fleet, nodes, &watched, &pending, p.probes);
     let mut peak = 0;
     let deadline = Instant::now() + Duration::from_secs(900);
     while watched.synced.load(Ordering::Relaxed) < p.nodes {
@@ -225,27 +350,46 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
         }
         sleep(Duration::from_millis(50)).await;
     }
-    let herd_seconds = herd.elapsed().as_secs_f64();
-    let herd_cpu = (Proc::read(op.pid)?.cpu - cpu_before).as_secs_f64() / herd_seconds;
+    let seconds = herd.elapsed().as_secs_f64();
+    let cpu_share = (Proc::read(op.pid)?.cpu - cpu_before).as_secs_f64() / seconds;
     let after_herd = Metrics::scrape(op.admin()).await?;
-    let herd_bytes = watched.bytes.load(Ordering::Relaxed);
+    let bytes = watched.bytes.load(Ordering::Relaxed);
     say(format!(
-        "herd done in {herd_seconds:.1} s: RSS peak {} over a baseline of {}",
+        "herd done in {seconds:.1} s: RSS peak {} over a baseline of {}",
         mib(peak),
         mib(baseline_rss)
     ));
+    Ok(Herd {
+        full_maps_built: after_herd.or_zero("census_map_full_maps_built_total", "")
+            - before_herd.or_zero("census_map_full_maps_built_total", ""),
+        watched,
+        pending,
+        watchers,
+        seconds,
+        cpu_share,
+        peak_rss: peak,
+        bytes,
+    })
+}
 
-    // Steady state under churn.
-    sampler.set_phase("steady");
-    pending.lock().clear();
-    watched.latencies.lock().clear();
-    let mut churn = Churn {
-        nodes: nodes.iter().map(Node::handle).collect(),
-        labels,
-        live,
-        next_ip: p.nodes * p.pods_per_node,
-        pending: pending.clone(),
-    };
+/// What the steady state under churn cost.
+struct Steady {
+    before: Metrics,
+    after: Metrics,
+    seconds: f64,
+    cpu_share: f64,
+    bytes: u64,
+    propagation: Latency,
+}
+
+/// Steady state: the churn for the preset's window, then 1 s for the last changes
+/// to arrive before counting.
+async fn steady(
+    op: &Operator,
+    mut churn: Churn,
+    watched: &Watched,
+    p: &Map,
+) -> anyhow::Result<Steady> {
     let before = Metrics::scrape(op.admin()).await?;
     let bytes_before = watched.bytes.load(Ordering::Relaxed);
     let cpu_before = Proc::read(op.pid)?.cpu;
@@ -260,23 +404,31 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
         next += every;
         tokio::time::sleep_until(next).await;
     }
-    let steady_seconds = window.elapsed().as_secs_f64();
+    let seconds = window.elapsed().as_secs_f64();
     // Let the last changes arrive before counting.
     sleep(Duration::from_secs(1)).await;
     let after = Metrics::scrape(op.admin()).await?;
-    let steady_cpu = (Proc::read(op.pid)?.cpu - cpu_before).as_secs_f64() / (steady_seconds + 1.0);
-    let steady_bytes = watched.bytes.load(Ordering::Relaxed) - bytes_before;
+    let cpu_share = (Proc::read(op.pid)?.cpu - cpu_before).as_secs_f64() / (seconds + 1.0);
+    let bytes = watched.bytes.load(Ordering::Relaxed) - bytes_before;
     let propagation = Latency::of(std::mem::take(&mut *watched.latencies.lock()));
-    let delta =
-        |name: &str, labels: &str| after.or_zero(name, labels) - before.or_zero(name, labels);
+    Ok(Steady {
+        before,
+        after,
+        seconds,
+        cpu_share,
+        bytes,
+        propagation,
+    })
+}
 
-    // One full resync alone.
+/// One full resync alone, as `node`: its seconds and bytes.
+async fn single_resync(fleet: &Fleet, node: &Node) -> anyhow::Result<(f64, u64)> {
     let alone = Arc::new(Watched::default());
     let started = Instant::now();
     let single = watch(
         fleet.channel(0),
-        nodes[0].name.clone(),
-        nodes[0].session,
+        node.name.clone(),
+        node.session,
         alone.clone(),
         None,
     );
@@ -287,53 +439,9 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Map) -> anyhow::R
         }
         sleep(Duration::from_millis(1)).await;
     }
-    let single_resync_seconds = started.elapsed().as_secs_f64();
+    let seconds = started.elapsed().as_secs_f64();
     single.abort();
-    let entries = after.or_zero("census_map_entries", "kind=\"endpoint\"")
-        + after.or_zero("census_map_entries", "kind=\"node_address\"");
-
-    sampler.set_phase("stop");
-    for w in watchers {
-        w.abort();
-    }
-    for node in nodes {
-        node.stop().await;
-    }
-    op.stop().await?;
-    let samples = sampler.stop().await;
-    machine.finish();
-    let watchers_n = p.nodes as f64;
-    let out = Output {
-        params: &p,
-        machine,
-        operator_args: args,
-        map_entries: entries as u64,
-        baseline_rss_bytes: baseline_rss,
-        herd_peak_rss_bytes: peak,
-        herd_rss_bytes_per_watcher: (peak as f64 - baseline_rss as f64) / watchers_n,
-        herd_seconds,
-        herd_operator_cpu_share: herd_cpu,
-        herd_full_maps_built: after_herd.or_zero("census_map_full_maps_built_total", "")
-            - before_herd.or_zero("census_map_full_maps_built_total", ""),
-        herd_bytes_per_watcher: herd_bytes as f64 / watchers_n,
-        propagation,
-        steady_seconds,
-        steady_operator_cpu_share: steady_cpu,
-        steady_bytes_per_second_per_watcher: steady_bytes as f64 / steady_seconds / watchers_n,
-        batches_built: delta("census_map_batches_built_total", ""),
-        batch_messages_sent: delta("census_map_messages_sent_total", "kind=\"batch\""),
-        batch_bytes_encoded: delta("census_map_encoded_bytes_total", "kind=\"batch\""),
-        batch_bytes_sent: delta("census_map_sent_bytes_total", ""),
-        resyncs_lagged: after.or_zero("census_map_resyncs_total", "reason=\"lagged\""),
-        single_resync_seconds,
-        single_resync_bytes: alone.bytes.load(Ordering::Relaxed),
-        single_resync_entries: entries as u64,
-        watcher_gaps: watched.gaps.load(Ordering::Relaxed),
-        samples,
-    };
-    summary(&out);
-    results.write_json("map.json", &out)?;
-    Ok(out.watcher_gaps == 0)
+    Ok((seconds, alone.bytes.load(Ordering::Relaxed)))
 }
 
 fn summary(o: &Output<'_>) {

@@ -59,95 +59,19 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Restart) -> anyho
     let mut machine = Machine::now();
     say(machine.line());
     let store = tempfile::tempdir()?;
-    let mut args = p.timers.flags();
-    args.extend(
-        [
-            "--label-include",
-            "job-name,controller-uid",
-            "--adoption-window",
-            "0s",
-            "--log",
-            "info",
-        ]
-        .map(String::from),
-    );
+    let args = operator_args(&p);
     say(format!("operator flags: {}", args.join(" ")));
     let launch = Launch::new(store.path(), results.path("operator.log"), args.clone())?;
     let op = Operator::start(binary, launch).await?;
     let sampler = Sampler::start(op.pid, op.admin(), Duration::from_secs(1));
     let fleet = Fleet::connect(&op.grpc_url(), 2).await?;
-
-    let apps: Vec<Labels> = (0..100)
-        .map(|a| {
-            Arc::new(vec![
-                format!("k8s:app=service-{a}"),
-                format!("k8s:io.kubernetes.pod.namespace=team-{}", a % 10),
-                "k8s:io.kubernetes.pod.serviceaccount=default".into(),
-            ])
-        })
-        .collect();
-    let nodes: Vec<Node> = (0..p.nodes)
-        .map(|n| {
-            let pods = (0..p.steady_pods_per_node)
-                .map(|i| {
-                    let g = n * p.steady_pods_per_node + i;
-                    Pod {
-                        namespace: format!("team-{}", (g % 100) % 10),
-                        name: format!("service-{}-7d9f8b6c4-{g:05}", g % 100),
-                        ip: pod_ip(g),
-                        labels: apps[g % 100].clone(),
-                    }
-                })
-                .collect();
-            fleet.start_node(n, format!("node-{n:02}"), pods, false)
-        })
-        .collect();
+    let nodes = start_nodes(&fleet, &p);
     let handles: Vec<NodeHandle> = nodes.iter().map(Node::handle).collect();
-
-    // Every REMOVED event is checked against the agents' state at once.
-    let removed_while_referenced = Arc::new(Mutex::new(Vec::new()));
-    let removed = Arc::new(Mutex::new(Vec::new()));
-    let watcher = {
-        let removed = removed.clone();
-        let bad = removed_while_referenced.clone();
-        let handles = handles.clone();
-        let fleet = fleet.clone();
-        tokio::spawn(async move {
-            let checker = tokio::spawn({
-                let removed = removed.clone();
-                async move {
-                    let mut seen = 0;
-                    loop {
-                        let fresh: Vec<(Instant, u32)> = removed.lock()[seen..].to_vec();
-                        seen += fresh.len();
-                        for (_, id) in fresh {
-                            if let Some(n) = handles.iter().find(|h| h.holds(id)) {
-                                bad.lock().push(format!(
-                                    "identity {id} removed while node {} referenced it",
-                                    n.name
-                                ));
-                            }
-                        }
-                        sleep(Duration::from_millis(5)).await;
-                    }
-                }
-            });
-            let watch = super::agents::watch_bindings(&fleet, removed);
-            let _ = watch.await;
-            checker.abort();
-        })
-    };
+    let (watcher, removed_while_referenced) = check_removals(&fleet, &handles);
 
     sampler.set_phase("churn");
-    let stop_churn = Arc::new(AtomicBool::new(false));
     let created = Arc::new(Mutex::new(0usize));
-    let churning = tokio::spawn(churn(
-        handles.clone(),
-        p.clone(),
-        stop_churn.clone(),
-        created.clone(),
-        0,
-    ));
+    let churning = Churning::start(&handles, &p, &created, 0);
     sleep(p.churn_before_kill).await;
     let before = Metrics::scrape(op.admin()).await?;
     say(format!(
@@ -155,7 +79,7 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Restart) -> anyho
         p.churn_before_kill,
         before.identities("live")
     ));
-    stop_churn.store(true, Ordering::Relaxed);
+    churning.stop();
     sampler.retarget(None);
     sampler.set_phase("down");
     let launch = op.kill().await?;
@@ -165,27 +89,8 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Restart) -> anyho
     let ready = restarted.elapsed().as_secs_f64();
     sampler.retarget(Some((op.pid, op.admin())));
     sampler.set_phase("recovery");
-    let _ = churning.await;
-
-    // Converge: every refcount and endpoint count equals the agents' truth.
-    let mut converged = None;
-    let mut gc = None;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline && (converged.is_none() || gc.is_none()) {
-        if converged.is_none() && matches_truth(&fleet, &handles).await.unwrap_or(false) {
-            converged = Some(restarted.elapsed().as_secs_f64());
-        }
-        if gc.is_none()
-            && let Ok(m) = Metrics::scrape(op.admin()).await
-            && m.or_zero("census_gc_outcomes_total", "outcome=\"deleted\"") > 0.0
-        {
-            gc = Some(restarted.elapsed().as_secs_f64());
-        }
-        sleep(Duration::from_millis(100)).await;
-    }
-    let Some(converged) = converged else {
-        bail!("refcounts never matched the agents' truth within 60 s of the restart");
-    };
+    churning.finish().await;
+    let (converged, gc) = recover(&fleet, &handles, &op, restarted).await?;
     say(format!(
         "restarted: ready after {ready:.2} s, refcounts true after {converged:.2} s, GC deleting after {}",
         gc.map_or_else(|| "(not within 60 s)".to_owned(), |g| format!("{g:.2} s"))
@@ -193,27 +98,12 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Restart) -> anyho
 
     // Normal operation again, then a final check.
     sampler.set_phase("churn after restart");
-    let stop_churn = Arc::new(AtomicBool::new(false));
-    let churning = tokio::spawn(churn(
-        handles.clone(),
-        p.clone(),
-        stop_churn.clone(),
-        created.clone(),
-        1,
-    ));
+    let churning = Churning::start(&handles, &p, &created, 1);
     sleep(p.churn_after).await;
-    stop_churn.store(true, Ordering::Relaxed);
-    let _ = churning.await;
+    churning.stop();
+    churning.finish().await;
     sampler.set_phase("final");
-    let mut final_true = false;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if matches_truth(&fleet, &handles).await.unwrap_or(false) {
-            final_true = true;
-            break;
-        }
-        sleep(Duration::from_millis(200)).await;
-    }
+    let final_true = final_check(&fleet, &handles).await;
     // Let a last REMOVED event, if any, reach the checker.
     sleep(Duration::from_millis(500)).await;
     watcher.abort();
@@ -249,6 +139,169 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Restart) -> anyho
     plots(results, &out.samples)?;
     results.write_json("restart.json", &out)?;
     Ok(passed)
+}
+
+/// The operator's flags: the preset's timers, every Job pod its own identity.
+fn operator_args(p: &Restart) -> Vec<String> {
+    let mut args = p.timers.flags();
+    args.extend(
+        [
+            "--label-include",
+            "job-name,controller-uid",
+            "--adoption-window",
+            "0s",
+            "--log",
+            "info",
+        ]
+        .map(String::from),
+    );
+    args
+}
+
+/// The preset's nodes, each with its steady pods of 100 apps over 10 namespaces.
+fn start_nodes(fleet: &Fleet, p: &Restart) -> Vec<Node> {
+    let apps: Vec<Labels> = (0..100)
+        .map(|a| {
+            Arc::new(vec![
+                format!("k8s:app=service-{a}"),
+                format!("k8s:io.kubernetes.pod.namespace=team-{}", a % 10),
+                "k8s:io.kubernetes.pod.serviceaccount=default".into(),
+            ])
+        })
+        .collect();
+    (0..p.nodes)
+        .map(|n| {
+            let pods = (0..p.steady_pods_per_node)
+                .map(|i| {
+                    let g = n * p.steady_pods_per_node + i;
+                    Pod {
+                        namespace: format!("team-{}", (g % 100) % 10),
+                        name: format!("service-{}-7d9f8b6c4-{g:05}", g % 100),
+                        ip: pod_ip(g),
+                        labels: apps[g % 100].clone(),
+                    }
+                })
+                .collect();
+            fleet.start_node(n, format!("node-{n:02}"), pods, false)
+        })
+        .collect()
+}
+
+/// Watches the bindings and checks every REMOVED event against the agents' state at
+/// once; returns the watch's task and what it found removed while referenced.
+fn check_removals(
+    fleet: &Fleet,
+    handles: &[NodeHandle],
+) -> (tokio::task::JoinHandle<()>, Arc<Mutex<Vec<String>>>) {
+    let removed_while_referenced = Arc::new(Mutex::new(Vec::new()));
+    let removed = Arc::new(Mutex::new(Vec::new()));
+    let watcher = {
+        let bad = removed_while_referenced.clone();
+        let handles = handles.to_vec();
+        let fleet = fleet.clone();
+        tokio::spawn(async move {
+            let checker = tokio::spawn({
+                let removed = removed.clone();
+                async move {
+                    let mut seen = 0;
+                    loop {
+                        let fresh: Vec<(Instant, u32)> = removed.lock()[seen..].to_vec();
+                        seen += fresh.len();
+                        for (_, id) in fresh {
+                            if let Some(n) = handles.iter().find(|h| h.holds(id)) {
+                                bad.lock().push(format!(
+                                    "identity {id} removed while node {} referenced it",
+                                    n.name
+                                ));
+                            }
+                        }
+                        sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            });
+            let watch = super::agents::watch_bindings(&fleet, removed);
+            let _ = watch.await;
+            checker.abort();
+        })
+    };
+    (watcher, removed_while_referenced)
+}
+
+/// One round of churn in the background, until stopped.
+struct Churning {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Churning {
+    fn start(
+        handles: &[NodeHandle],
+        p: &Restart,
+        created: &Arc<Mutex<usize>>,
+        round: usize,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(churn(
+            handles.to_vec(),
+            p.clone(),
+            stop.clone(),
+            created.clone(),
+            round,
+        ));
+        Self { stop, task }
+    }
+
+    /// Tells the churn to stop creating.
+    fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Waits for the churn to have stopped.
+    async fn finish(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// After the restart, polls (up to 60 s) until every refcount and endpoint count
+/// equals the agents' truth and GC deletes again; returns the seconds from `restarted`
+/// to each (GC's only if within the 60 s).
+async fn recover(
+    fleet: &Fleet,
+    handles: &[NodeHandle],
+    op: &Operator,
+    restarted: Instant,
+) -> anyhow::Result<(f64, Option<f64>)> {
+    let mut converged = None;
+    let mut gc = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline && (converged.is_none() || gc.is_none()) {
+        if converged.is_none() && matches_truth(fleet, handles).await.unwrap_or(false) {
+            converged = Some(restarted.elapsed().as_secs_f64());
+        }
+        if gc.is_none()
+            && let Ok(m) = Metrics::scrape(op.admin()).await
+            && m.or_zero("census_gc_outcomes_total", "outcome=\"deleted\"") > 0.0
+        {
+            gc = Some(restarted.elapsed().as_secs_f64());
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    let Some(converged) = converged else {
+        bail!("refcounts never matched the agents' truth within 60 s of the restart");
+    };
+    Ok((converged, gc))
+}
+
+/// Whether the refcounts match the agents' truth again within 30 s.
+async fn final_check(fleet: &Fleet, handles: &[NodeHandle]) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if matches_truth(fleet, handles).await.unwrap_or(false) {
+            return true;
+        }
+        sleep(Duration::from_millis(200)).await;
+    }
+    false
 }
 
 /// Whether the operator's refcounts and per-node endpoint counts equal the agents'.

@@ -144,18 +144,7 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Scale) -> anyhow:
     let mut machine = Machine::now();
     say(machine.line());
     let store = tempfile::tempdir()?;
-    let args: Vec<String> = [
-        "--snapshot-interval",
-        &format!("{}ms", p.snapshot_interval.as_millis()),
-        "--adoption-window",
-        "0s",
-        "--log",
-        "warn",
-        // For the owners of the live heap at steady state (sampling costs little).
-        "--heap-profiling",
-    ]
-    .map(String::from)
-    .to_vec();
+    let args = operator_args(&p);
     say(format!("operator flags: {}", args.join(" ")));
     let op = Operator::start(
         binary,
@@ -177,78 +166,31 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Scale) -> anyhow:
         p.nodes, p.ramp_concurrency
     ));
     sampler.set_phase("ramp");
-    let ramp = Instant::now();
-    let (nodes, watchers) = start_nodes(&fleet, &p, &watched).await?;
-    wait_for_endpoints(&op, expected, Duration::from_secs(900)).await?;
-    let ramp_seconds = ramp.elapsed().as_secs_f64();
-    say(format!(
-        "ramp done in {ramp_seconds:.1} s; waiting for every watcher's full map"
-    ));
-    wait_for_watchers(&watched, p.nodes, Duration::from_secs(900)).await?;
-    let ramp_watchers_synced_seconds = ramp.elapsed().as_secs_f64();
-    let ramp_watch_bytes = watched.bytes.load(Ordering::Relaxed);
-    say(format!(
-        "every watcher holds the whole map after {ramp_watchers_synced_seconds:.1} s ({:.1} MiB received per watcher); measuring {} intervals",
-        ramp_watch_bytes as f64 / p.nodes.max(1) as f64 / (1024.0 * 1024.0),
-        p.intervals
-    ));
+    let ramp = ramp(&op, &fleet, &watched, &p).await?;
     let allocate = Latency::of(fleet.observed.take_allocate_latency());
-
-    // One interval to settle (every node past its first jittered timer), then measure.
-    sampler.set_phase("settle");
-    sleep(p.snapshot_interval).await;
-    sampler.set_phase("steady");
-    fleet.observed.take_snapshot_acks();
-    let before = Metrics::scrape(op.admin()).await?;
-    let from = sampler.elapsed();
-    let window = Instant::now();
-    sleep(p.snapshot_interval * p.intervals).await;
-    let after = Metrics::scrape(op.admin()).await?;
-    let window_seconds = window.elapsed().as_secs_f64();
-    let acks = Latency::of(fleet.observed.take_snapshot_acks());
-    let steady: Vec<Sample> = sampler.samples_since(from);
-    let (heap_owners, profile) = heap::owners(op.admin()).await?;
-    std::fs::write(results.path("heap.pb.gz"), profile)?;
-    let peak_rss = sampler
-        .samples()
-        .iter()
-        .map(|s| s.rss_bytes)
-        .max()
-        .unwrap_or(0);
+    let steady = steady(&op, &sampler, &fleet, results, &p).await?;
 
     say(format!(
         "reconnect: SIGKILL, restart on the same store; {} nodes reconnect and {} watchers resync at once",
         p.nodes, p.nodes
     ));
-    let (op, reconnect) = restart(binary, op, &sampler, &fleet, &nodes, &watched, &p).await?;
+    let (op, reconnect) = restart(binary, op, &sampler, &fleet, &ramp.nodes, &watched, &p).await?;
 
-    let hist = "census_snapshot_apply_duration_seconds";
-    let (hb, ha) = (before.histogram(hist), after.histogram(hist));
-    let snapshots =
-        after.or_zero("census_snapshots_total", "") - before.or_zero("census_snapshots_total", "");
-    let mean = |f: &dyn Fn(&Sample) -> f64| {
-        if steady.is_empty() {
-            0.0
-        } else {
-            steady.iter().map(f).sum::<f64>() / steady.len() as f64
-        }
-    };
-    let rss = median(steady.iter().map(|s| s.rss_bytes).collect());
-    let heap = median(steady.iter().filter_map(|s| s.heap_live_bytes).collect());
-    let endpoints = after.or_zero("census_endpoints", "") as u64;
+    let (rss, heap, endpoints) = (steady.rss, steady.heap, steady.endpoints);
     let gates = gates(&p, rss, reconnect.peak_rss_bytes);
     let passed = gates.iter().all(|g| g.passed);
 
     sampler.set_phase("stop");
-    for w in watchers {
+    for w in ramp.watchers {
         w.abort();
     }
-    for node in nodes {
+    for node in ramp.nodes {
         node.stop().await;
     }
     op.stop().await?;
     let samples = sampler.stop().await;
     machine.finish();
+    let window_seconds = steady.window_seconds;
     let out = Output {
         params: &p,
         machine,
@@ -256,27 +198,27 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Scale) -> anyhow:
         connections,
         open_files_limit,
         endpoints,
-        identities: after.identities("live"),
-        ramp_seconds,
-        ramp_watchers_synced_seconds,
-        ramp_watch_bytes,
+        identities: steady.identities,
+        ramp_seconds: ramp.seconds,
+        ramp_watchers_synced_seconds: ramp.watchers_synced_seconds,
+        ramp_watch_bytes: ramp.watch_bytes,
         window_seconds,
-        snapshots_per_second: snapshots / window_seconds,
-        entries_per_second: snapshots * p.endpoints_per_node as f64 / window_seconds,
-        operator_cpu_share: mean(&|s| s.cpu_share),
-        harness_cpu_share: mean(&|s| s.harness_cpu_share),
+        snapshots_per_second: steady.snapshots / window_seconds,
+        entries_per_second: steady.snapshots * p.endpoints_per_node as f64 / window_seconds,
+        operator_cpu_share: steady.operator_cpu_share,
+        harness_cpu_share: steady.harness_cpu_share,
         baseline_rss_bytes: baseline_rss,
         rss_bytes: rss,
-        peak_rss_bytes: peak_rss,
+        peak_rss_bytes: steady.peak_rss,
         baseline_heap_bytes: baseline_heap,
         heap_bytes: heap,
         heap_bytes_per_endpoint: (heap as f64 - baseline_heap as f64) / endpoints.max(1) as f64,
         rss_bytes_per_endpoint: (rss as f64 - baseline_rss as f64) / endpoints.max(1) as f64,
-        apply_p50_us: histogram_quantile(&hb, &ha, 0.5).map(|s| s * 1e6),
-        apply_p99_us: histogram_quantile(&hb, &ha, 0.99).map(|s| s * 1e6),
-        snapshot_ack: acks,
+        apply_p50_us: steady.apply_p50_us,
+        apply_p99_us: steady.apply_p99_us,
+        snapshot_ack: steady.acks,
         allocate,
-        heap_owners,
+        heap_owners: steady.heap_owners,
         reconnect,
         watcher_gaps: watched.gaps.load(Ordering::Relaxed),
         gates,
@@ -291,6 +233,143 @@ pub(crate) async fn run(binary: &Binary, results: &Results, p: Scale) -> anyhow:
     let wall = wall.elapsed().as_secs_f64();
     say(format!("wall time {wall:.0} s ({:.1} min)", wall / 60.0));
     Ok(passed)
+}
+
+/// The operator's flags: the preset's snapshot interval, heap profiling on for the
+/// owners of the live heap at steady state (sampling costs little).
+fn operator_args(p: &Scale) -> Vec<String> {
+    [
+        "--snapshot-interval",
+        &format!("{}ms", p.snapshot_interval.as_millis()),
+        "--adoption-window",
+        "0s",
+        "--log",
+        "warn",
+        "--heap-profiling",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The ramp as it went: the nodes and their watchers, and how long until the
+/// endpoints and then every watcher's full map were there.
+struct Ramp {
+    nodes: Vec<Node>,
+    watchers: Vec<JoinHandle<()>>,
+    seconds: f64,
+    watchers_synced_seconds: f64,
+    watch_bytes: u64,
+}
+
+/// Every node started, each watching the map, until the operator holds every
+/// endpoint and every watcher the whole map.
+async fn ramp(
+    op: &Operator,
+    fleet: &Fleet,
+    watched: &Arc<Watched>,
+    p: &Scale,
+) -> anyhow::Result<Ramp> {
+    let expected = (p.nodes * p.endpoints_per_node) as u64;
+    let ramp = Instant::now();
+    let (nodes, watchers) = start_nodes(fleet, p, watched).await?;
+    wait_for_endpoints(op, expected, Duration::from_secs(900)).await?;
+    let seconds = ramp.elapsed().as_secs_f64();
+    say(format!(
+        "ramp done in {seconds:.1} s; waiting for every watcher's full map"
+    ));
+    wait_for_watchers(watched, p.nodes, Duration::from_secs(900)).await?;
+    let watchers_synced_seconds = ramp.elapsed().as_secs_f64();
+    let watch_bytes = watched.bytes.load(Ordering::Relaxed);
+    say(format!(
+        "every watcher holds the whole map after {watchers_synced_seconds:.1} s ({:.1} MiB received per watcher); measuring {} intervals",
+        watch_bytes as f64 / p.nodes.max(1) as f64 / (1024.0 * 1024.0),
+        p.intervals
+    ));
+    Ok(Ramp {
+        nodes,
+        watchers,
+        seconds,
+        watchers_synced_seconds,
+        watch_bytes,
+    })
+}
+
+/// The steady state as measured over the preset's intervals.
+struct Steady {
+    window_seconds: f64,
+    /// Snapshots applied in the window.
+    snapshots: f64,
+    /// The operator's endpoints and live identities at the window's end.
+    endpoints: u64,
+    identities: u64,
+    /// Median RSS and live heap over the window.
+    rss: u64,
+    heap: u64,
+    /// Mean CPU shares over the window.
+    operator_cpu_share: f64,
+    harness_cpu_share: f64,
+    apply_p50_us: Option<f64>,
+    apply_p99_us: Option<f64>,
+    acks: Latency,
+    heap_owners: Owners,
+    /// The highest RSS sampled so far (the ramp included).
+    peak_rss: u64,
+}
+
+/// One interval to settle (every node past its first jittered timer), then the
+/// preset's intervals measured, and the live heap's owners saved as `heap.pb.gz`.
+async fn steady(
+    op: &Operator,
+    sampler: &Sampler,
+    fleet: &Fleet,
+    results: &Results,
+    p: &Scale,
+) -> anyhow::Result<Steady> {
+    sampler.set_phase("settle");
+    sleep(p.snapshot_interval).await;
+    sampler.set_phase("steady");
+    fleet.observed.take_snapshot_acks();
+    let before = Metrics::scrape(op.admin()).await?;
+    let from = sampler.elapsed();
+    let window = Instant::now();
+    sleep(p.snapshot_interval * p.intervals).await;
+    let after = Metrics::scrape(op.admin()).await?;
+    let window_seconds = window.elapsed().as_secs_f64();
+    let acks = Latency::of(fleet.observed.take_snapshot_acks());
+    let samples: Vec<Sample> = sampler.samples_since(from);
+    let (heap_owners, profile) = heap::owners(op.admin()).await?;
+    std::fs::write(results.path("heap.pb.gz"), profile)?;
+    let peak_rss = sampler
+        .samples()
+        .iter()
+        .map(|s| s.rss_bytes)
+        .max()
+        .unwrap_or(0);
+    let hist = "census_snapshot_apply_duration_seconds";
+    let (hb, ha) = (before.histogram(hist), after.histogram(hist));
+    let mean = |f: &dyn Fn(&Sample) -> f64| {
+        if samples.is_empty() {
+            0.0
+        } else {
+            samples.iter().map(f).sum::<f64>() / samples.len() as f64
+        }
+    };
+    Ok(Steady {
+        window_seconds,
+        snapshots: after.or_zero("census_snapshots_total", "")
+            - before.or_zero("census_snapshots_total", ""),
+        endpoints: after.or_zero("census_endpoints", "") as u64,
+        identities: after.identities("live"),
+        rss: median(samples.iter().map(|s| s.rss_bytes).collect()),
+        heap: median(samples.iter().filter_map(|s| s.heap_live_bytes).collect()),
+        operator_cpu_share: mean(&|s| s.cpu_share),
+        harness_cpu_share: mean(&|s| s.harness_cpu_share),
+        apply_p50_us: histogram_quantile(&hb, &ha, 0.5).map(|s| s * 1e6),
+        apply_p99_us: histogram_quantile(&hb, &ha, 0.99).map(|s| s * 1e6),
+        acks,
+        heap_owners,
+        peak_rss,
+    })
 }
 
 /// Raises RLIMIT_NOFILE to its hard limit (the operator, started from this process,
@@ -454,19 +533,7 @@ async fn restart(
     let reconnects_before = fleet.observed.reconnects.load(Ordering::Relaxed);
     let killed = Instant::now();
     let launch = op.kill().await?;
-    // Before the new process exists: once it does, a watcher found still counting as
-    // complete would be one that never saw its stream end.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while nodes.iter().any(|n| n.is_connected()) || watched.complete.load(Ordering::Relaxed) > 0 {
-        if Instant::now() > deadline {
-            bail!(
-                "30 s after the SIGKILL, {} nodes still count as connected and {} watchers as complete",
-                nodes.iter().filter(|n| n.is_connected()).count(),
-                watched.complete.load(Ordering::Relaxed)
-            );
-        }
-        sleep(Duration::from_millis(20)).await;
-    }
+    streams_ended(nodes, watched).await?;
     let down_seconds = killed.elapsed().as_secs_f64();
     let bytes_before = watched.bytes.load(Ordering::Relaxed);
 
@@ -478,43 +545,16 @@ async fn restart(
     sampler.retarget(Some((op.pid, op.admin())));
     sampler.set_phase("reconnect");
 
-    let (mut reconnecting, mut resyncing) = (Peak::default(), Peak::default());
-    let mut applied: Option<f64> = None;
-    let mut seen = 0.0;
-    let mut endpoints = 0;
-    let deadline = Instant::now() + Duration::from_secs(900);
-    loop {
-        let phase = if applied.is_some() {
-            &mut resyncing
-        } else {
-            &mut reconnecting
-        };
-        // RSS straight from /proc as well: a scrape may take longer than 50 ms.
-        if let Ok(proc) = Proc::read(op.pid) {
-            phase.rss(proc.rss);
-        }
-        if let Some(last) = fast.samples_since(seen).last() {
-            endpoints = last.endpoints;
-            seen = last.t + 1e-6;
-        }
-        let connected = nodes.iter().filter(|n| n.is_connected()).count();
-        if applied.is_none() && connected == nodes.len() && endpoints == expected {
-            applied = Some(started.elapsed().as_secs_f64());
-            fast.set_phase("resync");
-            sampler.set_phase("resync");
-        }
-        let complete = watched.complete.load(Ordering::Relaxed);
-        if applied.is_some() && complete == nodes.len() {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "900 s after the restart: {connected} of {} nodes connected, {endpoints} of {expected} endpoints, {complete} watchers holding the whole map",
-                nodes.len()
-            );
-        }
-        sleep(RECONNECT_SAMPLING).await;
-    }
+    let recovery = Recovery {
+        op: &op,
+        fast: &fast,
+        sampler,
+        nodes,
+        watched,
+        expected,
+        started,
+    };
+    let (applied, mut reconnecting, mut resyncing) = recovery.watch().await?;
     fast.set_phase("settled");
     let seconds = started.elapsed().as_secs_f64();
     let snapshots_applied_seconds = applied.unwrap_or(seconds);
@@ -533,11 +573,7 @@ async fn restart(
     }
     let watch_bytes = watched.bytes.load(Ordering::Relaxed) - bytes_before;
 
-    sampler.set_phase("settled");
-    sleep(p.snapshot_interval.saturating_sub(Duration::from_secs(5))).await;
-    let from = sampler.elapsed();
-    sleep(Duration::from_secs(5)).await;
-    let settled = sampler.samples_since(from);
+    let settled = settled_samples(sampler, p).await;
     let peak = |a: Option<u64>, b: Option<u64>| a.max(b).unwrap_or(0);
     let reconnect = Reconnect {
         at_seconds,
@@ -559,6 +595,92 @@ async fn restart(
         samples,
     };
     Ok((op, reconnect))
+}
+
+/// Waits (up to 30 s) for every node and watcher to see its stream end. Called
+/// before the new process exists: once it does, a watcher found still counting as
+/// complete would be one that never saw its stream end.
+async fn streams_ended(nodes: &[Node], watched: &Watched) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while nodes.iter().any(|n| n.is_connected()) || watched.complete.load(Ordering::Relaxed) > 0 {
+        if Instant::now() > deadline {
+            bail!(
+                "30 s after the SIGKILL, {} nodes still count as connected and {} watchers as complete",
+                nodes.iter().filter(|n| n.is_connected()).count(),
+                watched.complete.load(Ordering::Relaxed)
+            );
+        }
+        sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// The restarted operator, watched until every watcher holds the whole map again.
+struct Recovery<'a> {
+    op: &'a Operator,
+    /// Sampling every RECONNECT_SAMPLING.
+    fast: &'a Sampler,
+    sampler: &'a Sampler,
+    nodes: &'a [Node],
+    watched: &'a Watched,
+    expected: u64,
+    started: Instant,
+}
+
+impl Recovery<'_> {
+    /// Polls (up to 900 s) until every node is connected with its snapshot applied,
+    /// then until every watcher is complete, the RSS peaks of each part kept apart.
+    /// Returns when the snapshots were applied (seconds from `started`) and the peaks
+    /// of reconnecting and resyncing.
+    async fn watch(&self) -> anyhow::Result<(Option<f64>, Peak, Peak)> {
+        let (nodes, expected) = (self.nodes, self.expected);
+        let (mut reconnecting, mut resyncing) = (Peak::default(), Peak::default());
+        let mut applied: Option<f64> = None;
+        let mut seen = 0.0;
+        let mut endpoints = 0;
+        let deadline = Instant::now() + Duration::from_secs(900);
+        loop {
+            let phase = if applied.is_some() {
+                &mut resyncing
+            } else {
+                &mut reconnecting
+            };
+            // RSS straight from /proc as well: a scrape may take longer than 50 ms.
+            if let Ok(proc) = Proc::read(self.op.pid) {
+                phase.rss(proc.rss);
+            }
+            if let Some(last) = self.fast.samples_since(seen).last() {
+                endpoints = last.endpoints;
+                seen = last.t + 1e-6;
+            }
+            let connected = nodes.iter().filter(|n| n.is_connected()).count();
+            if applied.is_none() && connected == nodes.len() && endpoints == expected {
+                applied = Some(self.started.elapsed().as_secs_f64());
+                self.fast.set_phase("resync");
+                self.sampler.set_phase("resync");
+            }
+            let complete = self.watched.complete.load(Ordering::Relaxed);
+            if applied.is_some() && complete == nodes.len() {
+                return Ok((applied, reconnecting, resyncing));
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "900 s after the restart: {connected} of {} nodes connected, {endpoints} of {expected} endpoints, {complete} watchers holding the whole map",
+                    nodes.len()
+                );
+            }
+            sleep(RECONNECT_SAMPLING).await;
+        }
+    }
+}
+
+/// The samples of the last 5 s of the snapshot interval after the restart.
+async fn settled_samples(sampler: &Sampler, p: &Scale) -> Vec<Sample> {
+    sampler.set_phase("settled");
+    sleep(p.snapshot_interval.saturating_sub(Duration::from_secs(5))).await;
+    let from = sampler.elapsed();
+    sleep(Duration::from_secs(5)).await;
+    sampler.samples_since(from)
 }
 
 /// The preset's bounds against what was measured.

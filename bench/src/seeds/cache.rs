@@ -95,158 +95,21 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedCache) -> any
         census.agent_nodes().join(", ")
     ));
     sleep(p.settle).await;
-    let started = Instant::now();
     let mut samples = Vec::new();
     let mut phases = Vec::new();
-
-    // The report's game.
-    let file = tempfile::NamedTempFile::new()?;
-    std::fs::write(file.path(), large_file(p.object_bytes))?;
-    let large = file.path().display().to_string();
-    plane.namespace("test")?;
-    let phase = measure(
-        "configmaps+secrets",
-        &plane,
-        &mut census,
-        &names,
-        started,
-        &mut samples,
-        &p,
-        |plane, i| {
-            if i < p.objects {
-                plane.0.kubectl_ok(&[
-                    "create",
-                    "cm",
-                    &format!("test-cm-{i}"),
-                    "-n",
-                    "test",
-                    &format!("--from-file={large}"),
-                ])?;
-            } else {
-                let j = i - p.objects;
-                plane.0.kubectl_ok(&[
-                    "create",
-                    "secret",
-                    "generic",
-                    &format!("test-secret-{j}"),
-                    "-n",
-                    "test",
-                    &format!("--from-file=key={large}"),
-                ])?;
-            }
-            Ok(())
-        },
-        2 * p.objects,
-        |plane| {
-            plane.0.kubectl_ok(&[
-                "-n",
-                "test",
-                "delete",
-                "configmaps,secrets",
-                "--all",
-                "--wait=false",
-            ])?;
-            Ok(())
-        },
-    )
-    .await?;
-    let mut checked = phase;
-    let mut passed = true;
-    for pf in &checked.processes {
-        let rss = pf.rss_after_bytes as i64 - pf.rss_before_bytes as i64;
-        if rss.unsigned_abs() >= p.max_rss_change_bytes || pf.api_bytes_received >= p.max_api_bytes
-        {
-            passed = false;
-        }
-    }
-    checked.passed = Some(passed);
-    phases.push(checked);
-
-    // 2,000 pods on the node with no agent.
-    plane.namespace("elsewhere")?;
-    let chunk = 200usize;
-    let phase = measure(
-        "pods on no census node",
-        &plane,
-        &mut census,
-        &names,
-        started,
-        &mut samples,
-        &p,
-        |plane, i| {
-            let items: Vec<serde_json::Value> = (i * chunk..(i + 1) * chunk)
-                .map(|k| {
-                    serde_json::json!({
-                        "apiVersion": "v1", "kind": "Pod",
-                        "metadata": {"name": format!("other-{k}"), "namespace": "elsewhere",
-                                     "labels": {"app": "other", "n": k.to_string()}},
-                        "spec": {"nodeName": other_node,
-                                 "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]},
-                    })
-                })
-                .collect();
-            create_list(plane, &items)
-        },
-        p.pods / chunk,
-        |plane| {
-            plane.0.kubectl_ok(&[
-                "-n",
-                "elsewhere",
-                "delete",
-                "pods",
-                "--all",
-                "--wait=false",
-            ])?;
-            Ok(())
-        },
-    )
-    .await?;
-    phases.push(phase);
-
-    // 2,000 Services: as many ClusterIPs as the range has room for, the rest headless.
-    plane.namespace("services")?;
-    let phase = measure(
-        "services",
-        &plane,
-        &mut census,
-        &names,
-        started,
-        &mut samples,
-        &p,
-        |plane, i| {
-            let items: Vec<serde_json::Value> = (i * chunk..(i + 1) * chunk)
-                .map(|k| {
-                    let mut spec = serde_json::json!({
-                        "selector": {"app": format!("svc-{k}")},
-                        "ports": [{"port": 80}],
-                    });
-                    if k >= p.cluster_ips {
-                        spec["clusterIP"] = serde_json::json!("None");
-                    }
-                    serde_json::json!({
-                        "apiVersion": "v1", "kind": "Service",
-                        "metadata": {"name": format!("svc-{k}"), "namespace": "services"},
-                        "spec": spec,
-                    })
-                })
-                .collect();
-            create_list(plane, &items)
-        },
-        p.services / chunk,
-        |plane| {
-            plane.0.kubectl_ok(&[
-                "-n",
-                "services",
-                "delete",
-                "services",
-                "--all",
-                "--wait=false",
-            ])?;
-            Ok(())
-        },
-    )
-    .await?;
-    phases.push(phase);
+    let mut run = Phases {
+        plane: &plane,
+        census: &mut census,
+        names: &names,
+        started: Instant::now(),
+        samples: &mut samples,
+        p: &p,
+    };
+    let game = run.game().await?;
+    let passed = game.passed == Some(true);
+    phases.push(game);
+    phases.push(run.pods_elsewhere(&other_node).await?);
+    phases.push(run.services().await?);
 
     census.stop().await?;
     drop(plane);
@@ -265,6 +128,182 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedCache) -> any
         },
     )?;
     Ok(passed)
+}
+
+/// Pods and Services are created this many to a `kubectl create`.
+const CHUNK: usize = 200;
+
+/// The preset's phases, over one census and one clock.
+struct Phases<'a> {
+    plane: &'a Plane,
+    census: &'a mut Census,
+    names: &'a [String],
+    started: Instant,
+    samples: &'a mut Vec<Sample>,
+    p: &'a SeedCache,
+}
+
+impl Phases<'_> {
+    /// The report's game: the ConfigMaps and Secrets of ~500 KB in `test`, each with
+    /// its own kubectl, then deleted; judged against the preset's targets.
+    async fn game(&mut self) -> anyhow::Result<Phase> {
+        let p = self.p;
+        let file = tempfile::NamedTempFile::new()?;
+        std::fs::write(file.path(), large_file(p.object_bytes))?;
+        let large = file.path().display().to_string();
+        self.plane.namespace("test")?;
+        let mut phase = measure(
+            "configmaps+secrets",
+            self.plane,
+            self.census,
+            self.names,
+            self.started,
+            self.samples,
+            p,
+            |plane, i| {
+                if i < p.objects {
+                    plane.0.kubectl_ok(&[
+                        "create",
+                        "cm",
+                        &format!("test-cm-{i}"),
+                        "-n",
+                        "test",
+                        &format!("--from-file={large}"),
+                    ])?;
+                } else {
+                    let j = i - p.objects;
+                    plane.0.kubectl_ok(&[
+                        "create",
+                        "secret",
+                        "generic",
+                        &format!("test-secret-{j}"),
+                        "-n",
+                        "test",
+                        &format!("--from-file=key={large}"),
+                    ])?;
+                }
+                Ok(())
+            },
+            2 * p.objects,
+            |plane| {
+                plane.0.kubectl_ok(&[
+                    "-n",
+                    "test",
+                    "delete",
+                    "configmaps,secrets",
+                    "--all",
+                    "--wait=false",
+                ])?;
+                Ok(())
+            },
+        )
+        .await?;
+        phase.passed = Some(game_passed(&phase, p));
+        Ok(phase)
+    }
+
+    /// The preset's pods on `other_node`, which has no agent.
+    async fn pods_elsewhere(&mut self, other_node: &str) -> anyhow::Result<Phase> {
+        self.plane.namespace("elsewhere")?;
+        measure(
+            "pods on no census node",
+            self.plane,
+            self.census,
+            self.names,
+            self.started,
+            self.samples,
+            self.p,
+            |plane, i| {
+                let items: Vec<serde_json::Value> = (i * CHUNK..(i + 1) * CHUNK)
+                    .map(|k| {
+                        serde_json::json!({
+                            "apiVersion": "v1", "kind": "Pod",
+                            "metadata": {"name": format!("other-{k}"), "namespace": "elsewhere",
+                                         "labels": {"app": "other", "n": k.to_string()}},
+                            "spec": {"nodeName": other_node,
+                                     "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]},
+                        })
+                    })
+                    .collect();
+                create_list(plane, &items)
+            },
+            self.p.pods / CHUNK,
+            |plane| {
+                plane.0.kubectl_ok(&[
+                    "-n",
+                    "elsewhere",
+                    "delete",
+                    "pods",
+                    "--all",
+                    "--wait=false",
+                ])?;
+                Ok(())
+            },
+        )
+        .await
+    }
+
+    /// The preset's Services: as many ClusterIPs as the range has room for, the
+    /// rest headless.
+    async fn services(&mut self) -> anyhow::Result<Phase> {
+        let p = self.p;
+        self.plane.namespace("services")?;
+        measure(
+            "services",
+            self.plane,
+            self.census,
+            self.names,
+            self.started,
+            self.samples,
+            p,
+            |plane, i| {
+                let items: Vec<serde_json::Value> = (i * CHUNK..(i + 1) * CHUNK)
+                    .map(|k| {
+                        let mut spec = serde_json::json!({
+                            "selector": {"app": format!("svc-{k}")},
+                            "ports": [{"port": 80}],
+                        });
+                        if k >= p.cluster_ips {
+                            spec["clusterIP"] = serde_json::json!("None");
+                        }
+                        serde_json::json!({
+                            "apiVersion": "v1", "kind": "Service",
+                            "metadata": {"name": format!("svc-{k}"), "namespace": "services"},
+                            "spec": spec,
+                        })
+                    })
+                    .collect();
+                create_list(plane, &items)
+            },
+            p.services / CHUNK,
+            |plane| {
+                plane.0.kubectl_ok(&[
+                    "-n",
+                    "services",
+                    "delete",
+                    "services",
+                    "--all",
+                    "--wait=false",
+                ])?;
+                Ok(())
+            },
+        )
+        .await
+    }
+}
+
+/// The game's target: every process's RSS back within the bound and its bytes from
+/// the API server under it.
+fn game_passed(phase: &Phase, p: &SeedCache) -> bool {
+    let mut passed = true;
+    for pf in &phase.processes {
+        let rss = pf.rss_after_bytes as i64 - pf.rss_before_bytes as i64;
+        if rss.unsigned_abs() >= p.max_rss_change_bytes || pf.api_bytes_received >= p.max_api_bytes
+        {
+            passed = false;
+        }
+    }
+    passed
 }
 
 /// ~`bytes` of text, as the report's `large_file`.

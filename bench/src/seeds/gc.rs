@@ -219,14 +219,74 @@ async fn one(
         "  {n} Identity objects created in {create_seconds:.0} s"
     ));
 
-    // No agent runs here, and an operator that knows a node (from its Node object)
-    // keeps what it loaded until that node's agent has reported (the restart
-    // protection): the control plane's one node goes first.
+    delete_nodes(plane);
+    let args = operator_args(plane, p)?;
+    say(format!("  operator flags: {}", args.join(" ")));
+    let launch = Launch::new(
+        dir.path(),
+        results.path(&format!("operator-gc-{n}.log")),
+        args,
+    )?;
+    let started = Instant::now();
+    let op = Operator::start(&bins.operator, launch).await?;
+
+    let writer = SecondWriter::start(plane, n, p.writers);
+    let limit = Duration::from_secs(p.limit_seconds);
+    let gc = watch_gc(plane, &op, started, limit).await?;
+    let written = writer.stop();
+    let m = Metrics::scrape(op.admin()).await?;
+    let gc_outcomes = m.labelled("census_gc_outcomes_total", "outcome");
+    op.stop().await?;
+    let left = count_objects(plane)?;
+    if left > 0 {
+        say(format!(
+            "  {left} objects left after {limit:?}; removing them for the next run"
+        ));
+        let _ = plane.0.kubectl_ok(&["delete", "identities", "--all"]);
+    }
+    let samples = gc.samples;
+    let first = gc.first_delete.unwrap_or(0.0);
+    let delete_seconds = gc.done_at.map_or(f64::NAN, |d| d - first);
+    let max = p.max_delete_seconds_per_10k * n as f64 / 10_000.0;
+    let run = Run {
+        identities: n,
+        create_seconds,
+        first_delete_seconds: first,
+        delete_seconds,
+        deletes_per_second: n as f64 / delete_seconds,
+        left,
+        gc_outcomes,
+        annotations_written: written.written,
+        annotations_per_second: written.written as f64 / written.seconds,
+        annotations_failed: written.failed,
+        peak_rss_bytes: samples.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
+        peak_heap_bytes: samples.iter().map(|s| s.heap_bytes).max().unwrap_or(0),
+        passed: left == 0 && delete_seconds < max,
+    };
+    say(format!(
+        "  first GC delete {first:.1} s after the operator started; every object gone {delete_seconds:.1} s later ({:.0}/s); {} annotations written ({:.0}/s, {} failed: the object was gone)",
+        run.deletes_per_second,
+        run.annotations_written,
+        run.annotations_per_second,
+        run.annotations_failed
+    ));
+    Ok((run, samples))
+}
+
+/// No agent runs here, and an operator that knows a node (from its Node object)
+/// keeps what it loaded until that node's agent has reported (the restart
+/// protection): the control plane's one node goes first.
+fn delete_nodes(plane: &Plane) {
     for node in plane.0.nodes() {
         let _ = plane
             .0
             .kubectl_ok(&["delete", "node", &node.name, "--ignore-not-found"]);
     }
+}
+
+/// The operator's flags: Kubernetes mode on the plane as its administrator, one
+/// snapshot interval of node TTL, no grace, the preset's quarantine and GC rate.
+fn operator_args(plane: &Plane, p: &SeedGc) -> anyhow::Result<Vec<String>> {
     let certs = census_testkit::tls::Certs::generate(&[], &[]).map_err(|e| anyhow!("{e}"))?;
     let mut args: Vec<String> = [
         "--store",
@@ -263,56 +323,105 @@ async fn one(
             .into_iter()
             .take(4),
     );
-    say(format!("  operator flags: {}", args.join(" ")));
-    let launch = Launch::new(
-        dir.path(),
-        results.path(&format!("operator-gc-{n}.log")),
-        args,
-    )?;
-    let started = Instant::now();
-    let op = Operator::start(&bins.operator, launch).await?;
+    Ok(args)
+}
 
-    // The second writer: annotates the lowest ids still there, `writers` at a time.
-    let stop = Arc::new(AtomicBool::new(false));
-    let written = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let mut threads = Vec::new();
-    let writers = p.writers;
-    for w in 0..writers {
-        let (stop, written, failed) = (stop.clone(), written.clone(), failed.clone());
-        let plane = plane.0.clone();
-        threads.push(std::thread::spawn(move || {
-            let mut round = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                round += 1;
-                let mut any = false;
-                for i in (w..n).step_by(writers) {
-                    if stop.load(Ordering::Relaxed) {
+/// The second writer: threads annotating the lowest ids still there, `writers` at
+/// a time, until stopped or every object is gone.
+struct SecondWriter {
+    stop: Arc<AtomicBool>,
+    written: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    writing: Instant,
+}
+
+/// What the second writer wrote: annotations written and failed, over how long.
+struct Written {
+    written: u64,
+    failed: u64,
+    seconds: f64,
+}
+
+impl SecondWriter {
+    fn start(plane: &Plane, n: usize, writers: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let written = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        for w in 0..writers {
+            let (stop, written, failed) = (stop.clone(), written.clone(), failed.clone());
+            let plane = plane.0.clone();
+            threads.push(std::thread::spawn(move || {
+                let mut round = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    round += 1;
+                    let mut any = false;
+                    for i in (w..n).step_by(writers) {
+                        if stop.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        let id = (FIRST_ID + i as u64).to_string();
+                        let note = format!("seeds.census.dev/touched={round}");
+                        match plane.kubectl_ok(&["annotate", "identity", &id, &note, "--overwrite"])
+                        {
+                            Ok(_) => {
+                                written.fetch_add(1, Ordering::Relaxed);
+                                any = true;
+                            }
+                            Err(_) => {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    if !any {
                         return;
                     }
-                    let id = (FIRST_ID + i as u64).to_string();
-                    let note = format!("seeds.census.dev/touched={round}");
-                    match plane.kubectl_ok(&["annotate", "identity", &id, &note, "--overwrite"]) {
-                        Ok(_) => {
-                            written.fetch_add(1, Ordering::Relaxed);
-                            any = true;
-                        }
-                        Err(_) => {
-                            failed.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
                 }
-                if !any {
-                    return;
-                }
-            }
-        }));
+            }));
+        }
+        Self {
+            stop,
+            written,
+            failed,
+            threads,
+            writing: Instant::now(),
+        }
     }
-    let writing = Instant::now();
+
+    fn stop(self) -> Written {
+        self.stop.store(true, Ordering::Relaxed);
+        let seconds = self.writing.elapsed().as_secs_f64();
+        for t in self.threads {
+            let _ = t.join();
+        }
+        Written {
+            written: self.written.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            seconds,
+        }
+    }
+}
+
+/// The GC as watched: a sample a second, when the first delete came and when the
+/// last object went.
+struct Gc {
+    samples: Vec<Sample>,
+    first_delete: Option<f64>,
+    done_at: Option<f64>,
+}
+
+/// Samples the operator and counts the objects every second until none is left or
+/// `limit` from `started`.
+async fn watch_gc(
+    plane: &Plane,
+    op: &Operator,
+    started: Instant,
+    limit: Duration,
+) -> anyhow::Result<Gc> {
     let mut samples = Vec::new();
     let mut first_delete: Option<f64> = None;
     let mut done_at: Option<f64> = None;
-    let limit = Duration::from_secs(p.limit_seconds);
     while started.elapsed() < limit {
         sleep(Duration::from_secs(1)).await;
         let m = Metrics::scrape(op.admin()).await?;
@@ -335,47 +444,11 @@ async fn one(
             break;
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    let writing_seconds = writing.elapsed().as_secs_f64();
-    for t in threads {
-        let _ = t.join();
-    }
-    let m = Metrics::scrape(op.admin()).await?;
-    let gc_outcomes = m.labelled("census_gc_outcomes_total", "outcome");
-    op.stop().await?;
-    let left = count_objects(plane)?;
-    if left > 0 {
-        say(format!(
-            "  {left} objects left after {limit:?}; removing them for the next run"
-        ));
-        let _ = plane.0.kubectl_ok(&["delete", "identities", "--all"]);
-    }
-    let first = first_delete.unwrap_or(0.0);
-    let delete_seconds = done_at.map_or(f64::NAN, |d| d - first);
-    let max = p.max_delete_seconds_per_10k * n as f64 / 10_000.0;
-    let run = Run {
-        identities: n,
-        create_seconds,
-        first_delete_seconds: first,
-        delete_seconds,
-        deletes_per_second: n as f64 / delete_seconds,
-        left,
-        gc_outcomes,
-        annotations_written: written.load(Ordering::Relaxed),
-        annotations_per_second: written.load(Ordering::Relaxed) as f64 / writing_seconds,
-        annotations_failed: failed.load(Ordering::Relaxed),
-        peak_rss_bytes: samples.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
-        peak_heap_bytes: samples.iter().map(|s| s.heap_bytes).max().unwrap_or(0),
-        passed: left == 0 && delete_seconds < max,
-    };
-    say(format!(
-        "  first GC delete {first:.1} s after the operator started; every object gone {delete_seconds:.1} s later ({:.0}/s); {} annotations written ({:.0}/s, {} failed: the object was gone)",
-        run.deletes_per_second,
-        run.annotations_written,
-        run.annotations_per_second,
-        run.annotations_failed
-    ));
-    Ok((run, samples))
+    Ok(Gc {
+        samples,
+        first_delete,
+        done_at,
+    })
 }
 
 fn count_objects(plane: &Plane) -> anyhow::Result<u64> {

@@ -45,7 +45,7 @@ use crate::{
     plot::{Panel, Series, figure},
     presets::{SeedLeak, humantime},
     report::{Machine, Results, kib, mib, say, say_params},
-    sample::Latency,
+    sample::{Latency, Metrics},
 };
 
 /// The report's operator RSS at its points (seeds/000): idle, after 150, 300, 450
@@ -270,7 +270,66 @@ async fn run_phase(
     drop_deletes: bool,
     timeline: &mut Vec<Timeline>,
 ) -> anyhow::Result<PhaseOut> {
-    let name = phase_name(keep, drop_deletes);
+    let (mut phase, operator_flags) =
+        Phase::start(bins, results, plane, p, k, keep, drop_deletes).await?;
+    let metrics_before = phase.census.operator_metrics().await?;
+
+    let created = phase.warm_up().await?;
+    let idle = phase.point("idle").await?;
+    let idle_owners = owners(&phase.census, results, &phase.name, "idle", p).await?;
+    let mut points = vec![idle];
+
+    // Pod ends and identity deletions, polled in the background.
+    let tracker = keep.then(|| Tracker::start(plane.0.clone(), phase.jobs_ns.clone()));
+    let (jobs_created_seconds, time_to_identity) =
+        phase.create_jobs(created, &mut points, timeline).await?;
+    let jobs_gone_seconds = phase.jobs_gone(jobs_created_seconds).await?;
+    phase.delete_identities()?;
+    phase.quiet_period(timeline).await?;
+    points.push(phase.point("quiet").await?);
+    let quiet_owners = owners(&phase.census, results, &phase.name, "quiet", p).await?;
+    let heap_growth_by_owner = heap_growth(idle_owners, quiet_owners);
+    let end_to_deletion = tracker.map(|t| t.stop());
+    let (corrections, dropped) = phase.counts(&metrics_before).await?;
+    let Phase {
+        census,
+        name,
+        jobs_ns,
+        ..
+    } = phase;
+    census.stop().await?;
+    let _ = plane
+        .0
+        .kubectl_ok(&["delete", "namespace", &jobs_ns, "--wait=false"]);
+
+    let deltas = Deltas::of(&points)?;
+    let failures = phase_failures(&points, &deltas, p);
+    let latency = end_to_deletion.filter(|v| !v.is_empty()).map(Latency::of);
+    Ok(PhaseOut {
+        name,
+        keep_job_labels: keep,
+        drop_deletes,
+        operator_flags,
+        points,
+        jobs_created_seconds,
+        jobs_gone_seconds,
+        deltas_dropped_by_agents: dropped,
+        corrections,
+        end_to_deletion: latency,
+        heap_delta_bytes: deltas.heap,
+        rss_delta_bytes: deltas.rss,
+        agent_heap_delta_bytes: deltas.agent_heap,
+        agent_rss_delta_bytes: deltas.agent_rss,
+        heap_growth_by_owner,
+        time_to_identity,
+        passed: failures.is_empty(),
+        failures,
+    })
+}
+
+/// The operator's flags for one phase: the report's intervals, and the Job labels
+/// kept when `keep`.
+fn phase_operator_flags(p: &SeedLeak, keep: bool) -> Vec<String> {
     let mut operator_flags = vec![
         "--snapshot-interval".to_owned(),
         humantime(p.snapshot_interval),
@@ -285,195 +344,248 @@ async fn run_phase(
             "job-name,controller-uid".to_owned(),
         ]);
     }
-    say(format!(
-        "\n== phase {name}: operator flags {}{} ==",
-        operator_flags.join(" "),
-        if drop_deletes {
-            "; agents with --test-drop-endpoint-deletes"
-        } else {
-            ""
-        }
-    ));
-    let flags = CensusFlags {
-        operator: operator_flags.clone(),
-        drop_deletes,
-        agent_nodes: None,
-        heap_sample_lg: p.heap_sample_lg,
-    };
-    let mut census = Census::start(plane, bins, &flags, results.dir(), &format!("{k}")).await?;
-    say(format!(
-        "census up: operator pid {}, agents on {}",
-        census.operator.pid,
-        census.agent_nodes().join(", ")
-    ));
-    let filter = filter(keep)?;
-    let jobs_ns = format!("seed-leak-{k}");
-    plane.namespace(&jobs_ns)?;
-    let started = Instant::now();
-    let settle_limit = p.snapshot_interval * 3 + p.grace + Duration::from_secs(20);
-    let mut failures = Vec::new();
-    let metrics_before = census.operator_metrics().await?;
+    operator_flags
+}
 
-    // The warm-up: a few Jobs through the whole path before the idle level is read,
-    // so one-time growth (connection pools, the first allocations of each path) is
-    // not counted as retained.
-    let mut created = 0usize;
-    if p.warmup_jobs > 0 {
-        say(format!("warm-up: {} Jobs, then settle", p.warmup_jobs));
-        for _ in 0..p.warmup_jobs {
+/// One phase under way: its census, its Jobs' namespace and its clock.
+struct Phase<'a> {
+    plane: &'a Plane,
+    p: &'a SeedLeak,
+    census: Census,
+    filter: LabelFilter,
+    name: String,
+    jobs_ns: String,
+    started: Instant,
+    settle_limit: Duration,
+}
+
+impl<'a> Phase<'a> {
+    /// census started for one phase (announced with its flags), and the phase's
+    /// namespace for its Jobs. Returns the phase and the operator's flags.
+    async fn start(
+        bins: &Binaries,
+        results: &Results,
+        plane: &'a Plane,
+        p: &'a SeedLeak,
+        k: usize,
+        keep: bool,
+        drop_deletes: bool,
+    ) -> anyhow::Result<(Self, Vec<String>)> {
+        let name = phase_name(keep, drop_deletes);
+        let operator_flags = phase_operator_flags(p, keep);
+        say(format!(
+            "\n== phase {name}: operator flags {}{} ==",
+            operator_flags.join(" "),
+            if drop_deletes {
+                "; agents with --test-drop-endpoint-deletes"
+            } else {
+                ""
+            }
+        ));
+        let flags = CensusFlags {
+            operator: operator_flags.clone(),
+            drop_deletes,
+            agent_nodes: None,
+            heap_sample_lg: p.heap_sample_lg,
+        };
+        let census = Census::start(plane, bins, &flags, results.dir(), &format!("{k}")).await?;
+        say(format!(
+            "census up: operator pid {}, agents on {}",
+            census.operator.pid,
+            census.agent_nodes().join(", ")
+        ));
+        let filter = filter(keep)?;
+        let jobs_ns = format!("seed-leak-{k}");
+        plane.namespace(&jobs_ns)?;
+        let phase = Phase {
+            plane,
+            p,
+            census,
+            filter,
+            name,
+            jobs_ns,
+            started: Instant::now(),
+            settle_limit: p.snapshot_interval * 3 + p.grace + Duration::from_secs(20),
+        };
+        Ok((phase, operator_flags))
+    }
+
+    /// The operator's corrections since `before`, and the deltas the agents dropped.
+    async fn counts(&self, before: &Metrics) -> anyhow::Result<(u64, u64)> {
+        let metrics_after = self.census.operator_metrics().await?;
+        let corrections = (metrics_after.or_zero("census_corrections_total", "")
+            - before.or_zero("census_corrections_total", "")) as u64;
+        let mut dropped = 0u64;
+        for agent_metrics in self.census.agent_metrics()? {
+            dropped += agent_metrics.or_zero("census_agent_deltas_dropped_total", "") as u64;
+        }
+        Ok((corrections, dropped))
+    }
+
+    /// The levels and identities at one of the report's points, once settled.
+    async fn point(&mut self, name: &str) -> anyhow::Result<Point> {
+        point(
+            self.plane,
+            &mut self.census,
+            &self.filter,
+            name,
+            self.started,
+            self.settle_limit,
+            self.p,
+        )
+        .await
+    }
+
+    /// A few Jobs through the whole path before the idle level is read, so one-time
+    /// growth (connection pools, the first allocations of each path) is not counted
+    /// as retained. Returns how many Jobs were created.
+    async fn warm_up(&self) -> anyhow::Result<usize> {
+        let p = self.p;
+        let mut created = 0usize;
+        if p.warmup_jobs > 0 {
+            say(format!("warm-up: {} Jobs, then settle", p.warmup_jobs));
+            for _ in 0..p.warmup_jobs {
+                created += 1;
+                create_job(self.plane, created, &self.jobs_ns, p.ttl_seconds)?;
+            }
+            jobs_gone(self.plane, &self.jobs_ns, Duration::from_secs(180)).await?;
+        }
+        Ok(created)
+    }
+
+    /// The preset's Jobs, one `kubectl create` at a time, with a probe pod every
+    /// PROBE_EVERY Jobs, the levels every 10 and a point at each checkpoint.
+    /// Returns the seconds the creating took and the probes' time to identity.
+    async fn create_jobs(
+        &mut self,
+        mut created: usize,
+        points: &mut Vec<Point>,
+        timeline: &mut Vec<Timeline>,
+    ) -> anyhow::Result<(f64, ready::TimeToIdentity)> {
+        let p = self.p;
+        // Time to identity, on a probe pod created every PROBE_EVERY Jobs.
+        let mut ready =
+            ready::Tracker::start(&self.plane.0, &self.jobs_ns, self.census.agent_pins())?;
+        say(format!(
+            "creating {} Jobs one `kubectl create` at a time (as the report's loop)",
+            p.jobs
+        ));
+        let creating = Instant::now();
+        for i in 1..=p.jobs {
             created += 1;
-            create_job(plane, created, &jobs_ns, p.ttl_seconds)?;
+            create_job(self.plane, created, &self.jobs_ns, p.ttl_seconds)?;
+            if i % PROBE_EVERY == 0 {
+                ready.probe(i / PROBE_EVERY)?;
+            }
+            if i % 10 == 0 {
+                timeline.push(self.levels(i).await?);
+            }
+            if p.checkpoints.contains(&i) {
+                points.push(self.point(&format!("after {i}")).await?);
+            }
         }
-        jobs_gone(plane, &jobs_ns, Duration::from_secs(180)).await?;
+        let jobs_created_seconds = creating.elapsed().as_secs_f64();
+        let time_to_identity = ready.stop()?;
+        for line in time_to_identity.lines() {
+            say(format!("  {line}"));
+        }
+        Ok((jobs_created_seconds, time_to_identity))
     }
-    let idle = point(
-        plane,
-        &mut census,
-        &filter,
-        "idle",
-        started,
-        settle_limit,
-        p,
-    )
-    .await?;
-    let idle_owners = owners(&census, results, &name, "idle", p).await?;
-    let mut points = vec![idle];
 
-    // Pod ends and identity deletions, polled in the background.
-    let tracker = keep.then(|| Tracker::start(plane.0.clone(), jobs_ns.clone()));
-    // Time to identity, on a probe pod created every PROBE_EVERY Jobs.
-    let mut ready = ready::Tracker::start(&plane.0, &jobs_ns, census.agent_pins())?;
-    say(format!(
-        "creating {} Jobs one `kubectl create` at a time (as the report's loop)",
-        p.jobs
-    ));
-    let creating = Instant::now();
-    for i in 1..=p.jobs {
-        created += 1;
-        create_job(plane, created, &jobs_ns, p.ttl_seconds)?;
-        if i % PROBE_EVERY == 0 {
-            ready.probe(i / PROBE_EVERY)?;
-        }
-        if i % 10 == 0 {
-            let op = census.operator_reading().await?;
-            let agents = census.agent_readings()?;
-            let bound = census.operator_metrics().await?.bound();
-            timeline.push(Timeline {
-                phase: name.clone(),
-                t: started.elapsed().as_secs_f64(),
-                operator_rss_bytes: op.rss_bytes,
-                operator_heap_bytes: op.heap_live_bytes,
-                agents_rss_bytes: agents.iter().map(|a| a.rss_bytes).collect(),
-                identities_bound: bound,
-                jobs_created: i,
-            });
-        }
-        if p.checkpoints.contains(&i) {
-            let pt = point(
-                plane,
-                &mut census,
-                &filter,
-                &format!("after {i}"),
-                started,
-                settle_limit,
-                p,
-            )
-            .await?;
-            points.push(pt);
-        }
+    /// Waits for the TTL controller to delete every Job; returns the seconds it took.
+    async fn jobs_gone(&self, jobs_created_seconds: f64) -> anyhow::Result<f64> {
+        let gone_from = Instant::now();
+        jobs_gone(self.plane, &self.jobs_ns, Duration::from_secs(300)).await?;
+        let jobs_gone_seconds = gone_from.elapsed().as_secs_f64();
+        say(format!(
+            "  {} Jobs created in {jobs_created_seconds:.0} s; every Job deleted by its TTL {jobs_gone_seconds:.0} s after the last was created",
+            self.p.jobs
+        ));
+        Ok(jobs_gone_seconds)
     }
-    let jobs_created_seconds = creating.elapsed().as_secs_f64();
-    let time_to_identity = ready.stop()?;
-    for line in time_to_identity.lines() {
-        say(format!("  {line}"));
-    }
-    let gone_from = Instant::now();
-    jobs_gone(plane, &jobs_ns, Duration::from_secs(300)).await?;
-    let jobs_gone_seconds = gone_from.elapsed().as_secs_f64();
-    say(format!(
-        "  {} Jobs created in {jobs_created_seconds:.0} s; every Job deleted by its TTL {jobs_gone_seconds:.0} s after the last was created",
-        p.jobs
-    ));
 
-    // deploy/'s admission policy refuses an administrator's delete of Identity
-    // objects (403): the one account it lets delete them is census-operator's.
-    say(format!(
-        "  kubectl --as {OPERATOR_ACCOUNT} delete identities --all (as the report did; deploy/ refuses it to anyone else)"
-    ));
-    plane.0.kubectl_ok(&[
-        "--as",
-        OPERATOR_ACCOUNT,
-        "delete",
-        "identities",
-        "--all",
-        "--wait=false",
-    ])?;
-    say(format!("  quiet period: {:?}", p.quiet));
-    let quiet_from = Instant::now();
-    while quiet_from.elapsed() < p.quiet {
-        sleep(Duration::from_secs(2)).await;
-        let op = census.operator_reading().await?;
-        let agents = census.agent_readings()?;
-        let bound = census.operator_metrics().await?.bound();
-        timeline.push(Timeline {
-            phase: name.clone(),
-            t: started.elapsed().as_secs_f64(),
+    /// `kubectl delete identities --all`, as the report did. deploy/'s admission
+    /// policy refuses an administrator's delete of Identity objects (403): the one
+    /// account it lets delete them is census-operator's.
+    fn delete_identities(&self) -> anyhow::Result<()> {
+        say(format!(
+            "  kubectl --as {OPERATOR_ACCOUNT} delete identities --all (as the report did; deploy/ refuses it to anyone else)"
+        ));
+        self.plane.0.kubectl_ok(&[
+            "--as",
+            OPERATOR_ACCOUNT,
+            "delete",
+            "identities",
+            "--all",
+            "--wait=false",
+        ])?;
+        Ok(())
+    }
+
+    /// The quiet period, with the levels every 2 s.
+    async fn quiet_period(&mut self, timeline: &mut Vec<Timeline>) -> anyhow::Result<()> {
+        say(format!("  quiet period: {:?}", self.p.quiet));
+        let quiet_from = Instant::now();
+        while quiet_from.elapsed() < self.p.quiet {
+            sleep(Duration::from_secs(2)).await;
+            timeline.push(self.levels(self.p.jobs).await?);
+        }
+        Ok(())
+    }
+
+    /// The operator's and the agents' levels now, for the timeline.
+    async fn levels(&mut self, jobs_created: usize) -> anyhow::Result<Timeline> {
+        let op = self.census.operator_reading().await?;
+        let agents = self.census.agent_readings()?;
+        let bound = self.census.operator_metrics().await?.bound();
+        Ok(Timeline {
+            phase: self.name.clone(),
+            t: self.started.elapsed().as_secs_f64(),
             operator_rss_bytes: op.rss_bytes,
             operator_heap_bytes: op.heap_live_bytes,
             agents_rss_bytes: agents.iter().map(|a| a.rss_bytes).collect(),
             identities_bound: bound,
-            jobs_created: p.jobs,
-        });
+            jobs_created,
+        })
     }
-    let quiet = point(
-        plane,
-        &mut census,
-        &filter,
-        "quiet",
-        started,
-        settle_limit,
-        p,
-    )
-    .await?;
-    points.push(quiet);
-    let quiet_owners = owners(&census, results, &name, "quiet", p).await?;
-    let heap_growth_by_owner = match (idle_owners, quiet_owners) {
-        (Some(a), Some(b)) => growth(&a, &b),
-        _ => Vec::new(),
-    };
-    for (owner, bytes) in heap_growth_by_owner.iter().take(8) {
-        say(format!("    heap {:>12} {owner}", kib(*bytes)));
-    }
-    let end_to_deletion = tracker.map(|t| t.stop());
-    let metrics_after = census.operator_metrics().await?;
-    let corrections = (metrics_after.or_zero("census_corrections_total", "")
-        - metrics_before.or_zero("census_corrections_total", "")) as u64;
-    let mut dropped = 0u64;
-    for agent_metrics in census.agent_metrics()? {
-        dropped += agent_metrics.or_zero("census_agent_deltas_dropped_total", "") as u64;
-    }
-    census.stop().await?;
-    let _ = plane
-        .0
-        .kubectl_ok(&["delete", "namespace", &jobs_ns, "--wait=false"]);
+}
 
-    let first = &points[0];
-    let last = points.last().context("no points")?;
-    let heap_delta = last.operator.heap_live_bytes as i64 - first.operator.heap_live_bytes as i64;
-    let rss_delta = last.operator.rss_bytes as i64 - first.operator.rss_bytes as i64;
-    let agent_heap_delta_bytes: Vec<i64> = first
-        .agents
-        .iter()
-        .zip(&last.agents)
-        .map(|(a, b)| b.heap_live_bytes as i64 - a.heap_live_bytes as i64)
-        .collect();
-    let agent_rss_delta_bytes: Vec<i64> = first
-        .agents
-        .iter()
-        .zip(&last.agents)
-        .map(|(a, b)| b.rss_bytes as i64 - a.rss_bytes as i64)
-        .collect();
-    for pt in &points {
+/// How far the levels moved from a phase's first point to its last.
+struct Deltas {
+    heap: i64,
+    rss: i64,
+    agent_heap: Vec<i64>,
+    agent_rss: Vec<i64>,
+}
+
+impl Deltas {
+    fn of(points: &[Point]) -> anyhow::Result<Self> {
+        let first = points.first().context("no points")?;
+        let last = points.last().context("no points")?;
+        Ok(Self {
+            heap: last.operator.heap_live_bytes as i64 - first.operator.heap_live_bytes as i64,
+            rss: last.operator.rss_bytes as i64 - first.operator.rss_bytes as i64,
+            agent_heap: first
+                .agents
+                .iter()
+                .zip(&last.agents)
+                .map(|(a, b)| b.heap_live_bytes as i64 - a.heap_live_bytes as i64)
+                .collect(),
+            agent_rss: first
+                .agents
+                .iter()
+                .zip(&last.agents)
+                .map(|(a, b)| b.rss_bytes as i64 - a.rss_bytes as i64)
+                .collect(),
+        })
+    }
+}
+
+/// A phase judged against the preset's targets: every point's Identity objects
+/// and settled identities at the live set, the operator's growth within bounds.
+fn phase_failures(points: &[Point], deltas: &Deltas, p: &SeedLeak) -> Vec<String> {
+    let mut failures = Vec::new();
+    for pt in points {
         if pt.identity_objects != pt.live_set {
             failures.push(format!(
                 "{}: {} Identity objects for a live set of {}",
@@ -487,43 +599,23 @@ async fn run_phase(
             ));
         }
     }
-    if heap_delta > p.max_heap_delta_bytes {
+    if deltas.heap > p.max_heap_delta_bytes {
         failures.push(format!(
             "operator live heap {} over idle after the quiet period (target: within {})",
-            kib(heap_delta),
+            kib(deltas.heap),
             kib(p.max_heap_delta_bytes)
         ));
     }
     if let Some(max) = p.max_rss_delta_bytes
-        && rss_delta > max
+        && deltas.rss > max
     {
         failures.push(format!(
             "operator RSS {} over idle after the quiet period (target: within {})",
-            kib(rss_delta),
+            kib(deltas.rss),
             kib(max)
         ));
     }
-    let latency = end_to_deletion.filter(|v| !v.is_empty()).map(Latency::of);
-    Ok(PhaseOut {
-        name,
-        keep_job_labels: keep,
-        drop_deletes,
-        operator_flags,
-        points,
-        jobs_created_seconds,
-        jobs_gone_seconds,
-        deltas_dropped_by_agents: dropped,
-        corrections,
-        end_to_deletion: latency,
-        heap_delta_bytes: heap_delta,
-        rss_delta_bytes: rss_delta,
-        agent_heap_delta_bytes,
-        agent_rss_delta_bytes,
-        heap_growth_by_owner,
-        time_to_identity,
-        passed: failures.is_empty(),
-        failures,
-    })
+    failures
 }
 
 /// The operator's live heap by owner (sampled), saved as `heap-<phase>-<when>.pb.gz`.
@@ -540,6 +632,19 @@ async fn owners(
     let (owners, profile) = heap::owners(census.operator.admin()).await?;
     std::fs::write(results.path(&format!("heap-{phase}-{when}.pb.gz")), profile)?;
     Ok(Some(owners))
+}
+
+/// What grew in the sampled live heap from idle to after the quiet period, by
+/// owner, when profiled; the largest 8 printed.
+fn heap_growth(idle: Option<heap::Owners>, quiet: Option<heap::Owners>) -> Vec<(String, i64)> {
+    let heap_growth_by_owner = match (idle, quiet) {
+        (Some(a), Some(b)) => growth(&a, &b),
+        _ => Vec::new(),
+    };
+    for (owner, bytes) in heap_growth_by_owner.iter().take(8) {
+        say(format!("    heap {:>12} {owner}", kib(*bytes)));
+    }
+    heap_growth_by_owner
 }
 
 /// `after - before` per owner, the largest growth first.
@@ -784,6 +889,41 @@ fn summary(p: &SeedLeak, phases: &[PhaseOut], machine: &Machine, passed: bool) {
         p.quiet
     ));
     say(REFERENCE);
+    say_rss_table(phases);
+    say(
+        "per phase: operator heap and RSS after the quiet period against idle; agents; identities beyond the live set (at the point / settled); pod end -> identity deleted:",
+    );
+    for ph in phases {
+        say_phase(ph);
+    }
+    for ph in phases {
+        let t = &ph.time_to_identity;
+        say(format!(
+            "  {:<30} time to identity: own node p99 {:.0} ms (target < 250 ms: {}), other nodes p99 {:.0} ms (target < 1 s: {}); {} pods, {} never written",
+            ph.name,
+            t.own_node.p99_us / 1e3,
+            met(t.own_node.p99_us < 250e3),
+            t.other_nodes.p99_us / 1e3,
+            met(t.other_nodes.p99_us < 1e6),
+            t.pods,
+            t.never_written
+        ));
+    }
+    say(format!(
+        "targets: identities beyond the live set 0 once settled at every point; operator live heap within {} and RSS within {} of idle after the quiet period",
+        kib(p.max_heap_delta_bytes),
+        p.max_rss_delta_bytes.map_or("(not gated)".to_owned(), kib)
+    ));
+    say(machine.line());
+    say(if passed {
+        "seed-leak: PASS"
+    } else {
+        "seed-leak: FAIL"
+    });
+}
+
+/// The operator's RSS at the report's points: the report's, then each phase's.
+fn say_rss_table(phases: &[PhaseOut]) {
     say("operator RSS (MiB) at the report's points, the report's first:");
     let names: Vec<&str> = phases
         .first()
@@ -813,66 +953,41 @@ fn summary(p: &SeedLeak, phases: &[PhaseOut], machine: &Machine, passed: bool) {
         }
         say(line);
     }
-    say(
-        "per phase: operator heap and RSS after the quiet period against idle; agents; identities beyond the live set (at the point / settled); pod end -> identity deleted:",
-    );
-    for ph in phases {
-        let beyond: Vec<String> = ph
-            .points
-            .iter()
-            .map(|pt| format!("{}/{}", pt.beyond_at_point, pt.beyond_settled))
-            .collect();
-        let agents_heap: Vec<String> = ph.agent_heap_delta_bytes.iter().map(|d| kib(*d)).collect();
-        let agents_rss: Vec<String> = ph.agent_rss_delta_bytes.iter().map(|d| kib(*d)).collect();
-        say(format!(
-            "  {:<30} heap {} RSS {}; agents heap {} RSS {}; beyond {}; deletes dropped {} corrections {}; end->deletion {}; {}",
-            ph.name,
-            kib(ph.heap_delta_bytes),
-            kib(ph.rss_delta_bytes),
-            agents_heap.join(" "),
-            agents_rss.join(" "),
-            beyond.join(" "),
-            ph.deltas_dropped_by_agents,
-            ph.corrections,
-            ph.end_to_deletion
-                .as_ref()
-                .map_or("n/a (shared identity)".to_owned(), |l| format!(
-                    "p50 {:.1} s p99 {:.1} s ({} pods)",
-                    l.p50_us / 1e6,
-                    l.p99_us / 1e6,
-                    l.count
-                )),
-            if ph.passed {
-                "PASS".to_owned()
-            } else {
-                format!("FAIL: {}", ph.failures.join("; "))
-            }
-        ));
-    }
-    for ph in phases {
-        let t = &ph.time_to_identity;
-        say(format!(
-            "  {:<30} time to identity: own node p99 {:.0} ms (target < 250 ms: {}), other nodes p99 {:.0} ms (target < 1 s: {}); {} pods, {} never written",
-            ph.name,
-            t.own_node.p99_us / 1e3,
-            met(t.own_node.p99_us < 250e3),
-            t.other_nodes.p99_us / 1e3,
-            met(t.other_nodes.p99_us < 1e6),
-            t.pods,
-            t.never_written
-        ));
-    }
+}
+
+/// One phase's deltas, identities beyond the live set, corrections and verdict.
+fn say_phase(ph: &PhaseOut) {
+    let beyond: Vec<String> = ph
+        .points
+        .iter()
+        .map(|pt| format!("{}/{}", pt.beyond_at_point, pt.beyond_settled))
+        .collect();
+    let agents_heap: Vec<String> = ph.agent_heap_delta_bytes.iter().map(|d| kib(*d)).collect();
+    let agents_rss: Vec<String> = ph.agent_rss_delta_bytes.iter().map(|d| kib(*d)).collect();
     say(format!(
-        "targets: identities beyond the live set 0 once settled at every point; operator live heap within {} and RSS within {} of idle after the quiet period",
-        kib(p.max_heap_delta_bytes),
-        p.max_rss_delta_bytes.map_or("(not gated)".to_owned(), kib)
+        "  {:<30} heap {} RSS {}; agents heap {} RSS {}; beyond {}; deletes dropped {} corrections {}; end->deletion {}; {}",
+        ph.name,
+        kib(ph.heap_delta_bytes),
+        kib(ph.rss_delta_bytes),
+        agents_heap.join(" "),
+        agents_rss.join(" "),
+        beyond.join(" "),
+        ph.deltas_dropped_by_agents,
+        ph.corrections,
+        ph.end_to_deletion
+            .as_ref()
+            .map_or("n/a (shared identity)".to_owned(), |l| format!(
+                "p50 {:.1} s p99 {:.1} s ({} pods)",
+                l.p50_us / 1e6,
+                l.p99_us / 1e6,
+                l.count
+            )),
+        if ph.passed {
+            "PASS".to_owned()
+        } else {
+            format!("FAIL: {}", ph.failures.join("; "))
+        }
     ));
-    say(machine.line());
-    say(if passed {
-        "seed-leak: PASS"
-    } else {
-        "seed-leak: FAIL"
-    });
 }
 
 fn met(yes: bool) -> &'static str {

@@ -67,6 +67,35 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedUid) -> anyho
     };
     let mut census = Census::start(&plane, bins, &flags, results.dir(), "uid").await?;
     plane.namespace(NS)?;
+    let phases = vec![
+        same_name_recreated(&plane, &mut census, &p).await?,
+        deployment_rolled(&plane, &mut census, &p).await?,
+    ];
+    census.stop().await?;
+    drop(plane);
+    machine.finish();
+    let passed = phases.iter().all(|ph| ph.passed);
+    summary(&p, &phases, &machine);
+    results.write_json(
+        "seed-uid.json",
+        &Output {
+            params: &p,
+            machine,
+            reference: REFERENCE,
+            phases,
+            passed,
+        },
+    )?;
+    Ok(passed)
+}
+
+/// One pod on the first node, then (after the warm-up) the same name re-created the
+/// preset's times.
+async fn same_name_recreated(
+    plane: &Plane,
+    census: &mut Census,
+    p: &SeedUid,
+) -> anyhow::Result<Phase> {
     let node = plane
         .0
         .nodes()
@@ -74,22 +103,19 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedUid) -> anyho
         .map(|n| n.name.clone())
         .context("no node")?;
     let pod = pod_yaml(&node);
-    apply_stdin(&plane, &["create", "-f", "-"], &pod)?;
-    let mut phases = Vec::new();
-
-    // Warm-up, then the same name re-created.
+    apply_stdin(plane, &["create", "-f", "-"], &pod)?;
     for _ in 0..p.warmup {
         apply_stdin(
-            &plane,
+            plane,
             &["replace", "--force", "--grace-period=0", "-f", "-"],
             &pod,
         )?;
     }
-    let before = levels(&mut census).await?;
+    let before = levels(census).await?;
     let started = Instant::now();
     for i in 0..p.recreations {
         apply_stdin(
-            &plane,
+            plane,
             &["replace", "--force", "--grace-period=0", "-f", "-"],
             &pod,
         )?;
@@ -98,20 +124,25 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedUid) -> anyho
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    phases.push(
-        finish(
-            &plane,
-            &mut census,
-            "same pod name re-created",
-            p.recreations,
-            seconds,
-            before,
-            &p,
-        )
-        .await?,
-    );
+    finish(
+        plane,
+        census,
+        "same pod name re-created",
+        p.recreations,
+        seconds,
+        before,
+        p,
+    )
+    .await
+}
 
-    // A Deployment rolled: each roll a new ReplicaSet and new pods.
+/// A Deployment rolled the preset's times (after the warm-up): each roll a new
+/// ReplicaSet and new pods.
+async fn deployment_rolled(
+    plane: &Plane,
+    census: &mut Census,
+    p: &SeedUid,
+) -> anyhow::Result<Phase> {
     plane.0.apply(&deployment(0))?;
     plane.0.kubectl_ok(&[
         "-n",
@@ -122,41 +153,37 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedUid) -> anyho
         "--timeout=120s",
     ])?;
     for r in 1..=p.warmup.min(10) {
-        roll(&plane, r)?;
+        roll(plane, r)?;
     }
-    let before = levels(&mut census).await?;
+    let before = levels(census).await?;
     let started = Instant::now();
     for r in 0..p.rolls {
-        roll(&plane, 100 + r)?;
+        roll(plane, 100 + r)?;
         if r % 50 == 49 {
             say(format!("  {} rolls", r + 1));
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    phases.push(
-        finish(
-            &plane,
-            &mut census,
-            "Deployment rolled",
-            p.rolls,
-            seconds,
-            before,
-            &p,
-        )
-        .await?,
-    );
+    finish(
+        plane,
+        census,
+        "Deployment rolled",
+        p.rolls,
+        seconds,
+        before,
+        p,
+    )
+    .await
+}
 
-    census.stop().await?;
-    drop(plane);
-    machine.finish();
-    let passed = phases.iter().all(|ph| ph.passed);
+fn summary(p: &SeedUid, phases: &[Phase], machine: &Machine) {
     say("");
     say(format!(
         "== {}: keyed by namespace/name, never by UID ==",
         p.preset
     ));
     say(REFERENCE);
-    for ph in &phases {
+    for ph in phases {
         say(format!(
             "  {:<26} x{:<5} {:>5.0} s: heap change operator {} agents {}; beyond the live set {}; {}",
             ph.name,
@@ -177,17 +204,6 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedUid) -> anyho
         kib(p.max_heap_delta_bytes)
     ));
     say(machine.line());
-    results.write_json(
-        "seed-uid.json",
-        &Output {
-            params: &p,
-            machine,
-            reference: REFERENCE,
-            phases,
-            passed,
-        },
-    )?;
-    Ok(passed)
 }
 
 fn pod_yaml(node: &str) -> String {

@@ -260,30 +260,7 @@ impl Census {
                 &token,
             ),
         )?;
-        let mut args: Vec<String> = [
-            "--store",
-            "kubernetes",
-            "--namespace",
-            OPERATOR_NS,
-            "--pod-name",
-            &pod.name,
-            "--pod-ip",
-            &pod.ip.to_string(),
-            "--kubeconfig",
-            &kubeconfig.display().to_string(),
-            "--log",
-            "info",
-        ]
-        .map(String::from)
-        .to_vec();
-        args.extend(
-            certs
-                .operator_flags()
-                .map_err(|e| anyhow!("{e}"))?
-                .into_iter()
-                .take(4),
-        );
-        args.extend(flags.operator.iter().cloned());
+        let args = operator_args(pod, &kubeconfig, &certs, flags)?;
         let mut launch = Launch::new(dir.path(), logs.join(format!("operator-{tag}.log")), args)?;
         if let Some(lg) = flags.heap_sample_lg {
             // One heap sample per 2^lg bytes allocated (census's jemalloc default is
@@ -304,7 +281,18 @@ impl Census {
         })
         .await?;
 
-        let grpc = operator.launch.grpc;
+        let setup = AgentSetup {
+            plane: p,
+            bins,
+            certs: &certs,
+            dir: dir.path(),
+            logs,
+            tag,
+            api_port,
+            api_addr,
+            grpc: operator.launch.grpc,
+            drop_deletes: flags.drop_deletes,
+        };
         let agent_pods = p.running_pods(AGENT_NS)?;
         let mut agents = Vec::new();
         let with_agents = flags.agent_nodes.unwrap_or(p.nodes().len());
@@ -313,59 +301,7 @@ impl Census {
                 .iter()
                 .find(|a| a.node == node.name)
                 .with_context(|| format!("no agent pod on {}", node.name))?;
-            let ns = Netns::create_with_prefix("seeds", &node.name)?;
-            let api = Forward::start(&ns, api_port, Forward::to(api_addr))?;
-            let to_operator = Forward::start(&ns, OPERATOR_PORT, Forward::to(grpc))?;
-            let api_token = p.token(AGENT_NS, "census-agent", None, Some(&pod.name), 3600)?;
-            let kubeconfig =
-                p.write_token_kubeconfig(&format!("seeds-agent-{tag}-{}", node.name), &api_token)?;
-            let census_token = p.token(
-                AGENT_NS,
-                "census-agent",
-                Some("census"),
-                Some(&pod.name),
-                3600,
-            )?;
-            let token_file = token_file(dir.path(), &node.name);
-            std::fs::write(&token_file, census_token)?;
-            let pins = PathBuf::from("/sys/fs/bpf").join(format!(
-                "seeds-{}-{tag}-{}",
-                std::process::id(),
-                node.name
-            ));
-            let log = std::fs::File::create(logs.join(format!("agent-{tag}-{}.log", node.name)))?;
-            let mut command = Command::new(&bins.agent);
-            command
-                .args(["--node-name", &node.name])
-                .args(["--endpoint-source", "kubernetes"])
-                .arg("--kubeconfig")
-                .arg(&kubeconfig)
-                .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
-                .arg("--tls-ca")
-                .arg(certs.dir().join("ca.pem"))
-                .arg("--token-file")
-                .arg(&token_file)
-                .arg("--pin-dir")
-                .arg(&pins)
-                .args(["--admin-listen", &format!("127.0.0.1:{AGENT_ADMIN_PORT}")])
-                .args(["--log", "info"])
-                .env("NO_COLOR", "1")
-                .env_remove("CENSUS_HEAP_PROFILING")
-                .stdout(Stdio::null())
-                .stderr(log);
-            if flags.drop_deletes {
-                command.env("CENSUS_TEST_DROP_ENDPOINT_DELETES", "true");
-            }
-            let child = ns.spawn(&mut command)?;
-            agents.push(Agent {
-                node: node.name.clone(),
-                ns,
-                child: Some(child),
-                api,
-                _operator: to_operator,
-                pins,
-                agent_bin: bins.agent.clone(),
-            });
+            agents.push(setup.start(&node.name, &pod.name)?);
         }
         let census = Self {
             operator,
@@ -374,7 +310,13 @@ impl Census {
             certs,
             dir,
         };
-        for agent in &census.agents {
+        census.agents_ready().await?;
+        Ok(census)
+    }
+
+    /// Waits (up to 60 s each) for every agent to answer Ready.
+    async fn agents_ready(&self) -> anyhow::Result<()> {
+        for agent in &self.agents {
             let ns = &agent.ns;
             poll(
                 &format!("{}'s agent to be Ready", agent.node),
@@ -383,7 +325,7 @@ impl Census {
             )
             .await?;
         }
-        Ok(census)
+        Ok(())
     }
 
     /// Bytes received from the API server so far: the operator's, each agent's.
@@ -477,6 +419,109 @@ impl Census {
         } = self;
         drop(agents);
         operator.stop().await
+    }
+}
+
+/// The operator's flags in Kubernetes mode, as the first pod of its Deployment, with
+/// its TLS and the phase's own flags.
+fn operator_args(
+    pod: &census_cluster::RunningPod,
+    kubeconfig: &Path,
+    certs: &census_testkit::tls::Certs,
+    flags: &CensusFlags,
+) -> anyhow::Result<Vec<String>> {
+    let mut args: Vec<String> = [
+        "--store",
+        "kubernetes",
+        "--namespace",
+        OPERATOR_NS,
+        "--pod-name",
+        &pod.name,
+        "--pod-ip",
+        &pod.ip.to_string(),
+        "--kubeconfig",
+        &kubeconfig.display().to_string(),
+        "--log",
+        "info",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(
+        certs
+            .operator_flags()
+            .map_err(|e| anyhow!("{e}"))?
+            .into_iter()
+            .take(4),
+    );
+    args.extend(flags.operator.iter().cloned());
+    Ok(args)
+}
+
+/// What every agent of one census starts with.
+struct AgentSetup<'a> {
+    plane: &'a ControlPlane,
+    bins: &'a Binaries,
+    certs: &'a census_testkit::tls::Certs,
+    /// Where the agents' token files go.
+    dir: &'a Path,
+    logs: &'a Path,
+    tag: &'a str,
+    api_port: u16,
+    api_addr: SocketAddr,
+    /// The operator's gRPC address.
+    grpc: SocketAddr,
+    drop_deletes: bool,
+}
+
+impl AgentSetup<'_> {
+    /// The agent of `node` (its DaemonSet pod `pod`) in a network namespace of its
+    /// own, with its forwarders, tokens and pins.
+    fn start(&self, node: &str, pod: &str) -> anyhow::Result<Agent> {
+        let (p, tag) = (self.plane, self.tag);
+        let ns = Netns::create_with_prefix("seeds", node)?;
+        let api = Forward::start(&ns, self.api_port, Forward::to(self.api_addr))?;
+        let to_operator = Forward::start(&ns, OPERATOR_PORT, Forward::to(self.grpc))?;
+        let api_token = p.token(AGENT_NS, "census-agent", None, Some(pod), 3600)?;
+        let kubeconfig =
+            p.write_token_kubeconfig(&format!("seeds-agent-{tag}-{node}"), &api_token)?;
+        let census_token = p.token(AGENT_NS, "census-agent", Some("census"), Some(pod), 3600)?;
+        let token_file = token_file(self.dir, node);
+        std::fs::write(&token_file, census_token)?;
+        let pins = PathBuf::from("/sys/fs/bpf")
+            .join(format!("seeds-{}-{tag}-{node}", std::process::id(),));
+        let log = std::fs::File::create(self.logs.join(format!("agent-{tag}-{node}.log")))?;
+        let mut command = Command::new(&self.bins.agent);
+        command
+            .args(["--node-name", node])
+            .args(["--endpoint-source", "kubernetes"])
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--operator", &format!("http://127.0.0.1:{OPERATOR_PORT}")])
+            .arg("--tls-ca")
+            .arg(self.certs.dir().join("ca.pem"))
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("--pin-dir")
+            .arg(&pins)
+            .args(["--admin-listen", &format!("127.0.0.1:{AGENT_ADMIN_PORT}")])
+            .args(["--log", "info"])
+            .env("NO_COLOR", "1")
+            .env_remove("CENSUS_HEAP_PROFILING")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if self.drop_deletes {
+            command.env("CENSUS_TEST_DROP_ENDPOINT_DELETES", "true");
+        }
+        let child = ns.spawn(&mut command)?;
+        Ok(Agent {
+            node: node.to_owned(),
+            ns,
+            child: Some(child),
+            api,
+            _operator: to_operator,
+            pins,
+            agent_bin: self.bins.agent.clone(),
+        })
     }
 }
 
