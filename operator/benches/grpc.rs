@@ -18,7 +18,7 @@ use census_testkit::Operator;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-type BenchResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+type BenchResult = Result<(), Error>;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -37,6 +37,11 @@ fn labels(i: usize) -> Vec<String> {
     ]
 }
 
+type Error = Box<dyn std::error::Error + Send + Sync>;
+const NODE: &str = "bench-node";
+/// Label sets (and endpoints) of the node.
+const SETS: usize = 110;
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> BenchResult {
     // Ticks at the daemon's default pace, as in production.
@@ -46,66 +51,112 @@ async fn main() -> BenchResult {
         start_time_ns: 1,
         nonce: 1,
     };
-
-    let (tx, rx) = mpsc::channel(16);
-    tx.send(pb::AgentMessage {
-        seq: 0,
-        body: Some(Body::Hello(pb::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            node: "bench-node".into(),
-            session: Some(session),
-            agent_version: "bench".into(),
-            addresses: Vec::new(),
-        })),
-    })
-    .await?;
-    let mut inbound = EndpointSyncClient::new(channel.clone())
-        .sync(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    inbound.message().await?.ok_or("no HelloReply")?;
+    let (tx, mut inbound) = open_stream(channel.clone(), session).await?;
 
     println!("census-operator over gRPC on loopback (release build, 2 worker threads)\n");
     let mut client = IdentityServiceClient::new(channel);
-    let mut ids = Vec::new();
-    for i in 0..110 {
-        let req = pb::AllocateRequest {
-            protocol_version: PROTOCOL_VERSION,
-            node: "bench-node".into(),
-            session: Some(session),
-            labels: labels(i),
-        };
-        ids.push(
-            client
-                .allocate(req)
-                .await?
-                .into_inner()
-                .identity
-                .ok_or("no identity")?
-                .id,
-        );
+    let mut ids = Vec::with_capacity(SETS);
+    for i in 0..SETS {
+        ids.push(allocate(&mut client, allocate_request(session, i)).await?);
     }
-    let mut lat = Vec::with_capacity(20_000);
-    for i in 0..20_000 {
-        let req = pb::AllocateRequest {
-            protocol_version: PROTOCOL_VERSION,
-            node: "bench-node".into(),
-            session: Some(session),
-            labels: labels(i % 110),
-        };
-        let started = Instant::now();
-        client.allocate(req).await?;
-        lat.push(started.elapsed());
-    }
-    lat.sort_unstable();
+    let lat = allocate_latency(&mut client, session).await?;
     println!(
         "allocate, known label set, 1 client:     p50 {:>7.1} µs   p99 {:>7.1} µs   ({} calls)",
         percentile(&lat, 0.5).as_secs_f64() * 1e6,
         percentile(&lat, 0.99).as_secs_f64() * 1e6,
         lat.len()
     );
+    let lat = snapshot_latency(&tx, &mut inbound, &ids).await?;
+    println!(
+        "snapshot, 110 endpoints, no change, send to Ack: p50 {:>7.1} µs   p99 {:>7.1} µs   ({} snapshots)",
+        percentile(&lat, 0.5).as_secs_f64() * 1e6,
+        percentile(&lat, 0.99).as_secs_f64() * 1e6,
+        lat.len()
+    );
+    drop(tx);
+    operator.shut_down().await?;
+    Ok(())
+}
 
-    let endpoints: Vec<pb::Endpoint> = (0..110)
+/// An EndpointSync stream of the node, its Hello answered.
+async fn open_stream(
+    channel: tonic::transport::Channel,
+    session: pb::Session,
+) -> Result<
+    (
+        mpsc::Sender<pb::AgentMessage>,
+        tonic::Streaming<pb::OperatorMessage>,
+    ),
+    Error,
+> {
+    let (tx, rx) = mpsc::channel(16);
+    tx.send(pb::AgentMessage {
+        seq: 0,
+        body: Some(Body::Hello(pb::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            node: NODE.into(),
+            session: Some(session),
+            agent_version: "bench".into(),
+            addresses: Vec::new(),
+        })),
+    })
+    .await?;
+    let mut inbound = EndpointSyncClient::new(channel)
+        .sync(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    inbound.message().await?.ok_or("no HelloReply")?;
+    Ok((tx, inbound))
+}
+
+/// The node's Allocate of label set `i`.
+fn allocate_request(session: pb::Session, i: usize) -> pb::AllocateRequest {
+    pb::AllocateRequest {
+        protocol_version: PROTOCOL_VERSION,
+        node: NODE.into(),
+        session: Some(session),
+        labels: labels(i),
+    }
+}
+
+/// Sends `req`; the id allocated.
+async fn allocate(
+    client: &mut IdentityServiceClient<tonic::transport::Channel>,
+    req: pb::AllocateRequest,
+) -> Result<u32, Error> {
+    Ok(client
+        .allocate(req)
+        .await?
+        .into_inner()
+        .identity
+        .ok_or("no identity")?
+        .id)
+}
+
+/// 20,000 Allocates of known label sets, one at a time; their latencies, sorted.
+async fn allocate_latency(
+    client: &mut IdentityServiceClient<tonic::transport::Channel>,
+    session: pb::Session,
+) -> Result<Vec<Duration>, Error> {
+    let mut lat = Vec::with_capacity(20_000);
+    for i in 0..20_000 {
+        let req = allocate_request(session, i % SETS);
+        let started = Instant::now();
+        allocate(client, req).await?;
+        lat.push(started.elapsed());
+    }
+    lat.sort_unstable();
+    Ok(lat)
+}
+
+/// 5,000 unchanged snapshots of the node's endpoints, each from send to its Ack;
+/// their latencies, sorted.
+async fn snapshot_latency(
+    tx: &mpsc::Sender<pb::AgentMessage>,
+    inbound: &mut tonic::Streaming<pb::OperatorMessage>,
+    ids: &[u32],
+) -> Result<Vec<Duration>, Error> {
+    let endpoints: Vec<pb::Endpoint> = (0..SETS)
         .map(|i| pb::Endpoint {
             namespace: format!("team-{}", i % 40),
             name: format!("service-{i}-7d9f8b6c4-x2b9q"),
@@ -135,13 +186,5 @@ async fn main() -> BenchResult {
         lat.push(started.elapsed());
     }
     lat.sort_unstable();
-    println!(
-        "snapshot, 110 endpoints, no change, send to Ack: p50 {:>7.1} µs   p99 {:>7.1} µs   ({} snapshots)",
-        percentile(&lat, 0.5).as_secs_f64() * 1e6,
-        percentile(&lat, 0.99).as_secs_f64() * 1e6,
-        lat.len()
-    );
-    drop(tx);
-    operator.shut_down().await?;
-    Ok(())
+    Ok(lat)
 }
