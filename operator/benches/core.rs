@@ -285,43 +285,107 @@ fn bench_memory() -> BenchResult {
     Ok(())
 }
 
+/// One node of the churn benchmark: its name, session, connection, steady
+/// endpoints and next sequence number.
+struct ChurnNode {
+    name: NodeName,
+    session: SessionId,
+    conn: ConnId,
+    steady: Vec<Endpoint>,
+    seq: u64,
+}
+
+const CHURN_NODES: usize = 3;
+const CHURN_STEADY: usize = 57;
+
+/// The churn benchmark's nodes, connected, each with its steady pods snapshotted.
+fn churn_nodes(
+    alloc: &mut Allocator,
+    now: Timestamp,
+) -> Result<Vec<ChurnNode>, Box<dyn std::error::Error>> {
+    let mut nodes = Vec::new();
+    for i in 0..CHURN_NODES {
+        let name = node(i)?;
+        let (session, conn) = connect(alloc, &name, now)?;
+        let steady: Vec<Endpoint> = (0..CHURN_STEADY)
+            .map(|p| {
+                endpoint(
+                    i,
+                    p,
+                    IdentityId::new(300 + (i * CHURN_STEADY + p) as u32)
+                        .unwrap_or(IdentityId::WORLD),
+                    pod_labels(i * CHURN_STEADY + p)?,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        alloc.snapshot(&name, conn, 1, steady.clone(), now)?;
+        nodes.push(ChurnNode {
+            name,
+            session,
+            conn,
+            steady,
+            seq: 2,
+        });
+    }
+    Ok(nodes)
+}
+
+/// Every node's true snapshot (its steady pods only), then a tick, settled.
+fn true_snapshots(
+    alloc: &mut Allocator,
+    nodes: &mut [ChurnNode],
+    now: Timestamp,
+) -> Result<(), Box<dyn std::error::Error>> {
+    for n in nodes.iter_mut() {
+        alloc.snapshot(&n.name, n.conn, n.seq, n.steady.clone(), now)?;
+        n.seq += 1;
+    }
+    alloc.tick(now);
+    settle(alloc, now);
+    Ok(())
+}
+
+/// Job pod `j` with labels of its own: allocated and upserted on its node.
+fn churn_pod(
+    alloc: &mut Allocator,
+    nodes: &mut [ChurnNode],
+    j: usize,
+    now: Timestamp,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let n = &mut nodes[j % CHURN_NODES];
+    let l = labels(&format!(
+        "app=backup,job-name=backup-{j},controller-uid=6f1e2c3d-{j:08x}"
+    ))?;
+    let id = match alloc.allocate(j as u64, &n.name, n.session, l.clone(), now)? {
+        Some(id) => id,
+        None => {
+            settle(alloc, now);
+            alloc
+                .lookup(&l)
+                .map(|i| i.id)
+                .ok_or("no identity after settling")?
+        }
+    };
+    let ep = endpoint(j % CHURN_NODES, 1000 + j, id, l)?;
+    alloc.upsert(&n.name, n.conn, n.seq, ep, now)?;
+    n.seq += 1;
+    Ok(())
+}
+
 fn bench_churn() -> BenchResult {
     const CHURN: usize = 100_000;
-    const NODES: usize = 3;
-    const STEADY: usize = 57;
     let mut cfg = config();
     cfg.quarantine = Duration::from_secs(120);
     let mut now = Timestamp::from_millis(1_000_000);
     let mut alloc = Allocator::new(cfg.clone(), Loaded::default(), now);
     now = now.plus(Duration::from_secs(100));
     alloc.tick(now);
-    let mut nodes = Vec::new();
-    for i in 0..NODES {
-        let name = node(i)?;
-        let (session, conn) = connect(&mut alloc, &name, now)?;
-        let steady: Vec<Endpoint> = (0..STEADY)
-            .map(|p| {
-                endpoint(
-                    i,
-                    p,
-                    IdentityId::new(300 + (i * STEADY + p) as u32).unwrap_or(IdentityId::WORLD),
-                    pod_labels(i * STEADY + p)?,
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        alloc.snapshot(&name, conn, 1, steady.clone(), now)?;
-        nodes.push((name, session, conn, steady, 2u64));
-    }
+    let mut nodes = churn_nodes(&mut alloc, now)?;
     settle(&mut alloc, now);
     // Let the start-up protection pass, so the baseline is a steady state.
     let until = now.plus(cfg.node_ttl + Duration::from_secs(1));
     while now < until {
-        for (name, _, conn, steady, seq) in nodes.iter_mut() {
-            alloc.snapshot(name, *conn, *seq, steady.clone(), now)?;
-            *seq += 1;
-        }
-        alloc.tick(now);
-        settle(&mut alloc, now);
+        true_snapshots(&mut alloc, &mut nodes, now)?;
         now = now.plus(Duration::from_secs(10));
     }
     let baseline = heap();
@@ -332,32 +396,11 @@ fn bench_churn() -> BenchResult {
     let started = Instant::now();
     let mut peak = baseline;
     for j in 0..CHURN {
-        let (name, session, conn, _, seq) = &mut nodes[j % NODES];
-        let l = labels(&format!(
-            "app=backup,job-name=backup-{j},controller-uid=6f1e2c3d-{j:08x}"
-        ))?;
-        let id = match alloc.allocate(j as u64, name, *session, l.clone(), now)? {
-            Some(id) => id,
-            None => {
-                settle(&mut alloc, now);
-                alloc
-                    .lookup(&l)
-                    .map(|i| i.id)
-                    .ok_or("no identity after settling")?
-            }
-        };
-        let ep = endpoint(j % NODES, 1000 + j, id, l)?;
-        alloc.upsert(name, *conn, *seq, ep, now)?;
-        *seq += 1;
+        churn_pod(&mut alloc, &mut nodes, j, now)?;
         now = now.plus(Duration::from_millis(3));
         if j % 10_000 == 0 {
             // The true snapshot: the job pod is gone; its delete event never arrived.
-            for (name, _, conn, steady, seq) in nodes.iter_mut() {
-                alloc.snapshot(name, *conn, *seq, steady.clone(), now)?;
-                *seq += 1;
-            }
-            alloc.tick(now);
-            settle(&mut alloc, now);
+            true_snapshots(&mut alloc, &mut nodes, now)?;
             peak = peak.max(heap());
         }
     }
@@ -367,12 +410,7 @@ fn bench_churn() -> BenchResult {
     // True snapshots, then the hold timeout, grace period and quarantine pass.
     let until = now.plus(cfg.hold_timeout + cfg.grace + cfg.quarantine + Duration::from_secs(5));
     while now < until {
-        for (name, _, conn, steady, seq) in nodes.iter_mut() {
-            alloc.snapshot(name, *conn, *seq, steady.clone(), now)?;
-            *seq += 1;
-        }
-        alloc.tick(now);
-        settle(&mut alloc, now);
+        true_snapshots(&mut alloc, &mut nodes, now)?;
         now = now.plus(Duration::from_secs(1));
     }
     let after = heap();
