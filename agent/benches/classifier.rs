@@ -813,17 +813,96 @@ struct Row {
     judged: bool,
 }
 
+/// The addresses the frames are made of.
+struct Addresses {
+    pod_a4: IpAddr,
+    pod_a6: IpAddr,
+    remote_seed: IpAddr,
+    remote_seed6: IpAddr,
+}
+
+impl Addresses {
+    fn new() -> Fallible<Self> {
+        Ok(Self {
+            pod_a4: "198.18.1.2".parse()?,
+            pod_a6: "2001:2:0:1::2".parse()?,
+            remote_seed: "198.19.0.1".parse()?,
+            // In the peers' prefix: the cyclers rewrite only the address's last word.
+            remote_seed6: peer_ip(Family::V6, 1),
+        })
+    }
+}
+
+/// What the judged rows at [`CLUSTER_ENTRIES`] entries, log off, come to: the
+/// worst ratio to the floor, and census over one hash lookup and over one LPM
+/// lookup of a peer the maps hold, lowest and highest.
+#[derive(Default)]
+struct Verdicts {
+    worst: Option<(f64, f64, String)>,
+    lookup_range: Option<(f64, f64)>,
+    lpm_range: Option<(f64, f64)>,
+}
+
+impl Verdicts {
+    fn judge(&mut self, row: &Row) {
+        let ratio = row.measured.as_secs_f64() / row.floor.as_secs_f64().max(1e-12);
+        let over_lookup = row.measured.as_secs_f64() / row.lookup.as_secs_f64().max(1e-12);
+        let over_lpm = row
+            .lpm
+            .map(|lpm| row.measured.as_secs_f64() / lpm.as_secs_f64().max(1e-12));
+        if !row.judged || row.entries != CLUSTER_ENTRIES {
+            return;
+        }
+        if self.worst.as_ref().is_none_or(|(w, _, _)| ratio > *w) {
+            self.worst = Some((ratio, over_lookup, row.name.clone()));
+        }
+        if row.in_maps {
+            let over_lpm = over_lpm.unwrap_or(f64::NAN);
+            let (lo, hi) = self.lookup_range.unwrap_or((over_lookup, over_lookup));
+            self.lookup_range = Some((lo.min(over_lookup), hi.max(over_lookup)));
+            let (lo, hi) = self.lpm_range.unwrap_or((over_lpm, over_lpm));
+            self.lpm_range = Some((lo.min(over_lpm), hi.max(over_lpm)));
+        }
+    }
+
+    #[expect(clippy::print_stdout, reason = "a benchmark's report")]
+    fn print(&self) {
+        if let (Some((lookup_lo, lookup_hi)), Some((lpm_lo, lpm_hi))) =
+            (self.lookup_range, self.lpm_range)
+        {
+            println!();
+            println!(
+                "peers in the maps at {CLUSTER_ENTRIES} entries, log off, judged rows: census is {lookup_lo:.2}x \
+                 to {lookup_hi:.2}x one hash lookup of the peer (target within 1.3x: {}), \
+                 {lpm_lo:.2}x to {lpm_hi:.2}x one LPM lookup of the peer in a trie of the same \
+                 addresses, as Cilium's ipcache (target at or under 1x: {})",
+                if lookup_hi <= 1.3 { "met" } else { "MISSED" },
+                if lpm_hi <= 1.0 { "met" } else { "MISSED" },
+            );
+        }
+        if let Some((ratio, over_lookup, name)) = &self.worst {
+            let verdict = if *ratio <= TARGET_RATIO {
+                "within"
+            } else {
+                "OVER"
+            };
+            println!();
+            println!(
+                "worst case at {CLUSTER_ENTRIES} entries, log off: {ratio:.2}x the floor ({name}): \
+                 {verdict} the {TARGET_RATIO}x target; {over_lookup:.2}x one lookup of the peer in a \
+                 map like ENDPOINTS"
+            );
+        }
+    }
+}
+
 #[expect(clippy::print_stdout, reason = "a benchmark's report")]
 fn run(objects: &Objects) -> Fallible<()> {
     let options = parse_args()?;
     let census_object = std::fs::read(&objects.census)?;
     let bench_object = std::fs::read(&objects.bench)?;
     let mut bench = Bench::load(&bench_object)?;
-    let pod_a4: IpAddr = "198.18.1.2".parse()?;
-    let pod_a6: IpAddr = "2001:2:0:1::2".parse()?;
-    let remote_seed: IpAddr = "198.19.0.1".parse()?;
-    // In the peers' prefix: the cyclers rewrite only the address's last word.
-    let remote_seed6 = peer_ip(Family::V6, 1);
+    let addrs = Addresses::new()?;
 
     println!(
         "census classifier, BPF_PROG_TEST_RUN ({} runs x {} rounds, median); no attachment is \
@@ -831,15 +910,11 @@ fn run(objects: &Objects) -> Fallible<()> {
         options.repeat, options.rounds
     );
     let empty = bench.program("bench_empty")?;
-    let frame4 = packet::udp_frame(pod_a4, remote_seed, 64).ok_or("frame")?;
+    let frame4 = packet::udp_frame(addrs.pod_a4, addrs.remote_seed, 64).ok_or("frame")?;
     let (empty_ns, _) = measure(empty, &frame4, &context(0, 0), &options, 0, Runs::Repeated)?;
     println!("empty TC program: {} ns/packet", empty_ns.as_nanos());
 
-    let mut worst: Option<(f64, f64, String)> = None;
-    // The judged rows at 512k entries, log off, whose peer the maps hold: census
-    // / one hash lookup and census / one LPM lookup, lowest and highest.
-    let mut lookup_range: Option<(f64, f64)> = None;
-    let mut lpm_range: Option<(f64, f64)> = None;
+    let mut verdicts = Verdicts::default();
     for (log_name, log_level) in [("off", 0u8), ("on (debug)", aya_log::Level::Debug as u8)] {
         let mut census = Census::load(&census_object, log_level)?;
         census.fill_services()?;
@@ -853,164 +928,169 @@ fn run(objects: &Objects) -> Fallible<()> {
             }
             filled = entries;
             for scenario in scenarios() {
-                let (first, available) = peers_of(entries, scenario.family, scenario.peer);
-                let peers = if entries == CLUSTER_ENTRIES {
-                    options.peers.min(available)
-                } else {
-                    available
-                };
-                census.set_interface(POD_A_INTERFACE, Some(POD_A))?;
-                let local = match scenario.hook {
-                    Hook::Ingress | Hook::Uplink => POD_A,
-                    Hook::Egress => POD_B,
-                };
-                census.set_interface(LOOPBACK, scenario.interface_entry.then_some(local))?;
-                let (src, dst) = match (scenario.hook, scenario.family) {
-                    (Hook::Ingress | Hook::Uplink, Family::V4) => (pod_a4, remote_seed),
-                    (Hook::Ingress | Hook::Uplink, Family::V6) => (pod_a6, remote_seed6),
-                    (Hook::Egress, Family::V4) => (remote_seed, pod_a4),
-                    (Hook::Egress, Family::V6) => (remote_seed6, pod_a6),
-                };
-                let mut frame = packet::udp_frame(src, dst, 64).ok_or("frame")?;
-                if !scenario.interface_entry {
-                    // The local side is looked up by address: make it a LOCAL endpoint.
-                    let local_ip = peer_ip(scenario.family, first);
-                    frame = match scenario.hook {
-                        Hook::Ingress | Hook::Uplink => packet::udp_frame(local_ip, dst, 64),
-                        Hook::Egress => packet::udp_frame(src, local_ip, 64),
-                    }
-                    .ok_or("frame")?;
-                }
-                let mark = if scenario.marked { MARK_BIT_DEFAULT } else { 0 };
-                let runs = if scenario.marked {
-                    Runs::Single
-                } else {
-                    Runs::Repeated
-                };
-                let ctx = context(scenario.from, mark);
-                let cycler = Bench::cycler(scenario.hook, scenario.family);
-                let classifier = census.program(scenario.hook)?.fd()?.try_clone()?;
-                bench.aim(&classifier, peers, first)?;
-                let marks = census.marks()?;
-                let (measured, made) = measure(
-                    bench.program(cycler)?,
-                    &frame,
-                    &ctx,
-                    &options,
-                    peers * 2,
-                    runs,
-                )?;
-                check_path(&scenario, made, marks, census.marks()?)?;
-                let empty = bench.program("bench_empty")?.fd()?.try_clone()?;
-                bench.aim(&empty, peers, first)?;
-                let (floor, _) = measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?;
-                let lookup = bench
-                    .program(Bench::lookup(scenario.hook))?
-                    .fd()?
-                    .try_clone()?;
-                bench.aim(&lookup, peers, first)?;
-                let (lookup, _) = measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?;
-                let lpm = if log_level == 0 {
-                    let lpm = bench
-                        .program(Bench::lpm(scenario.hook))?
-                        .fd()?
-                        .try_clone()?;
-                    bench.aim(&lpm, peers, first)?;
-                    Some(measure(bench.program(cycler)?, &frame, &ctx, &options, 0, runs)?.0)
-                } else {
-                    None
-                };
-                rows.push(Row {
-                    name: scenario.name,
+                let at = Setting {
                     entries,
-                    peers,
-                    measured,
-                    floor,
-                    lookup,
-                    lpm,
-                    in_maps: matches!(scenario.peer, Peer::Local | Peer::Remote),
-                    judged: scenario.judged,
-                });
+                    log_level,
+                    options: &options,
+                    addrs: &addrs,
+                };
+                rows.push(scenario_row(&mut census, &mut bench, &scenario, &at)?);
             }
         }
-        println!();
-        println!("datapath log {log_name}:");
-        println!(
-            "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>8} {:>7} {:>9} {:>6} {:>6}",
-            "scenario",
-            "entries",
-            "peers",
-            "ns",
-            "floor",
-            "x floor",
-            "lookup",
-            "x lookup",
-            "lpm",
-            "x lpm"
-        );
-        for row in &rows {
-            let ratio = row.measured.as_secs_f64() / row.floor.as_secs_f64().max(1e-12);
-            let over_lookup = row.measured.as_secs_f64() / row.lookup.as_secs_f64().max(1e-12);
-            let over_lpm = row
-                .lpm
-                .map(|lpm| row.measured.as_secs_f64() / lpm.as_secs_f64().max(1e-12));
-            println!(
-                "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>7.2}x {:>7} {:>8.2}x {:>6} {:>6}",
-                row.name,
-                row.entries,
-                row.peers,
-                row.measured.as_nanos(),
-                row.floor.as_nanos(),
-                ratio,
-                row.lookup.as_nanos(),
-                over_lookup,
-                row.lpm
-                    .map_or_else(|| "-".to_owned(), |lpm| lpm.as_nanos().to_string()),
-                over_lpm.map_or_else(|| "-".to_owned(), |x| format!("{x:.2}x")),
-            );
-            if log_level == 0
-                && row.judged
-                && row.entries == CLUSTER_ENTRIES
-                && worst.as_ref().is_none_or(|(w, _, _)| ratio > *w)
-            {
-                worst = Some((ratio, over_lookup, row.name.clone()));
-            }
-            if log_level == 0 && row.judged && row.in_maps && row.entries == CLUSTER_ENTRIES {
-                let over_lpm = over_lpm.unwrap_or(f64::NAN);
-                let (lo, hi) = lookup_range.unwrap_or((over_lookup, over_lookup));
-                lookup_range = Some((lo.min(over_lookup), hi.max(over_lookup)));
-                let (lo, hi) = lpm_range.unwrap_or((over_lpm, over_lpm));
-                lpm_range = Some((lo.min(over_lpm), hi.max(over_lpm)));
-            }
+        print_rows(log_name, &rows);
+        if log_level == 0 {
+            rows.iter().for_each(|row| verdicts.judge(row));
         }
     }
     socket_rows(&census_object, &bench, &options)?;
     endpoints_memory(&census_object, options.memory_entries)?;
-    if let (Some((lookup_lo, lookup_hi)), Some((lpm_lo, lpm_hi))) = (lookup_range, lpm_range) {
-        println!();
-        println!(
-            "peers in the maps at {CLUSTER_ENTRIES} entries, log off, judged rows: census is {lookup_lo:.2}x \
-             to {lookup_hi:.2}x one hash lookup of the peer (target within 1.3x: {}), \
-             {lpm_lo:.2}x to {lpm_hi:.2}x one LPM lookup of the peer in a trie of the same \
-             addresses, as Cilium's ipcache (target at or under 1x: {})",
-            if lookup_hi <= 1.3 { "met" } else { "MISSED" },
-            if lpm_hi <= 1.0 { "met" } else { "MISSED" },
-        );
-    }
-    if let Some((ratio, over_lookup, name)) = worst {
-        let verdict = if ratio <= TARGET_RATIO {
-            "within"
-        } else {
-            "OVER"
-        };
-        println!();
-        println!(
-            "worst case at {CLUSTER_ENTRIES} entries, log off: {ratio:.2}x the floor ({name}): \
-             {verdict} the {TARGET_RATIO}x target; {over_lookup:.2}x one lookup of the peer in a \
-             map like ENDPOINTS"
-        );
-    }
+    verdicts.print();
     Ok(())
+}
+
+/// What a scenario is measured at: ENDPOINTS entries, the datapath log level.
+struct Setting<'a> {
+    entries: u32,
+    log_level: u8,
+    options: &'a Options,
+    addrs: &'a Addresses,
+}
+
+/// The frame a scenario sends: from the local pod or to it, its local side looked
+/// up by interface or, without an INTERFACES entry, by address (`first`, a LOCAL
+/// endpoint).
+fn scenario_frame(scenario: &Scenario, addrs: &Addresses, first: u32) -> Fallible<Vec<u8>> {
+    let (src, dst) = match (scenario.hook, scenario.family) {
+        (Hook::Ingress | Hook::Uplink, Family::V4) => (addrs.pod_a4, addrs.remote_seed),
+        (Hook::Ingress | Hook::Uplink, Family::V6) => (addrs.pod_a6, addrs.remote_seed6),
+        (Hook::Egress, Family::V4) => (addrs.remote_seed, addrs.pod_a4),
+        (Hook::Egress, Family::V6) => (addrs.remote_seed6, addrs.pod_a6),
+    };
+    let mut frame = packet::udp_frame(src, dst, 64).ok_or("frame")?;
+    if !scenario.interface_entry {
+        // The local side is looked up by address: make it a LOCAL endpoint.
+        let local_ip = peer_ip(scenario.family, first);
+        frame = match scenario.hook {
+            Hook::Ingress | Hook::Uplink => packet::udp_frame(local_ip, dst, 64),
+            Hook::Egress => packet::udp_frame(src, local_ip, 64),
+        }
+        .ok_or("frame")?;
+    }
+    Ok(frame)
+}
+
+/// One scenario measured: census's program, the cycler alone (the floor), one
+/// hash lookup and (log off) one LPM lookup of the peer, each behind the cycler.
+fn scenario_row(
+    census: &mut Census,
+    bench: &mut Bench,
+    scenario: &Scenario,
+    at: &Setting<'_>,
+) -> Fallible<Row> {
+    let options = at.options;
+    let (first, available) = peers_of(at.entries, scenario.family, scenario.peer);
+    let peers = if at.entries == CLUSTER_ENTRIES {
+        options.peers.min(available)
+    } else {
+        available
+    };
+    census.set_interface(POD_A_INTERFACE, Some(POD_A))?;
+    let local = match scenario.hook {
+        Hook::Ingress | Hook::Uplink => POD_A,
+        Hook::Egress => POD_B,
+    };
+    census.set_interface(LOOPBACK, scenario.interface_entry.then_some(local))?;
+    let frame = scenario_frame(scenario, at.addrs, first)?;
+    let mark = if scenario.marked { MARK_BIT_DEFAULT } else { 0 };
+    let runs = if scenario.marked {
+        Runs::Single
+    } else {
+        Runs::Repeated
+    };
+    let ctx = context(scenario.from, mark);
+    let cycler = Bench::cycler(scenario.hook, scenario.family);
+    let classifier = census.program(scenario.hook)?.fd()?.try_clone()?;
+    bench.aim(&classifier, peers, first)?;
+    let marks = census.marks()?;
+    let (measured, made) = measure(
+        bench.program(cycler)?,
+        &frame,
+        &ctx,
+        options,
+        peers * 2,
+        runs,
+    )?;
+    check_path(scenario, made, marks, census.marks()?)?;
+    let empty = bench.program("bench_empty")?.fd()?.try_clone()?;
+    bench.aim(&empty, peers, first)?;
+    let (floor, _) = measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?;
+    let lookup = bench
+        .program(Bench::lookup(scenario.hook))?
+        .fd()?
+        .try_clone()?;
+    bench.aim(&lookup, peers, first)?;
+    let (lookup, _) = measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?;
+    let lpm = if at.log_level == 0 {
+        let lpm = bench
+            .program(Bench::lpm(scenario.hook))?
+            .fd()?
+            .try_clone()?;
+        bench.aim(&lpm, peers, first)?;
+        Some(measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?.0)
+    } else {
+        None
+    };
+    Ok(Row {
+        name: scenario.name.clone(),
+        entries: at.entries,
+        peers,
+        measured,
+        floor,
+        lookup,
+        lpm,
+        in_maps: matches!(scenario.peer, Peer::Local | Peer::Remote),
+        judged: scenario.judged,
+    })
+}
+
+#[expect(clippy::print_stdout, reason = "a benchmark's report")]
+fn print_rows(log_name: &str, rows: &[Row]) {
+    println!();
+    println!("datapath log {log_name}:");
+    println!(
+        "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>8} {:>7} {:>9} {:>6} {:>6}",
+        "scenario",
+        "entries",
+        "peers",
+        "ns",
+        "floor",
+        "x floor",
+        "lookup",
+        "x lookup",
+        "lpm",
+        "x lpm"
+    );
+    for row in rows {
+        let ratio = row.measured.as_secs_f64() / row.floor.as_secs_f64().max(1e-12);
+        let over_lookup = row.measured.as_secs_f64() / row.lookup.as_secs_f64().max(1e-12);
+        let over_lpm = row
+            .lpm
+            .map(|lpm| row.measured.as_secs_f64() / lpm.as_secs_f64().max(1e-12));
+        println!(
+            "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>7.2}x {:>7} {:>8.2}x {:>6} {:>6}",
+            row.name,
+            row.entries,
+            row.peers,
+            row.measured.as_nanos(),
+            row.floor.as_nanos(),
+            ratio,
+            row.lookup.as_nanos(),
+            over_lookup,
+            row.lpm
+                .map_or_else(|| "-".to_owned(), |lpm| lpm.as_nanos().to_string()),
+            over_lpm.map_or_else(|| "-".to_owned(), |x| format!("{x:.2}x")),
+        );
+    }
 }
 
 /// The root cgroup's programs: each row as a ratio to an empty `cgroup_skb`
