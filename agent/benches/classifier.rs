@@ -195,101 +195,8 @@ struct Scenario {
 fn scenarios() -> Vec<Scenario> {
     let mut all = Vec::new();
     for family in [Family::V4, Family::V6] {
-        let v = if family == Family::V4 { "IPv4" } else { "IPv6" };
-        for (hook, peer, from, what) in [
-            (
-                Hook::Ingress,
-                Peer::Local,
-                0,
-                "ingress, to a local peer (counted)",
-            ),
-            (
-                Hook::Ingress,
-                Peer::Remote,
-                0,
-                "ingress, to a remote peer (counted)",
-            ),
-            (
-                Hook::Egress,
-                Peer::Remote,
-                UPLINK,
-                "egress, from a remote pod (skipped: counted where sent)",
-            ),
-            (
-                Hook::Egress,
-                Peer::Local,
-                POD_A_INTERFACE,
-                "egress, from a local peer (skipped: counted leaving it)",
-            ),
-        ] {
-            all.push(Scenario {
-                name: format!("{v} {what}"),
-                hook,
-                family,
-                peer,
-                from,
-                interface_entry: true,
-                marked: false,
-                path: Path::Any,
-                judged: true,
-            });
-        }
-        for (hook, peer, from, marked, path, what) in [
-            (
-                Hook::Ingress,
-                Peer::Service,
-                0,
-                false,
-                Path::Marked,
-                "ingress, to a Service address (marked, not counted)",
-            ),
-            (
-                Hook::Ingress,
-                Peer::World,
-                0,
-                false,
-                Path::NotMarked,
-                "ingress, to the world (counted)",
-            ),
-            (
-                Hook::Egress,
-                Peer::Local,
-                POD_A_INTERFACE,
-                true,
-                Path::CountedMarked,
-                "egress, marked, from a local pod (counted) [1 run/test run]",
-            ),
-            (
-                Hook::Uplink,
-                Peer::Remote,
-                POD_A_INTERFACE,
-                true,
-                Path::CountedMarked,
-                "uplink, marked, to a remote pod (counted) [1 run/test run]",
-            ),
-            (
-                Hook::Uplink,
-                Peer::Remote,
-                POD_A_INTERFACE,
-                false,
-                Path::NotMarked,
-                "uplink, not marked (skipped: counted leaving its pod)",
-            ),
-        ] {
-            all.push(Scenario {
-                name: format!("{v} {what}"),
-                hook,
-                family,
-                peer,
-                from,
-                interface_entry: true,
-                marked,
-                path,
-                // One run per test run: the timer's own cost is in the floor too,
-                // which makes the ratio smaller; not judged against the target.
-                judged: !marked,
-            });
-        }
+        all.extend(pair_scenarios(family));
+        all.extend(path_scenarios(family));
     }
     all.push(Scenario {
         name: "IPv4 ingress, no INTERFACES entry, LOCAL source (an event per packet)".to_owned(),
@@ -302,6 +209,115 @@ fn scenarios() -> Vec<Scenario> {
         path: Path::Any,
         judged: false,
     });
+    all
+}
+
+/// The rows judged against the target: a pair counted, or skipped where another
+/// hook counts it.
+fn pair_scenarios(family: Family) -> Vec<Scenario> {
+    let v = if family == Family::V4 { "IPv4" } else { "IPv6" };
+    let mut all = Vec::new();
+    for (hook, peer, from, what) in [
+        (
+            Hook::Ingress,
+            Peer::Local,
+            0,
+            "ingress, to a local peer (counted)",
+        ),
+        (
+            Hook::Ingress,
+            Peer::Remote,
+            0,
+            "ingress, to a remote peer (counted)",
+        ),
+        (
+            Hook::Egress,
+            Peer::Remote,
+            UPLINK,
+            "egress, from a remote pod (skipped: counted where sent)",
+        ),
+        (
+            Hook::Egress,
+            Peer::Local,
+            POD_A_INTERFACE,
+            "egress, from a local peer (skipped: counted leaving it)",
+        ),
+    ] {
+        all.push(Scenario {
+            name: format!("{v} {what}"),
+            hook,
+            family,
+            peer,
+            from,
+            interface_entry: true,
+            marked: false,
+            path: Path::Any,
+            judged: true,
+        });
+    }
+    all
+}
+
+/// The rows of the other paths: Service addresses, the world, the mark.
+fn path_scenarios(family: Family) -> Vec<Scenario> {
+    let v = if family == Family::V4 { "IPv4" } else { "IPv6" };
+    let mut all = Vec::new();
+    for (hook, peer, from, marked, path, what) in [
+        (
+            Hook::Ingress,
+            Peer::Service,
+            0,
+            false,
+            Path::Marked,
+            "ingress, to a Service address (marked, not counted)",
+        ),
+        (
+            Hook::Ingress,
+            Peer::World,
+            0,
+            false,
+            Path::NotMarked,
+            "ingress, to the world (counted)",
+        ),
+        (
+            Hook::Egress,
+            Peer::Local,
+            POD_A_INTERFACE,
+            true,
+            Path::CountedMarked,
+            "egress, marked, from a local pod (counted) [1 run/test run]",
+        ),
+        (
+            Hook::Uplink,
+            Peer::Remote,
+            POD_A_INTERFACE,
+            true,
+            Path::CountedMarked,
+            "uplink, marked, to a remote pod (counted) [1 run/test run]",
+        ),
+        (
+            Hook::Uplink,
+            Peer::Remote,
+            POD_A_INTERFACE,
+            false,
+            Path::NotMarked,
+            "uplink, not marked (skipped: counted leaving its pod)",
+        ),
+    ] {
+        all.push(Scenario {
+            name: format!("{v} {what}"),
+            hook,
+            family,
+            peer,
+            from,
+            interface_entry: true,
+            marked,
+            path,
+            // One run per test run: the timer's own cost is in the floor too,
+            // which makes the ratio smaller; not judged against the target.
+            judged: !marked,
+        });
+    }
     all
 }
 
@@ -1093,6 +1109,76 @@ fn print_rows(log_name: &str, rows: &[Row]) {
     }
 }
 
+/// `repeat` runs of a root cgroup program over `frame`, which it must pass; their
+/// mean.
+fn socket_run(program: &CgroupSkb, frame: &[u8], repeat: u32) -> Fallible<Duration> {
+    let result = program.test_run(TestRunOptions {
+        data_in: Some(frame),
+        ctx_in: Some(&context(0, 0)),
+        repeat,
+        ..TestRunOptions::default()
+    })?;
+    if result.return_value != 1 {
+        return Err(format!("returned {} instead of 1 (pass)", result.return_value).into());
+    }
+    Ok(result.duration)
+}
+
+/// After 1,000 runs of warm-up, the median of `rounds` means of `repeat` runs.
+fn socket_median(program: &CgroupSkb, frame: &[u8], options: &Options) -> Fallible<Duration> {
+    socket_run(program, frame, 1_000)?;
+    let mut means = Vec::with_capacity(options.rounds);
+    for _ in 0..options.rounds {
+        means.push(socket_run(program, frame, options.repeat)?);
+    }
+    means.sort();
+    Ok(means.get(means.len() / 2).copied().unwrap_or_default())
+}
+
+/// A root cgroup row: the program, the packet's source and destination, whether
+/// SERVICE_FLOWS counts it, its target ratio, what it is.
+type SocketCase = (&'static str, IpAddr, IpAddr, bool, f64, &'static str);
+
+fn socket_cases(family: Family) -> [SocketCase; 4] {
+    let local = peer_ip(family, first_word(family, Peer::Local) + 1);
+    let remote = peer_ip(family, first_word(family, Peer::Remote) + 1);
+    let service = peer_ip(family, first_word(family, Peer::Service) + 1);
+    [
+        (
+            PROGRAM_SOCKETS_INGRESS,
+            remote,
+            local,
+            false,
+            SOCKET_TARGET_RATIO,
+            "ingress, an unmarked packet to a pod's socket (skipped)",
+        ),
+        (
+            PROGRAM_SOCKETS,
+            local,
+            remote,
+            false,
+            SOCKET_TARGET_RATIO,
+            "egress, a pod's socket's packet to a pod (skipped)",
+        ),
+        (
+            PROGRAM_SOCKETS,
+            local,
+            service,
+            true,
+            SERVICE_TARGET_RATIO,
+            "egress, a Service request (SERVICE_FLOWS)",
+        ),
+        (
+            PROGRAM_SOCKETS_INGRESS,
+            service,
+            local,
+            true,
+            SERVICE_TARGET_RATIO,
+            "ingress, a Service reply (SERVICE_FLOWS)",
+        ),
+    ]
+}
+
 /// The root cgroup's programs: each row as a ratio to an empty `cgroup_skb`
 /// program, on census's maps filled for the cluster, SERVICES as in the tables.
 #[expect(clippy::print_stdout, reason = "a benchmark's report")]
@@ -1100,30 +1186,6 @@ fn socket_rows(object: &[u8], bench: &Bench, options: &Options) -> Fallible<()> 
     let mut census = Census::load(object, 0)?;
     census.fill_services()?;
     fill(&mut census.endpoints()?, CLUSTER_ENTRIES, 0)?;
-    let local = |family| peer_ip(family, first_word(family, Peer::Local) + 1);
-    let remote = |family| peer_ip(family, first_word(family, Peer::Remote) + 1);
-    let service = |family| peer_ip(family, first_word(family, Peer::Service) + 1);
-    let run = |program: &CgroupSkb, frame: &[u8], repeat: u32| -> Fallible<Duration> {
-        let result = program.test_run(TestRunOptions {
-            data_in: Some(frame),
-            ctx_in: Some(&context(0, 0)),
-            repeat,
-            ..TestRunOptions::default()
-        })?;
-        if result.return_value != 1 {
-            return Err(format!("returned {} instead of 1 (pass)", result.return_value).into());
-        }
-        Ok(result.duration)
-    };
-    let median = |program: &CgroupSkb, frame: &[u8]| -> Fallible<Duration> {
-        run(program, frame, 1_000)?;
-        let mut means = Vec::with_capacity(options.rounds);
-        for _ in 0..options.rounds {
-            means.push(run(program, frame, options.repeat)?);
-        }
-        means.sort();
-        Ok(means.get(means.len() / 2).copied().unwrap_or_default())
-    };
     println!();
     println!(
         "root cgroup programs (census_sockets egress, census_sockets_ingress ingress), ENDPOINTS \
@@ -1136,43 +1198,10 @@ fn socket_rows(object: &[u8], bench: &Bench, options: &Options) -> Fallible<()> 
     let mut missed = Vec::new();
     for family in [Family::V4, Family::V6] {
         let v = if family == Family::V4 { "IPv4" } else { "IPv6" };
-        for (program, src, dst, counts, target, what) in [
-            (
-                PROGRAM_SOCKETS_INGRESS,
-                remote(family),
-                local(family),
-                false,
-                SOCKET_TARGET_RATIO,
-                "ingress, an unmarked packet to a pod's socket (skipped)",
-            ),
-            (
-                PROGRAM_SOCKETS,
-                local(family),
-                remote(family),
-                false,
-                SOCKET_TARGET_RATIO,
-                "egress, a pod's socket's packet to a pod (skipped)",
-            ),
-            (
-                PROGRAM_SOCKETS,
-                local(family),
-                service(family),
-                true,
-                SERVICE_TARGET_RATIO,
-                "egress, a Service request (SERVICE_FLOWS)",
-            ),
-            (
-                PROGRAM_SOCKETS_INGRESS,
-                service(family),
-                local(family),
-                true,
-                SERVICE_TARGET_RATIO,
-                "ingress, a Service reply (SERVICE_FLOWS)",
-            ),
-        ] {
+        for (program, src, dst, counts, target, what) in socket_cases(family) {
             let frame = packet::udp_frame(src, dst, 64).ok_or("frame")?;
             let before = census.service_packets()?;
-            let measured = median(census.socket_program(program)?, &frame)?;
+            let measured = socket_median(census.socket_program(program)?, &frame, options)?;
             let runs = 1_000 + u64::from(options.repeat) * options.rounds as u64;
             let counted = census.service_packets()? - before;
             let want = if counts { runs } else { 0 };
@@ -1182,7 +1211,7 @@ fn socket_rows(object: &[u8], bench: &Bench, options: &Options) -> Fallible<()> 
                 )
                 .into());
             }
-            let empty = median(bench.cgroup_empty()?, &frame)?;
+            let empty = socket_median(bench.cgroup_empty()?, &frame, options)?;
             let ratio = measured.as_secs_f64() / empty.as_secs_f64().max(1e-12);
             let name = format!("{v} {what}");
             if ratio > target {
