@@ -462,7 +462,11 @@ pub(crate) fn seed_leak(preset: Preset) -> SeedLeak {
         grace: Duration::from_secs(if short { 2 } else { 5 }),
         quarantine: Duration::from_secs(if short { 5 } else { 30 }),
         level_samples: 5,
-        max_heap_delta_bytes: 64 * 1024,
+        // The target is 64 KiB (the full preset gates on it). The CI gate allows
+        // 128 KiB: with the API server pool fixed, five clean runs read -118.7 to
+        // +61.7 KiB, the idle reading's own spread; a leak of an identity's state
+        // per Job (60 Jobs) is what the gate is for, and lands far above either.
+        max_heap_delta_bytes: if short { 128 * 1024 } else { 64 * 1024 },
         max_rss_delta_bytes: (!short).then_some(2 * 1024 * 1024),
         // Off (`--heap-sample-lg` turns it on): the first profile's symbol tables
         // stay in the live heap it would explain (+119 MiB in a gate run).
