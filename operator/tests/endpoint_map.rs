@@ -511,7 +511,9 @@ async fn lookup_shows_the_claims_of_an_address_and_its_conflicts() -> TestResult
     assert_eq!(found.conflicts, 0);
 
     // The address reused on another node (its delete on node-a lost): the newer
-    // claim wins, the conflict is counted and kept.
+    // claim wins, the conflict is counted and kept. (node-b has reported before: a
+    // session's first snapshot claims as the oldest.)
+    c.agents[1].snapshot(Vec::new()).await?;
     c.agents[1]
         .snapshot(vec![endpoint("shop", "db-0", &["198.18.0.2"], db, DB)])
         .await?;
@@ -573,6 +575,7 @@ async fn an_ipv4_mapped_address_is_one_address_with_its_ipv4_form() -> TestResul
     assert!(answer.ack.rejected.is_empty(), "{:?}", answer.ack);
     let found = lookup(&c.op, "198.18.0.7").await??;
     assert_eq!(found.claims.len(), 1, "{found:?}");
+    c.agents[1].snapshot(Vec::new()).await?;
     c.agents[1]
         .snapshot(vec![endpoint("shop", "db-0", &["198.18.0.7"], db, DB)])
         .await?;

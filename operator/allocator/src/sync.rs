@@ -12,6 +12,7 @@ use super::{
     Accepted, AgentMsg, Allocator, Applied, CloseReason, ConnId, Core, Effect, Priority, StoreOp,
     SyncError, Timestamp,
     identities::{Phase, Waiter},
+    map::Standing,
     nodes::{Node, Persisted, ViewEntry},
 };
 
@@ -256,7 +257,14 @@ impl Allocator {
                 },
             );
         }
-        for (key, prev) in node.view.replace(&mut core.map, name, view, now) {
+        // A session's first snapshot may carry what a view dropped meanwhile no longer
+        // knows to be stale: its claims do not take addresses claimed by others.
+        let standing = if first {
+            Standing::Oldest
+        } else {
+            Standing::Newest
+        };
+        for (key, prev) in node.view.replace(&mut core.map, name, view, standing, now) {
             if !node.view.contains_key(&key) {
                 core.dec(prev.id);
                 changes += 1;

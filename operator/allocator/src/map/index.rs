@@ -68,6 +68,18 @@ impl Claim {
     }
 }
 
+/// Where a new claim stands among an address's claims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// The most recent: it takes the address (unless a node's own address holds it).
+    Newest,
+    /// Older than every claim there: it takes the address only if nobody claims it.
+    /// A session's first snapshot claims so: what an agent reports after its view
+    /// was dropped (silence, a restart of either side) may be stale, and must not
+    /// take an address from a claim made meanwhile.
+    Oldest,
+}
+
 /// What watchers see of an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Winner {
@@ -361,8 +373,13 @@ impl EndpointIndex {
         table(&self.v4) + table(&self.v6) + many
     }
 
-    /// `node`'s claimant `key` claims `ip` for `identity`. A claim already there with
-    /// the same identity is no news; with another identity it is a new claim.
+    /// `node`'s claimant `key` claims `ip` for `identity`, standing as `standing`
+    /// says among the claims there. A claim already there with the same identity is
+    /// no news; with another identity it is a new claim.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one claim's parts, named at the call"
+    )]
     pub(crate) fn claim(
         &mut self,
         ip: IpAddr,
@@ -370,6 +387,7 @@ impl EndpointIndex {
         key: u64,
         endpoint: Option<&EndpointKey>,
         identity: IdentityId,
+        standing: Standing,
         now: Timestamp,
     ) {
         let claim = Claim {
@@ -379,8 +397,8 @@ impl EndpointIndex {
             identity,
         };
         let edit = match ip {
-            IpAddr::V4(a) => claim_in(&mut self.v4, a, claim),
-            IpAddr::V6(a) => claim_in(&mut self.v6, a, claim),
+            IpAddr::V4(a) => claim_in(&mut self.v4, a, claim, standing),
+            IpAddr::V6(a) => claim_in(&mut self.v6, a, claim, standing),
         };
         if edit.conflict {
             let record = self.conflict_record(&claim, endpoint, &edit, now);
@@ -456,7 +474,8 @@ impl EndpointIndex {
             self.unclaim(*ip, ix, ADDRESS);
         }
         for ip in addresses.iter().filter(|ip| old.binary_search(ip).is_err()) {
-            self.claim(*ip, ix, ADDRESS, None, IdentityId::REMOTE_NODE, now);
+            let id = IdentityId::REMOTE_NODE;
+            self.claim(*ip, ix, ADDRESS, None, id, Standing::Newest, now);
         }
         // Set to nothing by a node without endpoints, the slot was left without
         // claims by the last unclaim, which queued it to be freed at the next take.
@@ -571,7 +590,12 @@ impl EndpointIndex {
     }
 }
 
-fn claim_in<K: Hash + Eq>(map: &mut HashMap<K, Slot>, k: K, claim: Claim) -> Edit {
+fn claim_in<K: Hash + Eq>(
+    map: &mut HashMap<K, Slot>,
+    k: K,
+    claim: Claim,
+    standing: Standing,
+) -> Edit {
     use std::collections::hash_map::Entry;
     let slot = match map.entry(k) {
         Entry::Vacant(v) => {
@@ -600,8 +624,12 @@ fn claim_in<K: Hash + Eq>(map: &mut HashMap<K, Slot>, k: K, claim: Claim) -> Edi
         }
         Slot::One(c) => {
             let old = *c;
+            let claims = match standing {
+                Standing::Newest => vec![old, claim],
+                Standing::Oldest => vec![claim, old],
+            };
             *slot = Slot::Many(Box::new(Contested {
-                claims: vec![old, claim],
+                claims,
                 conflicts: 0,
                 history: VecDeque::new(),
             }));
@@ -621,11 +649,11 @@ fn claim_in<K: Hash + Eq>(map: &mut HashMap<K, Slot>, k: K, claim: Claim) -> Edi
                 }
                 Some(i) => {
                     m.claims.remove(i);
-                    m.claims.push(claim);
+                    stand(&mut m.claims, claim, standing);
                     edit.conflict = len > 1;
                 }
                 None => {
-                    m.claims.push(claim);
+                    stand(&mut m.claims, claim, standing);
                     edit.claims = 1;
                     edit.contested = i8::from(len == 1);
                     edit.conflict = true;
@@ -637,6 +665,14 @@ fn claim_in<K: Hash + Eq>(map: &mut HashMap<K, Slot>, k: K, claim: Claim) -> Edi
     edit.won = after.same_claimant(claim.node, claim.key);
     edit.after = Some(after.winner());
     edit
+}
+
+/// Puts `claim` among `claims` (oldest first) where `standing` says.
+fn stand(claims: &mut Vec<Claim>, claim: Claim, standing: Standing) {
+    match standing {
+        Standing::Newest => claims.push(claim),
+        Standing::Oldest => claims.insert(0, claim),
+    }
 }
 
 fn unclaim_in<K: Hash + Eq>(

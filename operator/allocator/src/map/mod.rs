@@ -11,7 +11,7 @@ use super::{Allocator, ConnId, Liveness, Timestamp};
 mod index;
 pub(crate) mod view;
 
-pub(crate) use self::index::EndpointIndex;
+pub(crate) use self::index::{EndpointIndex, Standing};
 #[cfg(test)]
 pub(crate) use self::index::{HISTORY, SLOT_BYTES};
 

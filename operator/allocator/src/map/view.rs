@@ -14,7 +14,7 @@ use super::{
         nodes::{Addrs, ViewEntry},
     },
     MapNodeIndex,
-    index::{EndpointIndex, key_hash},
+    index::{EndpointIndex, Standing, key_hash},
 };
 
 #[derive(Debug, Default)]
@@ -87,7 +87,8 @@ impl View {
             unclaim_gone(ix, node, hash, prev, Some(&entry));
         }
         if let Some(n) = n {
-            claim_new(ix, n, hash, &key, prev, &entry, now);
+            let claimant = (n, hash, &key);
+            claim_new(ix, claimant, prev, &entry, Standing::Newest, now);
         }
         self.entries.insert(key, entry)
     }
@@ -105,12 +106,13 @@ impl View {
 
     /// Replaces the whole view (a snapshot); returns the old entries. Claims that go
     /// end before new ones are made, so an address moving between two endpoints of
-    /// this node is no conflict.
+    /// this node is no conflict; the new ones stand as `standing` says.
     pub(crate) fn replace(
         &mut self,
         ix: &mut EndpointIndex,
         node: &NodeName,
         entries: HashMap<EndpointKey, ViewEntry>,
+        standing: Standing,
         now: Timestamp,
     ) -> HashMap<EndpointKey, ViewEntry> {
         let old = std::mem::replace(&mut self.entries, entries);
@@ -123,7 +125,8 @@ impl View {
                 continue;
             }
             let n = *n.get_or_insert_with(|| ix.nodes.index_for(node));
-            claim_new(ix, n, key_hash(key), key, old.get(key), entry, now);
+            let claimant = (n, key_hash(key), key);
+            claim_new(ix, claimant, old.get(key), entry, standing, now);
         }
         old
     }
@@ -226,20 +229,20 @@ fn unclaim_gone(
 }
 
 /// Makes the claims of `entry` that `prev` (the entry it replaces, if any) did not
-/// make: its new addresses, or every address if the identity changed.
+/// make: its new addresses, or every address if the identity changed. The claimant
+/// is the node's index, the key's hash and the key.
 fn claim_new(
     ix: &mut EndpointIndex,
-    n: MapNodeIndex,
-    hash: u64,
-    key: &EndpointKey,
+    (n, hash, key): (MapNodeIndex, u64, &EndpointKey),
     prev: Option<&ViewEntry>,
     entry: &ViewEntry,
+    standing: Standing,
     now: Timestamp,
 ) {
     for ip in distinct(&entry.ips) {
         let same = prev.is_some_and(|p| p.id == entry.id && p.ips.contains(&ip));
         if !same {
-            ix.claim(ip, n, hash, Some(key), entry.id, now);
+            ix.claim(ip, n, hash, Some(key), entry.id, standing, now);
         }
     }
 }

@@ -199,12 +199,19 @@ struct Agent {
     name: &'static str,
     conn: ConnId,
     seq: u64,
+    /// The session has sent a snapshot.
+    snapshotted: bool,
 }
 
 impl Agent {
     fn new(h: &mut Harness, name: &'static str, start: u64) -> Self {
         let conn = ok(h.hello(name, session(start)));
-        Self { name, conn, seq: 0 }
+        Self {
+            name,
+            conn,
+            seq: 0,
+            snapshotted: false,
+        }
     }
 
     fn next(&mut self) -> u64 {
@@ -834,8 +841,10 @@ fn arb_step() -> impl Strategy<Value = Step> {
     ]
 }
 
-/// Claimant -> (identity, when it claimed: the step that made the claim).
-type Model = BTreeMap<IpAddr, BTreeMap<(NodeName, Option<EndpointKey>), (IdentityId, u64)>>;
+/// Claimant -> (identity, when it claimed: the step that made the claim, negated for
+/// a claim of a session's first snapshot, which stands older than every other and
+/// than those made before it so).
+type Model = BTreeMap<IpAddr, BTreeMap<(NodeName, Option<EndpointKey>), (IdentityId, i64)>>;
 
 /// Every claim of the views, and of the addresses the test set.
 fn claims_now(a: &Allocator, addresses: &[Vec<IpAddr>]) -> Claims {
@@ -878,6 +887,8 @@ struct Seen {
     gone: u64,
     address_wins: u64,
     reuse: u64,
+    /// Claims of a session's first snapshot on an address others claim.
+    first_snapshot_contests: u64,
 }
 
 fn run(steps: Vec<Step>, seen: &RefCell<Seen>) -> Result<(), TestCaseError> {
@@ -890,7 +901,10 @@ fn run(steps: Vec<Step>, seen: &RefCell<Seen>) -> Result<(), TestCaseError> {
     let mut last_winner: BTreeMap<IpAddr, (NodeName, Option<EndpointKey>)> = BTreeMap::new();
     let mut addresses: Vec<Vec<IpAddr>> = vec![Vec::new(); NODES.len()];
     for (i, step) in steps.into_iter().enumerate() {
-        let step_no = i as u64 + 1;
+        let step_no = i as i64 + 1;
+        // Claims this step makes: at the step, or older than all (a session's first
+        // snapshot).
+        let mut claimed_at = step_no;
         match step {
             Step::Upsert {
                 node,
@@ -924,6 +938,9 @@ fn run(steps: Vec<Step>, seen: &RefCell<Seen>) -> Result<(), TestCaseError> {
             }
             Step::Snapshot { node } => {
                 let mut ag = agent(&mut agents, &mut start, &mut h, node);
+                if !std::mem::replace(&mut ag.snapshotted, true) {
+                    claimed_at = -step_no;
+                }
                 ag.snapshot(&mut h, truth[node].values().cloned().collect());
                 agents[node] = Some(ag);
             }
@@ -959,11 +976,18 @@ fn run(steps: Vec<Step>, seen: &RefCell<Seen>) -> Result<(), TestCaseError> {
                 .and_then(|m| m.get(&(name.clone(), key.clone())));
             let at = match before {
                 Some((i, at)) if *i == identity => *at,
-                _ => step_no,
+                _ => claimed_at,
             };
             next.entry(ip)
                 .or_default()
                 .insert((name, key), (identity, at));
+        }
+        if claimed_at < 0 {
+            let contested = next
+                .values()
+                .filter(|m| m.len() > 1 && m.values().any(|(_, at)| *at == claimed_at))
+                .count();
+            seen.borrow_mut().first_snapshot_contests += contested as u64;
         }
         model = next;
         check_winners(&h.alloc, &model, &mut last_winner, seen)?;
@@ -1090,6 +1114,10 @@ fn the_map_is_the_truth_of_the_views_and_replays_to_itself() {
         ("Nodes gone", s.gone),
         ("node addresses winning over endpoints", s.address_wins),
         ("addresses reused", s.reuse),
+        (
+            "a session's first snapshot meeting others' claims",
+            s.first_snapshot_contests,
+        ),
     ] {
         assert!(n >= 10, "{what}: {n} in the fixed set");
     }
