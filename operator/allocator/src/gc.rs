@@ -23,6 +23,7 @@ impl Allocator {
     /// Advances time to `now`.
     pub fn tick(&mut self, now: Timestamp) {
         self.end_adoption_window(now);
+        self.end_search_from_top();
         self.expire_calls(now);
         self.forget_gone(now);
         self.expire_holds(now);
@@ -40,6 +41,19 @@ impl Allocator {
         self.refill_budget(now);
         self.retry_due(now);
         self.delete_released(now);
+    }
+
+    /// New ids follow the cursor again once every node known at start has reported
+    /// or been dropped (every id an agent held is known by then), or, if none was
+    /// known, when the restart protection ends.
+    fn end_search_from_top(&mut self) {
+        if !self.core.ids.searching_from_top() {
+            return;
+        }
+        let reported = self.core.known_at_start && !self.nodes.values().any(|n| n.awaited);
+        if reported || self.core.protect_until.is_none() {
+            self.core.ids.search_after_cursor();
+        }
     }
 
     /// Once the adoption window has passed, every node with entries it left pending
@@ -68,6 +82,7 @@ impl Allocator {
             return;
         }
         for name in names {
+            self.core.known_at_start = true;
             self.nodes.entry(name).or_insert_with(|| {
                 let mut node = Node::new(now, Persisted::Yes);
                 node.awaited = true;

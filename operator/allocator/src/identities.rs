@@ -134,6 +134,9 @@ pub(crate) struct Identities {
     /// The last id handed out; the search for a free one continues after it, so a
     /// freed id is reused as late as possible.
     cursor: u32,
+    /// While set, the search goes down from this id instead (see
+    /// [`Self::search_from_top`]).
+    top: Option<u32>,
     /// Ids of the range that are bound, quarantined or blocked.
     used_in_range: u64,
     /// Every id whose entry was borrowed mutably or created since the last drain,
@@ -152,6 +155,7 @@ impl Identities {
             quarantine: HashMap::new(),
             blocked: BTreeMap::new(),
             cursor: range.last().get(),
+            top: None,
             used_in_range: 0,
             touched: BTreeMap::new(),
         }
@@ -355,10 +359,30 @@ impl Identities {
         }
     }
 
+    /// New ids are searched for from the top of the range down until
+    /// [`Self::search_after_cursor`]: after a start on a store that may have lost its
+    /// last bindings, which follow the cursor from the highest id it kept, while an
+    /// agent that still holds them may not have reported yet.
+    pub(crate) fn search_from_top(&mut self) {
+        self.top = Some(self.range.last().get());
+    }
+
+    pub(crate) fn searching_from_top(&self) -> bool {
+        self.top.is_some()
+    }
+
+    /// New ids are searched for after the cursor again.
+    pub(crate) fn search_after_cursor(&mut self) {
+        self.top = None;
+    }
+
     /// Finds a free id of the range: not bound, quarantined or blocked.
     pub(crate) fn free_id(&mut self) -> Option<IdentityId> {
         if self.used_in_range >= self.range.size() {
             return None;
+        }
+        if let Some(top) = self.top {
+            return self.free_id_below(top);
         }
         let mut candidate = self.range.next_after(self.cursor);
         for _ in 0..self.range.size() {
@@ -370,6 +394,25 @@ impl Identities {
                 return Some(candidate);
             }
             candidate = self.range.next_after(candidate.get());
+        }
+        None
+    }
+
+    /// The highest free id at or below `top`, wrapping to the top of the range.
+    fn free_id_below(&mut self, top: u32) -> Option<IdentityId> {
+        let (first, last) = (self.range.first().get(), self.range.last().get());
+        let below = |id: u32| if id > first { id - 1 } else { last };
+        let mut candidate = top;
+        for _ in 0..self.range.size() {
+            let id = IdentityId::new(candidate)?;
+            if !self.entries.contains_key(&id)
+                && !self.quarantine.contains_key(&id)
+                && !self.blocked.contains_key(&id)
+            {
+                self.top = Some(below(candidate));
+                return Some(id);
+            }
+            candidate = below(candidate);
         }
         None
     }

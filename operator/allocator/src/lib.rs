@@ -68,6 +68,10 @@ struct Core {
     /// Nothing is released before this (after a restart, every node gets a node TTL
     /// to snapshot first). `None` once passed.
     protect_until: Option<Timestamp>,
+    /// Nodes were known at start (from the store, or the cluster's Nodes): the search
+    /// for new ids from the top ends once all have reported, not only with
+    /// `protect_until`.
+    known_at_start: bool,
     /// No new id is handed out before this (the store was empty at start): not to
     /// Allocate, nor to snapshot entries or rehomed endpoints.
     new_ids_after: Timestamp,
@@ -140,15 +144,20 @@ impl Allocator {
         // New ids go past the highest id the store kept: a store that lost some
         // bindings (not all, so no adoption window) most likely lost them below it,
         // and an agent that has not reported yet may still hold one of those.
-        ids.start_after(
-            loaded
-                .tombstones
-                .iter()
-                .map(|t| t.id)
-                .chain(ids.ids())
-                .filter(|&id| cfg.range.contains(id))
-                .max(),
-        );
+        let kept = loaded
+            .tombstones
+            .iter()
+            .map(|t| t.id)
+            .chain(ids.ids())
+            .filter(|&id| cfg.range.contains(id))
+            .max();
+        ids.start_after(kept);
+        // Those it lost last follow the highest it kept: until every node known at
+        // start has reported (or, none known, for the restart protection), new ids
+        // come from the top.
+        if kept.is_some() {
+            ids.search_from_top();
+        }
         for tomb in loaded.tombstones {
             let until = Timestamp::from_millis(tomb.until_ms);
             if until <= now || ids.get(tomb.id).is_some() {
@@ -166,6 +175,7 @@ impl Allocator {
                 );
             }
         }
+        let known_at_start = !loaded.nodes.is_empty();
         let nodes = loaded
             .nodes
             .into_iter()
@@ -184,6 +194,7 @@ impl Allocator {
             nodes,
             core: Core {
                 protect_until: Some(now.plus(cfg.node_ttl)),
+                known_at_start,
                 new_ids_after,
                 deferred: BTreeSet::new(),
                 gone: BTreeMap::new(),
