@@ -465,7 +465,7 @@ impl<'a> Phase<'a> {
         let p = self.p;
         // Time to identity, on a probe pod created every PROBE_EVERY Jobs.
         let mut ready =
-            ready::Tracker::start(&self.plane.0, &self.jobs_ns, self.census.agent_pins())?;
+            ready::Tracker::start(&self.plane.0, &self.jobs_ns, self.census.probe_nodes())?;
         say(format!(
             "creating {} Jobs one `kubectl create` at a time (as the report's loop)",
             p.jobs

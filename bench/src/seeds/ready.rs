@@ -19,17 +19,21 @@
 //! - a poller looking up the pending pods' addresses in every agent's pinned
 //!   `ENDPOINTS` (read-only, as `census bpf endpoints` does) every
 //!   [`POLL`]: when the entry first carries the pod's id on its own node (T2) and on
-//!   each other node (T3).
+//!   each other node (T3), and when its own node's entry is LOCAL with it (T4: the
+//!   agent found the pod's device and attached to it).
 //!
 //! A pod whose entry shows up before its Identity object's watch event is counted
 //! from the moment the id is known: the figures can only err long, by the watch's
 //! lag (milliseconds).
 //!
-//! The probes have no network namespace: their entries are written without LOCAL,
-//! as for any endpoint whose device the agent has not found. The agent writes an
-//! endpoint's entry, identity included, before it attaches to its device (see
-//! docs/agent.md), so the time to identity is the same; the attachment after it
-//! (about 26 ms per interface with TCX) is `cargo xtask bench-agent`'s figure.
+//! **Each probe gets a network namespace** with its kwok address, as a CNI plugin
+//! gives a pod: a fourth thread, on the pod watch's word, creates it with a veth
+//! whose host side is in the probe's node's namespace (the agent's) and a /32 (or
+//! /128) route to the address through it, and deletes it when the probe is deleted.
+//! On a real node the device exists before the pod is Running; kwok gives the
+//! address only then, so here it comes a few milliseconds after (T0 -> wired, in
+//! the stages). The agent writes an endpoint's entry, identity included, before it
+//! attaches to its device (docs/agent.md): T2 does not wait for the device, T4 does.
 
 use std::{
     collections::HashMap,
@@ -47,6 +51,7 @@ use std::{
 
 use anyhow::Context as _;
 use census_agent::bpf::Inspector;
+use census_netlab::Netns;
 use parking_lot::Mutex;
 use serde::Serialize;
 use serde_json::Value;
@@ -73,6 +78,31 @@ struct Pod {
     running: Instant,
     /// When each node's entry first carried its identity.
     written: Vec<Option<Instant>>,
+    /// When its network namespace was wired behind its node.
+    wired: Option<Instant>,
+    /// When its own node's entry first was LOCAL with its identity.
+    attached: Option<Instant>,
+}
+
+/// One node the figures look at: its name, the agent's pins and its network
+/// namespace (where the host side of each probe's veth goes).
+#[derive(Debug, Clone)]
+pub(crate) struct Node {
+    pub(crate) name: String,
+    pub(crate) pins: PathBuf,
+    pub(crate) netns: String,
+}
+
+/// What the wiring thread is told.
+enum Wiring {
+    /// A probe runs at `ip` on node `node`: give it a network namespace.
+    Wire {
+        probe: String,
+        ip: IpAddr,
+        node: usize,
+    },
+    /// The probe is deleted: its namespace goes.
+    Unwire { probe: String },
 }
 
 #[derive(Debug, Default)]
@@ -99,6 +129,14 @@ pub(crate) struct TimeToIdentity {
     /// T2 -> T3: the agent's report, the operator's map stream, the other agent's
     /// write.
     pub(crate) own_map_to_other_maps: Latency,
+    /// T0 -> T4: Running to the own node's entry LOCAL with the identity.
+    pub(crate) attached: Latency,
+    /// T0 -> the probe's namespace wired (this harness, not census).
+    pub(crate) running_to_wired: Latency,
+    /// Wired -> T4: the agent's link event, route lookup, attachment and write.
+    pub(crate) wired_to_attached: Latency,
+    /// Probes whose own entry never became LOCAL with their identity.
+    pub(crate) never_attached: usize,
 }
 
 /// The watches and the poller, running until [`Tracker::stop`].
@@ -111,15 +149,17 @@ pub(crate) struct Tracker {
     seen: Arc<Mutex<Seen>>,
     watches: Vec<Child>,
     threads: Vec<JoinHandle<()>>,
+    wiring: std::sync::mpsc::Sender<Wiring>,
 }
 
 impl Tracker {
-    /// Starts watching the probes of `namespace` and the Identity objects, and
-    /// polling the pins of `nodes` (name, pin directory, in the agents' order).
+    /// Starts watching the probes of `namespace` and the Identity objects, wiring
+    /// each probe's namespace behind its node, and polling the pins of `nodes` (in
+    /// the agents' order).
     pub(crate) fn start(
         plane: &census_cluster::ControlPlane,
         namespace: &str,
-        nodes: Vec<(String, PathBuf)>,
+        nodes: Vec<Node>,
     ) -> anyhow::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let seen = Arc::new(Mutex::new(Seen::default()));
@@ -138,18 +178,23 @@ impl Tracker {
             .stderr(Stdio::null())
             .spawn()
             .context("kubectl get identities --watch")?;
-        let names: Vec<String> = nodes.iter().map(|(n, _)| n.clone()).collect();
+        let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
         let pod_out = pods.stdout.take().context("the pod watch's stdout")?;
         let id_out = identities
             .stdout
             .take()
             .context("the Identity watch's stdout")?;
+        let (wiring, orders) = std::sync::mpsc::channel();
+        let wire = wiring.clone();
         let threads = vec![
             watch(pod_out, seen.clone(), move |seen, object| {
-                pod_event(seen, object, &names);
+                if let Some(order) = pod_event(seen, object, &names) {
+                    let _ = wire.send(order);
+                }
             }),
             watch(id_out, seen.clone(), identity_event),
-            poller(nodes, seen.clone(), stop.clone())?,
+            wirer(&nodes, orders, seen.clone()),
+            poller(&nodes, seen.clone(), stop.clone())?,
         ];
         Ok(Self {
             plane: plane.clone(),
@@ -159,6 +204,7 @@ impl Tracker {
             seen,
             watches: vec![pods, identities],
             threads,
+            wiring,
         })
     }
 
@@ -192,6 +238,9 @@ impl Tracker {
         self.plane
             .kubectl_ok(&["-n", &self.namespace, "delete", "pod", name, "--wait=false"])
             .map_err(|e| anyhow::anyhow!("deleting {name}: {e}"))?;
+        let _ = self.wiring.send(Wiring::Unwire {
+            probe: name.to_owned(),
+        });
         Ok(())
     }
 
@@ -200,12 +249,9 @@ impl Tracker {
     pub(crate) fn stop(mut self) -> anyhow::Result<TimeToIdentity> {
         let waiting = Instant::now();
         while waiting.elapsed() < GIVE_UP
-            && self
-                .seen
-                .lock()
-                .pods
-                .values()
-                .any(|p| p.written.contains(&None))
+            && self.seen.lock().pods.values().any(|p| {
+                p.running.elapsed() < GIVE_UP && (p.written.contains(&None) || p.attached.is_none())
+            })
         {
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -217,6 +263,9 @@ impl Tracker {
             let _ = w.kill();
             let _ = w.wait();
         }
+        // The wiring thread ends with its last sender, and deletes what it wired.
+        let (closed, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.wiring, closed));
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -240,31 +289,105 @@ fn watch(
     })
 }
 
-fn pod_event(seen: &mut Seen, pod: &Value, nodes: &[String]) {
+/// Records a probe first seen Running with an IP; the order to wire it.
+fn pod_event(seen: &mut Seen, pod: &Value, nodes: &[String]) -> Option<Wiring> {
     let now = Instant::now();
-    let Some(uid) = pod["metadata"]["uid"].as_str() else {
-        return;
-    };
+    let uid = pod["metadata"]["uid"].as_str()?;
     if seen.pods.contains_key(uid) || pod["status"]["phase"] != "Running" {
-        return;
+        return None;
     }
     let ip = pod["status"]["podIP"].as_str().and_then(|s| s.parse().ok());
     let probe = pod["metadata"]["labels"][PROBE_LABEL].as_str();
     let node = pod["spec"]["nodeName"]
         .as_str()
         .and_then(|n| nodes.iter().position(|m| m == n));
-    if let (Some(ip), Some(probe), Some(node)) = (ip, probe, node) {
-        seen.pods.insert(
-            uid.to_owned(),
-            Pod {
-                probe: probe.to_owned(),
-                ip,
-                node,
-                running: now,
-                written: vec![None; nodes.len()],
-            },
+    let (ip, probe, node) = (ip?, probe?, node?);
+    seen.pods.insert(
+        uid.to_owned(),
+        Pod {
+            probe: probe.to_owned(),
+            ip,
+            node,
+            running: now,
+            written: vec![None; nodes.len()],
+            wired: None,
+            attached: None,
+        },
+    );
+    Some(Wiring::Wire {
+        probe: probe.to_owned(),
+        ip,
+        node,
+    })
+}
+
+/// Carries out the wiring orders until every sender is gone, then deletes the
+/// namespaces left. A probe whose wiring fails is reported and left unwired (its
+/// T4 never comes).
+fn wirer(
+    nodes: &[Node],
+    orders: std::sync::mpsc::Receiver<Wiring>,
+    seen: Arc<Mutex<Seen>>,
+) -> JoinHandle<()> {
+    let netns: Vec<String> = nodes.iter().map(|n| n.netns.clone()).collect();
+    std::thread::spawn(move || {
+        let mut wired: HashMap<String, Netns> = HashMap::new();
+        for order in orders {
+            match order {
+                Wiring::Wire { probe, ip, node } => match wire(&netns[node], &probe, ip) {
+                    Ok(ns) => {
+                        let at = Instant::now();
+                        if let Some(pod) = seen.lock().pods.values_mut().find(|p| p.probe == probe)
+                        {
+                            pod.wired = Some(at);
+                        }
+                        wired.insert(probe, ns);
+                    }
+                    Err(e) => crate::report::say(format!("wiring {probe}'s namespace: {e:#}")),
+                },
+                Wiring::Unwire { probe } => drop(wired.remove(&probe)),
+            }
+        }
+    })
+}
+
+/// A network namespace for `probe` at `ip`: `eth0` in it, the veth's other end in
+/// the node's namespace `node` with a route to `ip` (as a CNI plugin wires a pod).
+fn wire(node: &str, probe: &str, ip: IpAddr) -> anyhow::Result<Netns> {
+    let ns = Netns::create_with_prefix("seeds", probe)?;
+    // Interface names are at most 15 bytes: `p` and the probe's number.
+    let host = format!("p{}", probe.trim_start_matches("probe-"));
+    let prefix = if ip.is_ipv4() { 32 } else { 128 };
+    let in_node = |args: &[&str]| -> anyhow::Result<()> {
+        let out = std::process::Command::new("ip")
+            .args(["-n", node])
+            .args(args)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "ip -n {node} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
         );
-    }
+        Ok(())
+    };
+    in_node(&[
+        "link",
+        "add",
+        &host,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        ns.name(),
+    ])?;
+    ns.ip(&["addr", "add", &format!("{ip}/{prefix}"), "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    in_node(&["link", "set", &host, "up"])?;
+    in_node(&["route", "replace", &format!("{ip}/{prefix}"), "dev", &host])?;
+    Ok(ns)
 }
 
 fn identity_event(seen: &mut Seen, object: &Value) {
@@ -289,14 +412,15 @@ fn identity_event(seen: &mut Seen, object: &Value) {
 /// Every [`POLL`], looks up the entry of each pod not yet written everywhere whose
 /// id is known, on each node not yet carrying it.
 fn poller(
-    nodes: Vec<(String, PathBuf)>,
+    nodes: &[Node],
     seen: Arc<Mutex<Seen>>,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<JoinHandle<()>> {
     let maps = nodes
         .iter()
-        .map(|(node, pins)| {
-            Inspector::open(pins).with_context(|| format!("{node}'s pins at {}", pins.display()))
+        .map(|n| {
+            Inspector::open(&n.pins)
+                .with_context(|| format!("{}'s pins at {}", n.name, n.pins.display()))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(std::thread::spawn(move || {
@@ -313,13 +437,17 @@ fn poller(
                         continue;
                     };
                     for (k, map) in maps.iter().enumerate() {
-                        if pod.written[k].is_some() {
+                        let own = k == pod.node;
+                        if pod.written[k].is_some() && !(own && pod.attached.is_none()) {
                             continue;
                         }
                         if let Ok(Some(entry)) = map.endpoint(pod.ip)
                             && entry.identity == id
                         {
-                            pod.written[k] = Some(tick);
+                            pod.written[k].get_or_insert(tick);
+                            if own && entry.is_local() {
+                                pod.attached = Some(tick);
+                            }
                         }
                     }
                 }
@@ -335,8 +463,24 @@ fn figures(seen: &Seen) -> TimeToIdentity {
     let mut stored = Vec::new();
     let mut own_write = Vec::new();
     let mut spread = Vec::new();
+    let mut attached = Vec::new();
+    let mut to_wired = Vec::new();
+    let mut wired_to_attached = Vec::new();
     let mut never = 0;
+    let mut never_attached = 0;
     for pod in seen.pods.values() {
+        if let Some(wired) = pod.wired {
+            to_wired.push(wired.saturating_duration_since(pod.running));
+        }
+        match pod.attached {
+            Some(at) => {
+                attached.push(at.saturating_duration_since(pod.running));
+                if let Some(wired) = pod.wired {
+                    wired_to_attached.push(at.saturating_duration_since(wired));
+                }
+            }
+            None => never_attached += 1,
+        }
         let Some(Some(own_at)) = pod.written.get(pod.node).copied() else {
             never += 1;
             continue;
@@ -361,6 +505,10 @@ fn figures(seen: &Seen) -> TimeToIdentity {
         running_to_stored: Latency::of(stored),
         stored_to_own_map: Latency::of(own_write),
         own_map_to_other_maps: Latency::of(spread),
+        attached: Latency::of(attached),
+        running_to_wired: Latency::of(to_wired),
+        wired_to_attached: Latency::of(wired_to_attached),
+        never_attached,
     }
 }
 
@@ -394,6 +542,19 @@ impl TimeToIdentity {
             format!(
                 "          own map -> other nodes' maps {}",
                 ms(&self.own_map_to_other_maps)
+            ),
+            format!(
+                "  attached (own entry LOCAL) {}  ({} never)",
+                ms(&self.attached),
+                self.never_attached
+            ),
+            format!(
+                "  stages: Running -> namespace wired  {}",
+                ms(&self.running_to_wired)
+            ),
+            format!(
+                "          wired -> attached           {}",
+                ms(&self.wired_to_attached)
             ),
         ]
     }

@@ -355,10 +355,15 @@ impl Census {
     }
 
     /// Each agent's node and pin directory, in node order.
-    pub(crate) fn agent_pins(&self) -> Vec<(String, PathBuf)> {
+    /// Each agent's node, pins and network namespace, in the agents' order.
+    pub(crate) fn probe_nodes(&self) -> Vec<super::ready::Node> {
         self.agents
             .iter()
-            .map(|a| (a.node.clone(), a.pins.clone()))
+            .map(|a| super::ready::Node {
+                name: a.node.clone(),
+                pins: a.pins.clone(),
+                netns: a.ns.name().to_owned(),
+            })
             .collect()
     }
 
