@@ -42,6 +42,7 @@ use futures::{StreamExt as _, stream::BoxStream};
 use kube::{
     Api, Resource,
     api::{ListParams, WatchEvent, WatchParams},
+    core::Status,
 };
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
@@ -149,37 +150,40 @@ pub struct Failure {
     pub kind: &'static str,
     /// What happened, for people.
     pub detail: String,
-    /// The API server's status code, if it answered with one.
+    /// The API server's status code and reason (`Expired`, `TooManyRequests`), if
+    /// it answered with a Status.
     pub code: Option<u16>,
+    pub reason: Option<String>,
     /// At least this long before the next try (a 429's `retryAfterSeconds`).
     retry_after: Duration,
 }
 
 impl Failure {
-    fn new(kind: &'static str, detail: String, code: Option<u16>) -> Self {
+    fn new(kind: &'static str, detail: String, status: Option<&Status>) -> Self {
         Self {
             kind,
             detail,
-            code,
+            code: status.map(|s| s.code),
+            reason: status.map(|s| s.reason.clone()),
             retry_after: Duration::ZERO,
         }
     }
 
     fn from_error(what: &'static str, error: &kube::Error) -> Self {
-        let (kind, code, retry_after) = match error {
-            kube::Error::Api(status) if status.code == 429 => (
+        let status = match error {
+            kube::Error::Api(status) => Some(&**status),
+            _ => None,
+        };
+        let (kind, retry_after) = match status {
+            Some(status) if status.code == 429 => (
                 "throttled",
-                Some(status.code),
                 status.details.as_ref().map_or(0, |d| d.retry_after_seconds),
             ),
-            kube::Error::Api(status) => (what, Some(status.code), 0),
-            _ => (what, None, 0),
+            _ => (what, 0),
         };
         Self {
-            kind,
-            detail: format!("the {what} failed: {error}"),
-            code,
             retry_after: Duration::from_secs(retry_after.into()),
+            ..Self::new(kind, format!("the {what} failed: {error}"), status)
         }
     }
 }
@@ -265,7 +269,7 @@ where
             match self.api.watch(&self.watch, &version).await {
                 Ok(stream) => stream.boxed(),
                 Err(kube::Error::Api(status)) if status.code == 410 => {
-                    return self.expired(&status.message).await;
+                    return self.expired(&status).await;
                 }
                 Err(error) => {
                     let failure = Failure::from_error("watch", &error);
@@ -295,13 +299,13 @@ where
                             None
                         }
                         Some(Ok(WatchEvent::Error(status))) if status.code == 410 => {
-                            return self.expired(&status.message).await;
+                            return self.expired(&status).await;
                         }
                         Some(Ok(WatchEvent::Error(status))) => {
                             let failure = Failure::new(
                                 "watch",
                                 format!("the watch failed: {} ({})", status.message, status.code),
-                                Some(status.code),
+                                Some(&status),
                             );
                             let delay = self.backoff.next_delay();
                             self.fail(failure, delay).await;
@@ -345,11 +349,14 @@ where
 
     /// 410 Gone: the resourceVersion is compacted; only a list can say what is
     /// gone since.
-    async fn expired(&mut self, message: &str) -> Step {
+    async fn expired(&mut self, status: &Status) -> Step {
         let failure = Failure::new(
             "expired",
-            format!("the watch's resourceVersion expired (410: {message}); listing again"),
-            Some(410),
+            format!(
+                "the watch's resourceVersion expired (410: {}); listing again",
+                status.message
+            ),
+            Some(status),
         );
         self.fail(failure, Duration::ZERO).await;
         Step::List
@@ -361,7 +368,8 @@ where
             return;
         }
         if !self.watched.failed(&failure, retry_in).await {
-            warn!(error = %failure.detail, ?retry_in, "watching {} failed; it resumes with backoff", W::WHAT);
+            let reason = failure.reason.as_deref().unwrap_or_default();
+            warn!(error = %failure.detail, reason, ?retry_in, "the watch of {} failed; it resumes with backoff", W::WHAT);
         }
         self.failing = Some(failure.detail);
     }
