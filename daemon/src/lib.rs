@@ -4,6 +4,9 @@
 //!   and the jemalloc options that make freed memory go back to the OS;
 //! - [`apiserver`]: the client of the Kubernetes API server, kube's stack over a
 //!   connection pool with a cap on idle connections and an idle timeout;
+//! - [`watch`]: the one list policy and the one driver of every Kubernetes watch
+//!   (a list and a watch that resumes, into a [`watch::Watched`]);
+//! - [`backoff`]: capped, jittered exponential backoff;
 //! - [`profiling`]: jemalloc heap profiles in pprof format at `/debug/pprof/heap`,
 //!   compiled in, inactive unless the daemon runs with `--heap-profiling`;
 //! - [`metrics`]: `/metrics` in the Prometheus text format or OpenMetrics, as the
@@ -22,6 +25,7 @@
 
 pub mod alloc;
 pub mod apiserver;
+pub mod backoff;
 pub mod fds;
 pub mod http;
 pub mod log;
@@ -29,6 +33,7 @@ pub mod metrics;
 pub mod pem;
 pub mod profiling;
 pub mod signal;
+pub mod watch;
 
 pub use self::{
     alloc::{CountingJemalloc, live_heap_bytes},

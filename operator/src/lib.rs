@@ -28,5 +28,4 @@ pub mod security;
 pub mod services;
 pub mod store;
 mod summary;
-pub mod watch;
 pub mod writer;

@@ -21,10 +21,11 @@ use serde::{
 };
 use tracing::{debug, info, warn};
 
+use census_daemon::watch::{self, Watched};
+
 use crate::{
     replica::{Admission, AdmissionError},
     runtime::Runtime,
-    watch::{self, Watched},
 };
 
 /// A Node reduced to what census reads while decoding.
@@ -291,7 +292,12 @@ pub async fn run(index: Arc<NodeIndex>, client: Client, runtime: Arc<Runtime>) {
         runtime,
         listing: Vec::new(),
     };
-    watch::drive(Api::<NodeAddresses>::all(client), nodes).await;
+    watch::drive(
+        Api::<NodeAddresses>::all(client),
+        &watch::Config::default(),
+        nodes,
+    )
+    .await;
 }
 
 /// The Nodes' watch, into the index and the core.

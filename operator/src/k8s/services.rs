@@ -13,21 +13,19 @@
 //! objects. A restart of a watch
 //! becomes one reset: objects gone during the gap are gone.
 
-use std::{borrow::Cow, net::IpAddr, sync::Arc};
+use std::{borrow::Cow, net::IpAddr, sync::Arc, time::Duration};
 
+use census_daemon::watch::{self, Failure, Watched};
 use census_proto::domain::{ServiceKind, ServicePort};
 use ipnet::IpNet;
 use k8s_openapi::{
     api::networking::v1::ServiceCIDR, apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use kube::{Api, Client, runtime::watcher};
+use kube::{Api, Client};
 use serde::{Deserialize, Deserializer};
 use tracing::{debug, info, warn};
 
-use crate::{
-    services::{Addresses, ClusterIps, ServiceAddresses},
-    watch::{self, Watched},
-};
+use crate::services::{Addresses, ClusterIps, ServiceAddresses};
 
 /// A Service reduced to its addresses while decoding.
 #[derive(Debug, Clone, Deserialize)]
@@ -240,16 +238,6 @@ fn cidr_ranges(object: &ServiceCIDR) -> Option<(String, Vec<IpNet>)> {
     Some((name, ranges))
 }
 
-/// Whether a watch failed because the API server does not serve the resource.
-fn not_served(error: &watcher::Error) -> bool {
-    match error {
-        watcher::Error::InitialListFailed(kube::Error::Api(status))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 404,
-        _ => false,
-    }
-}
-
 /// Watches the ServiceCIDR objects into `addresses` until the task is dropped. An
 /// API server that does not serve them (before 1.33) is asked again with backoff,
 /// said once.
@@ -259,7 +247,12 @@ pub async fn run_cidrs(addresses: Arc<ServiceAddresses>, client: Client) {
         listing: Vec::new(),
         said_not_served: false,
     };
-    watch::drive(Api::<ServiceCIDR>::all(client), cidrs).await;
+    watch::drive(
+        Api::<ServiceCIDR>::all(client),
+        &watch::Config::default(),
+        cidrs,
+    )
+    .await;
 }
 
 /// The ServiceCIDRs' watch, into the Service address set.
@@ -298,8 +291,9 @@ impl Watched<ServiceCIDR> for CidrWatch {
         }
     }
 
-    fn failed(&mut self, error: &watcher::Error) -> bool {
-        if !not_served(error) {
+    /// An API server that does not serve ServiceCIDRs answers 404.
+    async fn failed(&mut self, failure: &Failure, _retry_in: Duration) -> bool {
+        if failure.code != Some(404) {
             return false;
         }
         self.addresses.cidrs_not_served();
@@ -320,7 +314,12 @@ pub async fn run_services(addresses: Arc<ServiceAddresses>, client: Client) {
         addresses,
         listing: Vec::new(),
     };
-    watch::drive(Api::<ServiceAddressObject>::all(client), services).await;
+    watch::drive(
+        Api::<ServiceAddressObject>::all(client),
+        &watch::Config::default(),
+        services,
+    )
+    .await;
 }
 
 /// The Services' watch, into the Service address set.

@@ -101,6 +101,16 @@ struct Harness {
 impl Harness {
     /// Starts the source; `routes` are the interfaces of addresses, known from the start.
     async fn start(server: FakeApiServer, routes: &[(&str, &str)]) -> Fallible<Self> {
+        let client = server.client()?;
+        Self::start_with(server, client, routes).await
+    }
+
+    /// Starts the source on `client`.
+    async fn start_with(
+        server: FakeApiServer,
+        client: Client,
+        routes: &[(&str, &str)],
+    ) -> Fallible<Self> {
         let interfaces = Arc::new(FixedInterfaces::default());
         for (ip, interface) in routes {
             interfaces.set(ip, interface);
@@ -110,12 +120,7 @@ impl Harness {
             initial_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_millis(200),
         };
-        let source = PodSource::new(
-            server.client()?,
-            NodeName::new(NODE)?,
-            interfaces.clone(),
-            timing,
-        );
+        let source = PodSource::new(client, NodeName::new(NODE)?, interfaces.clone(), timing);
         let cached = source.cached_pods();
         let filter = source.label_filter();
         let (tx, events) = mpsc::channel(64);
@@ -721,6 +726,45 @@ async fn a_throttled_resume_waits_and_resumes_without_a_list() -> TestResult {
         after.at - throttled.at >= Duration::from_secs(1),
         "Retry-After is honoured: {:?}",
         after.at - throttled.at
+    );
+    assert_eq!(lists(&h.server), 1);
+    assert_only_this_nodes_pods(&h.server);
+    h.stop().await
+}
+
+/// A resume answered 429 whose Status names `retryAfterSeconds` (here with
+/// kube's own retries off, so the source sees it) waits at least that long,
+/// however short the backoff, then resumes without a list.
+#[tokio::test]
+async fn a_throttled_resume_waits_the_status_retry_after_seconds() -> TestResult {
+    let server = FakeApiServer::start().await?;
+    server.insert(pod("web-0", NODE, "10.1.0.5"))?;
+    let mut config = server.kube_config()?;
+    config.default_retry = false;
+    let client = Client::try_from(config)?;
+    let mut h = Harness::start_with(server, client, &[]).await?;
+    h.until("listed", |h| h.resets == 1).await?;
+    h.wait_for_watches(1).await?;
+    h.server.faults().fail_next(
+        RequestFilter::resource("pods").verb(Verb::Watch),
+        1,
+        Failure::TooManyRequests {
+            retry_after_secs: 2,
+        },
+    );
+    h.server.faults().drop_watches();
+    h.until("the throttling is reported", |h| h.failure.is_some())
+        .await?;
+    h.until("synced again", |h| h.failure.is_none() && h.resets == 2)
+        .await?;
+    assert_eq!(h.failures, ["throttled"]);
+    let watches = h.server.requests().watches_of("pods");
+    let codes: Vec<u16> = watches.iter().map(|w| w.code).collect();
+    assert_eq!(codes, [200, 429, 200]);
+    let waited = watches[2].at - watches[1].at;
+    assert!(
+        waited >= Duration::from_secs(2),
+        "retryAfterSeconds is honoured: {waited:?}"
     );
     assert_eq!(lists(&h.server), 1);
     assert_only_this_nodes_pods(&h.server);

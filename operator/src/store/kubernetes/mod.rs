@@ -280,7 +280,7 @@ impl KubeStore {
         let mut continue_token = None;
         loop {
             let params = ListParams {
-                limit: Some(crate::watch::PAGE),
+                limit: Some(census_daemon::watch::PAGE),
                 continue_token: continue_token.take(),
                 ..ListParams::default()
             };

@@ -1,17 +1,18 @@
 //! The watch of census's own Identity objects, into the index.
 //!
 //! Objects are read as `DynamicObject`s and parsed one by one, so a malformed object
-//! is reported (and its id blocked), never a failed list. A restart of the watch
-//! (`Init`, `InitApply`..., `InitDone`) becomes one reset of the index, which forgets
-//! what disappeared while the watch was down.
+//! is reported (and its id blocked), never a failed list. A list after a lost watch
+//! (`census_daemon::watch`) becomes one reset of the index, which forgets what
+//! disappeared while the watch was down.
 
 use std::sync::Arc;
 
 use kube::api::DynamicObject;
 use tracing::{debug, warn};
 
+use census_daemon::watch::{self, Watched};
+
 use super::{Shared, index::Source, object};
-use crate::watch::{self, Watched};
 
 pub(super) async fn run(shared: Arc<Shared>) {
     let api = shared.reads.clone();
@@ -19,7 +20,7 @@ pub(super) async fn run(shared: Arc<Shared>) {
         shared,
         listing: (Vec::new(), Vec::new()),
     };
-    watch::drive(api, identities).await;
+    watch::drive(api, &watch::Config::default(), identities).await;
 }
 
 /// The Identity objects' watch, into the index; what it changes goes to the core.
