@@ -178,7 +178,8 @@ where
 
     let (shutdown, stop) = watch::channel(false);
     let mut tasks = Vec::new();
-    let source = spawn_source(source, &stop, &mut tasks);
+    let links = watch_link_events(&mut tasks);
+    let source = spawn_source(source, links.clone(), &stop, &mut tasks);
     let sync = clients.spawn_sync(host_ips.clone(), drop_endpoint_deletes, &stop, &mut tasks);
     let map = clients.spawn_map(endpoint_map, &mut core, &sync.connected, &stop, &mut tasks);
     let (allocate, allocations) = clients.allocate(sync.connected);
@@ -199,7 +200,7 @@ where
         reconcile_interval,
     };
     let inputs = Inputs {
-        links: watch_link_events(&mut tasks),
+        links,
         source: source.events,
         allocations,
         operator: sync.operator,
@@ -255,12 +256,15 @@ struct SourceEnds {
     events: mpsc::Receiver<SourceEvent>,
 }
 
-/// The endpoint source, as a task of `tasks` until `stop`.
+/// The endpoint source, told of the node's link changes, as a task of `tasks` until
+/// `stop`.
 fn spawn_source(
-    source: Box<dyn EndpointSource>,
+    mut source: Box<dyn EndpointSource>,
+    links: watch::Receiver<u64>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Vec<JoinHandle<()>>,
 ) -> SourceEnds {
+    source.watch_links(links);
     let description = source.describe();
     let filter = source.label_filter();
     let (events_tx, events) = mpsc::channel(64);
@@ -419,7 +423,9 @@ fn reconciler<M: DatapathPort>(
 }
 
 /// Link changes, so that interfaces re-created under the agent get the classifier
-/// back at once; without them (the socket cannot be opened), the full pass does.
+/// back at once, and a pod whose device was not found yet is looked up again;
+/// without them (the socket cannot be opened), the full pass and the source's
+/// periodic lookup do.
 fn watch_link_events(tasks: &mut Vec<JoinHandle<()>>) -> watch::Receiver<u64> {
     let (links_tx, links_rx) = watch::channel(0);
     match LinkEvents::open() {

@@ -47,4 +47,12 @@ pub trait EndpointSource: Send + 'static {
     fn label_filter(&self) -> Option<watch::Sender<LabelFilter>> {
         None
     }
+
+    /// Hands over a receiver that changes whenever one of the node's links is
+    /// added, changed or removed, for a source that looks pods' devices up: a
+    /// device can appear after its pod (a CNI plugin that wires it late), and the
+    /// lookup that failed is worth making again at once. Ignored by default.
+    fn watch_links(&mut self, links: watch::Receiver<u64>) {
+        let _ = links;
+    }
 }

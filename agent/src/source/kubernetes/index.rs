@@ -205,6 +205,26 @@ impl PodIndex {
         changed
     }
 
+    /// Looks up again the interface of each pod that has none (a link appeared:
+    /// its device may be the one a pod's lookup did not find). Costs a lookup per
+    /// pod still without one, none for the others.
+    pub(crate) fn find_missing_interfaces(&mut self) -> Vec<SourceEvent> {
+        let mut changed = Vec::new();
+        for entry in self.pods.values_mut() {
+            let endpoint = &mut entry.endpoint;
+            if endpoint.interface.name().is_some() {
+                continue;
+            }
+            let interface = lookup(self.lookup.as_ref(), &endpoint.ips);
+            if interface != endpoint.interface {
+                debug!(pod = %endpoint.key, ?interface, "the host-side interface appeared");
+                endpoint.interface = interface;
+                changed.push(SourceEvent::Upsert(endpoint.clone()));
+            }
+        }
+        changed
+    }
+
     /// The endpoint with its interface: the one known for the same addresses, or
     /// a lookup.
     fn resolve(&self, endpoint: PodEndpoint) -> Entry {

@@ -80,6 +80,8 @@ pub struct PodSource {
     timing: Timing,
     filter: watch::Sender<LabelFilter>,
     cached: CachedPods,
+    /// The node's link changes, if the agent watches them.
+    links: Option<watch::Receiver<u64>>,
 }
 
 impl fmt::Debug for PodSource {
@@ -107,6 +109,7 @@ impl PodSource {
             timing,
             filter: watch::Sender::new(LabelFilter::default()),
             cached: CachedPods::default(),
+            links: None,
         }
     }
 
@@ -124,6 +127,7 @@ impl PodSource {
             timing,
             filter,
             cached,
+            links,
         } = self;
         let mut filter_changes = filter.subscribe();
         let index = PodIndex::new(
@@ -132,7 +136,9 @@ impl PodSource {
             lookup,
             cached,
         );
-        let mut resync = tokio::time::interval(timing.resync);
+        // The first lookup again one period after the start: the list looks up all.
+        let first = tokio::time::Instant::now() + timing.resync;
+        let mut resync = tokio::time::interval_at(first, timing.resync);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let config = driver::Config {
             fields: Some(format!("spec.nodeName={node}")),
@@ -145,6 +151,7 @@ impl PodSource {
             events,
             filter_changes,
             resync,
+            links,
             listing: Vec::new(),
             due: None,
             failing: false,
@@ -163,6 +170,7 @@ struct Pods {
     events: mpsc::Sender<SourceEvent>,
     filter_changes: watch::Receiver<LabelFilter>,
     resync: tokio::time::Interval,
+    links: Option<watch::Receiver<u64>>,
     /// The pods of a list, until it ends.
     listing: Vec<PodObject>,
     /// The work [`Watched::work_due`] found.
@@ -176,6 +184,8 @@ struct Pods {
 enum Work {
     /// Look every pod's host-side interface up again.
     Resync,
+    /// A link of the node changed: look up the pods still without an interface.
+    Links,
     /// Apply the operator's new label filter.
     Filter,
 }
@@ -247,12 +257,19 @@ impl Watched<PodObject> for Pods {
         tokio::select! {
             _ = self.resync.tick() => self.due = Some(Work::Resync),
             Ok(()) = self.filter_changes.changed() => self.due = Some(Work::Filter),
+            Ok(()) = link_changed(self.links.as_mut()) => self.due = Some(Work::Links),
         }
     }
 
     async fn work(&mut self) {
         let events = match self.due.take() {
             Some(Work::Resync) => self.index.refresh_interfaces(),
+            Some(Work::Links) => {
+                if let Some(links) = &mut self.links {
+                    links.borrow_and_update();
+                }
+                self.index.find_missing_interfaces()
+            }
             Some(Work::Filter) => {
                 let filter = self.filter_changes.borrow_and_update().clone();
                 info!("the operator's label filter changed; applying it to the pods held");
@@ -282,6 +299,20 @@ impl EndpointSource for PodSource {
 
     fn label_filter(&self) -> Option<watch::Sender<LabelFilter>> {
         Some(self.filter.clone())
+    }
+
+    fn watch_links(&mut self, links: watch::Receiver<u64>) {
+        self.links = Some(links);
+    }
+}
+
+/// The next link change, if links are watched; never otherwise.
+async fn link_changed(
+    links: Option<&mut watch::Receiver<u64>>,
+) -> Result<(), watch::error::RecvError> {
+    match links {
+        Some(links) => links.changed().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -94,6 +94,8 @@ struct Harness {
     failures: Vec<&'static str>,
     resets: usize,
     filter: Option<watch::Sender<LabelFilter>>,
+    /// The node's link changes, as the agent's link watch sends them.
+    links: watch::Sender<u64>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
@@ -111,16 +113,28 @@ impl Harness {
         client: Client,
         routes: &[(&str, &str)],
     ) -> Fallible<Self> {
-        let interfaces = Arc::new(FixedInterfaces::default());
-        for (ip, interface) in routes {
-            interfaces.set(ip, interface);
-        }
         let timing = Timing {
             resync: Duration::from_millis(100),
             initial_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_millis(200),
         };
-        let source = PodSource::new(client, NodeName::new(NODE)?, interfaces.clone(), timing);
+        Self::launch(server, client, routes, timing).await
+    }
+
+    /// Starts the source on `client` with `timing`.
+    async fn launch(
+        server: FakeApiServer,
+        client: Client,
+        routes: &[(&str, &str)],
+        timing: Timing,
+    ) -> Fallible<Self> {
+        let interfaces = Arc::new(FixedInterfaces::default());
+        for (ip, interface) in routes {
+            interfaces.set(ip, interface);
+        }
+        let mut source = PodSource::new(client, NodeName::new(NODE)?, interfaces.clone(), timing);
+        let (links, link_changes) = watch::channel(0);
+        source.watch_links(link_changes);
         let cached = source.cached_pods();
         let filter = source.label_filter();
         let (tx, events) = mpsc::channel(64);
@@ -136,6 +150,7 @@ impl Harness {
             failures: Vec::new(),
             resets: 0,
             filter,
+            links,
             stop,
             task,
         })
@@ -399,6 +414,34 @@ async fn a_pod_without_a_route_is_kept_with_the_reason() -> TestResult {
     assert_eq!(why, "no route to 10.1.0.5 (unreachable)");
     h.interfaces.set("10.1.0.5", "calia1");
     h.until("found later", |h| {
+        h.set[&key("web-0")].interface == HostInterface::Named("calia1".into())
+    })
+    .await?;
+    h.stop().await
+}
+
+/// A pod whose device appears after it (a CNI plugin wiring it late) is looked up
+/// again at the node's next link change, not only at the periodic lookup (an hour
+/// here).
+#[tokio::test]
+async fn a_device_that_appears_after_its_pod_is_found_at_the_next_link_change() -> TestResult {
+    let server = FakeApiServer::start().await?;
+    server.insert(pod("web-0", NODE, "10.1.0.5"))?;
+    let client = server.client()?;
+    let timing = Timing {
+        resync: Duration::from_secs(3600),
+        initial_backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(200),
+    };
+    let mut h = Harness::launch(server, client, &[], timing).await?;
+    h.until("listed", |h| h.resets == 1).await?;
+    assert!(
+        matches!(h.set[&key("web-0")].interface, HostInterface::Unknown(_)),
+        "no route yet"
+    );
+    h.interfaces.set("10.1.0.5", "calia1");
+    h.links.send_modify(|n| *n += 1);
+    h.until("found at the link change", |h| {
         h.set[&key("web-0")].interface == HostInterface::Named("calia1".into())
     })
     .await?;
