@@ -29,6 +29,9 @@ use census_proto::{
 };
 use proptest::prelude::*;
 
+/// redb's page: the file's first one is its header.
+const REDB_PAGE_BYTES: usize = 4096;
+
 type TestResult<T = ()> = Result<T, Box<dyn Error>>;
 
 fn labels(text: &str) -> TestResult<LabelSet> {
@@ -769,14 +772,13 @@ fn serde_json_like() -> String {
 /// unchanged, and the test process lives on.
 #[tokio::test]
 async fn corrupted_pages_are_refused_without_panicking() -> TestResult {
-    const PAGE: usize = 4096;
     let dir = tempfile::tempdir()?;
     let (path, original) = big_store_file(dir.path(), 2_000).await?;
     let whole = fs::read(&path)?;
 
     // Everything behind the header is noise.
     let mut damaged = whole.clone();
-    damaged[PAGE..].copy_from_slice(&noise(whole.len() - PAGE, 29));
+    damaged[REDB_PAGE_BYTES..].copy_from_slice(&noise(whole.len() - REDB_PAGE_BYTES, 29));
     let all = dir.path().join("all-pages.redb");
     fs::write(&all, &damaged)?;
     assert_corrupt(&refused(&all)?, "")?;
@@ -784,14 +786,15 @@ async fn corrupted_pages_are_refused_without_panicking() -> TestResult {
     // One page at a time, each page that holds anything: refused as it was, or (a page
     // redb does not read, such as a free one) opened with every identity intact.
     let mut refusals = 0;
-    let used = (1..whole.len() / PAGE).filter(|p| {
-        whole[p * PAGE..(p + 1) * PAGE]
+    let used = (1..whole.len() / REDB_PAGE_BYTES).filter(|p| {
+        whole[p * REDB_PAGE_BYTES..(p + 1) * REDB_PAGE_BYTES]
             .iter()
             .any(|byte| *byte != 0)
     });
     for page in used {
         let mut damaged = whole.clone();
-        damaged[page * PAGE..(page + 1) * PAGE].copy_from_slice(&noise(PAGE, page as u64 + 1));
+        damaged[page * REDB_PAGE_BYTES..(page + 1) * REDB_PAGE_BYTES]
+            .copy_from_slice(&noise(REDB_PAGE_BYTES, page as u64 + 1));
         let one = dir.path().join(format!("page-{page}.redb"));
         fs::write(&one, &damaged)?;
         let before = fs::read(&one)?;
@@ -823,7 +826,6 @@ async fn corrupted_pages_are_refused_without_panicking() -> TestResult {
 /// fails as corrupt, naming the file, rather than with a panic of its task.
 #[tokio::test]
 async fn a_file_damaged_after_the_open_fails_the_load() -> TestResult {
-    const PAGE: usize = 4096;
     let dir = tempfile::tempdir()?;
     let (path, _) = big_store_file(dir.path(), 2_000).await?;
     let whole = fs::read(&path)?;
@@ -835,7 +837,7 @@ async fn a_file_damaged_after_the_open_fails_the_load() -> TestResult {
     };
     let store = RedbStore::open(&path, options)?;
     let mut damaged = whole.clone();
-    damaged[PAGE..].copy_from_slice(&noise(whole.len() - PAGE, 31));
+    damaged[REDB_PAGE_BYTES..].copy_from_slice(&noise(whole.len() - REDB_PAGE_BYTES, 31));
     fs::write(&path, &damaged)?;
 
     for attempt in 0..2 {

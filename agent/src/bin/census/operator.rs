@@ -23,7 +23,7 @@ use super::{
 };
 
 /// Identities per List page.
-const PAGE_SIZE: u32 = 1000;
+const IDENTITIES_PER_LIST: u32 = 1000;
 /// Get calls in flight at once while looking labels up.
 const LOOKUPS_IN_FLIGHT: usize = 16;
 
@@ -154,7 +154,7 @@ impl Operator {
         loop {
             let request = pb::ListRequest {
                 protocol_version: PROTOCOL_VERSION,
-                page_size: PAGE_SIZE,
+                page_size: IDENTITIES_PER_LIST,
                 page_token,
                 selector: selector.clone(),
                 include_quarantined,

@@ -16,7 +16,7 @@ use super::super::{
 };
 
 /// The longest list walked page by page.
-const PAGED_UP_TO: usize = 64;
+const WALKED_UP_TO: usize = 64;
 /// Lists are paged and filtered after one event in this many.
 const LISTED_EVERY: u64 = 8;
 
@@ -168,7 +168,7 @@ fn stats(a: &Allocator, all: &[IdentityInfo]) {
 /// (Only for lists of a few dozen ids, as the model test's are: paging a churn
 /// test's thousands after every event would cost more than the test.)
 fn pages(a: &Allocator, all: &[IdentityInfo]) {
-    if all.len() > PAGED_UP_TO {
+    if all.len() > WALKED_UP_TO {
         return;
     }
     let step = (all.len() / 4).max(1);
