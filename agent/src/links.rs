@@ -1,15 +1,18 @@
-//! The node's link events, so that an interface re-created under the agent (a
-//! pod's sandbox restarted, its veth deleted and added again under the same
-//! name) gets census's classifier back at once, not at the next full pass: the
-//! classifier's links die with the device, and until they are back the pod's
-//! packets leave it uncounted.
+//! The node's link and route events, so that an interface re-created under the
+//! agent (a pod's sandbox restarted, its veth deleted and added again under the
+//! same name) gets census's classifier back at once, not at the next full pass:
+//! the classifier's links die with the device, and until they are back the pod's
+//! packets leave it uncounted; and so that a pod whose device was not found (a CNI
+//! plugin that adds the device, then the route to the pod's address) is looked up
+//! again as soon as its route exists.
 //!
-//! An rtnetlink socket subscribed to `RTMGRP_LINK` in the agent's network
-//! namespace (the host's: the host sides of the pods' interfaces live there). The
-//! events are not interpreted beyond "a link was added, changed or removed": each
-//! one bumps a counter the core's task watches, so a burst (a pod start sends
-//! several) costs one pass over the endpoint interfaces, whose cost is the number
-//! of interfaces of this node, not of the cluster.
+//! An rtnetlink socket subscribed to `RTMGRP_LINK` and the IPv4 and IPv6 route
+//! groups in the agent's network namespace (the host's: the host sides of the
+//! pods' interfaces live there). The events are not interpreted beyond "a link
+//! (or a route) was added, changed or removed": each one bumps a counter a task
+//! watches, so a burst (a pod start sends several) costs one pass: over the
+//! endpoint interfaces for a link change, over the pods without an interface yet
+//! for either.
 
 use std::io;
 
@@ -22,14 +25,17 @@ use tracing::{debug, warn};
 
 use crate::netlink;
 
-/// `RTMGRP_LINK` (linux/rtnetlink.h): the multicast group of link changes.
-const RTMGRP_LINK: u32 = 1;
+/// `RTMGRP_LINK`, `RTMGRP_IPV4_ROUTE` and `RTMGRP_IPV6_ROUTE` (linux/rtnetlink.h):
+/// the multicast groups of link and route changes.
+const RTMGRP_LINK: u32 = 0x1;
+const RTMGRP_IPV4_ROUTE: u32 = 0x40;
+const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
 /// What one read of the socket found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Found {
-    /// Links were added, changed or removed (this many messages).
-    Changed(usize),
+    /// Links and routes were added, changed or removed (this many messages of each).
+    Changed { links: usize, routes: usize },
     /// Only other messages.
     Nothing,
     /// The kernel dropped messages (the socket's buffer was full): anything may
@@ -37,7 +43,17 @@ pub(crate) enum Found {
     Overflow,
 }
 
-/// A subscription to the link changes of the calling thread's network namespace.
+/// The counters [`watch_links`] bumps.
+#[derive(Debug)]
+pub(crate) struct Changes {
+    /// At every link change.
+    pub(crate) links: watch::Sender<u64>,
+    /// At every link or route change: where a pod's address is routed may differ.
+    pub(crate) routes: watch::Sender<u64>,
+}
+
+/// A subscription to the link and route changes of the calling thread's network
+/// namespace.
 pub(crate) struct LinkEvents {
     socket: TokioSocket,
     buffer: Vec<u8>,
@@ -47,7 +63,8 @@ impl LinkEvents {
     /// Subscribes; the socket belongs to the calling thread's network namespace.
     pub(crate) fn open() -> io::Result<Self> {
         let mut socket = TokioSocket::new(NETLINK_ROUTE)?;
-        socket.socket_mut().bind(&SocketAddr::new(0, RTMGRP_LINK))?;
+        let groups = RTMGRP_LINK | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
+        socket.socket_mut().bind(&SocketAddr::new(0, groups))?;
         Ok(Self {
             socket,
             buffer: Vec::with_capacity(netlink::RECEIVE_BUFFER),
@@ -76,47 +93,66 @@ impl std::fmt::Debug for LinkEvents {
 
 /// What a datagram of rtnetlink messages holds.
 fn parse(bytes: &[u8]) -> Found {
-    let mut changed = 0;
+    let (mut links, mut routes) = (0, 0);
     for message in netlink::messages::<RouteNetlinkMessage>(bytes) {
         match message.map(|m| m.payload) {
             Ok(NetlinkPayload::InnerMessage(
                 RouteNetlinkMessage::NewLink(_)
                 | RouteNetlinkMessage::DelLink(_)
                 | RouteNetlinkMessage::SetLink(_),
-            )) => changed += 1,
+            )) => links += 1,
+            Ok(NetlinkPayload::InnerMessage(
+                RouteNetlinkMessage::NewRoute(_) | RouteNetlinkMessage::DelRoute(_),
+            )) => routes += 1,
             Ok(_) => {}
-            // Unreadable: assume the worst, a change.
-            Err(_) => return Found::Changed(changed + 1),
+            // Unreadable: assume the worst, a change of either.
+            Err(_) => {
+                return Found::Changed {
+                    links: links + 1,
+                    routes: routes + 1,
+                };
+            }
         }
     }
-    if changed == 0 {
+    if links == 0 && routes == 0 {
         Found::Nothing
     } else {
-        Found::Changed(changed)
+        Found::Changed { links, routes }
     }
 }
 
-/// Bumps `changes` at every link change (or overflow) until the socket fails or
-/// nobody watches `changes` any more. A failed socket is logged: the full pass
-/// remains, every reconcile interval.
-pub(crate) async fn watch_links(mut events: LinkEvents, changes: watch::Sender<u64>) {
+/// Bumps `changes` at every link or route change (or overflow) until the socket
+/// fails or nobody watches either counter any more. A failed socket is logged: the
+/// full pass and the periodic lookups remain, every reconcile interval.
+pub(crate) async fn watch_links(mut events: LinkEvents, changes: Changes) {
     loop {
         let found = tokio::select! {
             found = events.next() => found,
-            () = changes.closed() => return,
+            () = both_closed(&changes) => return,
         };
-        match found {
-            Ok(Found::Nothing) => {}
-            Ok(found) => {
-                debug!(?found, "link change");
-                changes.send_modify(|n| *n = n.wrapping_add(1));
-            }
+        let (links, routes) = match found {
+            Ok(Found::Nothing) => continue,
+            Ok(Found::Overflow) => (true, true),
+            Ok(Found::Changed { links, routes }) => (links > 0, links + routes > 0),
             Err(error) => {
                 warn!(%error, "the link event socket failed; re-created interfaces wait for the full pass");
                 return;
             }
+        };
+        debug!(?found, "link or route change");
+        let bump = |n: &mut u64| *n = n.wrapping_add(1);
+        if links {
+            changes.links.send_modify(bump);
+        }
+        if routes {
+            changes.routes.send_modify(bump);
         }
     }
+}
+
+/// Once nobody watches either counter.
+async fn both_closed(changes: &Changes) {
+    tokio::join!(changes.links.closed(), changes.routes.closed());
 }
 
 #[cfg(test)]
@@ -125,6 +161,7 @@ mod tests {
     use netlink_packet_route::{
         address::AddressMessage,
         link::{LinkAttribute, LinkMessage},
+        route::RouteMessage,
     };
 
     use super::*;
@@ -155,18 +192,42 @@ mod tests {
     }
 
     #[test]
-    fn link_messages_are_changes_and_other_messages_are_not() {
+    fn link_and_route_messages_are_changes_and_other_messages_are_not() {
         let both = datagram(vec![
             RouteNetlinkMessage::NewLink(link("pod0")),
             RouteNetlinkMessage::NewAddress(AddressMessage::default()),
             RouteNetlinkMessage::DelLink(link("pod1")),
         ]);
-        assert_eq!(parse(&both), Found::Changed(2));
+        assert_eq!(
+            parse(&both),
+            Found::Changed {
+                links: 2,
+                routes: 0
+            }
+        );
+        let routes = datagram(vec![
+            RouteNetlinkMessage::NewRoute(RouteMessage::default()),
+            RouteNetlinkMessage::DelRoute(RouteMessage::default()),
+        ]);
+        assert_eq!(
+            parse(&routes),
+            Found::Changed {
+                links: 0,
+                routes: 2
+            }
+        );
         let other = datagram(vec![RouteNetlinkMessage::NewAddress(
             AddressMessage::default(),
         )]);
         assert_eq!(parse(&other), Found::Nothing);
         assert_eq!(parse(&[]), Found::Nothing);
-        assert_eq!(parse(&[1, 2, 3]), Found::Changed(1), "unreadable: a change");
+        assert_eq!(
+            parse(&[1, 2, 3]),
+            Found::Changed {
+                links: 1,
+                routes: 1
+            },
+            "unreadable: a change"
+        );
     }
 }

@@ -35,7 +35,7 @@ use crate::{
     bpf::{self, Inspector},
     client::OperatorChannel,
     host::HostIps,
-    links::{LinkEvents, watch_links},
+    links::{Changes, LinkEvents, watch_links},
     map::MapClient,
     metrics::{AgentCollector, KindLabels, Metrics},
     reconcile::{self, DatapathPort, Reconciler},
@@ -178,8 +178,8 @@ where
 
     let (shutdown, stop) = watch::channel(false);
     let mut tasks = Vec::new();
-    let links = watch_link_events(&mut tasks);
-    let source = spawn_source(source, links.clone(), &stop, &mut tasks);
+    let (links, routes) = watch_link_events(&mut tasks);
+    let source = spawn_source(source, routes, &stop, &mut tasks);
     let sync = clients.spawn_sync(host_ips.clone(), drop_endpoint_deletes, &stop, &mut tasks);
     let map = clients.spawn_map(endpoint_map, &mut core, &sync.connected, &stop, &mut tasks);
     let (allocate, allocations) = clients.allocate(sync.connected);
@@ -256,15 +256,15 @@ struct SourceEnds {
     events: mpsc::Receiver<SourceEvent>,
 }
 
-/// The endpoint source, told of the node's link changes, as a task of `tasks` until
-/// `stop`.
+/// The endpoint source, told of the node's link and route changes, as a task of
+/// `tasks` until `stop`.
 fn spawn_source(
     mut source: Box<dyn EndpointSource>,
-    links: watch::Receiver<u64>,
+    routes: watch::Receiver<u64>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Vec<JoinHandle<()>>,
 ) -> SourceEnds {
-    source.watch_links(links);
+    source.watch_routes(routes);
     let description = source.describe();
     let filter = source.label_filter();
     let (events_tx, events) = mpsc::channel(64);
@@ -423,19 +423,26 @@ fn reconciler<M: DatapathPort>(
 }
 
 /// Link changes, so that interfaces re-created under the agent get the classifier
-/// back at once, and a pod whose device was not found yet is looked up again;
-/// without them (the socket cannot be opened), the full pass and the source's
-/// periodic lookup do.
-fn watch_link_events(tasks: &mut Vec<JoinHandle<()>>) -> watch::Receiver<u64> {
+/// back at once; link and route changes, so that a pod whose device was not found
+/// yet is looked up again. Without them (the socket cannot be opened), the full
+/// pass and the source's periodic lookup do.
+fn watch_link_events(
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> (watch::Receiver<u64>, watch::Receiver<u64>) {
     let (links_tx, links_rx) = watch::channel(0);
+    let (routes_tx, routes_rx) = watch::channel(0);
+    let changes = Changes {
+        links: links_tx,
+        routes: routes_tx,
+    };
     match LinkEvents::open() {
-        Ok(events) => tasks.push(tokio::spawn(watch_links(events, links_tx))),
+        Ok(events) => tasks.push(tokio::spawn(watch_links(events, changes))),
         Err(error) => warn!(
             %error,
             "cannot watch link changes; a re-created interface waits for the full pass"
         ),
     }
-    links_rx
+    (links_rx, routes_rx)
 }
 
 /// The agent's metrics registry: its own metrics, the admin servers' (returned),

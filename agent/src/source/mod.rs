@@ -48,11 +48,12 @@ pub trait EndpointSource: Send + 'static {
         None
     }
 
-    /// Hands over a receiver that changes whenever one of the node's links is
-    /// added, changed or removed, for a source that looks pods' devices up: a
-    /// device can appear after its pod (a CNI plugin that wires it late), and the
-    /// lookup that failed is worth making again at once. Ignored by default.
-    fn watch_links(&mut self, links: watch::Receiver<u64>) {
-        let _ = links;
+    /// Hands over a receiver that changes whenever one of the node's links or
+    /// routes is added, changed or removed, for a source that looks pods' devices
+    /// up: a device, or the route to a pod's address, can appear after its pod (a
+    /// CNI plugin that wires it late), and the lookup that failed is worth making
+    /// again at once. Ignored by default.
+    fn watch_routes(&mut self, routes: watch::Receiver<u64>) {
+        let _ = routes;
     }
 }

@@ -205,9 +205,9 @@ impl PodIndex {
         changed
     }
 
-    /// Looks up again the interface of each pod that has none (a link appeared:
-    /// its device may be the one a pod's lookup did not find). Costs a lookup per
-    /// pod still without one, none for the others.
+    /// Looks up again the interface of each pod that has none (a link or route
+    /// appeared: it may be what a pod's lookup did not find). Costs a lookup per pod
+    /// still without one, none for the others.
     pub(crate) fn find_missing_interfaces(&mut self) -> Vec<SourceEvent> {
         let mut changed = Vec::new();
         for entry in self.pods.values_mut() {

@@ -80,7 +80,7 @@ pub struct PodSource {
     timing: Timing,
     filter: watch::Sender<LabelFilter>,
     cached: CachedPods,
-    /// The node's link changes, if the agent watches them.
+    /// The node's link and route changes, if the agent watches them.
     links: Option<watch::Receiver<u64>>,
 }
 
@@ -184,7 +184,8 @@ struct Pods {
 enum Work {
     /// Look every pod's host-side interface up again.
     Resync,
-    /// A link of the node changed: look up the pods still without an interface.
+    /// A link or route of the node changed: look up the pods still without an
+    /// interface.
     Links,
     /// Apply the operator's new label filter.
     Filter,
@@ -301,12 +302,12 @@ impl EndpointSource for PodSource {
         Some(self.filter.clone())
     }
 
-    fn watch_links(&mut self, links: watch::Receiver<u64>) {
-        self.links = Some(links);
+    fn watch_routes(&mut self, routes: watch::Receiver<u64>) {
+        self.links = Some(routes);
     }
 }
 
-/// The next link change, if links are watched; never otherwise.
+/// The next link or route change, if they are watched; never otherwise.
 async fn link_changed(
     links: Option<&mut watch::Receiver<u64>>,
 ) -> Result<(), watch::error::RecvError> {

@@ -134,7 +134,7 @@ impl Harness {
         }
         let mut source = PodSource::new(client, NodeName::new(NODE)?, interfaces.clone(), timing);
         let (links, link_changes) = watch::channel(0);
-        source.watch_links(link_changes);
+        source.watch_routes(link_changes);
         let cached = source.cached_pods();
         let filter = source.label_filter();
         let (tx, events) = mpsc::channel(64);
