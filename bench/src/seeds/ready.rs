@@ -358,35 +358,14 @@ fn wire(node: &str, probe: &str, ip: IpAddr) -> anyhow::Result<Netns> {
     // Interface names are at most 15 bytes: `p` and the probe's number.
     let host = format!("p{}", probe.trim_start_matches("probe-"));
     let prefix = if ip.is_ipv4() { 32 } else { 128 };
-    let in_node = |args: &[&str]| -> anyhow::Result<()> {
-        let out = std::process::Command::new("ip")
-            .args(["-n", node])
-            .args(args)
-            .output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "ip -n {node} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        Ok(())
-    };
-    in_node(&[
-        "link",
-        "add",
-        &host,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "netns",
-        ns.name(),
-    ])?;
+    census_netlab::add_veth(node, &host, &ns)?;
     ns.ip(&["addr", "add", &format!("{ip}/{prefix}"), "dev", "eth0"])?;
     ns.ip(&["link", "set", "eth0", "up"])?;
-    in_node(&["link", "set", &host, "up"])?;
-    in_node(&["route", "replace", &format!("{ip}/{prefix}"), "dev", &host])?;
+    census_netlab::ip_in(node, &["link", "set", &host, "up"])?;
+    census_netlab::ip_in(
+        node,
+        &["route", "replace", &format!("{ip}/{prefix}"), "dev", &host],
+    )?;
     Ok(ns)
 }
 

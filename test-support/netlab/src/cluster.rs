@@ -283,18 +283,7 @@ impl Cluster {
         };
         let host = pod.host_interface.as_str();
         let node_ns = &at.ns;
-        node_ns.ip(&[
-            "link",
-            "add",
-            host,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            pod.ns.name(),
-        ])?;
+        node_ns.add_veth(host, &pod.ns)?;
         node_ns.ip(&["addr", "add", &format!("{gateway_v4}/32"), "dev", host])?;
         node_ns.ip(&[
             "addr",

@@ -64,18 +64,7 @@ impl Lab {
     fn wire(&self, pod: &Pod) -> Result<(), Error> {
         let node = &self.node;
         let host = pod.host_interface.as_str();
-        node.ip(&[
-            "link",
-            "add",
-            host,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            pod.ns.name(),
-        ])?;
+        node.add_veth(host, &pod.ns)?;
         node.ip(&[
             "addr",
             "add",

@@ -79,10 +79,14 @@ impl Netns {
         PathBuf::from("/run/netns").join(&self.name)
     }
 
-    /// Runs `ip -n <name> <args>`. (`ip -n` switches namespace inside the `ip`
-    /// process only; the caller's view of `/sys` is untouched.)
+    /// Runs `ip -n <name> <args>` (see [`ip_in`]).
     pub fn ip(&self, args: &[&str]) -> Result<(), Error> {
-        run_command(Command::new("ip").arg("-n").arg(&self.name).args(args)).map(drop)
+        ip_in(&self.name, args)
+    }
+
+    /// A veth pair: `host` here, its peer `eth0` in `peer` (see [`add_veth`]).
+    pub fn add_veth(&self, host: &str, peer: &Netns) -> Result<(), Error> {
+        add_veth(&self.name, host, peer)
     }
 
     /// Runs `f` on a new thread that entered this namespace, and returns its
@@ -167,6 +171,20 @@ impl Netns {
         self.run(|| std::fs::write(&path, value))?
             .map_err(Error::io(what))
     }
+}
+
+/// Runs `ip -n <netns> <args>` in the namespace named `netns`. (`ip -n` switches
+/// namespace inside the `ip` process only; the caller's view of `/sys` is
+/// untouched.)
+pub fn ip_in(netns: &str, args: &[&str]) -> Result<(), Error> {
+    run_command(Command::new("ip").arg("-n").arg(netns).args(args)).map(drop)
+}
+
+/// A veth pair, as a CNI plugin wires a pod: `host` in the namespace named `netns`
+/// (the node's), its peer `eth0` in `peer` (the pod's).
+pub fn add_veth(netns: &str, host: &str, peer: &Netns) -> Result<(), Error> {
+    let args = ["link", "add", host, "type", "veth", "peer", "name", "eth0"];
+    ip_in(netns, &[&args[..], &["netns", peer.name()]].concat())
 }
 
 impl Drop for Netns {

@@ -49,18 +49,7 @@ impl World {
         let world = Self {
             ns: Netns::create("world")?,
         };
-        node.ip(&[
-            "link",
-            "add",
-            WORLD_LINK,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            world.ns.name(),
-        ])?;
+        node.add_veth(WORLD_LINK, &world.ns)?;
         node.ip(&[
             "addr",
             "add",
