@@ -192,32 +192,28 @@ impl PodIndex {
     /// Looks every pod's interface up again (a pod's sandbox can be re-created
     /// with a new device; a lookup that failed may succeed now).
     pub(crate) fn refresh_interfaces(&mut self) -> Vec<SourceEvent> {
-        let mut changed = Vec::new();
-        for entry in self.pods.values_mut() {
-            let endpoint = &mut entry.endpoint;
-            let interface = lookup(self.lookup.as_ref(), &endpoint.ips);
-            if interface != endpoint.interface {
-                debug!(pod = %endpoint.key, ?interface, "the host-side interface changed");
-                endpoint.interface = interface;
-                changed.push(SourceEvent::Upsert(endpoint.clone()));
-            }
-        }
-        changed
+        self.look_up_again(|_| true)
     }
 
     /// Looks up again the interface of each pod that has none (a link or route
     /// appeared: it may be what a pod's lookup did not find). Costs a lookup per pod
     /// still without one, none for the others.
     pub(crate) fn find_missing_interfaces(&mut self) -> Vec<SourceEvent> {
+        self.look_up_again(|interface| interface.name().is_none())
+    }
+
+    /// Looks up again the interface of each pod whose interface `which` picks; an
+    /// Upsert for each that changed.
+    fn look_up_again(&mut self, which: impl Fn(&HostInterface) -> bool) -> Vec<SourceEvent> {
         let mut changed = Vec::new();
         for entry in self.pods.values_mut() {
             let endpoint = &mut entry.endpoint;
-            if endpoint.interface.name().is_some() {
+            if !which(&endpoint.interface) {
                 continue;
             }
             let interface = lookup(self.lookup.as_ref(), &endpoint.ips);
             if interface != endpoint.interface {
-                debug!(pod = %endpoint.key, ?interface, "the host-side interface appeared");
+                debug!(pod = %endpoint.key, ?interface, "the host-side interface changed");
                 endpoint.interface = interface;
                 changed.push(SourceEvent::Upsert(endpoint.clone()));
             }
