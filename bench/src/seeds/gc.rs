@@ -14,7 +14,7 @@
 //! write a 409. The second writer ([`SecondWriter`]) is in-process: tasks sending
 //! unconditional merge patches of one annotation at a capped rate, half on the ids the
 //! GC tombstones next and half on the ids whose delete comes next, both read from the
-//! operator's own counters a few times a second; it counts its writes, 404s (gone)
+//! operator's own counters ten times a second; it counts its writes, 404s (gone)
 //! and 409s apart. The operator counts the 409s it met and retried
 //! (`census_kubernetes_conflicts_total`).
 //!
