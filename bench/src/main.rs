@@ -88,7 +88,8 @@ struct Options {
     /// scale and map presets: simulated nodes (overrides the preset).
     #[arg(long)]
     nodes: Option<usize>,
-    /// gc preset: released identities to delete (overrides the preset's 50,000).
+    /// gc preset: released identities to delete (overrides the preset's 50,000);
+    /// seed-gc: one run of this many (instead of 10,000, then 50,000).
     #[arg(long)]
     identities: Option<usize>,
     /// gc preset: the operator's hold timeout (overrides the preset's 600 s; a short
@@ -234,7 +235,13 @@ async fn run(options: Options) -> anyhow::Result<()> {
         | Preset::SeedLeakShort
         | Preset::SeedGc
         | Preset::SeedCache
-        | Preset::SeedUid => run_seeds(preset, binary, agent, &results, heap_sample_lg).await?,
+        | Preset::SeedUid => {
+            let seeds = SeedOptions {
+                heap_sample_lg,
+                identities,
+            };
+            run_seeds(preset, binary, agent, &results, seeds).await?
+        }
     };
     say(format!("results: {}", results.dir().display()));
     if !passed {
@@ -255,14 +262,30 @@ fn print_heap_owners(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The seed presets' overrides.
+struct SeedOptions {
+    /// seed-leak: heap profiling in the operator.
+    heap_sample_lg: Option<u32>,
+    /// seed-gc: one run of this many identities.
+    identities: Option<usize>,
+}
+
 /// The seed presets, on the real control plane with census's agents (as root).
 async fn run_seeds(
     preset: Preset,
     binary: Binary,
     agent: Option<PathBuf>,
     results: &report::Results,
-    heap_sample_lg: Option<u32>,
+    options: SeedOptions,
 ) -> anyhow::Result<bool> {
+    let SeedOptions {
+        heap_sample_lg,
+        identities,
+    } = options;
+    let mut seed_gc = presets::seed_gc();
+    if let Some(n) = identities {
+        seed_gc.sizes = vec![n];
+    }
     let agent = agent.context("the seed presets need --agent (cargo xtask bench passes it)")?;
     anyhow::ensure!(
         nix::unistd::geteuid().is_root(),
@@ -273,13 +296,13 @@ async fn run_seeds(
         agent,
     };
     let passed = match preset {
-        Preset::SeedGc => seeds::gc::run(&bins, results, presets::seed_gc()).await?,
+        Preset::SeedGc => seeds::gc::run(&bins, results, seed_gc).await?,
         Preset::SeedCache => seeds::cache::run(&bins, results, presets::seed_cache()).await?,
         Preset::SeedUid => seeds::uid::run(&bins, results, presets::seed_uid()).await?,
         Preset::Seeds => {
             let leak =
                 seeds::leak::run(&bins, results, presets::seed_leak(Preset::SeedLeak)).await?;
-            let gc = seeds::gc::run(&bins, results, presets::seed_gc()).await?;
+            let gc = seeds::gc::run(&bins, results, seed_gc).await?;
             let cache = seeds::cache::run(&bins, results, presets::seed_cache()).await?;
             let uid = seeds::uid::run(&bins, results, presets::seed_uid()).await?;
             leak && gc && cache && uid

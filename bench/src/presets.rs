@@ -480,8 +480,13 @@ pub(crate) struct SeedGc {
     pub(crate) plane_name: &'static str,
     /// Released identities per run.
     pub(crate) sizes: Vec<usize>,
-    /// `kubectl annotate` loops writing at once (the second writer).
+    /// The second writer's tasks (merge patches of one annotation), half on the ids
+    /// the GC tombstones next, half on the ids whose delete comes next.
     pub(crate) writers: usize,
+    /// The second writer's writes a second at most, all tasks together.
+    pub(crate) writer_rate: f64,
+    /// Ids each half of the second writer cycles through, from where the GC is.
+    pub(crate) writer_window: u64,
     /// The operator's GC budget, deletes per second.
     pub(crate) gc_rate: f64,
     #[serde(with = "millis", rename = "snapshot_interval_ms")]
@@ -498,7 +503,9 @@ pub(crate) fn seed_gc() -> SeedGc {
         preset: "seed-gc",
         plane_name: "seed-gc",
         sizes: vec![10_000, 50_000],
-        writers: 4,
+        writers: 8,
+        writer_rate: 200.0,
+        writer_window: 64,
         gc_rate: 500.0,
         snapshot_interval: Duration::from_secs(2),
         quarantine: Duration::from_secs(1),

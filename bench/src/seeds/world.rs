@@ -435,15 +435,36 @@ fn operator_args(
     certs: &census_testkit::tls::Certs,
     flags: &CensusFlags,
 ) -> anyhow::Result<Vec<String>> {
+    let mut args = in_cluster_flags(
+        OPERATOR_NS,
+        &pod.name,
+        &pod.ip.to_string(),
+        kubeconfig,
+        certs,
+    )?;
+    args.extend(flags.operator.iter().cloned());
+    Ok(args)
+}
+
+/// The operator's flags for Kubernetes mode as pod `pod_name` (address `pod_ip`) of
+/// `namespace`, reaching the API server with `kubeconfig`, serving gRPC with the TLS
+/// of `certs`; logging at info.
+pub(crate) fn in_cluster_flags(
+    namespace: &str,
+    pod_name: &str,
+    pod_ip: &str,
+    kubeconfig: &Path,
+    certs: &census_testkit::tls::Certs,
+) -> anyhow::Result<Vec<String>> {
     let mut args: Vec<String> = [
         "--store",
         "kubernetes",
         "--namespace",
-        OPERATOR_NS,
+        namespace,
         "--pod-name",
-        &pod.name,
+        pod_name,
         "--pod-ip",
-        &pod.ip.to_string(),
+        pod_ip,
         "--kubeconfig",
         &kubeconfig.display().to_string(),
         "--log",
@@ -451,6 +472,8 @@ fn operator_args(
     ]
     .map(String::from)
     .to_vec();
+    // The server's certificate and key: TLS without client certificates (the agents
+    // present tokens).
     args.extend(
         certs
             .operator_flags()
@@ -458,7 +481,6 @@ fn operator_args(
             .into_iter()
             .take(4),
     );
-    args.extend(flags.operator.iter().cloned());
     Ok(args)
 }
 

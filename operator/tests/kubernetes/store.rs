@@ -207,6 +207,19 @@ async fn a_conflict_is_reread_and_retried_when_only_an_annotation_changed() -> T
         [(Verb::Delete, 409), (Verb::Get, 200), (Verb::Delete, 200)]
     );
 
+    // Each 409 is counted by the op it delayed, although both ops succeeded.
+    let mut registry = Registry::default();
+    registry.register_collector(store.collector());
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)?;
+    for line in [
+        "census_kubernetes_conflicts_total{op=\"tombstone\"} 1",
+        "census_kubernetes_conflicts_total{op=\"delete_tombstone\"} 1",
+        "census_kubernetes_conflicts_total{op=\"create\"} 0",
+    ] {
+        assert!(text.contains(line), "no {line:?} in:\n{text}");
+    }
+
     // 404 on a delete is success.
     assert_eq!(
         store

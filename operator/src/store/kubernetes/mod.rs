@@ -11,7 +11,9 @@
 //!   binding) and [`StoreError::Conflict`] if it is no valid binding; 404 on a delete
 //!   is success;
 //!   429, 5xx and timeouts are [`StoreError::Unavailable`] with a bounded cause, and
-//!   the core retries them with backoff.
+//!   the core retries them with backoff. The 409s met are counted by op
+//!   (`census_kubernetes_conflicts_total`): a retried one leaves no other trace, as the
+//!   op it delayed still succeeds.
 //! - it **watches its own objects** ([`watch`]) into a minimal [`index`] (uid,
 //!   resourceVersion, labels or tombstone per id; never the objects): a binding deleted
 //!   by someone else becomes [`StoreEvent::BindingLost`], an object with invalid or
@@ -32,7 +34,7 @@ use std::{
     fmt,
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -50,7 +52,7 @@ use parking_lot::{Mutex, RwLock};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
-    metrics::gauge::ConstGauge,
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
 };
 use tokio::{
     sync::{broadcast, mpsc, watch as tokio_watch},
@@ -122,6 +124,47 @@ struct Shared {
     events_taken: AtomicBool,
     synced: tokio_watch::Sender<bool>,
     reporter: Option<Reporter>,
+    conflicts: Conflicts,
+}
+
+/// 409s (a failed resourceVersion or UID precondition) met by census's own writes,
+/// by op: each was followed by a re-read and, unless the object then held something
+/// census did not write, by the write again.
+#[derive(Debug, Default)]
+struct Conflicts {
+    create: AtomicU64,
+    tombstone: AtomicU64,
+    delete_tombstone: AtomicU64,
+}
+
+/// The op a conflict delayed, as the metric's label says it.
+#[derive(Debug, Clone, Copy)]
+enum ConflictOp {
+    Create,
+    Tombstone,
+    DeleteTombstone,
+}
+
+impl Conflicts {
+    fn met(&self, op: ConflictOp) {
+        let counter = match op {
+            ConflictOp::Create => &self.create,
+            ConflictOp::Tombstone => &self.tombstone,
+            ConflictOp::DeleteTombstone => &self.delete_tombstone,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn by_op(&self) -> [(&'static str, u64); 3] {
+        [
+            ("create", self.create.load(Ordering::Relaxed)),
+            ("tombstone", self.tombstone.load(Ordering::Relaxed)),
+            (
+                "delete_tombstone",
+                self.delete_tombstone.load(Ordering::Relaxed),
+            ),
+        ]
+    }
 }
 
 impl fmt::Debug for Shared {
@@ -168,6 +211,7 @@ impl KubeStore {
             events_taken: AtomicBool::new(false),
             synced: tokio_watch::Sender::new(false),
             reporter,
+            conflicts: Conflicts::default(),
         });
         let watch = tokio::spawn(
             watch::run(shared.clone()).instrument(info_span!("watch", resource = "identities")),
@@ -475,6 +519,16 @@ impl Collector for StoreCollector {
         ] {
             let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let kind = ConstCounter::new(0u64).metric_type();
+        let mut family = encoder.encode_descriptor(
+            "census_kubernetes_conflicts",
+            "409s census's conditional writes to Identity objects met (each re-read, and retried unless the object held something census did not write), by op",
+            None,
+            kind,
+        )?;
+        for (op, n) in self.0.conflicts.by_op() {
+            ConstCounter::new(n).encode(family.encode_family(&[("op", op)])?)?;
         }
         Ok(())
     }

@@ -30,7 +30,7 @@ use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Pre
 use tokio::time::Instant;
 
 use super::{
-    Shared,
+    ConflictOp, Shared,
     error::{Failure, classify},
     index::Source,
     object::{self, Meta, State},
@@ -234,7 +234,11 @@ impl Shared {
                             self.observe(&obj).await;
                             return Ok(());
                         }
-                        Err(Failure::Conflict | Failure::NotFound) => Next::Reread,
+                        Err(Failure::Conflict) => {
+                            self.conflicts.met(ConflictOp::Create);
+                            Next::Reread
+                        }
+                        Err(Failure::NotFound) => Next::Reread,
                         Err(e) => return Err(e.into_store_error(&doing())),
                     }
                 }
@@ -316,7 +320,10 @@ impl Shared {
     ) -> Result<Next, StoreError> {
         match self.delete_exact(id, meta, until).await {
             Ok(()) => Ok(Next::Again),
-            Err(Failure::Conflict) => Ok(Next::Reread),
+            Err(Failure::Conflict) => {
+                self.conflicts.met(ConflictOp::Create);
+                Ok(Next::Reread)
+            }
             Err(e) => Err(e.into_store_error(&doing())),
         }
     }
@@ -365,7 +372,11 @@ impl Shared {
                             return Ok(());
                         }
                         // Changed (an annotation added?) or gone: read it and decide again.
-                        Err(Failure::Conflict | Failure::NotFound) => Next::Reread,
+                        Err(Failure::Conflict) => {
+                            self.conflicts.met(ConflictOp::Tombstone);
+                            Next::Reread
+                        }
+                        Err(Failure::NotFound) => Next::Reread,
                         Err(e) => return Err(e.into_store_error(&doing())),
                     }
                 }
@@ -408,7 +419,10 @@ impl Shared {
                 Some((meta, State::Tombstone { .. })) => {
                     match self.delete_exact(id, &meta, until).await {
                         Ok(()) => return Ok(()),
-                        Err(Failure::Conflict) => Next::Reread,
+                        Err(Failure::Conflict) => {
+                            self.conflicts.met(ConflictOp::DeleteTombstone);
+                            Next::Reread
+                        }
                         Err(e) => return Err(e.into_store_error(&doing())),
                     }
                 }
