@@ -388,11 +388,17 @@ fn after_a_restart_on_a_store_that_lost_its_last_bindings_no_new_id_is_one_they_
     let (s1, c1) = connected(&mut h, N1, 10);
     ok(h.snapshot(N1, c1, 1, vec![mk_endpoint("a", 256, "app=kept-256")]));
     h.settle_store();
-    let new = h.allocate_now(N1, s1, "app=new");
-    assert!(
-        matches!(new, Ok(n) if n != id(301) && n != id(302)),
-        "{new:?}: a new id went to one node-2's agent still holds"
-    );
+    // A tick while node-2 has not reported: the search stays at the top.
+    h.advance(ms(100));
+    assert!(h.alloc.core.ids.searching_from_top());
+    for (labels, want) in [("app=new", 1023), ("app=new-2", 1022)] {
+        let new = h.allocate_now(N1, s1, labels);
+        assert_eq!(
+            new,
+            Ok(id(want)),
+            "a new id from the top of the range, not one node-2's agent may hold"
+        );
+    }
     // node-2 reports what it holds: both taken back as they were.
     let (_s2, c2) = connected(&mut h, N2, 10);
     let held = vec![
@@ -407,8 +413,37 @@ fn after_a_restart_on_a_store_that_lost_its_last_bindings_no_new_id_is_one_they_
     // Every known node has reported: from the next tick, new ids follow the kept
     // ones again.
     h.advance(ms(100));
+    assert!(!h.alloc.core.ids.searching_from_top());
     let next = h.allocate_now(N1, s1, "app=next");
     assert_eq!(next, Ok(id(303)));
+}
+
+/// The search from the top goes down one id at a time, skipping used ones, and wraps
+/// from the first id of the range to the last, never leaving it.
+#[test]
+fn the_search_from_the_top_goes_down_and_wraps_within_the_range() {
+    let range = match IdRange::new(256, 259) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let mut ids = Identities::new(range);
+    let bind = |ids: &mut Identities, n: u32| {
+        ids.insert(id(n), labels(&format!("app=x-{n}")), Phase::Live);
+    };
+    bind(&mut ids, 258);
+    ids.search_from_top();
+    let mut given = Vec::new();
+    for _ in 0..3 {
+        let next = ids.free_id().map(IdentityId::get);
+        given.push(next);
+        if let Some(n) = next {
+            bind(&mut ids, n);
+        }
+    }
+    assert_eq!(given, [Some(259), Some(257), Some(256)]);
+    // 258 is free again: the search wraps past 256 to the top and finds it.
+    ids.remove(id(258));
+    assert_eq!(ids.free_id(), Some(id(258)));
 }
 
 #[test]
