@@ -107,7 +107,9 @@ use census_common::{
     FlowKey, FlowValue, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue,
     MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
     SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES,
-    STATS_MAX_ENTRIES, ServiceFlowKey, flags, identity, interface_slot, service_direction, stats,
+    STATS_MAX_ENTRIES, ServiceFlowKey,
+    filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES},
+    flags, identity, interface_slot, service_direction, stats,
 };
 
 /// Not preallocated: sized for the cluster, it costs memory only for the entries
@@ -135,6 +137,11 @@ static INTERFACES: Array<InterfaceValue> =
 #[map(name = "SERVICES")]
 static SERVICES: LpmTrie<EndpointKey, u32> =
     LpmTrie::with_max_entries(SERVICES_MAX_ENTRIES, SERVICES_MAP_FLAGS);
+
+/// What SERVICES and ENDPOINTS' HOST entries surely do not hold, without a
+/// lookup in either (`census_common::filter`); written by the agent.
+#[map(name = "ADDRESS_FILTER")]
+static ADDRESS_FILTER: Array<AddressFilter> = Array::with_max_entries(FILTER_MAP_MAX_ENTRIES, 0);
 
 /// Per client, Service address, port, protocol and direction, in FLOWS' units.
 #[map(name = "SERVICE_FLOWS")]
@@ -361,9 +368,22 @@ fn count_from_node(ctx: &SkBuffContext) {
     let Some((family, src, dst)) = addresses(ctx) else {
         return;
     };
+    // Nearly no packet a socket sends is a Service request or from an address
+    // FLOWS counts here (the node's own, or a Service's): the filter says so
+    // without a lookup of its source.
+    let filter = address_filter();
+    let service = service_requested(ctx, family, filter, &dst);
+    let pair = may_be_host(filter, &src) || may_be_service(filter, &src);
+    if service.is_none() && !pair {
+        return;
+    }
     let from = endpoint(&src);
-    count_service_request(ctx, family, from, &dst);
-    count_pair_from_node(ctx, family, (&src, from), &dst);
+    if let Some(service) = service {
+        count_service_request(ctx, family, from, service);
+    }
+    if pair {
+        count_pair_from_node(ctx, family, (&src, from), &dst);
+    }
 }
 
 /// [`count_from_node`]'s FLOWS part, `from` the source's ENDPOINTS entry.
@@ -454,36 +474,48 @@ fn service_client(ep: Option<EndpointValue>) -> Option<u32> {
     }
 }
 
+/// The Service address, port and protocol a socket's packet is a request to:
+/// its destination, if a Service address, else its socket's (see
+/// [`count_service_request`]).
+#[inline(always)]
+fn service_requested(
+    ctx: &SkBuffContext,
+    family: Family,
+    filter: Option<&AddressFilter>,
+    dst: &EndpointKey,
+) -> Option<(EndpointKey, u16, u8)> {
+    // The headers' ports only once the packet is a Service's: nearly no packet a
+    // socket sends is.
+    if is_service_by(filter, dst) {
+        let (protocol, _, dst_port) = transport(ctx, family);
+        return Some((*dst, dst_port, protocol));
+    }
+    match socket_destination(ctx, family) {
+        Some((address, port)) if address != *dst && is_service_by(filter, &address) => {
+            Some((address, port, transport(ctx, family).0))
+        }
+        _ => None,
+    }
+}
+
 /// SERVICE_FLOWS, egress of the root cgroup: a request of a pod of this node
 /// or of the node itself (`from`, its source's ENDPOINTS entry) to a Service
-/// address. A pod's packet is not translated yet here (its DNAT happens in the
-/// node's namespace, after it leaves the pod): its destination is the Service
-/// address and port. A host-network socket's packet was translated in OUTPUT,
-/// before this hook: its socket still holds the address and port it connected
-/// to. An unconnected host-network socket's datagram (`sendto`) is seen
-/// translated, and not counted.
+/// address (`service`, from [`service_requested`]). A pod's packet is not
+/// translated yet here (its DNAT happens in the node's namespace, after it
+/// leaves the pod): its destination is the Service address and port. A
+/// host-network socket's packet was translated in OUTPUT, before this hook: its
+/// socket still holds the address and port it connected to. An unconnected
+/// host-network socket's datagram (`sendto`) is seen translated, and not
+/// counted.
 #[inline(always)]
 fn count_service_request(
     ctx: &SkBuffContext,
     family: Family,
     from: Option<EndpointValue>,
-    dst: &EndpointKey,
+    (service, port, protocol): (EndpointKey, u16, u8),
 ) {
     let Some(client) = service_client(from) else {
         return;
-    };
-    // The headers' ports only once the packet is a Service's: nearly no packet a
-    // socket sends is.
-    let (service, port, protocol) = if is_service(dst) {
-        let (protocol, _, dst_port) = transport(ctx, family);
-        (*dst, dst_port, protocol)
-    } else {
-        match socket_destination(ctx, family) {
-            Some((address, port)) if address != *dst && is_service(&address) => {
-                (address, port, transport(ctx, family).0)
-            }
-            _ => return,
-        }
     };
     let key = ServiceFlowKey {
         client_identity: client,
@@ -576,18 +608,15 @@ fn transport<P: Packet>(packet: &P, family: Family) -> (u8, u16, u16) {
     let l3 = P::L2_LEN;
     let (ip_len, protocol, first) = match family {
         Family::V4 => {
-            let Some([version_ihl, _]) = packet.read::<[u8; 2]>(l3) else {
+            // One read from the version to the protocol: the header's first 10
+            // bytes (the addresses were read after them).
+            let Some(header) = packet.read::<[u8; IPV4_PROTOCOL + 1]>(l3) else {
                 return (0, 0, 0);
             };
-            let fragment = packet
-                .read::<[u8; 2]>(l3 + IPV4_FRAGMENT)
-                .map_or(0, u16::from_be_bytes);
-            let protocol = packet
-                .read::<[u8; 2]>(l3 + IPV4_PROTOCOL - 1)
-                .map_or(0, |[_, p]| p);
+            let fragment = u16::from_be_bytes([header[IPV4_FRAGMENT], header[IPV4_FRAGMENT + 1]]);
             (
-                usize::from(version_ihl & 0x0f) * 4,
-                protocol,
+                usize::from(header[0] & 0x0f) * 4,
+                header[IPV4_PROTOCOL],
                 fragment & IPV4_FRAGMENT_OFFSET == 0,
             )
         }
@@ -680,12 +709,41 @@ fn clear_mark_bit<P: Packet>(ctx: &P) {
     count_events(stats::MARKED_COUNTED, segments(ctx));
 }
 
-/// Whether `address` is in a Service range or is a Service's address.
+/// Whether `address` is in a Service range or is a Service's address: the
+/// filter first, SERVICES only if it says maybe.
 #[inline(always)]
 fn is_service(address: &EndpointKey) -> bool {
-    SERVICES
-        .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
-        .is_some()
+    is_service_by(address_filter(), address)
+}
+
+/// [`is_service`] with the filter read once for the packet.
+#[inline(always)]
+fn is_service_by(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
+    may_be_service(filter, address)
+        && SERVICES
+            .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
+            .is_some()
+}
+
+/// ADDRESS_FILTER's entry (`None` only if the map has none: then every address
+/// may be anything).
+#[inline(always)]
+fn address_filter() -> Option<&'static AddressFilter> {
+    ADDRESS_FILTER.get(0)
+}
+
+/// Whether `address` may be in SERVICES: `false` only if the filter says it
+/// surely is not.
+#[inline(always)]
+fn may_be_service(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
+    filter.is_none_or(|filter| filter.may_be_service(address))
+}
+
+/// Whether `address` may be one of this node's addresses (flagged HOST in
+/// ENDPOINTS): `false` only if the filter says it surely is not.
+#[inline(always)]
+fn may_be_host(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
+    filter.is_none_or(|filter| filter.may_be_host(address))
 }
 
 /// The interface a packet carrying census's mark came in by, if census counts
@@ -876,8 +934,23 @@ impl Packet for TcContext {
 impl Packet for SkBuffContext {
     const L2_LEN: usize = 0;
 
+    /// As on TC: straight from the linear data when it is there (a cgroup hook's
+    /// data starts at the IP header), else through `bpf_skb_load_bytes`.
     #[inline(always)]
     fn read<T: Copy>(&self, offset: usize) -> Option<T> {
+        // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
+        // run; `data` and `data_end` are readable fields of a cgroup_skb
+        // program's context (for a program loaded with CAP_BPF or
+        // CAP_SYS_ADMIN, as census's are).
+        let (start, end) = unsafe {
+            let skb = self.skb.skb;
+            ((*skb).data as usize, (*skb).data_end as usize)
+        };
+        if start + offset + size_of::<T>() <= end {
+            // SAFETY: the bounds check above is the one the verifier requires for
+            // direct packet access; the read is unaligned-safe.
+            return Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) });
+        }
         self.load(offset).ok()
     }
 

@@ -85,8 +85,9 @@ use aya::{
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FlowValue, INTERFACES_MAP, InterfaceValue,
     MARK_BIT_DEFAULT, PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_SOCKETS, PROGRAM_SOCKETS_INGRESS,
-    PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP, ServiceFlowKey, ServiceKey, flags,
-    interface_slot, service, stats,
+    PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP, ServiceFlowKey, ServiceKey,
+    filter::{ADDRESS_FILTER_MAP, AddressFilter},
+    flags, interface_slot, service, stats,
 };
 use census_netlab::packet;
 
@@ -375,6 +376,8 @@ struct Options {
     peers: u32,
     /// ENDPOINTS entries written from userspace for the memory and write figures.
     memory_entries: u32,
+    /// Only the root cgroup's rows (`--sockets-only`).
+    sockets_only: bool,
 }
 
 /// census's programs and maps, loaded without pins, ENDPOINTS sized for the
@@ -437,8 +440,10 @@ impl Census {
     fn fill_services(&mut self) -> Fallible<()> {
         let map = self.ebpf.map_mut(SERVICES_MAP).ok_or("no SERVICES")?;
         let mut services: LpmTrie<&mut MapData, EndpointKey, u32> = LpmTrie::try_from(map)?;
+        let mut keys = Vec::new();
         let mut insert = |ip: IpAddr, bits: u8, kind: u32| {
             let key = ServiceKey::range(EndpointKey::from(ip), bits);
+            keys.push(key);
             services.insert(&Key::new(key.prefix_len, key.address), kind, 0)
         };
         insert(
@@ -457,6 +462,13 @@ impl Census {
             let v6 = Ipv6Addr::from((0x2001_0db8_0001_u128 << 80) | u128::from(i));
             insert(v6.into(), 128, service::LOAD_BALANCER_IP)?;
         }
+        let filter = AddressFilter::build(&AddressFilter::OFF, keys, []);
+        let map = self
+            .ebpf
+            .map_mut(ADDRESS_FILTER_MAP)
+            .ok_or("no ADDRESS_FILTER")?;
+        let mut array: Array<&mut MapData, AddressFilter> = Array::try_from(map)?;
+        array.set(0, filter, 0)?;
         Ok(())
     }
 
@@ -919,6 +931,9 @@ fn run(objects: &Objects) -> Fallible<()> {
     let bench_object = std::fs::read(&objects.bench)?;
     let mut bench = Bench::load(&bench_object)?;
     let addrs = Addresses::new()?;
+    if options.sockets_only {
+        return socket_rows(&census_object, &bench, &options);
+    }
 
     println!(
         "census classifier, BPF_PROG_TEST_RUN ({} runs x {} rounds, median); no attachment is \
@@ -1314,6 +1329,7 @@ fn parse_args() -> Fallible<Options> {
             rounds: 5,
             peers: 16_384,
             memory_entries: MEMORY_ENTRIES,
+            sockets_only: false,
         }
     } else {
         Options {
@@ -1321,6 +1337,7 @@ fn parse_args() -> Fallible<Options> {
             rounds: 1,
             peers: 16_384,
             memory_entries: 1_000,
+            sockets_only: false,
         }
     };
     let mut args = args.into_iter();
@@ -1330,6 +1347,7 @@ fn parse_args() -> Fallible<Options> {
             "--repeat" => options.repeat = value()?.parse()?,
             "--rounds" => options.rounds = value()?.parse()?,
             "--peers" => options.peers = value()?.parse()?,
+            "--sockets-only" => options.sockets_only = true,
             // Anything else (a filter) is ignored.
             _ => {}
         }

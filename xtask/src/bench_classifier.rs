@@ -34,6 +34,9 @@ pub(crate) struct Options {
     /// Do not (re)build the eBPF object first.
     #[arg(long)]
     no_build_ebpf: bool,
+    /// Only the root cgroup's programs' rows.
+    #[arg(long)]
+    sockets_only: bool,
 }
 
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
@@ -42,6 +45,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         rounds,
         peers,
         no_build_ebpf,
+        sockets_only,
     } = options;
     if !cmd::is_root() {
         bail!(
@@ -60,7 +64,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         "--bench",
         "classifier",
     ])?;
-    let args: [OsString; 6] = [
+    let mut args: Vec<OsString> = vec![
         "--repeat".into(),
         repeat.to_string().into(),
         "--rounds".into(),
@@ -68,6 +72,9 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         "--peers".into(),
         peers.to_string().into(),
     ];
+    if sockets_only {
+        args.push("--sockets-only".into());
+    }
     for executable in executables {
         cmd::run(Command::new(&executable).args(&args))?;
     }

@@ -10,6 +10,8 @@
 
 use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+pub mod filter;
+
 /// Version of the layout of every pinned map (types, map kinds, sizes).
 ///
 /// The agent records it in [`META_MAP`] when it creates the maps and refuses to
@@ -33,13 +35,16 @@ use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// 6: [`SERVICE_FLOWS_MAP`] (per client identity, Service address, port,
 /// protocol and direction, counted at the root cgroup's hooks). Layout 5's maps
 /// are taken over as they are, SERVICE_FLOWS created beside them.
-pub const LAYOUT_VERSION: u32 = 6;
+/// 7: [`filter::ADDRESS_FILTER_MAP`] (what SERVICES and the HOST entries surely
+/// do not hold, for the root cgroup's programs). Layout 6's maps are taken over
+/// as they are, ADDRESS_FILTER created beside them.
+pub const LAYOUT_VERSION: u32 = 7;
 
 /// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over,
 /// keeping every entry and counter: the maps whose shape did not change are
 /// reused in place, ENDPOINTS is copied into a map of this layout, and the maps
 /// they lack are created beside them.
-pub const MIGRATES_FROM: [u32; 4] = [2, 3, 4, 5];
+pub const MIGRATES_FROM: [u32; 5] = [2, 3, 4, 5, 6];
 
 /// The layouts of [`MIGRATES_FROM`] whose ENDPOINTS has another shape (before 4):
 /// taking them over copies ENDPOINTS into a new map.
@@ -598,6 +603,7 @@ const _: () = {
     assert!(align_of::<ServiceFlowKey>() == 4);
     assert!(core::mem::offset_of!(ServiceFlowKey, service) == 8);
     assert!(align_of::<FlowValue>() == 8);
+    assert!(size_of::<filter::AddressFilter>() == 16 + 4 * 8 + 4 * 32 + 1024 + 128);
 };
 
 #[cfg(feature = "user")]
@@ -625,6 +631,8 @@ mod user {
     unsafe impl aya::Pod for ServiceKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for ServiceFlowKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::filter::AddressFilter {}
 }
 
 #[cfg(test)]

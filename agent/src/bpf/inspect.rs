@@ -34,6 +34,7 @@ use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
     LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, SERVICE_FLOWS_MAP,
     SERVICES_MAP, STATS_MAP,
+    filter::{ADDRESS_FILTER_MAP, AddressFilter},
 };
 use ipnet::IpNet;
 
@@ -269,11 +270,14 @@ impl Inspector {
             (INTERFACES_MAP, interfaces_path, interfaces_info),
         ];
         // Maps later layouts added: STATS in 3, NODES in 4, SERVICES in 5,
-        // SERVICE_FLOWS in 6.
+        // SERVICE_FLOWS in 6, ADDRESS_FILTER in 7 (listed, not read: it is
+        // derived from SERVICES and ENDPOINTS).
         let stats = open_since(&dir, layout, STATS_MAP, &mut infos)?;
         let nodes = open_since(&dir, layout, NODES_MAP, &mut infos)?;
         let services = open_since(&dir, layout, SERVICES_MAP, &mut infos)?;
         let service_flows = open_since(&dir, layout, SERVICE_FLOWS_MAP, &mut infos)?;
+        let _: Option<Array<MapData, AddressFilter>> =
+            open_since(&dir, layout, ADDRESS_FILTER_MAP, &mut infos)?;
         Ok(Self {
             service_flows,
             dir,

@@ -7,6 +7,7 @@ use std::{
     net::IpAddr,
     os::fd::OwnedFd,
     path::{Path, PathBuf},
+    sync::{Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
 
@@ -18,11 +19,13 @@ use aya::{
 use census_common::{
     ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
     NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP,
+    filter::ADDRESS_FILTER_MAP,
 };
 
 use super::log::{DatapathLog, LogForwarder};
 use super::{
     AttachMode, AttachModeChoice, Direction, Error,
+    filter::Filter,
     lock::{LockHolder, PinLock},
     maps::{self as datapath_maps, EndpointsMap, FlowsMap, InterfacesMap, StatsMap},
     migrate,
@@ -31,7 +34,7 @@ use super::{
     pins::{self, Layout, Pins},
     privileges,
     service_flows::ServiceFlowsMap,
-    services::{MarkBit, ServicesMap},
+    services::{self, MarkBit, ServicesMap},
     sockets::{SocketHook, socket_program},
 };
 
@@ -58,6 +61,9 @@ pub struct Datapath {
     pub(super) nodes: NodesMap,
     pub(super) services: ServicesMap,
     pub(super) service_flows: ServiceFlowsMap,
+    /// ADDRESS_FILTER and what it is built from; read-only methods learn from
+    /// what they read (ENDPOINTS' HOST entries, SERVICES).
+    pub(super) filter: Mutex<Filter>,
     /// ENDPOINTS' and NODES' sizes, as created (for the errors of a full map).
     pub(super) endpoints_max_entries: u32,
     pub(super) nodes_max_entries: u32,
@@ -134,6 +140,13 @@ impl Datapath {
         let nodes: NodesMap = take_map(&mut ebpf, NODES_MAP)?;
         let services: ServicesMap = take_map(&mut ebpf, SERVICES_MAP)?;
         let service_flows: ServiceFlowsMap = take_map(&mut ebpf, SERVICE_FLOWS_MAP)?;
+        let filter = Filter::open(
+            take_map(&mut ebpf, ADDRESS_FILTER_MAP)?,
+            services::read_all(&services)?
+                .into_keys()
+                .map(services::service_key),
+            || datapath_maps::host_keys(&endpoints),
+        )?;
         let endpoints_max_entries = max_entries(ENDPOINTS_MAP, endpoints.map())?;
         let nodes_max_entries = max_entries(NODES_MAP, nodes.map())?;
         bring_to_layout(
@@ -175,12 +188,25 @@ impl Datapath {
             nodes,
             services,
             service_flows,
+            filter: Mutex::new(filter),
             endpoints_max_entries,
             nodes_max_entries,
             endpoints_full: false,
             node_addresses: options.node_addresses.clone(),
             _log: log,
         })
+    }
+
+    /// ADDRESS_FILTER's keeper, for a write.
+    pub(super) fn filter_mut(&mut self) -> &mut Filter {
+        self.filter
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// ADDRESS_FILTER's keeper, for what a read learns.
+    pub(super) fn filter_lock(&self) -> MutexGuard<'_, Filter> {
+        self.filter.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The directory everything is pinned in.

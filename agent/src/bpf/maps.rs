@@ -452,16 +452,53 @@ fn flows_error(source: MapError) -> Error {
     }
 }
 
+/// The keys of `entries` flagged HOST.
+fn hosts_of(entries: &BTreeMap<EndpointKey, Endpoint>) -> impl Iterator<Item = EndpointKey> {
+    entries
+        .iter()
+        .filter(|(_, entry)| entry.flags.contains(EndpointFlags::HOST))
+        .map(|(key, _)| *key)
+}
+
+/// The keys of ENDPOINTS' HOST entries, read whole (for ADDRESS_FILTER at
+/// start, when the pinned filter is not on).
+pub(super) fn host_keys(endpoints: &EndpointsMap) -> Result<Vec<EndpointKey>, Error> {
+    let mut hosts = Vec::new();
+    for entry in endpoints.iter() {
+        match entry {
+            Ok((key, value)) => {
+                if Endpoint::from_value(value)
+                    .flags
+                    .contains(EndpointFlags::HOST)
+                {
+                    hosts.push(key);
+                }
+            }
+            Err(error) if is_not_found(&error) => {}
+            Err(error) => return Err(endpoints_error(error)),
+        }
+    }
+    Ok(hosts)
+}
+
 impl Datapath {
     /// Writes (creates or replaces) the entry of `ip`.
     /// [`Error::MapFull`] when ENDPOINTS holds its maximum and `ip` has no entry
     /// yet (nothing changes; replacing an entry never fails so).
+    ///
+    /// ADDRESS_FILTER takes a HOST entry's address first, and loses it after the
+    /// address's entry is no longer HOST (see [`super::filter`]).
     pub fn upsert_endpoint(&mut self, ip: IpAddr, endpoint: Endpoint) -> Result<(), Error> {
         endpoint.check(ip)?;
+        let key = EndpointKey::from(ip);
+        let host = endpoint.flags.contains(EndpointFlags::HOST);
+        if host {
+            self.filter_mut().add_host(key)?;
+        }
         let max_entries = self.endpoints_max_entries;
         let result = self
             .endpoints
-            .insert(EndpointKey::from(ip), endpoint.to_value(), 0)
+            .insert(key, endpoint.to_value(), 0)
             .map_err(|source| {
                 full_or(
                     source,
@@ -486,6 +523,9 @@ impl Datapath {
         if full || result.is_ok() {
             self.endpoints_full = full;
         }
+        if !host && result.is_ok() {
+            self.filter_mut().remove_host(&key)?;
+        }
         result
     }
 
@@ -502,11 +542,13 @@ impl Datapath {
     /// Removes an entry by its raw key, for keys that [`EndpointKey::ip`] cannot
     /// read (not written by census); `false` if there was none.
     pub fn delete_endpoint_key(&mut self, key: &EndpointKey) -> Result<bool, Error> {
-        match self.endpoints.remove(key) {
-            Ok(()) => Ok(true),
-            Err(error) if is_not_found(&error) => Ok(false),
-            Err(error) => Err(endpoints_error(error)),
-        }
+        let removed = match self.endpoints.remove(key) {
+            Ok(()) => true,
+            Err(error) if is_not_found(&error) => false,
+            Err(error) => return Err(endpoints_error(error)),
+        };
+        self.filter_mut().remove_host(key)?;
+        Ok(removed)
     }
 
     /// The entry of `ip`, if any.
@@ -520,6 +562,7 @@ impl Datapath {
 
     /// Every entry, by raw key (`EndpointKey::ip` gives the address of the keys
     /// census writes). A key deleted while the map is walked may be missing.
+    /// ADDRESS_FILTER takes the HOST entries as the node's addresses.
     pub fn endpoints(&self) -> Result<BTreeMap<EndpointKey, Endpoint>, Error> {
         let mut entries = BTreeMap::new();
         for entry in self.endpoints.iter() {
@@ -531,6 +574,7 @@ impl Datapath {
                 Err(error) => return Err(endpoints_error(error)),
             }
         }
+        self.filter_lock().learn_hosts(hosts_of(&entries))?;
         Ok(entries)
     }
 

@@ -24,6 +24,7 @@
 
 mod attach;
 mod error;
+mod filter;
 mod inspect;
 mod loader;
 mod lock;

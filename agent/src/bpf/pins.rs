@@ -32,6 +32,7 @@ use census_common::{
     NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAP, SERVICE_FLOWS_MAX_ENTRIES, SERVICES_MAP,
     SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAP, STATS_MAX_ENTRIES, ServiceFlowKey,
     ServiceKey,
+    filter::{ADDRESS_FILTER_MAP, AddressFilter, FILTER_MAP_MAX_ENTRIES},
 };
 
 use super::{Direction, Error, maps::MapShape, privileges, sys};
@@ -42,7 +43,7 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 const LINKS_DIR: &str = "links";
 
 /// Every map census pins, the layout version map first.
-pub(super) const MAPS: [&str; 8] = [
+pub(super) const MAPS: [&str; 9] = [
     META_MAP,
     ENDPOINTS_MAP,
     FLOWS_MAP,
@@ -51,9 +52,10 @@ pub(super) const MAPS: [&str; 8] = [
     NODES_MAP,
     SERVICES_MAP,
     SERVICE_FLOWS_MAP,
+    ADDRESS_FILTER_MAP,
 ];
 /// The maps of [`MAPS`] that a layout version guards.
-pub(super) const DATA_MAPS: [&str; 7] = [
+pub(super) const DATA_MAPS: [&str; 8] = [
     ENDPOINTS_MAP,
     FLOWS_MAP,
     INTERFACES_MAP,
@@ -61,6 +63,7 @@ pub(super) const DATA_MAPS: [&str; 7] = [
     NODES_MAP,
     SERVICES_MAP,
     SERVICE_FLOWS_MAP,
+    ADDRESS_FILTER_MAP,
 ];
 /// The maps a layout sizes as the agent is told (`--*-max-entries`): any size is
 /// that map.
@@ -158,6 +161,12 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             size_of::<ServiceFlowKey>(),
             size_of::<FlowValue>(),
             SERVICE_FLOWS_MAX_ENTRIES,
+        )),
+        ADDRESS_FILTER_MAP => Some(shape(
+            MapType::Array,
+            size_of::<u32>(),
+            size_of::<AddressFilter>(),
+            FILTER_MAP_MAX_ENTRIES,
         )),
         STATS_MAP => Some(shape(
             MapType::PerCpuArray,

@@ -86,9 +86,14 @@ impl FromStr for MarkBit {
 
 /// The SERVICES key of `range` (its host bits cleared: one range, one entry).
 pub(super) fn key_of(range: IpNet) -> Key<EndpointKey> {
-    let range = range.trunc();
-    let key = ServiceKey::range(range.addr().into(), range.prefix_len());
+    let key = service_key(range);
     Key::new(key.prefix_len, key.address)
+}
+
+/// [`key_of`] as census's own type.
+pub(super) fn service_key(range: IpNet) -> ServiceKey {
+    let range = range.trunc();
+    ServiceKey::range(range.addr().into(), range.prefix_len())
 }
 
 /// The range a SERVICES key stands for; `None` for a key census does not write
@@ -134,8 +139,13 @@ impl Datapath {
     /// Writes (creates or replaces) the entry of `range` (host bits ignored).
     /// [`Error::ServicesFull`] when SERVICES holds its maximum and `range` has no entry
     /// yet (nothing changes).
+    ///
+    /// ADDRESS_FILTER takes the range first (see [`super::filter`]).
     pub fn upsert_service(&mut self, range: IpNet, kind: ServiceKind) -> Result<(), Error> {
-        self.services
+        let key = service_key(range);
+        self.filter_mut().add_service(key)?;
+        let result = self
+            .services
             .insert(&key_of(range), kind.raw(), 0)
             .map_err(|source| {
                 if is_full(&source) {
@@ -146,21 +156,36 @@ impl Datapath {
                 } else {
                     services_error(source)
                 }
-            })
+            });
+        // Refused, the range stays in the filter (it may have been in SERVICES
+        // already): more "maybe" than needed until the full pass reads SERVICES.
+        result
     }
 
-    /// Removes the entry of `range`; `false` if there was none.
+    /// Removes the entry of `range`; `false` if there was none. ADDRESS_FILTER
+    /// loses it after.
     pub fn delete_service(&mut self, range: IpNet) -> Result<bool, Error> {
-        match self.services.remove(&key_of(range)) {
-            Ok(()) => Ok(true),
-            Err(error) if is_not_found(&error) => Ok(false),
-            Err(error) => Err(services_error(error)),
-        }
+        let removed = match self.services.remove(&key_of(range)) {
+            Ok(()) => true,
+            Err(error) if is_not_found(&error) => false,
+            Err(error) => return Err(services_error(error)),
+        };
+        self.filter_mut().remove_service(&service_key(range))?;
+        Ok(removed)
     }
 
-    /// Every SERVICES entry, by range.
+    /// ADDRESS_FILTER's value, as the programs read it.
+    pub fn address_filter(&self) -> Result<census_common::filter::AddressFilter, Error> {
+        self.filter_lock().read()
+    }
+
+    /// Every SERVICES entry, by range; ADDRESS_FILTER takes them as its ranges
+    /// and addresses.
     pub fn services(&self) -> Result<BTreeMap<IpNet, ServiceKind>, Error> {
-        read_all(&self.services)
+        let services = read_all(&self.services)?;
+        self.filter_lock()
+            .learn_services(services.keys().map(|range| service_key(*range)))?;
+        Ok(services)
     }
 }
 

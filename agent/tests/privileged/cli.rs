@@ -290,6 +290,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("NODES", "hash", 4, 580),
             ("SERVICES", "lpm_trie", 24, 4),
             ("SERVICE_FLOWS", "lru_percpu_hash", 28, 16),
+            ("ADDRESS_FILTER", "array", 4, 1328),
         ]
     );
     for map in maps {
@@ -317,8 +318,8 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     assert!(table.starts_with("NAME "), "{table}");
     assert_eq!(
         table.lines().count(),
-        9,
-        "a header and the eight maps: {table}"
+        10,
+        "a header and the nine maps: {table}"
     );
     let one = census_json(&[
         "bpf",

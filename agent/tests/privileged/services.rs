@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 use aya::maps::{Array, Map, MapData};
 use census_agent::bpf::{
-    AttachOutcome, Direction, Endpoint, Error, Inspector, Interface, LAYOUT_VERSION, ServiceKind,
-    TestContext,
+    AttachOutcome, Direction, Endpoint, EndpointKey, Error, Inspector, Interface, LAYOUT_VERSION,
+    ServiceKind, TestContext,
 };
 use census_netlab::{Lab, packet};
 use ipnet::IpNet;
@@ -77,13 +77,19 @@ fn service_ranges_are_written_read_back_and_replaced() -> TestResult {
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_4_pins_are_taken_over_in_place() -> TestResult {
-    older_pins_are_taken_over_in_place(4, &["SERVICES", "SERVICE_FLOWS"])
+    older_pins_are_taken_over_in_place(4, &["SERVICES", "SERVICE_FLOWS", "ADDRESS_FILTER"])
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_5_pins_are_taken_over_in_place() -> TestResult {
-    older_pins_are_taken_over_in_place(5, &["SERVICE_FLOWS"])
+    older_pins_are_taken_over_in_place(5, &["SERVICE_FLOWS", "ADDRESS_FILTER"])
+}
+
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn layout_6_pins_are_taken_over_in_place() -> TestResult {
+    older_pins_are_taken_over_in_place(6, &["ADDRESS_FILTER"])
 }
 
 /// What an agent of `layout` left, without the maps `missing` it lacked, is
@@ -127,7 +133,7 @@ fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResu
 
     let mut datapath = open_datapath(pins.path())?;
     assert_eq!(layout_of(&pins)?, LAYOUT_VERSION);
-    assert_eq!(LAYOUT_VERSION, 6);
+    assert_eq!(LAYOUT_VERSION, 7);
     assert_eq!(
         endpoints_id(&pins)?,
         id_before,
@@ -141,6 +147,73 @@ fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResu
     assert_eq!(datapath.service_flows()?, []);
     datapath.upsert_service(net("10.96.0.0/12")?, ServiceKind::ClusterIpRange)?;
     assert_eq!(datapath.services()?.len(), 1);
+    let filter = datapath.address_filter()?;
+    assert!(filter.is_on(), "on from the start, ENDPOINTS read once");
+    assert!(filter.may_be_service(&key("10.100.0.1")?));
+    Ok(())
+}
+
+fn key(text: &str) -> Fallible<EndpointKey> {
+    Ok(EndpointKey::from(text.parse::<std::net::IpAddr>()?))
+}
+
+/// ADDRESS_FILTER holds every Service range and address SERVICES holds and
+/// every HOST address ENDPOINTS holds, as the datapath writes, removes and
+/// reads them, and over a restart; and says "surely not" of other addresses.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn the_address_filter_follows_services_and_the_node_addresses() -> TestResult {
+    let pins = PinDir::new();
+    let mut datapath = open_datapath(pins.path())?;
+    assert!(datapath.address_filter()?.is_on(), "on from the start");
+
+    datapath.upsert_service(net("10.96.0.0/12")?, ServiceKind::ClusterIpRange)?;
+    datapath.upsert_service(net("fd00:10:96::/108")?, ServiceKind::ClusterIpRange)?;
+    datapath.upsert_service(net("203.0.113.7/32")?, ServiceKind::LoadBalancerIp)?;
+    datapath.upsert_endpoint("198.18.0.1".parse()?, Endpoint::host())?;
+    datapath.upsert_endpoint("198.18.1.2".parse()?, Endpoint::local(POD))?;
+    let filter = datapath.address_filter()?;
+    for service in [
+        "10.96.0.1",
+        "10.111.255.254",
+        "fd00:10:96::a",
+        "203.0.113.7",
+    ] {
+        assert!(filter.may_be_service(&key(service)?), "{service}");
+    }
+    for other in ["10.95.255.255", "10.112.0.0", "fd00:10:97::a", "198.18.1.2"] {
+        assert!(!filter.may_be_service(&key(other)?), "{other}");
+    }
+    assert!(filter.may_be_host(&key("198.18.0.1")?));
+    assert!(!filter.may_be_host(&key("198.18.1.2")?));
+
+    // Removed: gone from the filter too.
+    datapath.delete_service(net("10.96.0.0/12")?)?;
+    datapath.delete_endpoint("198.18.0.1".parse()?)?;
+    let filter = datapath.address_filter()?;
+    assert!(!filter.may_be_service(&key("10.96.0.1")?));
+    assert!(filter.may_be_service(&key("fd00:10:96::a")?));
+    assert!(!filter.may_be_host(&key("198.18.0.1")?));
+
+    // A HOST entry rewritten as another kind leaves the node's addresses.
+    datapath.upsert_endpoint("198.18.0.2".parse()?, Endpoint::host())?;
+    assert!(datapath.address_filter()?.may_be_host(&key("198.18.0.2")?));
+    datapath.upsert_endpoint("198.18.0.2".parse()?, Endpoint::local(POD))?;
+    assert!(!datapath.address_filter()?.may_be_host(&key("198.18.0.2")?));
+
+    // A restart keeps what the maps hold, before and after reading ENDPOINTS.
+    datapath.upsert_endpoint("198.18.0.3".parse()?, Endpoint::host())?;
+    drop(datapath);
+    let datapath = open_datapath(pins.path())?;
+    let filter = datapath.address_filter()?;
+    assert!(filter.is_on());
+    assert!(filter.may_be_host(&key("198.18.0.3")?));
+    assert!(filter.may_be_service(&key("203.0.113.7")?));
+    datapath.endpoints()?;
+    let filter = datapath.address_filter()?;
+    assert!(filter.may_be_host(&key("198.18.0.3")?));
+    assert!(filter.may_be_service(&key("fd00:10:96::a")?));
+    assert!(!filter.may_be_service(&key("10.96.0.1")?));
     Ok(())
 }
 

@@ -1,0 +1,409 @@
+//! ADDRESS_FILTER: what the root cgroup's programs ask before a map lookup.
+//!
+//! Nearly every packet a node's sockets send or receive is neither from nor to a
+//! Service address, nor from one of the node's own addresses: the programs need
+//! to know that much about it, and a longest-prefix-match lookup in SERVICES or
+//! a hash lookup in ENDPOINTS costs more than the rest of the program. The
+//! filter answers "surely not" from one array entry the verifier inlines: the
+//! Service ranges in a few slots per family, and a bitmap for each of the single
+//! Service addresses and the node's own addresses, indexed by a hash of the
+//! address. "Maybe" is answered by the map itself.
+//!
+//! **What the programs rely on:** every range and address SERVICES holds is
+//! "maybe a Service", and every address ENDPOINTS flags HOST is "maybe the
+//! node's", whenever a program reads the filter. The agent writes the filter
+//! before it adds an entry, and after it removes one. A program may read the
+//! entry while the agent rewrites it (an array update is a copy, not atomic), and
+//! see any mix of the two values' bytes; [`AddressFilter::steps`] makes every
+//! write safe for that: it only adds (ranges in free slots, bits) or only takes
+//! away (slots and bits of what is gone), the ranges that stay keep their slots,
+//! and [`FILTER_ON`] is switched alone, the rest of the value unchanged. A filter
+//! that is not on ([`AddressFilter::OFF`], and the zeroed entry the map is
+//! created with) answers "maybe" for everything: the programs look every address
+//! up, as they did before the filter.
+
+use crate::{EndpointKey, ServiceKey, family};
+
+/// `0 -> AddressFilter`: a one-entry array (the agent and the programs use key
+/// 0).
+pub const ADDRESS_FILTER_MAP: &str = "ADDRESS_FILTER";
+/// [`ADDRESS_FILTER_MAP`]'s one entry.
+pub const FILTER_MAP_MAX_ENTRIES: u32 = 1;
+/// [`AddressFilter::state`] of a filter the programs may use.
+pub const FILTER_ON: u32 = 1;
+/// Range slots per family. A cluster has a ClusterIP range or two per family;
+/// with more ranges than slots the filter is off.
+pub const FILTER_RANGES: usize = 4;
+/// Bits of the single Service addresses' bitmap (LoadBalancer and external
+/// IPs): 2^13.
+pub const SERVICE_BITS_LG: u32 = 13;
+/// Bits of the node's own addresses' bitmap: 2^10.
+pub const HOST_BITS_LG: u32 = 10;
+const SERVICE_WORDS: usize = 1 << (SERVICE_BITS_LG - 6);
+const HOST_WORDS: usize = 1 << (HOST_BITS_LG - 6);
+
+/// An IPv4 range: the address `a` is in it when `a & mask == network` (both in
+/// network order, read as one native word, as [`EndpointKey`] holds them). An
+/// unused slot has a zero mask and a network of all ones: nothing matches it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct V4Range {
+    pub network: u32,
+    pub mask: u32,
+}
+
+/// An IPv6 range, as [`V4Range`] over the four words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct V6Range {
+    pub network: [u32; 4],
+    pub mask: [u32; 4],
+}
+
+/// The value of [`ADDRESS_FILTER_MAP`]'s entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AddressFilter {
+    /// [`FILTER_ON`], or anything else: every address may be anything.
+    pub state: u32,
+    /// The IPv4 range slots to look at: `v4_ranges[..v4_slots]` (unused slots
+    /// below it match nothing).
+    pub v4_slots: u32,
+    /// As `v4_slots`, for `v6_ranges`.
+    pub v6_slots: u32,
+    pub _pad: u32,
+    pub v4_ranges: [V4Range; FILTER_RANGES],
+    pub v6_ranges: [V6Range; FILTER_RANGES],
+    /// The single Service addresses, bit [`bucket`]`(address, SERVICE_BITS_LG)`.
+    pub services: [u64; SERVICE_WORDS],
+    /// The node's own addresses, bit [`bucket`]`(address, HOST_BITS_LG)`.
+    pub hosts: [u64; HOST_WORDS],
+}
+
+const UNUSED_V4: V4Range = V4Range {
+    network: u32::MAX,
+    mask: 0,
+};
+const UNUSED_V6: V6Range = V6Range {
+    network: [u32::MAX; 4],
+    mask: [0; 4],
+};
+
+/// The bit of `key` in a bitmap of `2^lg` bits: a multiplicative hash of its
+/// words.
+#[inline(always)]
+pub const fn bucket(key: &EndpointKey, lg: u32) -> u32 {
+    let [a, b, c, d] = key.addr;
+    let folded = a ^ b.rotate_left(8) ^ c.rotate_left(16) ^ d.rotate_left(24) ^ key.family;
+    folded.wrapping_mul(0x9E37_79B1) >> (32 - lg)
+}
+
+#[inline(always)]
+fn test_bit(words: &[u64], bit: u32) -> bool {
+    match words.get((bit >> 6) as usize) {
+        Some(word) => word & (1 << (bit & 63)) != 0,
+        None => true,
+    }
+}
+
+fn set_bit(words: &mut [u64], bit: u32) {
+    if let Some(word) = words.get_mut((bit >> 6) as usize) {
+        *word |= 1 << (bit & 63);
+    }
+}
+
+/// The mask of the first `bits` bits of 16 address bytes, as four native words.
+fn mask_words(bits: u32) -> [u32; 4] {
+    let mut words = [0u32; 4];
+    for (i, word) in words.iter_mut().enumerate() {
+        let start = 32 * i as u32;
+        let take = bits.saturating_sub(start).min(32);
+        let be = if take == 0 {
+            0
+        } else {
+            u32::MAX << (32 - take)
+        };
+        *word = u32::from_ne_bytes(be.to_be_bytes());
+    }
+    words
+}
+
+impl AddressFilter {
+    /// Off, every slot unused: what the programs see before the agent writes the
+    /// filter (the map's zeroed entry is off too).
+    pub const OFF: Self = Self {
+        state: 0,
+        v4_slots: 0,
+        v6_slots: 0,
+        _pad: 0,
+        v4_ranges: [UNUSED_V4; FILTER_RANGES],
+        v6_ranges: [UNUSED_V6; FILTER_RANGES],
+        services: [0; SERVICE_WORDS],
+        hosts: [0; HOST_WORDS],
+    };
+
+    /// Whether the programs may trust the filter's "surely not".
+    #[inline(always)]
+    pub const fn is_on(&self) -> bool {
+        self.state == FILTER_ON
+    }
+
+    /// Whether `key` may be a Service address (in SERVICES); `false` only if it
+    /// surely is not.
+    #[inline(always)]
+    pub fn may_be_service(&self, key: &EndpointKey) -> bool {
+        if !self.is_on() {
+            return true;
+        }
+        match key.family {
+            family::IPV4 => {
+                for i in 0..FILTER_RANGES {
+                    if i as u32 >= self.v4_slots {
+                        break;
+                    }
+                    let range = &self.v4_ranges[i];
+                    if key.addr[0] & range.mask == range.network {
+                        return true;
+                    }
+                }
+            }
+            family::IPV6 => {
+                for i in 0..FILTER_RANGES {
+                    if i as u32 >= self.v6_slots {
+                        break;
+                    }
+                    let range = &self.v6_ranges[i];
+                    if key.addr[0] & range.mask[0] == range.network[0]
+                        && key.addr[1] & range.mask[1] == range.network[1]
+                        && key.addr[2] & range.mask[2] == range.network[2]
+                        && key.addr[3] & range.mask[3] == range.network[3]
+                    {
+                        return true;
+                    }
+                }
+            }
+            _ => return true,
+        }
+        test_bit(&self.services, bucket(key, SERVICE_BITS_LG))
+    }
+
+    /// Whether `key` may be one of the node's own addresses (flagged HOST in
+    /// ENDPOINTS); `false` only if it surely is not.
+    #[inline(always)]
+    pub fn may_be_host(&self, key: &EndpointKey) -> bool {
+        !self.is_on() || test_bit(&self.hosts, bucket(key, HOST_BITS_LG))
+    }
+
+    /// The filter of `services` (SERVICES' keys) and `hosts` (the addresses
+    /// ENDPOINTS flags HOST), on. Each range keeps the slot it has in `previous`
+    /// (the value the map holds), a new one takes the lowest slot free in both:
+    /// so [`steps`](Self::steps) can go from `previous` to it adding first, then
+    /// taking away. Off if a family has more ranges than slots, or a range of
+    /// length 0.
+    pub fn build(
+        previous: &Self,
+        services: impl IntoIterator<Item = ServiceKey>,
+        hosts: impl IntoIterator<Item = EndpointKey>,
+    ) -> Self {
+        let mut filter = Self {
+            state: FILTER_ON,
+            ..Self::OFF
+        };
+        let mut v4 = Ranges::new(&previous.v4_ranges, previous.v4_slots);
+        let mut v6 = Ranges::new(&previous.v6_ranges, previous.v6_slots);
+        for key in services {
+            let bits = key.bits();
+            let address = key.address;
+            let full = match address.family {
+                family::IPV4 => 32,
+                family::IPV6 => 128,
+                _ => continue,
+            };
+            if bits >= full {
+                set_bit(&mut filter.services, bucket(&address, SERVICE_BITS_LG));
+                continue;
+            }
+            let mask = mask_words(bits);
+            let network = [
+                address.addr[0] & mask[0],
+                address.addr[1] & mask[1],
+                address.addr[2] & mask[2],
+                address.addr[3] & mask[3],
+            ];
+            let added = if bits == 0 {
+                false
+            } else if address.family == family::IPV4 {
+                v4.add(V4Range {
+                    network: network[0],
+                    mask: mask[0],
+                })
+            } else {
+                v6.add(V6Range { network, mask })
+            };
+            if !added {
+                return Self { state: 0, ..filter };
+            }
+        }
+        match (v4.slots(UNUSED_V4), v6.slots(UNUSED_V6)) {
+            (Some(v4), Some(v6)) => {
+                (filter.v4_ranges, filter.v4_slots) = v4;
+                (filter.v6_ranges, filter.v6_slots) = v6;
+            }
+            _ => return Self { state: 0, ..filter },
+        }
+        for host in hosts {
+            set_bit(&mut filter.hosts, bucket(&host, HOST_BITS_LG));
+        }
+        filter
+    }
+
+    /// The values to write, in order, to take an entry holding `current` to
+    /// `target` (built from `current` by [`build`](Self::build)), each safe
+    /// for a program that reads the entry while it is written (see the module's
+    /// documentation): at most three, none if `current` is `target`.
+    pub fn steps(current: &Self, target: &Self) -> Steps {
+        let mut steps = Steps::default();
+        if current == target {
+            return steps;
+        }
+        if !target.is_on() {
+            // Off, and nothing else changed: the content no longer matters.
+            if current.is_on() {
+                steps.push(Self {
+                    state: target.state,
+                    ..*current
+                });
+            }
+            return steps;
+        }
+        if current.is_on() {
+            if let Some(union) = current.union(target) {
+                steps.push(union);
+                steps.push(*target);
+                return steps;
+            }
+            steps.push(Self {
+                state: 0,
+                ..*current
+            });
+        }
+        // Off: the content first (not read), then on alone.
+        steps.push(Self {
+            state: 0,
+            ..*target
+        });
+        steps.push(*target);
+        steps
+    }
+
+    /// Every range and bit of both, ranges in the slots both give them; `None`
+    /// if a slot holds another range in each.
+    fn union(&self, other: &Self) -> Option<Self> {
+        let mut union = *self;
+        for i in 0..FILTER_RANGES {
+            union.v4_ranges[i] = merge(self.v4_ranges[i], other.v4_ranges[i], UNUSED_V4)?;
+            union.v6_ranges[i] = merge(self.v6_ranges[i], other.v6_ranges[i], UNUSED_V6)?;
+        }
+        union.v4_slots = self.v4_slots.max(other.v4_slots);
+        union.v6_slots = self.v6_slots.max(other.v6_slots);
+        for (word, theirs) in union.services.iter_mut().zip(other.services) {
+            *word |= theirs;
+        }
+        for (word, theirs) in union.hosts.iter_mut().zip(other.hosts) {
+            *word |= theirs;
+        }
+        Some(union)
+    }
+}
+
+/// The writes of [`AddressFilter::steps`], in order.
+#[derive(Debug, Default)]
+pub struct Steps {
+    values: [Option<AddressFilter>; 3],
+    len: usize,
+}
+
+impl Steps {
+    fn push(&mut self, value: AddressFilter) {
+        let last = self.len.checked_sub(1).and_then(|i| self.values[i]);
+        if last != Some(value)
+            && let Some(slot) = self.values.get_mut(self.len)
+        {
+            *slot = Some(value);
+            self.len += 1;
+        }
+    }
+
+    /// The values, in the order they are to be written.
+    pub fn iter(&self) -> impl Iterator<Item = &AddressFilter> {
+        self.values[..self.len].iter().flatten()
+    }
+}
+
+/// A slot's range in a union: the one either holds, or `None` if each holds
+/// another.
+fn merge<R: Copy + PartialEq>(a: R, b: R, unused: R) -> Option<R> {
+    if a == unused || a == b {
+        Some(b)
+    } else if b == unused {
+        Some(a)
+    } else {
+        None
+    }
+}
+
+/// One family's ranges for [`AddressFilter::build`], and the slots they had.
+struct Ranges<'a, R> {
+    previous: &'a [R],
+    ranges: [Option<R>; FILTER_RANGES],
+    len: usize,
+}
+
+impl<'a, R: Copy + PartialEq> Ranges<'a, R> {
+    fn new(previous: &'a [R; FILTER_RANGES], used: u32) -> Self {
+        Self {
+            previous: &previous[..(used as usize).min(FILTER_RANGES)],
+            ranges: [None; FILTER_RANGES],
+            len: 0,
+        }
+    }
+
+    /// Adds `range` (once); `false` if there are more ranges than slots.
+    fn add(&mut self, range: R) -> bool {
+        if self.ranges[..self.len].contains(&Some(range)) {
+            return true;
+        }
+        match self.ranges.get_mut(self.len) {
+            Some(slot) => {
+                *slot = Some(range);
+                self.len += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The slots: each range where `previous` has it, the others in the lowest
+    /// slots free in both (else in one `previous` uses for a range that is gone),
+    /// `unused` in the rest; and how many to look at. `None` if they do not fit.
+    fn slots(&self, unused: R) -> Option<([R; FILTER_RANGES], u32)> {
+        let mut slots = [None; FILTER_RANGES];
+        let mut new = [None; FILTER_RANGES];
+        for (i, range) in self.ranges[..self.len].iter().flatten().enumerate() {
+            match self.previous.iter().position(|held| held == range) {
+                Some(at) => slots[at] = Some(*range),
+                None => new[i] = Some(*range),
+            }
+        }
+        let free_in_previous =
+            |i: usize| self.previous.get(i).is_none_or(|held| *held == unused);
+        for range in new.into_iter().flatten() {
+            let at = (0..FILTER_RANGES)
+                .find(|&i| slots[i].is_none() && free_in_previous(i))
+                .or_else(|| (0..FILTER_RANGES).find(|&i| slots[i].is_none()))?;
+            slots[at] = Some(range);
+        }
+        let used = slots.iter().rposition(Option::is_some).map_or(0, |i| i + 1);
+        Some((slots.map(|slot| slot.unwrap_or(unused)), used as u32))
+    }
+}

@@ -1,0 +1,356 @@
+//! ADDRESS_FILTER, kept by the datapath beside what it writes to SERVICES and to
+//! ENDPOINTS' HOST entries: the programs trust its "surely not", so every Service
+//! range and address, and every address flagged HOST, is in it whenever a
+//! program may look (`census_common::filter`).
+//!
+//! The filter is written before an entry is added and after one is removed, each
+//! write one of [`AddressFilter::steps`]'. At start it takes what SERVICES holds,
+//! and keeps the node addresses of the pinned filter (a previous run's) until it
+//! has read ENDPOINTS whole: the HOST entries found there replace them.
+
+use std::collections::BTreeSet;
+
+use aya::maps::{Array, MapData, MapError};
+use census_common::{
+    EndpointKey, ServiceKey,
+    filter::{ADDRESS_FILTER_MAP, AddressFilter},
+};
+
+use super::Error;
+
+pub(super) type FilterMap = Array<MapData, AddressFilter>;
+
+/// What the filter is built from, and the value the map holds.
+pub(super) struct Filter {
+    map: FilterMap,
+    /// The value last written (or found pinned).
+    written: AddressFilter,
+    services: BTreeSet<ServiceKey>,
+    hosts: BTreeSet<EndpointKey>,
+    /// The pinned filter's node address bits, kept until ENDPOINTS is read whole.
+    inherited_hosts: Option<AddressFilter>,
+}
+
+impl std::fmt::Debug for Filter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Filter")
+            .field("on", &self.written.is_on())
+            .field("services", &self.services.len())
+            .field("hosts", &self.hosts.len())
+            .field("inherited_hosts", &self.inherited_hosts.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn filter_error(source: MapError) -> Error {
+    Error::Map {
+        map: ADDRESS_FILTER_MAP,
+        source,
+    }
+}
+
+impl Filter {
+    /// The filter of `services` (SERVICES' keys, as pinned), keeping the pinned
+    /// value's node addresses until [`learn_hosts`](Self::learn_hosts); written
+    /// at once.
+    ///
+    /// A pinned filter that is not on (the map was just created, or taken over
+    /// from a layout without it) says nothing of the node's addresses: then
+    /// `hosts` reads them from ENDPOINTS at once (empty, or read once after a
+    /// migration).
+    pub(super) fn open(
+        map: FilterMap,
+        services: impl IntoIterator<Item = ServiceKey>,
+        hosts: impl FnOnce() -> Result<Vec<EndpointKey>, Error>,
+    ) -> Result<Self, Error> {
+        let written = map.get(&0, 0).map_err(filter_error)?;
+        let (hosts, inherited_hosts) = if written.is_on() {
+            (BTreeSet::new(), Some(written))
+        } else {
+            (hosts()?.into_iter().collect(), None)
+        };
+        let mut filter = Self {
+            map,
+            written,
+            services: services.into_iter().collect(),
+            hosts,
+            inherited_hosts,
+        };
+        filter.write()?;
+        Ok(filter)
+    }
+
+    /// The value the map holds.
+    pub(super) fn read(&self) -> Result<AddressFilter, Error> {
+        self.map.get(&0, 0).map_err(filter_error)
+    }
+
+    /// Before SERVICES takes `key`.
+    pub(super) fn add_service(&mut self, key: ServiceKey) -> Result<(), Error> {
+        if self.services.insert(key) {
+            return self.write();
+        }
+        Ok(())
+    }
+
+    /// After SERVICES lost `key` (or refused it).
+    pub(super) fn remove_service(&mut self, key: &ServiceKey) -> Result<(), Error> {
+        if self.services.remove(key) {
+            return self.write();
+        }
+        Ok(())
+    }
+
+    /// Before ENDPOINTS takes `key` flagged HOST.
+    pub(super) fn add_host(&mut self, key: EndpointKey) -> Result<(), Error> {
+        if self.hosts.insert(key) {
+            return self.write();
+        }
+        Ok(())
+    }
+
+    /// After ENDPOINTS lost `key`'s HOST entry (or refused it).
+    pub(super) fn remove_host(&mut self, key: &EndpointKey) -> Result<(), Error> {
+        if self.hosts.remove(key) {
+            return self.write();
+        }
+        Ok(())
+    }
+
+    /// ENDPOINTS read whole: its HOST entries are the node's addresses from now
+    /// on, the pinned filter's are forgotten.
+    pub(super) fn learn_hosts(
+        &mut self,
+        hosts: impl IntoIterator<Item = EndpointKey>,
+    ) -> Result<(), Error> {
+        let hosts: BTreeSet<_> = hosts.into_iter().collect();
+        if hosts == self.hosts && self.inherited_hosts.is_none() {
+            return Ok(());
+        }
+        self.hosts = hosts;
+        self.inherited_hosts = None;
+        self.write()
+    }
+
+    /// SERVICES read whole: its ranges are the filter's from now on.
+    pub(super) fn learn_services(
+        &mut self,
+        services: impl IntoIterator<Item = ServiceKey>,
+    ) -> Result<(), Error> {
+        let services: BTreeSet<_> = services.into_iter().collect();
+        if services == self.services {
+            return Ok(());
+        }
+        self.services = services;
+        self.write()
+    }
+
+    /// The filter of what is known now.
+    fn target(&self) -> AddressFilter {
+        let mut target = AddressFilter::build(
+            &self.written,
+            self.services.iter().copied(),
+            self.hosts.iter().copied(),
+        );
+        match &self.inherited_hosts {
+            None => {}
+            Some(inherited) if inherited.is_on() => {
+                for (word, kept) in target.hosts.iter_mut().zip(inherited.hosts) {
+                    *word |= kept;
+                }
+            }
+            Some(_) => target.state = 0,
+        }
+        target
+    }
+
+    /// Takes the map to [`target`](Self::target), step by step.
+    fn write(&mut self) -> Result<(), Error> {
+        let target = self.target();
+        for step in AddressFilter::steps(&self.written, &target).iter() {
+            self.map.set(0, step, 0).map_err(filter_error)?;
+            self.written = *step;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use census_common::filter::FILTER_RANGES;
+    use ipnet::IpNet;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn service(text: &str) -> ServiceKey {
+        let range = text.parse().unwrap_or_else(|_| IpNet::default());
+        super::super::services::service_key(range)
+    }
+
+    fn address(text: &str) -> EndpointKey {
+        EndpointKey::from(text.parse().unwrap_or(IpAddr::from([0, 0, 0, 0])))
+    }
+
+    /// Whether `filter` says "maybe" of every address of `services` (a range's
+    /// first and last) and of every one of `hosts`.
+    fn holds(filter: &AddressFilter, services: &[ServiceKey], hosts: &[EndpointKey]) -> bool {
+        services.iter().all(|key| {
+            let Some(range) = key
+                .address
+                .ip()
+                .and_then(|ip| IpNet::new(ip, u8::try_from(key.bits()).unwrap_or(0)).ok())
+            else {
+                return true;
+            };
+            [range.network(), range.broadcast()]
+                .into_iter()
+                .all(|ip| filter.may_be_service(&EndpointKey::from(ip)))
+        }) && hosts.iter().all(|key| filter.may_be_host(key))
+    }
+
+    #[test]
+    fn a_built_filter_answers_for_what_it_holds_and_surely_not_for_the_rest() {
+        let services = [
+            service("10.96.0.0/12"),
+            service("fd00:10:96::/108"),
+            service("203.0.113.7/32"),
+            service("2001:db8::7/128"),
+        ];
+        let hosts = [address("198.18.0.1"), address("2001:db8:1::1")];
+        let filter = AddressFilter::build(&AddressFilter::OFF, services, hosts);
+        assert!(filter.is_on());
+        assert!(holds(&filter, &services, &hosts));
+        for other in ["10.95.255.255", "10.112.0.0", "fd00:10:97::1", "198.18.0.2"] {
+            assert!(!filter.may_be_service(&address(other)), "{other}");
+        }
+        assert!(!filter.may_be_host(&address("198.18.0.2")));
+        assert!(!filter.may_be_host(&address("10.96.0.1")));
+        assert!(AddressFilter::OFF.may_be_service(&address("192.0.2.1")));
+        assert!(AddressFilter::OFF.may_be_host(&address("192.0.2.1")));
+    }
+
+    #[test]
+    fn more_ranges_than_slots_or_a_range_of_everything_turn_the_filter_off() {
+        let many = (0..=FILTER_RANGES).map(|i| service(&format!("10.{i}.0.0/16")));
+        assert!(!AddressFilter::build(&AddressFilter::OFF, many, []).is_on());
+        let everything = [service("0.0.0.0/0")];
+        assert!(!AddressFilter::build(&AddressFilter::OFF, everything, []).is_on());
+        let few = (0..FILTER_RANGES).map(|i| service(&format!("10.{i}.0.0/16")));
+        assert!(AddressFilter::build(&AddressFilter::OFF, few, []).is_on());
+    }
+
+    #[test]
+    fn a_kept_range_keeps_its_slot() {
+        let first = AddressFilter::build(
+            &AddressFilter::OFF,
+            [service("10.96.0.0/12"), service("10.200.0.0/16")],
+            [],
+        );
+        let second = AddressFilter::build(&first, [service("10.200.0.0/16")], []);
+        assert_eq!(first.v4_ranges[1], second.v4_ranges[1]);
+        assert_eq!(second.v4_slots, 2, "slot 0 is free, slot 1 still looked at");
+        let third = AddressFilter::build(
+            &second,
+            [service("10.200.0.0/16"), service("10.1.0.0/16")],
+            [],
+        );
+        assert_eq!(third.v4_ranges[1], first.v4_ranges[1]);
+    }
+
+    /// A value a program could read while `after` is written over `before`:
+    /// each word from one or the other, as `mix`'s bits say (a copy moves
+    /// words; no word is ever half of each).
+    fn torn(before: &AddressFilter, after: &AddressFilter, mix: u64) -> AddressFilter {
+        let mut bit = 0u32;
+        let mut pick = |a: u32, b: u32| {
+            bit += 1;
+            if mix.rotate_left(bit) & 1 == 1 { b } else { a }
+        };
+        let mut read = *before;
+        read.state = pick(before.state, after.state);
+        read.v4_slots = pick(before.v4_slots, after.v4_slots);
+        read.v6_slots = pick(before.v6_slots, after.v6_slots);
+        for (i, range) in read.v4_ranges.iter_mut().enumerate() {
+            range.network = pick(before.v4_ranges[i].network, after.v4_ranges[i].network);
+            range.mask = pick(before.v4_ranges[i].mask, after.v4_ranges[i].mask);
+        }
+        for (i, range) in read.v6_ranges.iter_mut().enumerate() {
+            for w in 0..4 {
+                range.network[w] = pick(
+                    before.v6_ranges[i].network[w],
+                    after.v6_ranges[i].network[w],
+                );
+                range.mask[w] = pick(before.v6_ranges[i].mask[w], after.v6_ranges[i].mask[w]);
+            }
+        }
+        let mut pick64 = |a: u64, b: u64| {
+            bit += 1;
+            if mix.rotate_left(bit) & 1 == 1 { b } else { a }
+        };
+        for (i, word) in read.services.iter_mut().enumerate() {
+            *word = pick64(before.services[i], after.services[i]);
+        }
+        for (i, word) in read.hosts.iter_mut().enumerate() {
+            *word = pick64(before.hosts[i], after.hosts[i]);
+        }
+        read
+    }
+
+    fn range_strategy() -> impl Strategy<Value = ServiceKey> {
+        prop_oneof![
+            (0u8..4, 8u8..=24).prop_map(|(i, bits)| service(&format!("10.{}.0.0/{bits}", 64 * i))),
+            (0u16..4).prop_map(|i| service(&format!("fd00:{i}::/112"))),
+            (0u8..8).prop_map(|i| service(&format!("203.0.113.{i}/32"))),
+            (0u16..8).prop_map(|i| service(&format!("2001:db8::{i}/128"))),
+        ]
+    }
+
+    fn host_strategy() -> impl Strategy<Value = EndpointKey> {
+        (0u8..8).prop_map(|i| address(&format!("198.18.0.{i}")))
+    }
+
+    proptest! {
+        /// Over any sequence of sets, every write of the steps from one filter
+        /// to the next, read torn with the write before it, still says "maybe"
+        /// of what both the filter before and after hold (what SERVICES and
+        /// ENDPOINTS may hold while it is written); and the last write is the
+        /// filter built (or, if that is off, a filter that is off).
+        #[test]
+        fn every_torn_read_of_every_step_holds_what_the_maps_may_hold(
+            sets in prop::collection::vec(
+                (prop::collection::vec(range_strategy(), 0..7), prop::collection::vec(host_strategy(), 0..4)),
+                1..8,
+            ),
+            mixes in prop::collection::vec(any::<u64>(), 4),
+        ) {
+            let mut current = AddressFilter::OFF;
+            let mut before: (Vec<ServiceKey>, Vec<EndpointKey>) = (Vec::new(), Vec::new());
+            for (services, hosts) in sets {
+                let target = AddressFilter::build(&current, services.iter().copied(), hosts.iter().copied());
+                // While the filter is written, the maps hold what is in both.
+                let both_services: Vec<_> = services.iter().filter(|s| before.0.contains(s)).copied().collect();
+                let both_hosts: Vec<_> = hosts.iter().filter(|h| before.1.contains(h)).copied().collect();
+                let mut previous = current;
+                for step in AddressFilter::steps(&current, &target).iter() {
+                    for mix in mixes.iter().copied().chain([0, u64::MAX]) {
+                        let read = torn(&previous, step, mix);
+                        prop_assert!(holds(&read, &both_services, &both_hosts), "torn {mix:#x}");
+                    }
+                    previous = *step;
+                }
+                // An off filter's content says nothing: only that it is off.
+                if target.is_on() {
+                    prop_assert_eq!(previous, target);
+                } else {
+                    prop_assert!(!previous.is_on());
+                }
+                prop_assert!(holds(&target, &services, &hosts));
+                current = target;
+                before = (services, hosts);
+            }
+        }
+    }
+}
