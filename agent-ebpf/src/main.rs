@@ -87,6 +87,9 @@
 //! as suppressed.
 #![no_std]
 #![no_main]
+// One word load per address word (`load_word`): the BPF backend splits a load it
+// cannot prove aligned into byte loads.
+#![feature(asm_experimental_arch)]
 
 use aya_ebpf::{
     EbpfContext,
@@ -365,24 +368,33 @@ fn count_marked(ctx: &TcContext) {
 /// destination's, and was counted where it left its pod.
 #[inline(always)]
 fn count_from_node(ctx: &SkBuffContext) {
-    let Some((family, src, dst)) = addresses(ctx) else {
-        return;
-    };
+    // Each family's path on its own: the IPv4 one knows that three of each
+    // address's words are zero.
+    match addresses(ctx) {
+        Some((Family::V4, src, dst)) => count_from_node_in(ctx, Family::V4, &src, &dst),
+        Some((Family::V6, src, dst)) => count_from_node_in(ctx, Family::V6, &src, &dst),
+        None => {}
+    }
+}
+
+/// [`count_from_node`] of a packet of `family`.
+#[inline(always)]
+fn count_from_node_in(ctx: &SkBuffContext, family: Family, src: &EndpointKey, dst: &EndpointKey) {
     // Nearly no packet a socket sends is a Service request or from an address
     // FLOWS counts here (the node's own, or a Service's): the filter says so
     // without a lookup of its source.
     let filter = address_filter();
-    let service = service_requested(ctx, family, filter, &dst);
-    let pair = may_be_host(filter, &src) || may_be_service(filter, &src);
+    let service = service_requested(ctx, family, filter, dst);
+    let pair = may_be_host(filter, src) || may_be_service(filter, src);
     if service.is_none() && !pair {
         return;
     }
-    let from = endpoint(&src);
+    let from = endpoint(src);
     if let Some(service) = service {
         count_service_request(ctx, family, from, service);
     }
     if pair {
-        count_pair_from_node(ctx, family, (&src, from), &dst);
+        count_pair_from_node(ctx, family, (src, from), dst);
     }
 }
 
@@ -572,27 +584,26 @@ fn socket_destination(ctx: &SkBuffContext, family: Family) -> Option<(EndpointKe
         }
         let sk_family = core::ptr::read_volatile(&raw const (*sk).family);
         let port = u16::from_be(core::ptr::read_volatile(&raw const (*sk).dst_port));
+        // Every address field, each at its own fixed offset, before looking at
+        // the families: the verifier refuses a load whose offset into the socket
+        // is computed, which is what the compiler makes of field loads chosen
+        // by a branch.
+        let ip4 = core::ptr::read_volatile(&raw const (*sk).dst_ip4);
+        let ip6 = [
+            core::ptr::read_volatile(&raw const (*sk).dst_ip6[0]),
+            core::ptr::read_volatile(&raw const (*sk).dst_ip6[1]),
+            core::ptr::read_volatile(&raw const (*sk).dst_ip6[2]),
+            core::ptr::read_volatile(&raw const (*sk).dst_ip6[3]),
+        ];
         let address = match (family, sk_family) {
-            (Family::V4, AF_INET) => {
-                EndpointKey::v4_word(core::ptr::read_volatile(&raw const (*sk).dst_ip4))
-            }
+            (Family::V4, AF_INET) => EndpointKey::v4_word(ip4),
             (Family::V4, AF_INET6) => {
-                let words = [
-                    core::ptr::read_volatile(&raw const (*sk).dst_ip6[0]),
-                    core::ptr::read_volatile(&raw const (*sk).dst_ip6[1]),
-                    core::ptr::read_volatile(&raw const (*sk).dst_ip6[2]),
-                ];
-                if words != [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])] {
+                if ip6[..3] != [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])] {
                     return None;
                 }
-                EndpointKey::v4_word(core::ptr::read_volatile(&raw const (*sk).dst_ip6[3]))
+                EndpointKey::v4_word(ip6[3])
             }
-            (Family::V6, AF_INET6) => EndpointKey::v6_words([
-                core::ptr::read_volatile(&raw const (*sk).dst_ip6[0]),
-                core::ptr::read_volatile(&raw const (*sk).dst_ip6[1]),
-                core::ptr::read_volatile(&raw const (*sk).dst_ip6[2]),
-                core::ptr::read_volatile(&raw const (*sk).dst_ip6[3]),
-            ]),
+            (Family::V6, AF_INET6) => EndpointKey::v6_words(ip6),
             _ => return None,
         };
         (port != 0).then_some((address, port))
@@ -842,7 +853,7 @@ fn local_identity(ctx: &TcContext, ifindex: u32, address: &EndpointKey) -> u32 {
 fn frame<P: Packet>(packet: &P) -> Frame {
     let l3 = P::L2_LEN;
     match packet.protocol() {
-        ETH_P_IP => match packet.read::<[u32; 2]>(l3 + IPV4_SADDR) {
+        ETH_P_IP => match packet.read_words::<2>(l3 + IPV4_SADDR) {
             Some([src, dst]) => Frame::Ip(
                 Family::V4,
                 EndpointKey::v4_word(src),
@@ -850,11 +861,11 @@ fn frame<P: Packet>(packet: &P) -> Frame {
             ),
             None => Frame::Truncated(Family::V4),
         },
-        ETH_P_IPV6 => match packet.read::<[[u32; 4]; 2]>(l3 + IPV6_SADDR) {
-            Some([src, dst]) => Frame::Ip(
+        ETH_P_IPV6 => match packet.read_words::<8>(l3 + IPV6_SADDR) {
+            Some([s0, s1, s2, s3, d0, d1, d2, d3]) => Frame::Ip(
                 Family::V6,
-                EndpointKey::v6_words(src),
-                EndpointKey::v6_words(dst),
+                EndpointKey::v6_words([s0, s1, s2, s3]),
+                EndpointKey::v6_words([d0, d1, d2, d3]),
             ),
             None => Frame::Truncated(Family::V6),
         },
@@ -885,6 +896,25 @@ trait Packet: EbpfContext {
     /// A `T` at `offset` of the packet, if it has that many bytes.
     fn read<T: Copy>(&self, offset: usize) -> Option<T>;
 
+    /// `N` words at `offset` of the packet, as they sit in memory, if it has
+    /// that many bytes: one load each from the linear data (see [`load_word`]),
+    /// else as [`read`](Self::read) reads them.
+    #[inline(always)]
+    fn read_words<const N: usize>(&self, offset: usize) -> Option<[u32; N]> {
+        let (start, end) = self.linear();
+        if start + offset + 4 * N <= end {
+            let mut words = [0u32; N];
+            for (i, word) in words.iter_mut().enumerate() {
+                *word = load_word(start + offset + 4 * i);
+            }
+            return Some(words);
+        }
+        self.read(offset)
+    }
+
+    /// The linear data's start and end (`skb->data`, `skb->data_end`).
+    fn linear(&self) -> (usize, usize);
+
     /// `skb->protocol`: the EtherType.
     fn protocol(&self) -> u16;
 
@@ -897,6 +927,11 @@ trait Packet: EbpfContext {
 
 impl Packet for TcContext {
     const L2_LEN: usize = ETH_HLEN;
+
+    #[inline(always)]
+    fn linear(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
+    }
 
     /// Straight from the linear data when it is there (the common case, and the
     /// cheapest), else through `bpf_skb_load_bytes`, which also reads paged data.
@@ -934,18 +969,23 @@ impl Packet for TcContext {
 impl Packet for SkBuffContext {
     const L2_LEN: usize = 0;
 
-    /// As on TC: straight from the linear data when it is there (a cgroup hook's
-    /// data starts at the IP header), else through `bpf_skb_load_bytes`.
     #[inline(always)]
-    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
+    fn linear(&self) -> (usize, usize) {
         // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
         // run; `data` and `data_end` are readable fields of a cgroup_skb
         // program's context (for a program loaded with CAP_BPF or
         // CAP_SYS_ADMIN, as census's are).
-        let (start, end) = unsafe {
+        unsafe {
             let skb = self.skb.skb;
             ((*skb).data as usize, (*skb).data_end as usize)
-        };
+        }
+    }
+
+    /// As on TC: straight from the linear data when it is there (a cgroup hook's
+    /// data starts at the IP header), else through `bpf_skb_load_bytes`.
+    #[inline(always)]
+    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
+        let (start, end) = self.linear();
         if start + offset + size_of::<T>() <= end {
             // SAFETY: the bounds check above is the one the verifier requires for
             // direct packet access; the read is unaligned-safe.
@@ -971,6 +1011,30 @@ impl Packet for SkBuffContext {
     fn sk_buff(&self) -> *mut __sk_buff {
         self.skb.skb
     }
+}
+
+/// The 4 bytes of linear packet data at `address`, as one word in memory order,
+/// with one load, aligned or not: an IP header is where the link layer leaves it
+/// (2 bytes past a word behind Ethernet), and `read_unaligned` would load it byte
+/// by byte. The kernels census runs on (x86-64, arm64) load a misaligned word as
+/// an aligned one, and their verifier does not ask packet loads to be aligned.
+/// The caller has checked that the 4 bytes are within `data_end`.
+#[inline(always)]
+fn load_word(address: usize) -> u32 {
+    let word: u64;
+    // SAFETY: a 4-byte load from packet data the caller checked is in bounds
+    // (the verifier checks it again); nothing is written.
+    unsafe {
+        core::arch::asm!(
+            "{word} = *(u32 *)({address} + 0)",
+            address = in(reg) address,
+            word = lateout(reg) word,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    #[expect(clippy::cast_possible_truncation, reason = "a 32-bit load")]
+    let word = word as u32;
+    word
 }
 
 #[inline(always)]

@@ -93,9 +93,15 @@ const UNUSED_V6: V6Range = V6Range {
 /// words.
 #[inline(always)]
 pub const fn bucket(key: &EndpointKey, lg: u32) -> u32 {
+    hash(key) >> (32 - lg)
+}
+
+/// A multiplicative hash of `key`'s words; its top bits are its bucket.
+#[inline(always)]
+const fn hash(key: &EndpointKey) -> u32 {
     let [a, b, c, d] = key.addr;
     let folded = a ^ b.rotate_left(8) ^ c.rotate_left(16) ^ d.rotate_left(24) ^ key.family;
-    folded.wrapping_mul(0x9E37_79B1) >> (32 - lg)
+    folded.wrapping_mul(0x9E37_79B1)
 }
 
 #[inline(always)]
@@ -115,8 +121,7 @@ fn set_bit(words: &mut [u64], bit: u32) {
 /// The mask of the first `bits` bits of 16 address bytes, as four native words.
 fn mask_words(bits: u32) -> [u32; 4] {
     let mut words = [0u32; 4];
-    for (i, word) in words.iter_mut().enumerate() {
-        let start = 32 * i as u32;
+    for (start, word) in (0u32..).step_by(32).zip(words.iter_mut()) {
         let take = bits.saturating_sub(start).min(32);
         let be = if take == 0 {
             0
@@ -152,27 +157,30 @@ impl AddressFilter {
     /// surely is not.
     #[inline(always)]
     pub fn may_be_service(&self, key: &EndpointKey) -> bool {
-        if !self.is_on() {
-            return true;
-        }
+        !self.is_on()
+            || self.in_ranges(key)
+            || test_bit(&self.services, bucket(key, SERVICE_BITS_LG))
+    }
+
+    /// Whether `key` is in one of the range slots (or of an unknown family).
+    #[inline(always)]
+    fn in_ranges(&self, key: &EndpointKey) -> bool {
         match key.family {
             family::IPV4 => {
-                for i in 0..FILTER_RANGES {
-                    if i as u32 >= self.v4_slots {
+                for (i, range) in (0u32..).zip(self.v4_ranges.iter()) {
+                    if i >= self.v4_slots {
                         break;
                     }
-                    let range = &self.v4_ranges[i];
                     if key.addr[0] & range.mask == range.network {
                         return true;
                     }
                 }
             }
             family::IPV6 => {
-                for i in 0..FILTER_RANGES {
-                    if i as u32 >= self.v6_slots {
+                for (i, range) in (0u32..).zip(self.v6_ranges.iter()) {
+                    if i >= self.v6_slots {
                         break;
                     }
-                    let range = &self.v6_ranges[i];
                     if key.addr[0] & range.mask[0] == range.network[0]
                         && key.addr[1] & range.mask[1] == range.network[1]
                         && key.addr[2] & range.mask[2] == range.network[2]
@@ -184,7 +192,7 @@ impl AddressFilter {
             }
             _ => return true,
         }
-        test_bit(&self.services, bucket(key, SERVICE_BITS_LG))
+        false
     }
 
     /// Whether `key` may be one of the node's own addresses (flagged HOST in
@@ -395,15 +403,18 @@ impl<'a, R: Copy + PartialEq> Ranges<'a, R> {
                 None => new[i] = Some(*range),
             }
         }
-        let free_in_previous =
-            |i: usize| self.previous.get(i).is_none_or(|held| *held == unused);
+        let free_in_previous = |i: usize| self.previous.get(i).is_none_or(|held| *held == unused);
         for range in new.into_iter().flatten() {
             let at = (0..FILTER_RANGES)
                 .find(|&i| slots[i].is_none() && free_in_previous(i))
                 .or_else(|| (0..FILTER_RANGES).find(|&i| slots[i].is_none()))?;
             slots[at] = Some(range);
         }
-        let used = slots.iter().rposition(Option::is_some).map_or(0, |i| i + 1);
-        Some((slots.map(|slot| slot.unwrap_or(unused)), used as u32))
+        let used = (1u32..)
+            .zip(slots.iter())
+            .filter(|(_, slot)| slot.is_some())
+            .last()
+            .map_or(0, |(n, _)| n);
+        Some((slots.map(|slot| slot.unwrap_or(unused)), used))
     }
 }
