@@ -89,8 +89,8 @@ struct Options {
     #[arg(long)]
     nodes: Option<usize>,
     /// gc preset: released identities to delete (overrides the preset's 50,000);
-    /// seed-gc: one run of this many (instead of 10,000, then 50,000).
-    #[arg(long)]
+    /// seed-gc: one run of this many (instead of 10,000, then 50,000). At least 1.
+    #[arg(long, value_parser = positive_count)]
     identities: Option<usize>,
     /// gc preset: the operator's hold timeout (overrides the preset's 600 s; a short
     /// one lets identities be released while they are still being allocated).
@@ -102,6 +102,16 @@ struct Options {
     /// live heap the gate measures.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=30))]
     heap_sample_lg: Option<u32>,
+}
+
+/// A count of at least 1: a run of 0 identities would measure nothing and report
+/// a rate of nothing as a pass.
+fn positive_count(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("0: at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s}: {e} (a count, at least 1)")),
+    }
 }
 
 fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
@@ -314,4 +324,25 @@ async fn run_seeds(
         }
     };
     Ok(passed)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::Options;
+
+    #[test]
+    fn a_run_of_no_identities_is_refused_by_name() {
+        let error = Options::try_parse_from(["census-bench", "seed-gc", "--identities", "0"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            error.contains("--identities") && error.contains("at least 1"),
+            "{error}"
+        );
+        let args = Options::try_parse_from(["census-bench", "seed-gc", "--identities", "7"]);
+        assert_eq!(args.ok().and_then(|a| a.identities), Some(7));
+    }
 }
