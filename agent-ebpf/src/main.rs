@@ -384,8 +384,8 @@ fn count_from_node_in(ctx: &SkBuffContext, family: Family, src: &EndpointKey, ds
     // FLOWS counts here (the node's own, or a Service's): the filter says so
     // without a lookup of its source.
     let filter = address_filter();
+    let pair = filter.is_none_or(|filter| filter.may_be_source(src));
     let service = service_requested(ctx, family, filter, dst);
-    let pair = may_be_host(filter, src) || may_be_service(filter, src);
     if service.is_none() && !pair {
         return;
     }
@@ -748,13 +748,6 @@ fn address_filter() -> Option<&'static AddressFilter> {
 #[inline(always)]
 fn may_be_service(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
     filter.is_none_or(|filter| filter.may_be_service(address))
-}
-
-/// Whether `address` may be one of this node's addresses (flagged HOST in
-/// ENDPOINTS): `false` only if the filter says it surely is not.
-#[inline(always)]
-fn may_be_host(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
-    filter.is_none_or(|filter| filter.may_be_host(address))
 }
 
 /// The interface a packet carrying census's mark came in by, if census counts

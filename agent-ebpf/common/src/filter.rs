@@ -5,13 +5,14 @@
 //! to know that much about it, and a longest-prefix-match lookup in SERVICES or
 //! a hash lookup in ENDPOINTS costs more than the rest of the program. The
 //! filter answers "surely not" from one array entry the verifier inlines: the
-//! Service ranges in a few slots per family, and a bitmap for each of the single
-//! Service addresses and the node's own addresses, indexed by a hash of the
-//! address. "Maybe" is answered by the map itself.
+//! Service ranges in a few slots per family, and two bitmaps indexed by a hash of
+//! the address: the single Service addresses, and the sources (the node's own
+//! addresses and the single Service addresses). "Maybe" is answered by the map
+//! itself.
 //!
 //! **What the programs rely on:** every range and address SERVICES holds is
-//! "maybe a Service", and every address ENDPOINTS flags HOST is "maybe the
-//! node's", whenever a program reads the filter. The agent writes the filter
+//! "maybe a Service", and every address ENDPOINTS flags HOST is "maybe a
+//! source", whenever a program reads the filter. The agent writes the filter
 //! before it adds an entry, and after it removes one. A program may read the
 //! entry while the agent rewrites it (an array update is a copy, not atomic), and
 //! see any mix of the two values' bytes; [`AddressFilter::steps`] makes every
@@ -37,10 +38,11 @@ pub const FILTER_RANGES: usize = 4;
 /// Bits of the single Service addresses' bitmap (LoadBalancer and external
 /// IPs): 2^13.
 pub const SERVICE_BITS_LG: u32 = 13;
-/// Bits of the node's own addresses' bitmap: 2^10.
-pub const HOST_BITS_LG: u32 = 10;
+/// Bits of the sources' bitmap (the node's own addresses and the single Service
+/// addresses): 2^12.
+pub const SOURCE_BITS_LG: u32 = 12;
 const SERVICE_WORDS: usize = 1 << (SERVICE_BITS_LG - 6);
-const HOST_WORDS: usize = 1 << (HOST_BITS_LG - 6);
+const SOURCE_WORDS: usize = 1 << (SOURCE_BITS_LG - 6);
 
 /// An IPv4 range: the address `a` is in it when `a & mask == network` (both in
 /// network order, read as one native word, as [`EndpointKey`] holds them). An
@@ -76,8 +78,12 @@ pub struct AddressFilter {
     pub v6_ranges: [V6Range; FILTER_RANGES],
     /// The single Service addresses, bit [`bucket`]`(address, SERVICE_BITS_LG)`.
     pub services: [u64; SERVICE_WORDS],
-    /// The node's own addresses, bit [`bucket`]`(address, HOST_BITS_LG)`.
-    pub hosts: [u64; HOST_WORDS],
+    /// The addresses a packet the node's sockets send is counted in FLOWS from
+    /// (the node's own, flagged HOST in ENDPOINTS) and the single Service
+    /// addresses (a host-network backend's reply), bit
+    /// [`bucket`]`(address, SOURCE_BITS_LG)`: with the ranges, one hash tells of a
+    /// source that it is neither.
+    pub sources: [u64; SOURCE_WORDS],
 }
 
 const UNUSED_V4: V4Range = V4Range {
@@ -144,7 +150,7 @@ impl AddressFilter {
         v4_ranges: [UNUSED_V4; FILTER_RANGES],
         v6_ranges: [UNUSED_V6; FILTER_RANGES],
         services: [0; SERVICE_WORDS],
-        hosts: [0; HOST_WORDS],
+        sources: [0; SOURCE_WORDS],
     };
 
     /// Whether the programs may trust the filter's "surely not".
@@ -196,10 +202,10 @@ impl AddressFilter {
     }
 
     /// Whether `key` may be one of the node's own addresses (flagged HOST in
-    /// ENDPOINTS); `false` only if it surely is not.
+    /// ENDPOINTS) or a Service address; `false` only if it surely is neither.
     #[inline(always)]
-    pub fn may_be_host(&self, key: &EndpointKey) -> bool {
-        !self.is_on() || test_bit(&self.hosts, bucket(key, HOST_BITS_LG))
+    pub fn may_be_source(&self, key: &EndpointKey) -> bool {
+        !self.is_on() || self.in_ranges(key) || test_bit(&self.sources, bucket(key, SOURCE_BITS_LG))
     }
 
     /// The filter of `services` (SERVICES' keys) and `hosts` (the addresses
@@ -229,6 +235,7 @@ impl AddressFilter {
             };
             if bits >= full {
                 set_bit(&mut filter.services, bucket(&address, SERVICE_BITS_LG));
+                set_bit(&mut filter.sources, bucket(&address, SOURCE_BITS_LG));
                 continue;
             }
             let mask = mask_words(bits);
@@ -260,7 +267,7 @@ impl AddressFilter {
             _ => return Self { state: 0, ..filter },
         }
         for host in hosts {
-            set_bit(&mut filter.hosts, bucket(&host, HOST_BITS_LG));
+            set_bit(&mut filter.sources, bucket(&host, SOURCE_BITS_LG));
         }
         filter
     }
@@ -317,7 +324,7 @@ impl AddressFilter {
         for (word, theirs) in union.services.iter_mut().zip(other.services) {
             *word |= theirs;
         }
-        for (word, theirs) in union.hosts.iter_mut().zip(other.hosts) {
+        for (word, theirs) in union.sources.iter_mut().zip(other.sources) {
             *word |= theirs;
         }
         Some(union)

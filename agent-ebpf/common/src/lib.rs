@@ -603,7 +603,7 @@ const _: () = {
     assert!(align_of::<ServiceFlowKey>() == 4);
     assert!(core::mem::offset_of!(ServiceFlowKey, service) == 8);
     assert!(align_of::<FlowValue>() == 8);
-    assert!(size_of::<filter::AddressFilter>() == 16 + 4 * 8 + 4 * 32 + 1024 + 128);
+    assert!(size_of::<filter::AddressFilter>() == 16 + 4 * 8 + 4 * 32 + 1024 + 512);
 };
 
 #[cfg(feature = "user")]

@@ -155,7 +155,7 @@ impl Filter {
         match &self.inherited_hosts {
             None => {}
             Some(inherited) if inherited.is_on() => {
-                for (word, kept) in target.hosts.iter_mut().zip(inherited.hosts) {
+                for (word, kept) in target.sources.iter_mut().zip(inherited.sources) {
                     *word |= kept;
                 }
             }
@@ -208,7 +208,7 @@ mod tests {
             [range.network(), range.broadcast()]
                 .into_iter()
                 .all(|ip| filter.may_be_service(&EndpointKey::from(ip)))
-        }) && hosts.iter().all(|key| filter.may_be_host(key))
+        }) && hosts.iter().all(|key| filter.may_be_source(key))
     }
 
     #[test]
@@ -226,10 +226,13 @@ mod tests {
         for other in ["10.95.255.255", "10.112.0.0", "fd00:10:97::1", "198.18.0.2"] {
             assert!(!filter.may_be_service(&address(other)), "{other}");
         }
-        assert!(!filter.may_be_host(&address("198.18.0.2")));
-        assert!(!filter.may_be_host(&address("10.96.0.1")));
+        assert!(!filter.may_be_source(&address("198.18.0.2")));
+        assert!(
+            filter.may_be_source(&address("10.96.0.1")),
+            "a Service address is a source too (a host-network backend's reply)"
+        );
         assert!(AddressFilter::OFF.may_be_service(&address("192.0.2.1")));
-        assert!(AddressFilter::OFF.may_be_host(&address("192.0.2.1")));
+        assert!(AddressFilter::OFF.may_be_source(&address("192.0.2.1")));
     }
 
     #[test]
@@ -293,8 +296,8 @@ mod tests {
         for (i, word) in read.services.iter_mut().enumerate() {
             *word = pick64(before.services[i], after.services[i]);
         }
-        for (i, word) in read.hosts.iter_mut().enumerate() {
-            *word = pick64(before.hosts[i], after.hosts[i]);
+        for (i, word) in read.sources.iter_mut().enumerate() {
+            *word = pick64(before.sources[i], after.sources[i]);
         }
         read
     }

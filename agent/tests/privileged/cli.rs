@@ -290,7 +290,7 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("NODES", "hash", 4, 580),
             ("SERVICES", "lpm_trie", 24, 4),
             ("SERVICE_FLOWS", "lru_percpu_hash", 28, 16),
-            ("ADDRESS_FILTER", "array", 4, 1328),
+            ("ADDRESS_FILTER", "array", 4, 1712),
         ]
     );
     for map in maps {

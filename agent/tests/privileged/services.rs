@@ -184,8 +184,8 @@ fn the_address_filter_follows_services_and_the_node_addresses() -> TestResult {
     for other in ["10.95.255.255", "10.112.0.0", "fd00:10:97::a", "198.18.1.2"] {
         assert!(!filter.may_be_service(&key(other)?), "{other}");
     }
-    assert!(filter.may_be_host(&key("198.18.0.1")?));
-    assert!(!filter.may_be_host(&key("198.18.1.2")?));
+    assert!(filter.may_be_source(&key("198.18.0.1")?));
+    assert!(!filter.may_be_source(&key("198.18.1.2")?));
 
     // Removed: gone from the filter too.
     datapath.delete_service(net("10.96.0.0/12")?)?;
@@ -193,13 +193,21 @@ fn the_address_filter_follows_services_and_the_node_addresses() -> TestResult {
     let filter = datapath.address_filter()?;
     assert!(!filter.may_be_service(&key("10.96.0.1")?));
     assert!(filter.may_be_service(&key("fd00:10:96::a")?));
-    assert!(!filter.may_be_host(&key("198.18.0.1")?));
+    assert!(!filter.may_be_source(&key("198.18.0.1")?));
 
     // A HOST entry rewritten as another kind leaves the node's addresses.
     datapath.upsert_endpoint("198.18.0.2".parse()?, Endpoint::host())?;
-    assert!(datapath.address_filter()?.may_be_host(&key("198.18.0.2")?));
+    assert!(
+        datapath
+            .address_filter()?
+            .may_be_source(&key("198.18.0.2")?)
+    );
     datapath.upsert_endpoint("198.18.0.2".parse()?, Endpoint::local(POD))?;
-    assert!(!datapath.address_filter()?.may_be_host(&key("198.18.0.2")?));
+    assert!(
+        !datapath
+            .address_filter()?
+            .may_be_source(&key("198.18.0.2")?)
+    );
 
     // A restart keeps what the maps hold, before and after reading ENDPOINTS.
     datapath.upsert_endpoint("198.18.0.3".parse()?, Endpoint::host())?;
@@ -207,11 +215,11 @@ fn the_address_filter_follows_services_and_the_node_addresses() -> TestResult {
     let datapath = open_datapath(pins.path())?;
     let filter = datapath.address_filter()?;
     assert!(filter.is_on());
-    assert!(filter.may_be_host(&key("198.18.0.3")?));
+    assert!(filter.may_be_source(&key("198.18.0.3")?));
     assert!(filter.may_be_service(&key("203.0.113.7")?));
     datapath.endpoints()?;
     let filter = datapath.address_filter()?;
-    assert!(filter.may_be_host(&key("198.18.0.3")?));
+    assert!(filter.may_be_source(&key("198.18.0.3")?));
     assert!(filter.may_be_service(&key("fd00:10:96::a")?));
     assert!(!filter.may_be_service(&key("10.96.0.1")?));
     Ok(())
