@@ -102,6 +102,11 @@ struct Options {
     /// live heap the gate measures.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=30))]
     heap_sample_lg: Option<u32>,
+    /// seed-leak presets: run only this phase (`default-filter`,
+    /// `default-filter+deletes-lost`, `job-labels-kept`,
+    /// `job-labels-kept+deletes-lost`) with the preset's other parameters.
+    #[arg(long, value_name = "PHASE", value_parser = seeds::leak::parse_phase)]
+    phase: Option<(bool, bool)>,
 }
 
 fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
@@ -171,6 +176,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         identities,
         hold_timeout,
         heap_sample_lg,
+        phase,
     } = options;
     if cluster_demo {
         return cluster_demo_run(operator, agent, cli).await;
@@ -239,6 +245,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
             let seeds = SeedOptions {
                 heap_sample_lg,
                 identities,
+                phase,
             };
             run_seeds(preset, binary, agent, &results, seeds).await?
         }
@@ -268,6 +275,8 @@ struct SeedOptions {
     heap_sample_lg: Option<u32>,
     /// seed-gc: one run of this many identities.
     identities: Option<usize>,
+    /// seed-leak: this phase only.
+    phase: Option<(bool, bool)>,
 }
 
 /// The seed presets, on the real control plane with census's agents (as root).
@@ -281,6 +290,7 @@ async fn run_seeds(
     let SeedOptions {
         heap_sample_lg,
         identities,
+        phase,
     } = options;
     let mut seed_gc = presets::seed_gc();
     if let Some(n) = identities {
@@ -310,6 +320,9 @@ async fn run_seeds(
         _ => {
             let mut params = presets::seed_leak(preset);
             params.heap_sample_lg = heap_sample_lg;
+            if let Some(variant) = phase {
+                params.variants = vec![variant];
+            }
             seeds::leak::run(&bins, results, params).await?
         }
     };

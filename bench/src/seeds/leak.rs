@@ -203,6 +203,17 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedLeak) -> anyh
     Ok(passed)
 }
 
+/// The (Job labels kept, deletes lost) of a phase's name.
+pub(crate) fn parse_phase(name: &str) -> Result<(bool, bool), String> {
+    let all = [(false, false), (false, true), (true, false), (true, true)];
+    all.into_iter()
+        .find(|&(keep, drop_deletes)| phase_name(keep, drop_deletes) == name)
+        .ok_or_else(|| {
+            let names: Vec<_> = all.iter().map(|&(k, d)| phase_name(k, d)).collect();
+            format!("{name}: not a phase (one of {})", names.join(", "))
+        })
+}
+
 fn phase_name(keep: bool, drop_deletes: bool) -> String {
     format!(
         "{}{}",
