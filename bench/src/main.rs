@@ -102,6 +102,11 @@ struct Options {
     /// live heap the gate measures.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=30))]
     heap_sample_lg: Option<u32>,
+    /// seed-leak presets: run only this phase (`default-filter`,
+    /// `default-filter+deletes-lost`, `job-labels-kept`,
+    /// `job-labels-kept+deletes-lost`) with the preset's other parameters.
+    #[arg(long, value_name = "PHASE", value_parser = seeds::leak::parse_phase)]
+    phase: Option<(bool, bool)>,
 }
 
 /// A count of at least 1: a run of 0 identities would measure nothing and report
@@ -181,6 +186,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
         identities,
         hold_timeout,
         heap_sample_lg,
+        phase,
     } = options;
     if cluster_demo {
         return cluster_demo_run(operator, agent, cli).await;
@@ -249,6 +255,7 @@ async fn run(options: Options) -> anyhow::Result<()> {
             let seeds = SeedOptions {
                 heap_sample_lg,
                 identities,
+                phase,
             };
             run_seeds(preset, binary, agent, &results, seeds).await?
         }
@@ -278,6 +285,8 @@ struct SeedOptions {
     heap_sample_lg: Option<u32>,
     /// seed-gc: one run of this many identities.
     identities: Option<usize>,
+    /// seed-leak: this phase only.
+    phase: Option<(bool, bool)>,
 }
 
 /// The seed presets, on the real control plane with census's agents (as root).
@@ -291,6 +300,7 @@ async fn run_seeds(
     let SeedOptions {
         heap_sample_lg,
         identities,
+        phase,
     } = options;
     let mut seed_gc = presets::seed_gc();
     if let Some(n) = identities {
@@ -320,6 +330,9 @@ async fn run_seeds(
         _ => {
             let mut params = presets::seed_leak(preset);
             params.heap_sample_lg = heap_sample_lg;
+            if let Some(variant) = phase {
+                params.variants = vec![variant];
+            }
             seeds::leak::run(&bins, results, params).await?
         }
     };

@@ -66,6 +66,8 @@ const OPERATOR_ACCOUNT: &str = "system:serviceaccount:census-system:census-opera
 pub(crate) const STEADY_NS: &str = "seed-steady";
 /// A probe pod for the time to identity every this many Jobs (seeds/ready.rs).
 const PROBE_EVERY: usize = 3;
+/// The label that gives each warm-up Job's pod an identity of its own.
+const WARMUP_LABEL: &str = "warm-up";
 
 #[derive(Debug, Clone, Serialize)]
 struct Point {
@@ -203,6 +205,17 @@ pub(crate) async fn run(bins: &Binaries, results: &Results, p: SeedLeak) -> anyh
     Ok(passed)
 }
 
+/// The (Job labels kept, deletes lost) of a phase's name.
+pub(crate) fn parse_phase(name: &str) -> Result<(bool, bool), String> {
+    let all = [(false, false), (false, true), (true, false), (true, true)];
+    all.into_iter()
+        .find(|&(keep, drop_deletes)| phase_name(keep, drop_deletes) == name)
+        .ok_or_else(|| {
+            let names: Vec<_> = all.iter().map(|&(k, d)| phase_name(k, d)).collect();
+            format!("{name}: not a phase (one of {})", names.join(", "))
+        })
+}
+
 fn phase_name(keep: bool, drop_deletes: bool) -> String {
     format!(
         "{}{}",
@@ -231,15 +244,18 @@ pub(crate) fn steady_deployment(d: usize, replicas: usize) -> serde_json::Value 
     })
 }
 
-/// The report's Job, in `namespace`.
-fn job_yaml(i: usize, namespace: &str, ttl: u32) -> String {
+/// The report's Job, in `namespace`; with `label`, its pod carries that label too.
+fn job_yaml(i: usize, namespace: &str, ttl: u32, label: Option<(&str, &str)>) -> String {
+    let labels = label.map_or_else(String::new, |(key, value)| {
+        format!("\n    metadata: {{labels: {{{key}: \"{value}\"}}}}")
+    });
     format!(
         "apiVersion: batch/v1
 kind: Job
 metadata: {{name: churn-{i}, namespace: {namespace}}}
 spec:
   ttlSecondsAfterFinished: {ttl}
-  template:
+  template:{labels}
     spec:
       restartPolicy: Never
       containers: [{{name: c, image: busybox:1.36, command: [\"true\"]}}]
@@ -438,19 +454,50 @@ impl<'a> Phase<'a> {
 
     /// A few Jobs through the whole path before the idle level is read, so one-time
     /// growth (connection pools, the first allocations of each path) is not counted
-    /// as retained. Returns how many Jobs were created.
+    /// as retained. Each warm-up Job's pod has a label of its own, so that with
+    /// either filter each gets an identity, created and then deleted: the Identity
+    /// writes the phase makes, made before the idle level (with the default filter
+    /// the phase's Jobs share one identity, and its writes are its probes'). The
+    /// level is read once those identities are gone, and no sooner than
+    /// `warmup_min` after the operator started (the Lease's renewals). Returns how
+    /// many Jobs were created.
     async fn warm_up(&self) -> anyhow::Result<usize> {
         let p = self.p;
         let mut created = 0usize;
         if p.warmup_jobs > 0 {
-            say(format!("warm-up: {} Jobs, then settle", p.warmup_jobs));
+            say(format!(
+                "warm-up: {} Jobs, each pod with a label of its own, then settle",
+                p.warmup_jobs
+            ));
             for _ in 0..p.warmup_jobs {
                 created += 1;
-                create_job(self.plane, created, &self.jobs_ns, p.ttl_seconds)?;
+                let value = created.to_string();
+                let label = Some((WARMUP_LABEL, value.as_str()));
+                create_labelled_job(self.plane, created, &self.jobs_ns, p.ttl_seconds, label)?;
             }
             jobs_gone(self.plane, &self.jobs_ns, Duration::from_secs(180)).await?;
         }
+        let limit = self.settle_limit + p.quarantine;
+        poll("the warm-up's identities to be deleted", limit, || {
+            self.settled().ok().flatten()
+        })
+        .await?;
+        let since_start = self.started.elapsed();
+        if since_start < p.warmup_min {
+            sleep(p.warmup_min - since_start).await;
+        }
+        say(format!(
+            "  settled {:.0} s after the operator started",
+            self.started.elapsed().as_secs_f64()
+        ));
         Ok(created)
+    }
+
+    /// Whether the Identity objects are the live set, none quarantined.
+    fn settled(&self) -> anyhow::Result<Option<()>> {
+        let live = self.plane.live_set(&self.filter)?.len() as u64;
+        let (objects, quarantined) = self.plane.identity_objects()?;
+        Ok((objects == live && quarantined == 0).then_some(()))
     }
 
     /// The preset's Jobs, one `kubectl create` at a time, with a probe pod every
@@ -666,6 +713,17 @@ fn growth(before: &heap::Owners, after: &heap::Owners) -> Vec<(String, i64)> {
 }
 
 pub(crate) fn create_job(plane: &Plane, i: usize, namespace: &str, ttl: u32) -> anyhow::Result<()> {
+    create_labelled_job(plane, i, namespace, ttl, None)
+}
+
+/// [`create_job`], its pod with `label` too.
+fn create_labelled_job(
+    plane: &Plane,
+    i: usize,
+    namespace: &str,
+    ttl: u32,
+    label: Option<(&str, &str)>,
+) -> anyhow::Result<()> {
     let mut child = plane
         .0
         .kubectl()
@@ -679,7 +737,7 @@ pub(crate) fn create_job(plane: &Plane, i: usize, namespace: &str, ttl: u32) -> 
         .stdin
         .take()
         .context("kubectl's stdin")?
-        .write_all(job_yaml(i, namespace, ttl).as_bytes())?;
+        .write_all(job_yaml(i, namespace, ttl, label).as_bytes())?;
     let out = child.wait_with_output()?;
     if !out.status.success() {
         bail!(
@@ -729,7 +787,7 @@ async fn point(
     for _ in 0..p.level_samples {
         ops.push(census.operator_reading().await?);
         agents.push(census.agent_readings()?);
-        sleep(Duration::from_secs(1)).await;
+        sleep(p.level_every).await;
     }
     let operator = level(&ops);
     let agent_levels: Vec<Reading> = (0..agents.first().map_or(0, Vec::len))
