@@ -12,8 +12,8 @@ use std::collections::BTreeSet;
 
 use aya::maps::{Array, MapData, MapError};
 use census_common::{
-    EndpointKey, ServiceKey,
-    filter::{ADDRESS_FILTER_MAP, AddressFilter},
+    EndpointKey, ServiceKey, family,
+    filter::{ADDRESS_FILTER_MAP, AddressFilter, SERVICE_BITS_LG, SOURCE_BITS_LG, bucket},
 };
 
 use super::Error;
@@ -26,7 +26,14 @@ pub(super) struct Filter {
     /// The value last written (or found pinned).
     written: AddressFilter,
     services: BTreeSet<ServiceKey>,
+    /// The ranges of `services` (the others are single addresses).
+    ranges: BTreeSet<ServiceKey>,
     hosts: BTreeSet<EndpointKey>,
+    /// The single Service addresses' bits, and the sources' (those and `hosts`),
+    /// kept as entries come and go: a write costs the same with 10 or 60,000
+    /// Service addresses.
+    service_bits: CountedBits,
+    source_bits: CountedBits,
     /// The pinned filter's node address bits, kept until ENDPOINTS is read whole.
     inherited_hosts: Option<AddressFilter>,
 }
@@ -65,19 +72,72 @@ impl Filter {
     ) -> Result<Self, Error> {
         let written = map.get(&0, 0).map_err(filter_error)?;
         let (hosts, inherited_hosts) = if written.is_on() {
-            (BTreeSet::new(), Some(written))
+            (Vec::new(), Some(written))
         } else {
-            (hosts()?.into_iter().collect(), None)
+            (hosts()?, None)
         };
         let mut filter = Self {
             map,
             written,
-            services: services.into_iter().collect(),
-            hosts,
+            services: BTreeSet::new(),
+            ranges: BTreeSet::new(),
+            hosts: BTreeSet::new(),
+            service_bits: CountedBits::new(SERVICE_BITS_LG),
+            source_bits: CountedBits::new(SOURCE_BITS_LG),
             inherited_hosts,
         };
+        for key in services {
+            filter.take_service(key);
+        }
+        for key in hosts {
+            filter.take_host(key);
+        }
         filter.write()?;
         Ok(filter)
+    }
+
+    /// Counts `key` in, without writing; whether it is new.
+    fn take_service(&mut self, key: ServiceKey) -> bool {
+        if !self.services.insert(key) {
+            return false;
+        }
+        if is_single(&key) {
+            self.service_bits.add(&key.address);
+            self.source_bits.add(&key.address);
+        } else {
+            self.ranges.insert(key);
+        }
+        true
+    }
+
+    /// Counts `key` out, without writing; whether it was there.
+    fn drop_service(&mut self, key: &ServiceKey) -> bool {
+        if !self.services.remove(key) {
+            return false;
+        }
+        if is_single(key) {
+            self.service_bits.remove(&key.address);
+            self.source_bits.remove(&key.address);
+        } else {
+            self.ranges.remove(key);
+        }
+        true
+    }
+
+    fn take_host(&mut self, key: EndpointKey) -> bool {
+        let new = self.hosts.insert(key);
+        if new {
+            self.source_bits.add(&key);
+        }
+        new
+    }
+
+    fn drop_host(&mut self, key: &EndpointKey) -> bool {
+        let gone = self.hosts.remove(key);
+        if gone {
+            self.source_bits.remove(key);
+        }
+        gone
     }
 
     /// The value the map holds.
@@ -87,7 +147,7 @@ impl Filter {
 
     /// Before SERVICES takes `key`.
     pub(super) fn add_service(&mut self, key: ServiceKey) -> Result<(), Error> {
-        if self.services.insert(key) {
+        if self.take_service(key) {
             return self.write();
         }
         Ok(())
@@ -95,7 +155,7 @@ impl Filter {
 
     /// After SERVICES lost `key` (or refused it).
     pub(super) fn remove_service(&mut self, key: &ServiceKey) -> Result<(), Error> {
-        if self.services.remove(key) {
+        if self.drop_service(key) {
             return self.write();
         }
         Ok(())
@@ -103,7 +163,7 @@ impl Filter {
 
     /// Before ENDPOINTS takes `key` flagged HOST.
     pub(super) fn add_host(&mut self, key: EndpointKey) -> Result<(), Error> {
-        if self.hosts.insert(key) {
+        if self.take_host(key) {
             return self.write();
         }
         Ok(())
@@ -111,7 +171,7 @@ impl Filter {
 
     /// After ENDPOINTS lost `key`'s HOST entry (or refused it).
     pub(super) fn remove_host(&mut self, key: &EndpointKey) -> Result<(), Error> {
-        if self.hosts.remove(key) {
+        if self.drop_host(key) {
             return self.write();
         }
         Ok(())
@@ -127,7 +187,13 @@ impl Filter {
         if hosts == self.hosts && self.inherited_hosts.is_none() {
             return Ok(());
         }
-        self.hosts = hosts;
+        let gone: Vec<_> = self.hosts.difference(&hosts).copied().collect();
+        for key in &gone {
+            self.drop_host(key);
+        }
+        for key in hosts {
+            self.take_host(key);
+        }
         self.inherited_hosts = None;
         self.write()
     }
@@ -141,17 +207,21 @@ impl Filter {
         if services == self.services {
             return Ok(());
         }
-        self.services = services;
+        let gone: Vec<_> = self.services.difference(&services).copied().collect();
+        for key in &gone {
+            self.drop_service(key);
+        }
+        for key in services {
+            self.take_service(key);
+        }
         self.write()
     }
 
     /// The filter of what is known now.
     fn target(&self) -> AddressFilter {
-        let mut target = AddressFilter::build(
-            &self.written,
-            self.services.iter().copied(),
-            self.hosts.iter().copied(),
-        );
+        let mut target = AddressFilter::build(&self.written, self.ranges.iter().copied(), []);
+        target.services.copy_from_slice(&self.service_bits.words);
+        target.sources.copy_from_slice(&self.source_bits.words);
         match &self.inherited_hosts {
             None => {}
             Some(inherited) if inherited.is_on() => {
@@ -172,6 +242,56 @@ impl Filter {
             self.written = *step;
         }
         Ok(())
+    }
+}
+
+/// Whether `key` is a single address (not a range).
+fn is_single(key: &ServiceKey) -> bool {
+    match key.address.family {
+        family::IPV4 => key.bits() >= 32,
+        family::IPV6 => key.bits() >= 128,
+        _ => false,
+    }
+}
+
+/// A bitmap of `2^lg` bits with a count of the addresses on each bit: a bit two
+/// addresses share is cleared only when the last of them goes.
+#[derive(Debug)]
+struct CountedBits {
+    lg: u32,
+    counts: Vec<u32>,
+    words: Vec<u64>,
+}
+
+impl CountedBits {
+    fn new(lg: u32) -> Self {
+        Self {
+            lg,
+            counts: vec![0; 1 << lg],
+            words: vec![0; 1 << (lg - 6)],
+        }
+    }
+
+    fn add(&mut self, key: &EndpointKey) {
+        let bit = bucket(key, self.lg) as usize;
+        if let Some(count) = self.counts.get_mut(bit) {
+            *count += 1;
+            if let Some(word) = self.words.get_mut(bit >> 6) {
+                *word |= 1 << (bit & 63);
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &EndpointKey) {
+        let bit = bucket(key, self.lg) as usize;
+        if let Some(count) = self.counts.get_mut(bit) {
+            *count = count.saturating_sub(1);
+            if *count == 0
+                && let Some(word) = self.words.get_mut(bit >> 6)
+            {
+                *word &= !(1 << (bit & 63));
+            }
+        }
     }
 }
 
@@ -243,6 +363,31 @@ mod tests {
         assert!(!AddressFilter::build(&AddressFilter::OFF, everything, []).is_on());
         let few = (0..FILTER_RANGES).map(|i| service(&format!("10.{i}.0.0/16")));
         assert!(AddressFilter::build(&AddressFilter::OFF, few, []).is_on());
+    }
+
+    #[test]
+    fn a_bit_two_addresses_share_is_cleared_only_when_the_last_goes() {
+        let mut bits = CountedBits::new(SOURCE_BITS_LG);
+        let first = address("198.18.0.1");
+        // Another address on the same bit.
+        let second = (2..=u16::MAX)
+            .map(|i| EndpointKey::from(IpAddr::from([198, 19, (i >> 8) as u8, i as u8])))
+            .find(|other| bucket(other, SOURCE_BITS_LG) == bucket(&first, SOURCE_BITS_LG));
+        assert!(second.is_some(), "65,534 addresses on 4,096 bits share one");
+        let Some(second) = second else {
+            return;
+        };
+        let set = |bits: &CountedBits| {
+            let bit = bucket(&first, SOURCE_BITS_LG) as usize;
+            bits.words[bit >> 6] & (1 << (bit & 63)) != 0
+        };
+        bits.add(&first);
+        bits.add(&second);
+        bits.remove(&first);
+        assert!(set(&bits), "the second address still holds the bit");
+        bits.remove(&second);
+        assert!(!set(&bits));
+        assert!(bits.words.iter().all(|w| *w == 0));
     }
 
     #[test]
