@@ -17,6 +17,7 @@ use std::{
 use census_fake_apiserver::{FakeApiServer, Gvr};
 use census_testkit::process::Spawned;
 use tokio::task::JoinSet;
+use tonic::Status;
 
 use crate::{
     common::{TestResult, WAIT, eventually, fail, fake, identities, node},
@@ -96,6 +97,54 @@ fn apps(node: &str) -> Vec<String> {
     apps
 }
 
+/// An agent's Hello, its Allocates and its snapshot, to the leader at `addr`; the
+/// gRPC status of the first call refused.
+async fn first_session(
+    addr: SocketAddr,
+    node: &str,
+    bindings: &Mutex<Bindings>,
+) -> TestResult<Result<FirstSession, Status>> {
+    let mut stream = match Agent::connect(addr, node, session(7)).await? {
+        Ok(stream) => stream,
+        Err(status) => return Ok(Err(status)),
+    };
+    let mut ids = Vec::new();
+    for app in apps(node) {
+        let id = match allocate(addr, node, session(7), &app).await? {
+            Ok(id) => id,
+            Err(status) => return Ok(Err(status)),
+        };
+        bindings.lock().map_err(|_| "poisoned")?.record(id, &app)?;
+        ids.push((format!("{node}-{app}"), id, app));
+    }
+    match stream.snapshot(&borrowed(&ids)).await? {
+        Ok(rebinds) if rebinds.is_empty() => Ok(Ok((stream, ids))),
+        Ok(rebinds) => fail(format!("{node}: the leader rebound {rebinds:?}")),
+        Err(status) => Ok(Err(status)),
+    }
+}
+
+/// The agent's stream and its `(pod, id, app)` endpoints.
+type FirstSession = (Agent, Vec<(String, u32, String)>);
+
+fn borrowed(ids: &[(String, u32, String)]) -> Vec<(&str, u32, &str)> {
+    ids.iter()
+        .map(|(p, i, a)| (p.as_str(), *i, a.as_str()))
+        .collect()
+}
+
+/// `None` for UNAVAILABLE (try again), the test's failure for any other refusal.
+fn unavailable_is_none<T>(node: &str, answer: Result<T, Status>) -> TestResult<Option<T>> {
+    match answer {
+        Ok(found) => Ok(Some(found)),
+        Err(status) if status.code() == tonic::Code::Unavailable => {
+            tracing::info!(node, %status, "unavailable; the agent starts over");
+            Ok(None)
+        }
+        Err(status) => fail(format!("{node}: refused: {status}")),
+    }
+}
+
 /// An agent's life across the failover: Hello, Allocate, Snapshot; then, when its
 /// stream ends, a jittered wait, Hello to the new leader, the same snapshot, the same
 /// ids again, and a new one.
@@ -108,19 +157,21 @@ async fn agent(
     // Where the Service sends agents: the one endpoint of the leader slice.
     let leader_addr =
         |server: &FakeApiServer| slice_leader(server).ok().flatten().map(|(_, addr)| addr);
-    let addr = leader_addr(&server).ok_or("no leader in the slice")?;
-    let mut stream = Agent::connect(addr, node, session(7)).await??;
-    let mut ids = Vec::new();
-    for app in apps(node) {
-        let id = allocate(addr, node, session(7), &app).await??;
-        bindings.lock().map_err(|_| "poisoned")?.record(id, &app)?;
-        ids.push((format!("{node}-{app}"), id, app));
-    }
-    let endpoints: Vec<(&str, u32, &str)> = ids
-        .iter()
-        .map(|(p, i, a)| (p.as_str(), *i, a.as_str()))
-        .collect();
-    assert!(stream.snapshot(&endpoints).await??.is_empty());
+    // Under load a leader may still be reading the nodes when it publishes itself, or
+    // lose the Lease again: it says UNAVAILABLE, and an agent starts over from the
+    // slice, as census-agent does.
+    let (mut stream, ids) = eventually("the agent's first session", WAIT, || {
+        let (server, bindings) = (server.clone(), bindings.clone());
+        let leader_addr = &leader_addr;
+        async move {
+            let Some(addr) = leader_addr(&server) else {
+                return Ok(None);
+            };
+            let first = first_session(addr, node, &bindings).await?;
+            unavailable_is_none(node, first)
+        }
+    })
+    .await?;
     killed.notified().await;
     // The stream breaks with the leader.
     while stream.next().await?.is_ok() {}
@@ -140,7 +191,7 @@ async fn agent(
         }
     })
     .await?;
-    let rebinds = stream.snapshot(&endpoints).await??;
+    let rebinds = stream.snapshot(&borrowed(&ids)).await??;
     assert!(
         rebinds.is_empty(),
         "{node}: the new leader rebound {rebinds:?}"
@@ -192,14 +243,23 @@ async fn the_leader_is_killed_and_the_other_process_takes_over() -> TestResult {
             killed.clone(),
         ));
     }
-    // Let every agent allocate and snapshot before the leader dies.
-    eventually("every agent allocated", WAIT, || async {
+    // Let every agent allocate and snapshot before the leader dies. An agent waits for
+    // the kill, so one that ends now has failed: its error is the test's.
+    let allocated = eventually("every agent allocated", WAIT, || async {
         let count = bindings.lock().map_err(|_| "poisoned")?.by_id.len();
         Ok((count == 2 + 3 * NODES.len()).then_some(()))
-    })
-    .await?;
+    });
+    tokio::select! {
+        done = allocated => done?,
+        Some(ended) = agents.join_next() => {
+            ended??;
+            return fail("an agent ended before the leader was killed");
+        }
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
 
+    // The process that leads now (under load the Lease may have changed hands already).
+    let first = holder(&server).ok_or("no one holds the Lease")?;
     let leader = if first == "op-a" { &mut a } else { &mut b };
     let killed_at = Instant::now();
     leader.kill()?;
