@@ -69,11 +69,19 @@ pub(crate) fn find_program(program: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
-/// Runs `cargo <args> --message-format=json` (a `--no-run` test or bench
-/// build), passing its diagnostics through, and returns the executables it
+/// What a cargo build made: its binaries by name (`cargo build`'s, or the ones
+/// `cargo test` builds for integration tests) and its test and bench executables.
+#[derive(Debug, Default)]
+pub(crate) struct Artifacts {
+    pub(crate) binaries: std::collections::BTreeMap<String, PathBuf>,
+    /// `(target name, executable)`.
+    pub(crate) tests: Vec<(String, PathBuf)>,
+}
+
+/// Runs `cargo <args> --message-format=json` (a `--no-run` test or bench build, or
+/// a `build`), passing its diagnostics through, and returns the executables it
 /// built, as aya's xtask does.
-pub(crate) fn build_test_executables(args: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
-    let mut command = host_cargo();
+pub(crate) fn build_artifacts(mut command: Command, args: &[&str]) -> anyhow::Result<Artifacts> {
     command
         .current_dir(workspace_root())
         .args(args)
@@ -82,7 +90,7 @@ pub(crate) fn build_test_executables(args: &[&str]) -> anyhow::Result<Vec<PathBu
     announce(&command);
     let mut child = command.spawn().context("running cargo")?;
     let stdout = child.stdout.take().context("cargo's stdout")?;
-    let mut executables = Vec::new();
+    let mut built = Artifacts::default();
     for line in BufReader::new(stdout).lines() {
         let line = line.context("reading cargo's output")?;
         let Ok(message) = serde_json::from_str::<serde_json::Value>(&line) else {
@@ -90,77 +98,29 @@ pub(crate) fn build_test_executables(args: &[&str]) -> anyhow::Result<Vec<PathBu
         };
         match message["reason"].as_str() {
             Some("compiler-artifact") => {
-                let kinds = message["target"]["kind"].as_array();
-                let is_test = kinds
-                    .into_iter()
-                    .flatten()
-                    .any(|kind| kind == "test" || kind == "bench");
-                if let (true, Some(executable)) = (is_test, message["executable"].as_str()) {
-                    executables.push(PathBuf::from(executable));
-                }
-            }
-            Some("compiler-message") => {
-                if let Some(rendered) = message["message"]["rendered"].as_str() {
-                    #[expect(clippy::print_stderr, reason = "passing cargo's diagnostics on")]
-                    {
-                        eprint!("{rendered}");
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    let status = child.wait().context("waiting for cargo")?;
-    if !status.success() {
-        bail!("building {} failed: {status}", args.join(" "));
-    }
-    if executables.is_empty() {
-        bail!("cargo {} built no executable", args.join(" "));
-    }
-    Ok(executables)
-}
-
-/// Runs `cargo <args> --message-format=json` (a `build` of binaries), passing its
-/// diagnostics through, and returns the binaries it built by name.
-pub(crate) fn build_binaries(
-    args: &[&str],
-) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
-    build_binaries_with(host_cargo(), args)
-}
-
-/// [`build_binaries`] with the given cargo command (e.g. one run under `nice`, or with
-/// its stderr sent to a file).
-pub(crate) fn build_binaries_with(
-    mut command: Command,
-    args: &[&str],
-) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
-    command
-        .current_dir(workspace_root())
-        .args(args)
-        .arg("--message-format=json-diagnostic-rendered-ansi")
-        .stdout(Stdio::piped());
-    announce(&command);
-    let mut child = command.spawn().context("running cargo")?;
-    let stdout = child.stdout.take().context("cargo's stdout")?;
-    let mut binaries = std::collections::BTreeMap::new();
-    for line in BufReader::new(stdout).lines() {
-        let line = line.context("reading cargo's output")?;
-        let Ok(message) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        match message["reason"].as_str() {
-            Some("compiler-artifact") => {
-                let is_bin = message["target"]["kind"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|kind| kind == "bin");
-                if let (true, Some(name), Some(executable)) = (
-                    is_bin,
+                let (Some(name), Some(executable)) = (
                     message["target"]["name"].as_str(),
                     message["executable"].as_str(),
-                ) {
-                    binaries.insert(name.to_owned(), PathBuf::from(executable));
+                ) else {
+                    continue;
+                };
+                let kind = |wanted: &str| {
+                    message["target"]["kind"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|kind| kind == wanted)
+                };
+                // A binary's own unit tests are built as a test of kind "bin".
+                let unit_tests = message["profile"]["test"].as_bool() == Some(true);
+                if kind("test") || kind("bench") || unit_tests {
+                    built
+                        .tests
+                        .push((name.to_owned(), PathBuf::from(executable)));
+                } else if kind("bin") {
+                    built
+                        .binaries
+                        .insert(name.to_owned(), PathBuf::from(executable));
                 }
             }
             Some("compiler-message") => {
@@ -178,5 +138,28 @@ pub(crate) fn build_binaries_with(
     if !status.success() {
         bail!("cargo {} failed: {status}", args.join(" "));
     }
-    Ok(binaries)
+    Ok(built)
+}
+
+/// [`build_artifacts`]' test and bench executables, for a `--no-run` build.
+pub(crate) fn build_test_executables(args: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+    let built = build_artifacts(host_cargo(), args)?;
+    Ok(built.tests.into_iter().map(|(_, path)| path).collect())
+}
+
+/// Runs `cargo <args> --message-format=json` (a `build` of binaries), passing its
+/// diagnostics through, and returns the binaries it built by name.
+pub(crate) fn build_binaries(
+    args: &[&str],
+) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
+    build_binaries_with(host_cargo(), args)
+}
+
+/// [`build_binaries`] with the given cargo command (e.g. one run under `nice`, or with
+/// its stderr sent to a file).
+pub(crate) fn build_binaries_with(
+    command: Command,
+    args: &[&str],
+) -> anyhow::Result<std::collections::BTreeMap<String, PathBuf>> {
+    Ok(build_artifacts(command, args)?.binaries)
 }

@@ -30,6 +30,9 @@ pub(crate) struct Options {
     /// (`cargo xtask test` passes its own; otherwise the tests start or reuse one).
     #[arg(skip)]
     pub(crate) kubeconfig: Option<PathBuf>,
+    /// How the suite is built (`cargo xtask test` reuses its workspace build).
+    #[arg(skip)]
+    pub(crate) selection: Selection,
 }
 
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
@@ -37,6 +40,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         no_build_ebpf,
         test_args,
         kubeconfig,
+        selection,
     } = options;
     if !cmd::is_root() {
         bail!(
@@ -46,7 +50,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     }
     // The tests pin under /sys/fs/bpf, as the agent does on a node.
     setup::mount_bpffs()?;
-    let suite = Suite::build(no_build_ebpf, Profile::Dev)?;
+    let suite = Suite::build(no_build_ebpf, Profile::Dev, selection)?;
     // Every test in both attach modes: TCX, and TC filters forced (the path of
     // kernels before 6.6), on this kernel.
     for mode in ["tcx", "tc"] {
@@ -72,6 +76,19 @@ pub(crate) enum Profile {
     Release,
 }
 
+/// Which packages the suite's build selects.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Selection {
+    /// The operator's and the agent's binaries and the `privileged` test alone: the
+    /// least to build after a change.
+    #[default]
+    Packages,
+    /// `cargo test --workspace --no-run`: what `cargo test --workspace` has just built
+    /// is reused as it is. Built alone, the two packages unify their dependencies'
+    /// features differently, and cargo would build tokio, hyper, kube and tonic again.
+    Workspace,
+}
+
 /// The privileged suite, built: its test executables and the binaries the
 /// end-to-end tests run.
 #[derive(Debug)]
@@ -83,8 +100,13 @@ pub(crate) struct Suite {
 
 impl Suite {
     /// Builds the eBPF object (unless `no_build_ebpf`), the operator and agent
-    /// binaries, and the `privileged` test executable, in `profile`.
-    pub(crate) fn build(no_build_ebpf: bool, profile: Profile) -> anyhow::Result<Self> {
+    /// binaries, and the `privileged` test executable, in `profile`, selecting
+    /// `selection`.
+    pub(crate) fn build(
+        no_build_ebpf: bool,
+        profile: Profile,
+        selection: Selection,
+    ) -> anyhow::Result<Self> {
         if !no_build_ebpf {
             ebpf::build(ebpf::Profile::Release)?;
         }
@@ -92,41 +114,63 @@ impl Suite {
             Profile::Dev => &[],
             Profile::Release => &["--release"],
         };
-        let binaries = cmd::build_binaries(
-            &[
-                &[
-                    "build",
-                    "--package",
-                    "census-operator",
-                    "--package",
-                    "census-agent",
-                    "--bins",
-                ],
-                release,
-            ]
-            .concat(),
-        )?;
+        let built = match selection {
+            Selection::Packages => {
+                let mut built = cmd::build_artifacts(
+                    cmd::host_cargo(),
+                    &[
+                        &[
+                            "build",
+                            "--package",
+                            "census-operator",
+                            "--package",
+                            "census-agent",
+                            "--bins",
+                        ],
+                        release,
+                    ]
+                    .concat(),
+                )?;
+                let tests = cmd::build_artifacts(
+                    cmd::host_cargo(),
+                    &[
+                        &[
+                            "test",
+                            "--no-run",
+                            "--package",
+                            "census-agent",
+                            "--test",
+                            "privileged",
+                        ],
+                        release,
+                    ]
+                    .concat(),
+                )?;
+                built.tests = tests.tests;
+                built
+            }
+            Selection::Workspace => cmd::build_artifacts(
+                cmd::host_cargo(),
+                &[&["test", "--workspace", "--no-run"], release].concat(),
+            )?,
+        };
         let binary = |name: &str| {
-            binaries
+            built
+                .binaries
                 .get(name)
                 .cloned()
                 .with_context(|| format!("cargo built no {name} binary"))
         };
         let (operator, agent) = (binary("census-operator")?, binary("census-agent")?);
-        let executables = cmd::build_test_executables(
-            &[
-                &[
-                    "test",
-                    "--no-run",
-                    "--package",
-                    "census-agent",
-                    "--test",
-                    "privileged",
-                ],
-                release,
-            ]
-            .concat(),
-        )?;
+        let executables: Vec<PathBuf> = built
+            .tests
+            .iter()
+            .filter(|(name, _)| name == "privileged")
+            .map(|(_, path)| path.clone())
+            .collect();
+        if executables.is_empty() {
+            bail!("cargo built no `privileged` test executable");
+        }
         Ok(Self {
             executables,
             operator,

@@ -217,6 +217,7 @@ fn tests(
                 no_build_ebpf: true,
                 test_args: Vec::new(),
                 kubeconfig: Some(kubeconfig.to_path_buf()),
+                selection: privileged::Selection::Workspace,
             })
         })?;
     }

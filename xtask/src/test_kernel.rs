@@ -125,7 +125,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         Accel::Tcg => privileged::Profile::Release,
         Accel::Kvm | Accel::Auto => privileged::Profile::Dev,
     });
-    let suite = privileged::Suite::build(no_build_ebpf, profile)?;
+    let suite = privileged::Suite::build(no_build_ebpf, profile, privileged::Selection::Packages)?;
     let skip: Vec<&str> = SKIPS.iter().map(|&(name, _)| name).collect();
     let commands = suite.commands("tc", &skip, &test_args);
 
