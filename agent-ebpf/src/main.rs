@@ -111,7 +111,7 @@ use census_common::{
     MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
     SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES,
     STATS_MAX_ENTRIES, ServiceFlowKey,
-    filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES},
+    filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES, Verdict},
     flags, identity, interface_slot, service_direction, stats,
 };
 
@@ -498,12 +498,12 @@ fn service_requested(
 ) -> Option<(EndpointKey, u16, u8)> {
     // The headers' ports only once the packet is a Service's: nearly no packet a
     // socket sends is.
-    if is_service_by(filter, dst) {
+    if is_service_counted(filter, dst) {
         let (protocol, _, dst_port) = transport(ctx, family);
         return Some((*dst, dst_port, protocol));
     }
     match socket_destination(ctx, family) {
-        Some((address, port)) if address != *dst && is_service_by(filter, &address) => {
+        Some((address, port)) if address != *dst && is_service_counted(filter, &address) => {
             Some((address, port, transport(ctx, family).0))
         }
         _ => None,
@@ -549,7 +549,7 @@ fn count_service_reply(ctx: &SkBuffContext) {
         return;
     };
     // The Service address first: nearly no packet a socket receives is from one.
-    if !is_service(&src) {
+    if !is_service_counted(address_filter(), &src) {
         return;
     }
     let Some(client) = service_client(endpoint(&dst)) else {
@@ -734,6 +734,21 @@ fn is_service_by(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool 
         && SERVICES
             .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
             .is_some()
+}
+
+/// [`is_service_by`] for SERVICE_FLOWS: an address in a range the filter holds
+/// exactly (a ClusterIP) is a Service's without the SERVICES lookup. Not for
+/// FLOWS' choices: what a packet is counted as there never rests on a filter
+/// read while it is written, and nothing is counted twice or lost.
+#[inline(always)]
+fn is_service_counted(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
+    match filter.map_or(Verdict::Maybe, |filter| filter.service_verdict(address)) {
+        Verdict::No => false,
+        Verdict::Yes => true,
+        Verdict::Maybe => SERVICES
+            .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
+            .is_some(),
+    }
 }
 
 /// ADDRESS_FILTER's entry (`None` only if the map has none: then every address

@@ -22,6 +22,17 @@
 //! that is not on ([`AddressFilter::OFF`], and the zeroed entry the map is
 //! created with) answers "maybe" for everything: the programs look every address
 //! up, as they did before the filter.
+//!
+//! **"Yes" without a lookup:** a filter the agent built holds SERVICES' ranges
+//! in its slots, and nothing else ([`FILTER_RANGES_EXACT`]): an address in one
+//! is a Service address, and the Service counters need no SERVICES lookup for
+//! it (a ClusterIP, nearly every Service packet). A write that changes a
+//! range slot is never exact, nor the writes on either side of it: exactness is
+//! switched off alone before, and on alone after, so a program that reads the
+//! filter as exact never reads a slot being rewritten. Between the filter's
+//! write and SERVICES', a range is a Service's in one and not yet (or no
+//! longer) in the other: the agent has decided, and the packet is judged as if
+//! it came a moment later (or earlier).
 
 use crate::{EndpointKey, ServiceKey, family};
 
@@ -30,8 +41,13 @@ use crate::{EndpointKey, ServiceKey, family};
 pub const ADDRESS_FILTER_MAP: &str = "ADDRESS_FILTER";
 /// [`ADDRESS_FILTER_MAP`]'s one entry.
 pub const FILTER_MAP_MAX_ENTRIES: u32 = 1;
-/// [`AddressFilter::state`] of a filter the programs may use.
+/// [`AddressFilter::state`] of a filter the programs may use: its "surely not"
+/// is true.
 pub const FILTER_ON: u32 = 1;
+/// [`AddressFilter::state`] of a filter that is on and whose range slots hold
+/// SERVICES' ranges and nothing else: an address in one is a Service address
+/// without a lookup ([`AddressFilter::service_verdict`]).
+pub const FILTER_RANGES_EXACT: u32 = 3;
 /// Range slots per family. A cluster has a ClusterIP range or two per family;
 /// with more ranges than slots the filter is off.
 pub const FILTER_RANGES: usize = 4;
@@ -43,6 +59,14 @@ pub const SERVICE_BITS_LG: u32 = 13;
 pub const SOURCE_BITS_LG: u32 = 12;
 const SERVICE_WORDS: usize = 1 << (SERVICE_BITS_LG - 6);
 const SOURCE_WORDS: usize = 1 << (SOURCE_BITS_LG - 6);
+
+/// [`AddressFilter::service_verdict`]'s answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    No,
+    Yes,
+    Maybe,
+}
 
 /// An IPv4 range: the address `a` is in it when `a & mask == network` (both in
 /// network order, read as one native word, as [`EndpointKey`] holds them). An
@@ -66,7 +90,8 @@ pub struct V6Range {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AddressFilter {
-    /// [`FILTER_ON`], or anything else: every address may be anything.
+    /// [`FILTER_ON`] or [`FILTER_RANGES_EXACT`], or anything else: every
+    /// address may be anything.
     pub state: u32,
     /// The IPv4 range slots to look at: `v4_ranges[..v4_slots]` (unused slots
     /// below it match nothing).
@@ -156,7 +181,34 @@ impl AddressFilter {
     /// Whether the programs may trust the filter's "surely not".
     #[inline(always)]
     pub const fn is_on(&self) -> bool {
-        self.state == FILTER_ON
+        self.state == FILTER_ON || self.state == FILTER_RANGES_EXACT
+    }
+
+    /// Whether the range slots hold SERVICES' ranges and nothing else.
+    #[inline(always)]
+    pub const fn ranges_exact(&self) -> bool {
+        self.state == FILTER_RANGES_EXACT
+    }
+
+    /// What the filter knows of `key` as a Service address: `No` only if it
+    /// surely is not one; `Yes` only if it is in a range the slots hold
+    /// exactly (a ClusterIP, the Service packets' common case); else `Maybe`,
+    /// for SERVICES to answer.
+    #[inline(always)]
+    pub fn service_verdict(&self, key: &EndpointKey) -> Verdict {
+        if !self.is_on() || (key.family != family::IPV4 && key.family != family::IPV6) {
+            Verdict::Maybe
+        } else if self.in_ranges(key) {
+            if self.ranges_exact() {
+                Verdict::Yes
+            } else {
+                Verdict::Maybe
+            }
+        } else if test_bit(&self.services, bucket(key, SERVICE_BITS_LG)) {
+            Verdict::Maybe
+        } else {
+            Verdict::No
+        }
     }
 
     /// Whether `key` may be a Service address (in SERVICES); `false` only if it
@@ -220,7 +272,7 @@ impl AddressFilter {
         hosts: impl IntoIterator<Item = EndpointKey>,
     ) -> Self {
         let mut filter = Self {
-            state: FILTER_ON,
+            state: FILTER_RANGES_EXACT,
             ..Self::OFF
         };
         let mut v4 = Ranges::new(&previous.v4_ranges, previous.v4_slots);
@@ -275,7 +327,7 @@ impl AddressFilter {
     /// The values to write, in order, to take an entry holding `current` to
     /// `target` (built from `current` by [`build`](Self::build)), each safe
     /// for a program that reads the entry while it is written (see the module's
-    /// documentation): at most three, none if `current` is `target`.
+    /// documentation): at most four, none if `current` is `target`.
     pub fn steps(current: &Self, target: &Self) -> Steps {
         let mut steps = Steps::default();
         if current == target {
@@ -292,8 +344,33 @@ impl AddressFilter {
             return steps;
         }
         if current.is_on() {
-            if let Some(union) = current.union(target) {
+            if let Some(mut union) = current.union(target) {
+                // The union holds the ranges of both: no longer exact if they
+                // differ. Whether a range slot's words are read torn only
+                // matters to a program that reads the filter as exact: a write
+                // that changes them never is, and neither is the write before
+                // it (exactness switched off alone), nor the one after (on
+                // alone).
+                let same_ranges = current.same_ranges(target);
+                let exact = current.ranges_exact() && target.ranges_exact() && same_ranges;
+                if current.ranges_exact() && !exact {
+                    steps.push(Self {
+                        state: FILTER_ON,
+                        ..*current
+                    });
+                }
+                union.state = if exact {
+                    FILTER_RANGES_EXACT
+                } else {
+                    FILTER_ON
+                };
                 steps.push(union);
+                if target.ranges_exact() && !same_ranges {
+                    steps.push(Self {
+                        state: FILTER_ON,
+                        ..*target
+                    });
+                }
                 steps.push(*target);
                 return steps;
             }
@@ -309,6 +386,14 @@ impl AddressFilter {
         });
         steps.push(*target);
         steps
+    }
+
+    /// Whether both hold the same ranges in the same slots.
+    fn same_ranges(&self, other: &Self) -> bool {
+        self.v4_slots == other.v4_slots
+            && self.v6_slots == other.v6_slots
+            && self.v4_ranges == other.v4_ranges
+            && self.v6_ranges == other.v6_ranges
     }
 
     /// Every range and bit of both, ranges in the slots both give them; `None`
@@ -334,16 +419,18 @@ impl AddressFilter {
 /// The writes of [`AddressFilter::steps`], in order.
 #[derive(Debug, Default)]
 pub struct Steps {
-    values: [Option<AddressFilter>; 3],
+    values: [Option<AddressFilter>; 4],
     len: usize,
 }
 
 impl Steps {
     fn push(&mut self, value: AddressFilter) {
         let last = self.len.checked_sub(1).and_then(|i| self.values[i]);
-        if last != Some(value)
-            && let Some(slot) = self.values.get_mut(self.len)
-        {
+        if last == Some(value) {
+            return;
+        }
+        debug_assert!(self.len < self.values.len(), "more steps than Steps holds");
+        if let Some(slot) = self.values.get_mut(self.len) {
             *slot = Some(value);
             self.len += 1;
         }

@@ -332,6 +332,54 @@ mod tests {
     }
 
     #[test]
+    fn an_address_in_a_range_is_a_services_without_a_lookup_only_while_the_ranges_are_exact() {
+        use census_common::filter::{FILTER_ON, Verdict};
+        let filter = AddressFilter::build(
+            &AddressFilter::OFF,
+            [
+                service("10.96.0.0/12"),
+                service("fd00:10:96::/108"),
+                service("203.0.113.7/32"),
+            ],
+            [],
+        );
+        assert!(filter.ranges_exact());
+        let verdict = |filter: &AddressFilter, ip: &str| filter.service_verdict(&address(ip));
+        assert_eq!(verdict(&filter, "10.96.0.10"), Verdict::Yes);
+        assert_eq!(verdict(&filter, "fd00:10:96::a"), Verdict::Yes);
+        // A single address is only in a bitmap: SERVICES answers.
+        assert_eq!(verdict(&filter, "203.0.113.7"), Verdict::Maybe);
+        assert_eq!(verdict(&filter, "10.112.0.1"), Verdict::No);
+        let on = AddressFilter {
+            state: FILTER_ON,
+            ..filter
+        };
+        assert_eq!(verdict(&on, "10.96.0.10"), Verdict::Maybe);
+        assert_eq!(verdict(&on, "10.112.0.1"), Verdict::No);
+        assert_eq!(verdict(&AddressFilter::OFF, "10.112.0.1"), Verdict::Maybe);
+        // A new range: exactness off alone, the ranges written, on alone.
+        let next = AddressFilter::build(
+            &filter,
+            [service("10.96.0.0/12"), service("10.200.0.0/16")],
+            [],
+        );
+        let steps: Vec<_> = AddressFilter::steps(&filter, &next)
+            .iter()
+            .copied()
+            .collect();
+        assert_eq!(
+            steps.first(),
+            Some(&AddressFilter {
+                state: FILTER_ON,
+                ..filter
+            })
+        );
+        assert_eq!(steps.last(), Some(&next));
+        assert!(steps[..steps.len() - 1].iter().all(|s| !s.ranges_exact()));
+        assert!(next.ranges_exact());
+    }
+
+    #[test]
     fn a_built_filter_answers_for_what_it_holds_and_surely_not_for_the_rest() {
         let services = [
             service("10.96.0.0/12"),
@@ -447,6 +495,27 @@ mod tests {
         read
     }
 
+    /// Whether every slot `read` looks at is unused or holds a range of one
+    /// of `ranges` (each built from one Service key).
+    fn only_ranges_of(read: &AddressFilter, ranges: &[AddressFilter]) -> bool {
+        let unused = AddressFilter::OFF;
+        let v4 = read
+            .v4_ranges
+            .iter()
+            .take(read.v4_slots as usize)
+            .all(|slot| {
+                *slot == unused.v4_ranges[0] || ranges.iter().any(|r| r.v4_ranges[0] == *slot)
+            });
+        let v6 = read
+            .v6_ranges
+            .iter()
+            .take(read.v6_slots as usize)
+            .all(|slot| {
+                *slot == unused.v6_ranges[0] || ranges.iter().any(|r| r.v6_ranges[0] == *slot)
+            });
+        v4 && v6
+    }
+
     fn range_strategy() -> impl Strategy<Value = ServiceKey> {
         prop_oneof![
             (0u8..4, 8u8..=24).prop_map(|(i, bits)| service(&format!("10.{}.0.0/{bits}", 64 * i))),
@@ -481,11 +550,19 @@ mod tests {
                 // While the filter is written, the maps hold what is in both.
                 let both_services: Vec<_> = services.iter().filter(|s| before.0.contains(s)).copied().collect();
                 let both_hosts: Vec<_> = hosts.iter().filter(|h| before.1.contains(h)).copied().collect();
+                // A range a read taken as exact may hold: one SERVICES holds
+                // before or after.
+                let ranges: Vec<AddressFilter> = before.0.iter().chain(&services)
+                    .map(|s| AddressFilter::build(&AddressFilter::OFF, [*s], []))
+                    .collect();
                 let mut previous = current;
                 for step in AddressFilter::steps(&current, &target).iter() {
                     for mix in mixes.iter().copied().chain([0, u64::MAX]) {
                         let read = torn(&previous, step, mix);
                         prop_assert!(holds(&read, &both_services, &both_hosts), "torn {mix:#x}");
+                        if read.ranges_exact() {
+                            prop_assert!(only_ranges_of(&read, &ranges), "torn {mix:#x}: {read:?}");
+                        }
                     }
                     previous = *step;
                 }
