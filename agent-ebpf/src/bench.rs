@@ -19,18 +19,23 @@
 //!
 //! `bench_cgroup_empty` is the floor of the root cgroup's programs
 //! (`census_sockets`, `census_sockets_ingress`): an empty `cgroup_skb` program.
+//! `bench_cgroup_counter` and `bench_cgroup_service_floor` measure the least a
+//! counted Service packet costs as census counts it: the update of a counter in a
+//! map made as SERVICE_FLOWS is, alone and after one ENDPOINTS-like lookup of the
+//! client.
 #![no_std]
 #![no_main]
+#![feature(asm_experimental_arch)]
 
 use aya_ebpf::{
     bindings::TC_ACT_UNSPEC,
     macros::{cgroup_skb, classifier, map},
-    maps::{Array, HashMap, LpmTrie, PerCpuArray, ProgramArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, ProgramArray, lpm_trie::Key},
     programs::{SkBuffContext, TcContext},
 };
 use census_common::{
     BPF_F_NO_PREALLOC, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue,
-    SERVICE_LOOKUP_PREFIX_LEN,
+    FlowValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, ServiceFlowKey,
 };
 
 #[map(name = "BENCH_TARGET")]
@@ -54,6 +59,11 @@ static ENDPOINTS: HashMap<EndpointKey, EndpointValue> =
 #[map(name = "BENCH_IPCACHE")]
 static IPCACHE: LpmTrie<EndpointKey, EndpointValue> =
     LpmTrie::with_max_entries(ENDPOINTS_MAX_ENTRIES, BPF_F_NO_PREALLOC);
+
+/// Shaped as census's SERVICE_FLOWS.
+#[map(name = "BENCH_SERVICE_FLOWS")]
+static SERVICE_FLOWS: LruPerCpuHashMap<ServiceFlowKey, FlowValue> =
+    LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
 
 /// Where the lookups leave the identity they found, so that they are not
 /// optimized away.
@@ -101,6 +111,89 @@ fn bench_cycle_v6_dst(ctx: TcContext) -> i32 {
 #[cgroup_skb(ingress)]
 fn bench_cgroup_empty(_ctx: SkBuffContext) -> i32 {
     1
+}
+
+/// The counters of an IPv4 packet's destination in BENCH_SERVICE_FLOWS updated
+/// (the entry exists after the first run), as census adds a Service packet's;
+/// nothing else.
+#[cgroup_skb(egress)]
+fn bench_cgroup_counter(ctx: SkBuffContext) -> i32 {
+    if let Some((_, dst, len)) = ipv4_addresses(&ctx) {
+        count_service(0, dst, len);
+    }
+    1
+}
+
+/// [`bench_cgroup_counter`] after one BENCH_ENDPOINTS lookup of the IPv4 source,
+/// the client: the least a counted Service request costs as census counts it,
+/// the Service address not confirmed, no port read.
+#[cgroup_skb(egress)]
+fn bench_cgroup_service_floor(ctx: SkBuffContext) -> i32 {
+    if let Some((src, dst, len)) = ipv4_addresses(&ctx) {
+        // SAFETY: the value is copied out at once.
+        let client =
+            unsafe { ENDPOINTS.get(EndpointKey::v4_word(src)) }.map_or(0, |ep| ep.identity);
+        count_service(client, dst, len);
+    }
+    1
+}
+
+/// A cgroup_skb packet's IPv4 source and destination (one load each, as census's
+/// programs load them) and its length.
+#[inline(always)]
+fn ipv4_addresses(ctx: &SkBuffContext) -> Option<(u32, u32, u32)> {
+    // SAFETY: `data`, `data_end` and `len` are readable fields of a cgroup_skb
+    // program's context (loaded with CAP_BPF); the loads are bounds-checked.
+    unsafe {
+        let skb = ctx.skb.skb;
+        let (start, end) = ((*skb).data as usize, (*skb).data_end as usize);
+        if start + 20 > end {
+            return None;
+        }
+        Some((load_word(start + 12), load_word(start + 16), (*skb).len))
+    }
+}
+
+#[inline(always)]
+fn count_service(client: u32, dst: u32, len: u32) {
+    let key = ServiceFlowKey {
+        client_identity: client,
+        port: 0,
+        protocol: 17,
+        direction: 0,
+        service: EndpointKey::v4_word(dst),
+    };
+    if let Some(value) = SERVICE_FLOWS.get_ptr_mut(key) {
+        // SAFETY: this CPU's slot of a live element.
+        unsafe {
+            (*value).packets += 1;
+            (*value).bytes += u64::from(len);
+        }
+    } else {
+        let value = FlowValue {
+            packets: 1,
+            bytes: u64::from(len),
+        };
+        let _ = SERVICE_FLOWS.insert(key, value, 0);
+    }
+}
+
+/// As census's `load_word`: 4 bytes of packet data with one load.
+#[inline(always)]
+fn load_word(address: usize) -> u32 {
+    let word: u64;
+    // SAFETY: a 4-byte load from packet data the caller checked is in bounds.
+    unsafe {
+        core::arch::asm!(
+            "{word} = *(u32 *)({address} + 0)",
+            address = in(reg) address,
+            word = lateout(reg) word,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    #[expect(clippy::cast_possible_truncation, reason = "a 32-bit load")]
+    let word = word as u32;
+    word
 }
 
 /// One ipcache-like (LPM) lookup of the packet's source address.

@@ -539,19 +539,30 @@ impl Bench {
                 .try_into()?;
             program.load()?;
         }
-        let empty: &mut CgroupSkb = ebpf
-            .program_mut("bench_cgroup_empty")
-            .ok_or("no program bench_cgroup_empty")?
-            .try_into()?;
-        empty.load()?;
+        for name in [
+            "bench_cgroup_empty",
+            "bench_cgroup_counter",
+            "bench_cgroup_service_floor",
+        ] {
+            let program: &mut CgroupSkb = ebpf
+                .program_mut(name)
+                .ok_or_else(|| format!("no program {name}"))?
+                .try_into()?;
+            program.load()?;
+        }
         Ok(Self { ebpf })
     }
 
     fn cgroup_empty(&self) -> Fallible<&CgroupSkb> {
+        self.cgroup("bench_cgroup_empty")
+    }
+
+    /// One of the `cgroup_skb` references (`bench_cgroup_*`).
+    fn cgroup(&self, name: &str) -> Fallible<&CgroupSkb> {
         Ok(self
             .ebpf
-            .program("bench_cgroup_empty")
-            .ok_or("no program bench_cgroup_empty")?
+            .program(name)
+            .ok_or_else(|| format!("no program {name}"))?
             .try_into()?)
     }
 
@@ -932,7 +943,7 @@ fn run(objects: &Objects) -> Fallible<()> {
     let mut bench = Bench::load(&bench_object)?;
     let addrs = Addresses::new()?;
     if options.sockets_only {
-        return socket_rows(&census_object, &bench, &options);
+        return socket_rows(&census_object, &mut bench, &options);
     }
 
     println!(
@@ -973,7 +984,7 @@ fn run(objects: &Objects) -> Fallible<()> {
             rows.iter().for_each(|row| verdicts.judge(row));
         }
     }
-    socket_rows(&census_object, &bench, &options)?;
+    socket_rows(&census_object, &mut bench, &options)?;
     endpoints_memory(&census_object, options.memory_entries)?;
     verdicts.print();
     Ok(())
@@ -1197,7 +1208,7 @@ fn socket_cases(family: Family) -> [SocketCase; 4] {
 /// The root cgroup's programs: each row as a ratio to an empty `cgroup_skb`
 /// program, on census's maps filled for the cluster, SERVICES as in the tables.
 #[expect(clippy::print_stdout, reason = "a benchmark's report")]
-fn socket_rows(object: &[u8], bench: &Bench, options: &Options) -> Fallible<()> {
+fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<()> {
     let mut census = Census::load(object, 0)?;
     census.fill_services()?;
     fill(&mut census.endpoints()?, CLUSTER_ENTRIES, 0)?;
@@ -1242,10 +1253,45 @@ fn socket_rows(object: &[u8], bench: &Bench, options: &Options) -> Fallible<()> 
             );
         }
     }
+    service_floor(bench, options)?;
     if missed.is_empty() {
         println!("root cgroup programs: every row within its target");
     } else {
         println!("root cgroup programs: OVER target: {}", missed.join("; "));
+    }
+    Ok(())
+}
+
+/// The least a counted Service packet costs as census counts it, measured on an
+/// IPv4 Service request: the SERVICE_FLOWS-like update alone, and after one
+/// ENDPOINTS-like lookup of the client (BENCH_ENDPOINTS at [`CLUSTER_ENTRIES`],
+/// holding it), each beside the empty program.
+#[expect(clippy::print_stdout, reason = "a benchmark's report")]
+fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
+    fill(&mut bench.endpoints()?, CLUSTER_ENTRIES, 0)?;
+    let local = peer_ip(Family::V4, first_word(Family::V4, Peer::Local) + 1);
+    let service = peer_ip(Family::V4, first_word(Family::V4, Peer::Service) + 1);
+    let frame = packet::udp_frame(local, service, 64).ok_or("frame")?;
+    let empty = socket_median(bench.cgroup_empty()?, &frame, options)?;
+    for (program, what) in [
+        (
+            "bench_cgroup_counter",
+            "the counter update alone (a map made as SERVICE_FLOWS)",
+        ),
+        (
+            "bench_cgroup_service_floor",
+            "one ENDPOINTS lookup of the client + the counter update",
+        ),
+    ] {
+        let measured = socket_median(bench.cgroup(program)?, &frame, options)?;
+        let ratio = measured.as_secs_f64() / empty.as_secs_f64().max(1e-12);
+        println!(
+            "  {:<64} {:>6} {:>6} {:>7.2}x",
+            format!("IPv4 reference: {what}"),
+            measured.as_nanos(),
+            empty.as_nanos(),
+            ratio,
+        );
     }
     Ok(())
 }
