@@ -27,6 +27,10 @@
 #![no_main]
 #![feature(asm_experimental_arch)]
 
+mod load;
+
+use load::load_word;
+
 use aya_ebpf::{
     bindings::TC_ACT_UNSPEC,
     macros::{cgroup_skb, classifier, map},
@@ -176,24 +180,6 @@ fn count_service(client: u32, dst: u32, len: u32) {
         };
         let _ = SERVICE_FLOWS.insert(key, value, 0);
     }
-}
-
-/// As census's `load_word`: 4 bytes of packet data with one load.
-#[inline(always)]
-fn load_word(address: usize) -> u32 {
-    let word: u64;
-    // SAFETY: a 4-byte load from packet data the caller checked is in bounds.
-    unsafe {
-        core::arch::asm!(
-            "{word} = *(u32 *)({address} + 0)",
-            address = in(reg) address,
-            word = lateout(reg) word,
-            options(nostack, readonly, preserves_flags),
-        );
-    }
-    #[expect(clippy::cast_possible_truncation, reason = "a 32-bit load")]
-    let word = word as u32;
-    word
 }
 
 /// One ipcache-like (LPM) lookup of the packet's source address.
