@@ -358,4 +358,23 @@ mod tests {
         let args = Options::try_parse_from(["census-bench", "seed-gc", "--identities", "7"]);
         assert_eq!(args.ok().and_then(|a| a.identities), Some(7));
     }
+
+    #[test]
+    fn an_unknown_phase_is_refused_naming_the_phases() {
+        let error = Options::try_parse_from(["census-bench", "seed-leak", "--phase", "labels"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            error.contains("labels: not a phase") && error.contains("job-labels-kept+deletes-lost"),
+            "{error}"
+        );
+        let args = Options::try_parse_from([
+            "census-bench",
+            "seed-leak",
+            "--phase",
+            "default-filter+deletes-lost",
+        ]);
+        assert_eq!(args.ok().and_then(|a| a.phase), Some((false, true)));
+    }
 }
