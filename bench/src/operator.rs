@@ -4,7 +4,7 @@
 
 use std::{
     fs::File,
-    net::{SocketAddr, TcpListener},
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::Stdio,
     time::Duration,
@@ -85,9 +85,11 @@ impl Launch {
     }
 }
 
+/// A loopback address for the operator to listen on (a port no outgoing connection
+/// of the tests around it can take first).
 fn free_port() -> anyhow::Result<SocketAddr> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?)
+    let port = census_cluster::listen_port().context("finding a free port")?;
+    Ok(SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
 /// A running operator. Killed when dropped.

@@ -22,7 +22,7 @@
 use std::{
     fs,
     io::{Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    net::TcpStream,
     path::{Path, PathBuf},
     process::{Command, Stdio},
     thread,
@@ -652,7 +652,7 @@ fn logs(podman: &Podman, name: &str) -> String {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(census_cluster::listen_port()?)
 }
 
 /// An HTTP/1.0 GET to `port` on the loopback: (status, body).

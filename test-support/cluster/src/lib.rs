@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 pub use crate::{
     go::{Binaries, Program},
     pki::token_kubeconfig,
-    process::Component,
+    process::{Component, listen_port},
 };
 
 /// Where progress goes (`println!` in xtask, the test's output in tests).
@@ -47,6 +47,10 @@ pub const KWOK_NODE: (&str, &str) = ("kwok.x-k8s.io/node", "fake");
 
 /// How long each component may take to become ready.
 const READY_WITHIN: Duration = Duration::from_secs(90);
+
+/// How many times etcd or kube-apiserver is started on newly picked ports when another
+/// process took a port first.
+const PORT_ATTEMPTS: u32 = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -216,10 +220,45 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// etcd on free ports, once it answers healthy; its client URL.
+    /// etcd on free ports, once it answers healthy; its client URL. Started again on
+    /// new ports if another process took one first.
     fn start_etcd(&mut self, bin: &Binaries, say: Say<'_>) -> Result<String, Error> {
+        self.on_free_ports(|plane| plane.start_etcd_once(bin, say))
+    }
+
+    /// Runs `start` (which starts one component, pushed last, on ports it picks) up to
+    /// [`PORT_ATTEMPTS`] times while the component exits because a port it picked was
+    /// taken before it bound it.
+    fn on_free_ports<T>(
+        &mut self,
+        mut start: impl FnMut(&mut Self) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let mut attempt = 1;
+        loop {
+            match start(self) {
+                Err(e) if process::port_taken(&e) && attempt < PORT_ATTEMPTS => {
+                    if let Some(dead) = self.components.pop() {
+                        dead.stop(Duration::from_secs(5));
+                    }
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn start_etcd_once(&mut self, bin: &Binaries, say: Say<'_>) -> Result<String, Error> {
         let dir = self.dir.clone();
-        let (client, peer) = (process::free_port()?, process::free_port()?);
+        // A start that failed on a taken port may have begun a data directory.
+        let data = dir.join("etcd");
+        if data.exists() {
+            std::fs::remove_dir_all(&data).map_err(|source| Error::Io {
+                what: "remove",
+                path: data.clone(),
+                source,
+            })?;
+        }
+        let (client, peer) = (listen_port()?, listen_port()?);
         let etcd_url = format!("http://127.0.0.1:{client}");
         self.etcd.clone_from(&etcd_url);
         let peer_url = format!("http://127.0.0.1:{peer}");
@@ -229,7 +268,7 @@ impl ControlPlane {
             &bin.path(Program::Etcd),
             &strings(&[
                 "--name=census-test",
-                &format!("--data-dir={}", dir.join("etcd").display()),
+                &format!("--data-dir={}", data.display()),
                 &format!("--listen-client-urls={etcd_url}"),
                 &format!("--advertise-client-urls={etcd_url}"),
                 &format!("--listen-peer-urls={peer_url}"),
@@ -250,8 +289,17 @@ impl ControlPlane {
     }
 
     /// kube-apiserver on etcd, the components' and the admin's kubeconfigs, once it is
-    /// ready.
+    /// ready. Started again on a new port if another process took it first.
     fn start_apiserver(
+        &mut self,
+        bin: &Binaries,
+        etcd_url: &str,
+        say: Say<'_>,
+    ) -> Result<(), Error> {
+        self.on_free_ports(|plane| plane.start_apiserver_once(bin, etcd_url, say))
+    }
+
+    fn start_apiserver_once(
         &mut self,
         bin: &Binaries,
         etcd_url: &str,
@@ -260,7 +308,7 @@ impl ControlPlane {
         let dir = self.dir.clone();
         let pki = dir.join("pki");
         let p = |f: &str| pki.join(f).display().to_string();
-        let port = process::free_port()?;
+        let port = listen_port()?;
         self.server = format!("https://127.0.0.1:{port}");
         go::write(&dir.join("audit-policy.yaml"), AUDIT_POLICY)?;
         let apiserver = Component::start(
@@ -346,8 +394,9 @@ impl ControlPlane {
                     "--authorization-kubeconfig={}",
                     kubeconfig("controller-manager")
                 ),
-                "--bind-address=127.0.0.1",
-                &format!("--secure-port={}", process::free_port()?),
+                // No health port: nothing reads it (readiness is the leader Lease,
+                // `wait_leading`), and a port picked ahead of the bind can be taken.
+                "--secure-port=0",
                 "--use-service-account-credentials=true",
                 &format!("--service-account-private-key-file={}", p("sa-key.pem")),
                 &format!("--root-ca-file={}", p("ca.pem")),
@@ -372,8 +421,8 @@ impl ControlPlane {
                 &format!("--kubeconfig={}", kubeconfig("scheduler")),
                 &format!("--authentication-kubeconfig={}", kubeconfig("scheduler")),
                 &format!("--authorization-kubeconfig={}", kubeconfig("scheduler")),
-                "--bind-address=127.0.0.1",
-                &format!("--secure-port={}", process::free_port()?),
+                // As kube-controller-manager's: no health port.
+                "--secure-port=0",
                 "--profiling=false",
                 "--v=1",
             ]),
@@ -399,7 +448,6 @@ impl ControlPlane {
                 // lifecycle controller marks the nodes NotReady and evicts pods.
                 "--node-lease-duration-seconds=40",
                 &format!("--node-ip={FIRST_NODE_IP}"),
-                &format!("--server-address=127.0.0.1:{}", process::free_port()?),
             ]),
         )
     }
@@ -984,3 +1032,61 @@ rules:
   userGroups: [system:serviceaccounts:kube-system, system:nodes]
 - level: Metadata
 ";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plane() -> ControlPlane {
+        ControlPlane {
+            dir: PathBuf::from("/nonexistent"),
+            server: String::new(),
+            kubectl: PathBuf::new(),
+            kubernetes: String::new(),
+            etcd: String::new(),
+            nodes: Vec::new(),
+            components: Vec::new(),
+        }
+    }
+
+    fn died(tail: &str) -> Error {
+        Error::Died {
+            component: "etcd".to_owned(),
+            log: PathBuf::from("etcd.log"),
+            tail: tail.to_owned(),
+        }
+    }
+
+    /// A component that lost its port is started again, up to PORT_ATTEMPTS times;
+    /// any other failure is returned at once.
+    #[test]
+    fn a_taken_port_is_picked_again_and_nothing_else_is_retried() {
+        let taken = "listen tcp 127.0.0.1:24123: bind: address already in use";
+        let mut starts = 0;
+        let result = plane().on_free_ports(|_| {
+            starts += 1;
+            if starts < PORT_ATTEMPTS {
+                Err(died(taken))
+            } else {
+                Ok(starts)
+            }
+        });
+        assert_eq!(result.ok(), Some(PORT_ATTEMPTS));
+
+        starts = 0;
+        let result: Result<(), Error> = plane().on_free_ports(|_| {
+            starts += 1;
+            Err(died(taken))
+        });
+        assert!(result.is_err_and(|e| process::port_taken(&e)));
+        assert_eq!(starts, PORT_ATTEMPTS);
+
+        starts = 0;
+        let result: Result<(), Error> = plane().on_free_ports(|_| {
+            starts += 1;
+            Err(died("etcdmain: open wal: permission denied"))
+        });
+        assert!(result.is_err_and(|e| !process::port_taken(&e)));
+        assert_eq!(starts, 1);
+    }
+}

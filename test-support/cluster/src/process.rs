@@ -214,10 +214,36 @@ pub(crate) fn tail(path: &Path) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// A free loopback port (bound, read and released: another process may take it
-/// before the component does, which the component's start then reports).
-pub(crate) fn free_port() -> Result<u16, Error> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(|source| Error::Io {
+/// The lowest port [`listen_port`] picks.
+const FIRST_LISTEN_PORT: u16 = 20_000;
+
+/// A loopback port for a component to listen on: free when chosen, and below the
+/// kernel's ephemeral range (`net.ipv4.ip_local_port_range`), where no outgoing
+/// connection of another process can take it between the choice and the component's
+/// bind. A port from the ephemeral range (bind to port 0, read, release) was taken so
+/// by the connections of the tests running beside it: kube-controller-manager exited
+/// with `bind: address already in use`. Another chooser can still pick the same port
+/// at the same moment; [`port_taken`] tells the caller to choose again.
+pub fn listen_port() -> Result<u16, Error> {
+    use std::hash::BuildHasher as _;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let bind = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port));
+    if ephemeral > FIRST_LISTEN_PORT + 1_000 {
+        let span = u64::from(ephemeral - FIRST_LISTEN_PORT);
+        let random = std::collections::hash_map::RandomState::new();
+        for attempt in 0..200_u32 {
+            let pick = random.hash_one((std::process::id(), attempt, Instant::now())) % span;
+            let port = FIRST_LISTEN_PORT + u16::try_from(pick).unwrap_or(0);
+            if bind(port).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    // A kernel whose ephemeral range starts low: a port the kernel picks.
+    let listener = bind(0).map_err(|source| Error::Io {
         what: "bind",
         path: PathBuf::from("127.0.0.1:0"),
         source,
@@ -230,6 +256,12 @@ pub(crate) fn free_port() -> Result<u16, Error> {
             path: PathBuf::from("127.0.0.1:0"),
             source,
         })
+}
+
+/// Whether a component's failure to start was a port another process took first (the
+/// caller picks new ports and starts it again).
+pub(crate) fn port_taken(error: &Error) -> bool {
+    matches!(error, Error::Died { tail, .. } if tail.contains("address already in use"))
 }
 
 /// Polls `ready` every 200 ms until it holds, failing if `component` dies or
@@ -265,6 +297,23 @@ mod tests {
     use std::process::Command;
 
     use super::*;
+
+    /// A chosen port is below the ephemeral range, and bindable.
+    #[test]
+    fn a_listen_port_is_free_and_outside_the_ephemeral_range()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+        let ephemeral: u16 = range.split_whitespace().next().unwrap_or("0").parse()?;
+        for _ in 0..50 {
+            let port = listen_port()?;
+            assert!(
+                (FIRST_LISTEN_PORT..ephemeral).contains(&port),
+                "{port} outside {FIRST_LISTEN_PORT}..{ephemeral}"
+            );
+            drop(std::net::TcpListener::bind(("127.0.0.1", port))?);
+        }
+        Ok(())
+    }
 
     /// Reaping a component leaves the exit of every other child to its own waiter:
     /// a kubectl another thread started and waits for.

@@ -27,7 +27,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    net::{IpAddr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, SocketAddrV4, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{
@@ -1048,7 +1048,7 @@ fn unprivileged(interrupted: &Interrupted) -> anyhow::Result<()> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(census_cluster::listen_port()?)
 }
 
 async fn identities_over_grpc(port: u16, certs: &tls::DemoCerts) -> anyhow::Result<()> {
