@@ -19,10 +19,11 @@
 //!
 //! `bench_cgroup_empty` is the floor of the root cgroup's programs
 //! (`census_sockets`, `census_sockets_ingress`): an empty `cgroup_skb` program.
-//! `bench_cgroup_counter` and `bench_cgroup_service_floor` measure the least a
-//! counted Service packet costs as census counts it: the update of a counter in a
-//! map made as SERVICE_FLOWS is, alone and after one ENDPOINTS-like lookup of the
-//! client.
+//! `bench_cgroup_counter`, `bench_cgroup_counter6` and
+//! `bench_cgroup_service_floor` measure the least a counted Service packet costs:
+//! the update of a counter in a map made as SERVICE_FLOWS4 (or SERVICE_FLOWS6)
+//! is, alone, and after one ENDPOINTS-like lookup of the client (what census did
+//! for every Service packet before it kept each socket's client).
 #![no_std]
 #![no_main]
 #![feature(asm_experimental_arch)]
@@ -39,7 +40,8 @@ use aya_ebpf::{
 };
 use census_common::{
     BPF_F_NO_PREALLOC, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue,
-    FlowValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, ServiceFlowKey,
+    FlowValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, ServiceFlowKey4,
+    ServiceFlowKey6,
 };
 
 #[map(name = "BENCH_TARGET")]
@@ -64,9 +66,14 @@ static ENDPOINTS: HashMap<EndpointKey, EndpointValue> =
 static IPCACHE: LpmTrie<EndpointKey, EndpointValue> =
     LpmTrie::with_max_entries(ENDPOINTS_MAX_ENTRIES, BPF_F_NO_PREALLOC);
 
-/// Shaped as census's SERVICE_FLOWS.
-#[map(name = "BENCH_SERVICE_FLOWS")]
-static SERVICE_FLOWS: LruPerCpuHashMap<ServiceFlowKey, FlowValue> =
+/// Shaped as census's SERVICE_FLOWS4.
+#[map(name = "BENCH_SERVICE_FLOWS4")]
+static SERVICE_FLOWS4: LruPerCpuHashMap<ServiceFlowKey4, FlowValue> =
+    LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
+
+/// Shaped as census's SERVICE_FLOWS6.
+#[map(name = "BENCH_SERVICE_FLOWS6")]
+static SERVICE_FLOWS6: LruPerCpuHashMap<ServiceFlowKey6, FlowValue> =
     LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
 
 /// Where the lookups leave the identity they found, so that they are not
@@ -117,7 +124,7 @@ fn bench_cgroup_empty(_ctx: SkBuffContext) -> i32 {
     1
 }
 
-/// The counters of an IPv4 packet's destination in BENCH_SERVICE_FLOWS updated
+/// The counters of an IPv4 packet's destination in BENCH_SERVICE_FLOWS4 updated
 /// (the entry exists after the first run), as census adds a Service packet's;
 /// nothing else.
 #[cgroup_skb(egress)]
@@ -142,6 +149,23 @@ fn bench_cgroup_service_floor(ctx: SkBuffContext) -> i32 {
     1
 }
 
+/// [`bench_cgroup_counter`] in a map made as SERVICE_FLOWS6 (the destination's
+/// IPv4 word in an IPv6 key): what an IPv6 Service packet's counter costs.
+#[cgroup_skb(egress)]
+fn bench_cgroup_counter6(ctx: SkBuffContext) -> i32 {
+    if let Some((_, dst, len)) = ipv4_addresses(&ctx) {
+        let key = ServiceFlowKey6 {
+            client_identity: 0,
+            port: 0,
+            protocol: 17,
+            direction: 0,
+            service: [0, 0, 0, dst],
+        };
+        add(&SERVICE_FLOWS6, &key, len);
+    }
+    1
+}
+
 /// A cgroup_skb packet's IPv4 source and destination (one load each, as census's
 /// programs load them) and its length.
 #[inline(always)]
@@ -160,14 +184,21 @@ fn ipv4_addresses(ctx: &SkBuffContext) -> Option<(u32, u32, u32)> {
 
 #[inline(always)]
 fn count_service(client: u32, dst: u32, len: u32) {
-    let key = ServiceFlowKey {
+    let key = ServiceFlowKey4 {
         client_identity: client,
         port: 0,
         protocol: 17,
         direction: 0,
-        service: EndpointKey::v4_word(dst),
+        service: dst,
     };
-    if let Some(value) = SERVICE_FLOWS.get_ptr_mut(key) {
+    add(&SERVICE_FLOWS4, &key, len);
+}
+
+/// Adds a packet of `len` bytes to `key`'s counters in `map`, as census adds a
+/// Service packet's (the entry exists after the first run).
+#[inline(always)]
+fn add<K>(map: &LruPerCpuHashMap<K, FlowValue>, key: &K, len: u32) {
+    if let Some(value) = map.get_ptr_mut(key) {
         // SAFETY: this CPU's slot of a live element.
         unsafe {
             (*value).packets += 1;
@@ -178,7 +209,7 @@ fn count_service(client: u32, dst: u32, len: u32) {
             packets: 1,
             bytes: u64::from(len),
         };
-        let _ = SERVICE_FLOWS.insert(key, value, 0);
+        let _ = map.insert(key, value, 0);
     }
 }
 

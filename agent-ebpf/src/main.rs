@@ -44,15 +44,17 @@
 //!   address the node serves itself (a node-local DNS cache). No TC hook sees a
 //!   packet delivered locally.
 //!
-//! The root cgroup's two programs also count SERVICE_FLOWS, beside FLOWS and
-//! changing nothing of it (docs/design.md, "Which Service"): every socket of
-//! the node, a pod's included, passes them, where a request still carries the
+//! The root cgroup's two programs also count SERVICE_FLOWS4 and SERVICE_FLOWS6
+//! (one map per family), beside FLOWS and changing nothing of it (docs/design.md,
+//! "Which Service"): every socket of the node, a pod's included, passes them, where a request still carries the
 //! Service address its client dialled (a pod's packet is translated later, in
 //! the node's namespace; a host-network socket's is translated before the hook,
 //! but its socket still holds the address it connected to) and a reply carries
 //! it back (translated back before delivery). Egress counts a request from a
 //! pod of this node or from the node itself to a Service address, ingress a
-//! reply from a Service address to one of them.
+//! reply from a Service address to one of them. The client of a socket's
+//! Service packets is looked up in ENDPOINTS once per socket (SOCKET_CLIENTS,
+//! valid while the agent has not written ENDPOINTS since).
 //!
 //! The sender of a marked packet is the endpoint behind the interface it came in
 //! by (`skb->ingress_ifindex`'s INTERFACES entry): so a request that kube-proxy
@@ -97,10 +99,10 @@ use load::load_word;
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{__sk_buff, BPF_NOEXIST, TC_ACT_UNSPEC},
-    helpers::bpf_ktime_get_ns,
-    macros::cgroup_skb,
-    macros::{classifier, map},
+    bindings::{__sk_buff, BPF_NOEXIST, BPF_SK_STORAGE_GET_F_CREATE, TC_ACT_UNSPEC},
+    btf_maps::SkStorage,
+    helpers::{bpf_ktime_get_ns, generated::bpf_sk_storage_get},
+    macros::{btf_map, cgroup_skb, classifier, map},
     maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, lpm_trie::Key},
     programs::{SkBuffContext, TcContext},
 };
@@ -110,11 +112,11 @@ use aya_log_ebpf::{
     warn,
 };
 use census_common::{
-    ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES,
-    FlowKey, FlowValue, INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue,
-    MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
-    SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES,
-    STATS_MAX_ENTRIES, ServiceFlowKey,
+    CLIENTS_EPOCH_MAP_FLAGS, ClientCache, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey,
+    EndpointValue, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP_FLAGS,
+    INTERFACES_MAX_ENTRIES, InterfaceValue, MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS,
+    NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN,
+    SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAX_ENTRIES, ServiceFlowKey4, ServiceFlowKey6,
     filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES, Verdict},
     flags, identity, interface_slot, service_direction, stats,
 };
@@ -150,10 +152,26 @@ static SERVICES: LpmTrie<EndpointKey, u32> =
 #[map(name = "ADDRESS_FILTER")]
 static ADDRESS_FILTER: Array<AddressFilter> = Array::with_max_entries(FILTER_MAP_MAX_ENTRIES, 0);
 
-/// Per client, Service address, port, protocol and direction, in FLOWS' units.
-#[map(name = "SERVICE_FLOWS")]
-static SERVICE_FLOWS: LruPerCpuHashMap<ServiceFlowKey, FlowValue> =
+/// Per client, IPv4 Service address, port, protocol and direction, in FLOWS'
+/// units.
+#[map(name = "SERVICE_FLOWS4")]
+static SERVICE_FLOWS4: LruPerCpuHashMap<ServiceFlowKey4, FlowValue> =
     LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
+
+/// SERVICE_FLOWS4 of IPv6 Service addresses.
+#[map(name = "SERVICE_FLOWS6")]
+static SERVICE_FLOWS6: LruPerCpuHashMap<ServiceFlowKey6, FlowValue> =
+    LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
+
+/// Per socket, the client its Service packets count for (`client_of`). Not
+/// pinned: made with the programs.
+#[btf_map]
+static SOCKET_CLIENTS: SkStorage<ClientCache> = SkStorage::new();
+
+/// The epoch of SOCKET_CLIENTS' entries, bumped by the agent after each write to
+/// ENDPOINTS.
+#[map(name = "CLIENTS_EPOCH")]
+static CLIENTS_EPOCH: Array<u64> = Array::with_max_entries(1, CLIENTS_EPOCH_MAP_FLAGS);
 
 /// census's bit of `skb->mark` (`census_common::MARK_BIT_GLOBAL`): the agent sets
 /// it at load, as read-only data, so the verifier sees a constant.
@@ -389,16 +407,15 @@ fn count_from_node_in(ctx: &SkBuffContext, family: Family, src: &EndpointKey, ds
     // without a lookup of its source.
     let filter = address_filter();
     let pair = filter.is_none_or(|filter| filter.may_be_source(src));
-    let service = service_requested(ctx, family, filter, dst);
-    if service.is_none() && !pair {
-        return;
-    }
-    let from = endpoint(src);
-    if let Some(service) = service {
-        count_service_request(ctx, family, from, service);
-    }
+    let service = service_requested(ctx, family, filter, (pair, dst));
     if pair {
+        let from = endpoint(src);
+        if let Some(service) = service {
+            count_service_request(ctx, family, service_client(from), service);
+        }
         count_pair_from_node(ctx, family, (src, from), dst);
+    } else if let Some(service) = service {
+        count_service_request(ctx, family, client_of(ctx, src), service);
     }
 }
 
@@ -473,7 +490,7 @@ fn count_delivered(ctx: &SkBuffContext) {
     add_packet(ctx, family, &key);
 }
 
-/// The client a socket's packet is counted for in SERVICE_FLOWS, from its
+/// The client a socket's packet is counted for in SERVICE_FLOWS4/6, from its
 /// address's ENDPOINTS entry: a pod of this node, or the node itself (`host`).
 /// Anything else (another node's pod or address, an unknown address) is not
 /// this node's to count: a lab of several nodes on one kernel shares the root
@@ -490,21 +507,83 @@ fn service_client(ep: Option<EndpointValue>) -> Option<u32> {
     }
 }
 
+/// [`service_client`] of `address`, the address of the packet's socket (a
+/// request's source, a reply's destination), from the socket's SOCKET_CLIENTS
+/// entry while the entry's epoch is CLIENTS_EPOCH's: one ENDPOINTS lookup per
+/// socket and epoch, not one per packet. A packet without a full socket looks it
+/// up. The epoch and client are one word, written and read whole; CPUs writing
+/// one socket's entry at once can leave one's address beside the other's stamp,
+/// but both are the socket's own addresses, which are one endpoint's (a pod's,
+/// or the node's: `host`), so the client is the same.
+#[inline(always)]
+fn client_of(ctx: &SkBuffContext, address: &EndpointKey) -> Option<u32> {
+    // The epoch before ENDPOINTS: the agent bumps it after each write, so an
+    // entry stamped with it holds what ENDPOINTS held then, or newer.
+    // SAFETY: index 0 of a one-entry array; a volatile read keeps it before the
+    // lookup.
+    let epoch = CLIENTS_EPOCH
+        .get_ptr(0)
+        .map_or(0, |epoch| unsafe { core::ptr::read_volatile(epoch) });
+    // SAFETY: `sk` is a readable field of a cgroup_skb program's context, a
+    // socket or null.
+    let sk = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).__bindgen_anon_2.sk) };
+    let cache = if sk.is_null() {
+        core::ptr::null_mut()
+    } else {
+        // SAFETY: a socket of the context; the helper returns null for one that
+        // is not full (a request or time-wait socket), and the entry lives as
+        // long as the socket, past this run.
+        unsafe {
+            bpf_sk_storage_get(
+                (&raw const SOCKET_CLIENTS).cast_mut().cast(),
+                sk.cast(),
+                core::ptr::null_mut(),
+                u64::from(BPF_SK_STORAGE_GET_F_CREATE),
+            )
+        }
+        .cast::<ClientCache>()
+    };
+    if cache.is_null() {
+        return service_client(endpoint(address));
+    }
+    // SAFETY: the socket's entry, live for the run; see above for CPUs writing it
+    // at once.
+    unsafe {
+        let stamp = core::ptr::read_volatile(&raw const (*cache).stamp);
+        if ClientCache::is_of(stamp, epoch) && (*cache).address == *address {
+            let client = ClientCache::client(stamp);
+            return (client != identity::INVALID).then_some(client);
+        }
+        let client = service_client(endpoint(address));
+        (*cache).address = *address;
+        core::ptr::write_volatile(
+            &raw mut (*cache).stamp,
+            ClientCache::stamp(epoch, client.unwrap_or(identity::INVALID)),
+        );
+        client
+    }
+}
+
 /// The Service address, port and protocol a socket's packet is a request to:
 /// its destination, if a Service address, else its socket's (see
-/// [`count_service_request`]).
+/// [`count_service_request`]) when its source may be one of the node's own
+/// addresses (`host_source`, from the filter): only a host-network socket's packet
+/// is translated before this hook, and a pod's carries the pod's address.
 #[inline(always)]
 fn service_requested(
     ctx: &SkBuffContext,
     family: Family,
     filter: Option<&AddressFilter>,
-    dst: &EndpointKey,
+    (host_source, dst): (bool, &EndpointKey),
 ) -> Option<(EndpointKey, u16, u8)> {
     // The headers' ports only once the packet is a Service's: nearly no packet a
     // socket sends is.
     if is_service_counted(filter, dst) {
         let (protocol, _, dst_port) = transport(ctx, family);
         return Some((*dst, dst_port, protocol));
+    }
+    if !host_source {
+        return None;
     }
     match socket_destination(ctx, family) {
         Some((address, port)) if address != *dst && is_service_counted(filter, &address) => {
@@ -514,8 +593,8 @@ fn service_requested(
     }
 }
 
-/// SERVICE_FLOWS, egress of the root cgroup: a request of a pod of this node
-/// or of the node itself (`from`, its source's ENDPOINTS entry) to a Service
+/// SERVICE_FLOWS4/6, egress of the root cgroup: a request of a pod of this
+/// node or of the node itself (`client`, from [`service_client`]) to a Service
 /// address (`service`, from [`service_requested`]). A pod's packet is not
 /// translated yet here (its DNAT happens in the node's namespace, after it
 /// leaves the pod): its destination is the Service address and port. A
@@ -527,24 +606,23 @@ fn service_requested(
 fn count_service_request(
     ctx: &SkBuffContext,
     family: Family,
-    from: Option<EndpointValue>,
+    client: Option<u32>,
     (service, port, protocol): (EndpointKey, u16, u8),
 ) {
-    let Some(client) = service_client(from) else {
+    let Some(client) = client else {
         return;
     };
-    let key = ServiceFlowKey {
-        client_identity: client,
+    let service = ServiceCounter {
+        client,
+        service: &service,
         port,
         protocol,
         direction: service_direction::REQUEST,
-        service,
     };
-    let (packets, bytes) = packets_and_bytes(ctx, family);
-    add_service(ctx, &key, packets, bytes);
+    add_service(ctx, family, &service);
 }
 
-/// SERVICE_FLOWS, ingress of the root cgroup: a reply from a Service address
+/// SERVICE_FLOWS4/6, ingress of the root cgroup: a reply from a Service address
 /// (translated back before delivery) to a pod of this node or to the node
 /// itself.
 #[inline(always)]
@@ -556,19 +634,18 @@ fn count_service_reply(ctx: &SkBuffContext) {
     if !is_service_counted(address_filter(), &src) {
         return;
     }
-    let Some(client) = service_client(endpoint(&dst)) else {
+    let Some(client) = client_of(ctx, &dst) else {
         return;
     };
     let (protocol, src_port, _) = transport(ctx, family);
-    let key = ServiceFlowKey {
-        client_identity: client,
+    let service = ServiceCounter {
+        client,
+        service: &src,
         port: src_port,
         protocol,
         direction: service_direction::REPLY,
-        service: src,
     };
-    let (packets, bytes) = packets_and_bytes(ctx, family);
-    add_service(ctx, &key, packets, bytes);
+    add_service(ctx, family, &service);
 }
 
 /// The address and port the packet's socket is connected to, in the packet's
@@ -740,7 +817,7 @@ fn is_service_by(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool 
             .is_some()
 }
 
-/// [`is_service_by`] for SERVICE_FLOWS: an address in a range the filter holds
+/// [`is_service_by`] for SERVICE_FLOWS4/6: an address in a range the filter holds
 /// exactly (a ClusterIP) is a Service's without the SERVICES lookup. Not for
 /// FLOWS' choices: what a packet is counted as there never rests on a filter
 /// read while it is written, and nothing is counted twice or lost.
@@ -1043,59 +1120,90 @@ fn identity_of(ep: Option<EndpointValue>) -> u32 {
 
 #[inline(always)]
 fn add<C: EbpfContext>(ctx: &C, key: &FlowKey, packets: u64, bytes: u64) {
-    if bump(key, packets, bytes) {
-        return;
-    }
-    let value = FlowValue { packets, bytes };
-    match FLOWS.insert(key, value, u64::from(BPF_NOEXIST)) {
-        Ok(()) => count_event(stats::FLOW_INSERTS),
-        // Another CPU created the pair since the lookup: add to this CPU's slot.
-        Err(EEXIST) => {
-            bump(key, packets, bytes);
-        }
+    match add_to(&FLOWS, key, packets, bytes) {
+        Ok(false) => {}
+        Ok(true) => count_event(stats::FLOW_INSERTS),
         Err(error) => insert_failed(ctx, key, error),
     }
 }
 
-/// Adds to SERVICE_FLOWS' counters of `key`, inserting it if new.
+/// A Service packet's counter, of either family: what a key of SERVICE_FLOWS4
+/// or SERVICE_FLOWS6 is made of.
+struct ServiceCounter<'a> {
+    client: u32,
+    service: &'a EndpointKey,
+    port: u16,
+    protocol: u8,
+    direction: u8,
+}
+
+/// Adds a Service packet to its counters in SERVICE_FLOWS4 or SERVICE_FLOWS6,
+/// inserting them if new.
 #[inline(always)]
-fn add_service<C: EbpfContext>(ctx: &C, key: &ServiceFlowKey, packets: u64, bytes: u64) {
-    if bump_service(key, packets, bytes) {
-        return;
-    }
-    let value = FlowValue { packets, bytes };
-    match SERVICE_FLOWS.insert(key, value, u64::from(BPF_NOEXIST)) {
-        Ok(()) => count_event(stats::SERVICE_FLOW_INSERTS),
-        Err(EEXIST) => {
-            bump_service(key, packets, bytes);
+fn add_service(ctx: &SkBuffContext, family: Family, counter: &ServiceCounter<'_>) {
+    let (packets, bytes) = packets_and_bytes(ctx, family);
+    let added = match family {
+        Family::V4 => {
+            let key = ServiceFlowKey4 {
+                client_identity: counter.client,
+                port: counter.port,
+                protocol: counter.protocol,
+                direction: counter.direction,
+                service: counter.service.addr[0],
+            };
+            add_to(&SERVICE_FLOWS4, &key, packets, bytes)
         }
-        Err(error) => service_insert_failed(ctx, key, error),
+        Family::V6 => {
+            let key = ServiceFlowKey6 {
+                client_identity: counter.client,
+                port: counter.port,
+                protocol: counter.protocol,
+                direction: counter.direction,
+                service: counter.service.addr,
+            };
+            add_to(&SERVICE_FLOWS6, &key, packets, bytes)
+        }
+    };
+    match added {
+        Ok(false) => {}
+        Ok(true) => count_event(stats::SERVICE_FLOW_INSERTS),
+        Err(error) => service_insert_failed(ctx, counter.client, error),
     }
 }
 
-/// Adds to this CPU's counters of `key` in SERVICE_FLOWS, if it exists.
+/// Adds to this CPU's counters of `key` in `map`, inserting them if new:
+/// `Ok(true)` if this inserted them, the kernel's error if it refused to.
 #[inline(always)]
-fn bump_service(key: &ServiceFlowKey, packets: u64, bytes: u64) -> bool {
-    let Some(value) = SERVICE_FLOWS.get_ptr_mut(key) else {
-        return false;
-    };
-    // SAFETY: as in `bump`: this CPU's slot of a live element.
-    unsafe {
-        (*value).packets += packets;
-        (*value).bytes += bytes;
+fn add_to<K>(
+    map: &LruPerCpuHashMap<K, FlowValue>,
+    key: &K,
+    packets: u64,
+    bytes: u64,
+) -> Result<bool, i32> {
+    if bump(map, key, packets, bytes) {
+        return Ok(false);
     }
-    true
+    let value = FlowValue { packets, bytes };
+    match map.insert(key, value, u64::from(BPF_NOEXIST)) {
+        Ok(()) => Ok(true),
+        // Another CPU created the entry since the lookup: add to this CPU's slot.
+        Err(EEXIST) => {
+            bump(map, key, packets, bytes);
+            Ok(false)
+        }
+        Err(error) => Err(error),
+    }
 }
 
 #[inline(never)]
-fn service_insert_failed<C: EbpfContext>(ctx: &C, key: &ServiceFlowKey, error: i32) {
+fn service_insert_failed<C: EbpfContext>(ctx: &C, client: u32, error: i32) {
     count_event(stats::SERVICE_FLOW_INSERT_FAILURES);
     if may_log(Level::Warn) {
         warn!(
             ctx,
-            "SERVICE_FLOWS refused a new entry for client {} (error {}): the packet is not \
+            "SERVICE_FLOWS4/6 refused a new entry for client {} (error {}): the packet is not \
              counted there",
-            key.client_identity,
+            client,
             error
         );
     }
@@ -1193,10 +1301,10 @@ fn interface_miss(ctx: &TcContext, ifindex: u32, identity: u32) {
     }
 }
 
-/// Adds to this CPU's counters of `key`, if the pair exists.
+/// Adds to this CPU's counters of `key` in `map`, if the entry exists.
 #[inline(always)]
-fn bump(key: &FlowKey, packets: u64, bytes: u64) -> bool {
-    let Some(value) = FLOWS.get_ptr_mut(key) else {
+fn bump<K>(map: &LruPerCpuHashMap<K, FlowValue>, key: &K, packets: u64, bytes: u64) -> bool {
+    let Some(value) = map.get_ptr_mut(key) else {
         return false;
     };
     // SAFETY: the pointer is this CPU's slot of a live element; programs on one

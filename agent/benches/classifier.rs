@@ -50,12 +50,12 @@
 //! uses (`lpm`, `x lpm`; measured with the log off).
 //!
 //! The root cgroup's programs (`census_sockets`, `census_sockets_ingress`: the
-//! node's own sockets and every pod's, and SERVICE_FLOWS) have rows of their own
+//! node's own sockets and every pod's, and SERVICE_FLOWS4/6) have rows of their own
 //! after the tables: an unmarked packet a socket receives (nearly every packet a
 //! node's sockets receive) and one it sends, a Service request and a Service
 //! reply, each as a ratio to an empty `cgroup_skb` program measured in the same
 //! run (no cycler: a cgroup program cannot tail-call a TC one, so each row runs on
-//! one packet, its map entries in the CPU's caches). Each checks SERVICE_FLOWS:
+//! one packet, its map entries in the CPU's caches). Each checks SERVICE_FLOWS4/6:
 //! the Service rows count every run, the others none.
 //!
 //! Needs root: run it with `cargo xtask bench-classifier`. Without root (as in
@@ -85,7 +85,8 @@ use aya::{
 use census_common::{
     ENDPOINTS_MAP, EndpointKey, EndpointValue, FlowValue, INTERFACES_MAP, InterfaceValue,
     MARK_BIT_DEFAULT, PROGRAM_EGRESS, PROGRAM_INGRESS, PROGRAM_SOCKETS, PROGRAM_SOCKETS_INGRESS,
-    PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP, ServiceFlowKey, ServiceKey,
+    PROGRAM_UPLINK, SERVICE_FLOWS4_MAP, SERVICE_FLOWS6_MAP, SERVICES_MAP, STATS_MAP,
+    ServiceFlowKey4, ServiceFlowKey6, ServiceKey,
     filter::{ADDRESS_FILTER_MAP, AddressFilter},
     flags, interface_slot, service, stats,
 };
@@ -417,17 +418,22 @@ impl Census {
             .try_into()?)
     }
 
-    /// SERVICE_FLOWS' packets, every entry summed over CPUs.
+    /// The packets of SERVICE_FLOWS4 and SERVICE_FLOWS6, every entry summed over
+    /// CPUs.
     fn service_packets(&self) -> Fallible<u64> {
-        let map = self.ebpf.map(SERVICE_FLOWS_MAP).ok_or("no SERVICE_FLOWS")?;
-        let flows: aya::maps::PerCpuHashMap<&MapData, ServiceFlowKey, FlowValue> =
-            aya::maps::PerCpuHashMap::try_from(map)?;
-        let mut sum = 0;
-        for entry in flows.iter() {
-            let (_, values) = entry?;
-            sum += values.iter().map(|v| v.packets).sum::<u64>();
+        fn sum<K: aya::Pod>(map: &aya::maps::Map) -> Fallible<u64> {
+            let flows: aya::maps::PerCpuHashMap<&MapData, K, FlowValue> =
+                aya::maps::PerCpuHashMap::try_from(map)?;
+            let mut sum = 0;
+            for entry in flows.iter() {
+                let (_, values) = entry?;
+                sum += values.iter().map(|v| v.packets).sum::<u64>();
+            }
+            Ok(sum)
         }
-        Ok(sum)
+        let map = |name| self.ebpf.map(name).ok_or(format!("no {name}"));
+        Ok(sum::<ServiceFlowKey4>(map(SERVICE_FLOWS4_MAP)?)?
+            + sum::<ServiceFlowKey6>(map(SERVICE_FLOWS6_MAP)?)?)
     }
 
     fn endpoints(&mut self) -> Fallible<HashMap<&mut MapData, EndpointKey, EndpointValue>> {
@@ -542,6 +548,7 @@ impl Bench {
         for name in [
             "bench_cgroup_empty",
             "bench_cgroup_counter",
+            "bench_cgroup_counter6",
             "bench_cgroup_service_floor",
         ] {
             let program: &mut CgroupSkb = ebpf
@@ -1162,7 +1169,7 @@ fn socket_median(program: &CgroupSkb, frame: &[u8], options: &Options) -> Fallib
 }
 
 /// A root cgroup row: the program, the packet's source and destination, whether
-/// SERVICE_FLOWS counts it, its target ratio, what it is.
+/// SERVICE_FLOWS4/6 count it, its target ratio, what it is.
 type SocketCase = (&'static str, IpAddr, IpAddr, bool, f64, &'static str);
 
 fn socket_cases(family: Family) -> [SocketCase; 4] {
@@ -1192,7 +1199,7 @@ fn socket_cases(family: Family) -> [SocketCase; 4] {
             service,
             true,
             SERVICE_TARGET_RATIO,
-            "egress, a Service request (SERVICE_FLOWS)",
+            "egress, a Service request (SERVICE_FLOWS4/6)",
         ),
         (
             PROGRAM_SOCKETS_INGRESS,
@@ -1200,7 +1207,7 @@ fn socket_cases(family: Family) -> [SocketCase; 4] {
             local,
             true,
             SERVICE_TARGET_RATIO,
-            "ingress, a Service reply (SERVICE_FLOWS)",
+            "ingress, a Service reply (SERVICE_FLOWS4/6)",
         ),
     ]
 }
@@ -1233,7 +1240,7 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
             let want = if counts { runs } else { 0 };
             if counted != want {
                 return Err(format!(
-                    "{v} {what}: {runs} runs counted {counted} packets in SERVICE_FLOWS, not {want}"
+                    "{v} {what}: {runs} runs counted {counted} packets in SERVICE_FLOWS4/6, not {want}"
                 )
                 .into());
             }
@@ -1262,10 +1269,12 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
     Ok(())
 }
 
-/// The least a counted Service packet costs as census counts it, measured on an
-/// IPv4 Service request: the SERVICE_FLOWS-like update alone, and after one
-/// ENDPOINTS-like lookup of the client (BENCH_ENDPOINTS at [`CLUSTER_ENTRIES`],
-/// holding it), each beside the empty program.
+/// What a counted Service packet's parts cost, measured on an IPv4 Service
+/// request: the update of a counter in a map made as SERVICE_FLOWS4 (a 12-byte
+/// key) and as SERVICE_FLOWS6 (24 bytes), alone, and after one ENDPOINTS-like
+/// lookup of the client (BENCH_ENDPOINTS at [`CLUSTER_ENTRIES`], holding it: what
+/// a socket's first Service packet costs before its client is kept), each beside
+/// the empty program.
 #[expect(clippy::print_stdout, reason = "a benchmark's report")]
 fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
     fill(&mut bench.endpoints()?, CLUSTER_ENTRIES, 0)?;
@@ -1276,11 +1285,15 @@ fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
     for (program, what) in [
         (
             "bench_cgroup_counter",
-            "the counter update alone (a map made as SERVICE_FLOWS)",
+            "the counter update alone (SERVICE_FLOWS4, 12-byte key)",
+        ),
+        (
+            "bench_cgroup_counter6",
+            "the counter update alone (SERVICE_FLOWS6, 24-byte key)",
         ),
         (
             "bench_cgroup_service_floor",
-            "one ENDPOINTS lookup of the client + the counter update",
+            "one ENDPOINTS lookup of the client + the SERVICE_FLOWS4 update",
         ),
     ] {
         let measured = socket_median(bench.cgroup(program)?, &frame, options)?;

@@ -157,9 +157,10 @@ pub struct DatapathArgs {
     /// its size (and its counters) until `census-agent uninstall`.
     #[arg(long, env = "CENSUS_FLOWS_MAX_ENTRIES", default_value_t = FLOWS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub flows_max_entries: u32,
-    /// SERVICE_FLOWS' entries ((client, Service address, port, protocol,
-    /// direction), least recently used evicted first) when the map is created; a
-    /// pinned SERVICE_FLOWS keeps its size (and its counters).
+    /// Entries of each family's Service counters, SERVICE_FLOWS4 and SERVICE_FLOWS6
+    /// ((client, Service address, port, protocol, direction), least recently used
+    /// evicted first) when the maps are created; pinned maps keep their size (and
+    /// their counters).
     #[arg(long, env = "CENSUS_SERVICE_FLOWS_MAX_ENTRIES", default_value_t = SERVICE_FLOWS_MAX_ENTRIES, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub service_flows_max_entries: u32,
     /// ENDPOINTS' entries (every endpoint of the cluster, local and remote, and

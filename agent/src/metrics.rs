@@ -12,7 +12,7 @@
 //! moves between the top and `other` makes `other` go down; Prometheus reads that as a
 //! counter reset, which is what it is for that bucket.
 //!
-//! Traffic per Service (SERVICE_FLOWS, both directions summed) is exported the
+//! Traffic per Service (SERVICE_FLOWS4/6, both directions summed) is exported the
 //! same way, as `census_agent_service_packets` and `_bytes` labelled `client`
 //! (an identity) and `service` (`namespace/name:port`), for the [`TOP_FLOWS`]
 //! busiest, the rest summed into `other`. Only a Service the operator names now
@@ -275,7 +275,7 @@ impl AgentCollector {
 /// `(client, service)` label values -> (packets, bytes).
 type ServiceSeries = Vec<((String, String), (u64, u64))>;
 
-/// SERVICE_FLOWS as series: per (client, `namespace/name:port`), both
+/// SERVICE_FLOWS4/6 as series: per (client, `namespace/name:port`), both
 /// directions summed, for a Service `names` names and a client in `live`; the
 /// busiest `top` by bytes, then the rest (the others, and everything unnamed or
 /// no longer in use) summed (`None` when there is none).
@@ -319,7 +319,7 @@ fn service_series(
     (series, rest)
 }
 
-/// Encodes SERVICE_FLOWS' series (see [`service_series`]).
+/// Encodes the series of SERVICE_FLOWS4/6 (see [`service_series`]).
 fn encode_service_flows(
     e: &mut DescriptorEncoder<'_>,
     flows: Vec<ServiceFlow>,
@@ -647,13 +647,13 @@ fn encode_stats(
         ),
         (
             "census_agent_service_flow_inserts",
-            "Entries the datapath inserted into SERVICE_FLOWS (client, Service address, port, \
+            "Entries the datapath inserted into SERVICE_FLOWS4/6 (client, Service address, port, \
              protocol, direction)",
             service_flow_inserts,
         ),
         (
             "census_agent_service_flow_insert_failures",
-            "SERVICE_FLOWS inserts the kernel refused: those packets went uncounted there (FLOWS \
+            "SERVICE_FLOWS4/6 inserts the kernel refused: those packets went uncounted there (FLOWS \
              counted them)",
             service_flow_insert_failures,
         ),

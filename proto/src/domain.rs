@@ -393,7 +393,7 @@ impl ServicePort {
 }
 
 /// The Service a ClusterIP belongs to: its `namespace/name` and its ports, for
-/// naming what SERVICE_FLOWS counts (the kernel needs the addresses only).
+/// naming what SERVICE_FLOWS4/6 counts (the kernel needs the addresses only).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClusterIpService {
     /// `namespace/name`, checked as an endpoint key is.

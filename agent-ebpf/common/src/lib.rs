@@ -32,19 +32,24 @@ pub mod filter;
 /// 5: [`SERVICES_MAP`] (the cluster's Service addresses: a packet leaving an
 /// endpoint for one is marked, and counted once translated). Layout 4's maps are
 /// taken over as they are, SERVICES created beside them.
-/// 6: [`SERVICE_FLOWS_MAP`] (per client identity, Service address, port,
+/// 6: [`SERVICE_FLOWS_LAYOUT7_MAP`] (per client identity, Service address, port,
 /// protocol and direction, counted at the root cgroup's hooks). Layout 5's maps
 /// are taken over as they are, SERVICE_FLOWS created beside them.
 /// 7: [`filter::ADDRESS_FILTER_MAP`] (what SERVICES and the HOST entries surely
 /// do not hold, for the root cgroup's programs). Layout 6's maps are taken over
 /// as they are, ADDRESS_FILTER created beside them.
-pub const LAYOUT_VERSION: u32 = 7;
+/// 8: one Service counter map per family, [`SERVICE_FLOWS4_MAP`] (a 12-byte key)
+/// and [`SERVICE_FLOWS6_MAP`] (24 bytes), in place of layouts 6 and 7's one
+/// SERVICE_FLOWS ([`ServiceFlowKeyLayout7`], 28 bytes), whose every entry is
+/// copied into them; [`CLIENTS_EPOCH_MAP`]. Layout 7's other maps are taken over
+/// as they are.
+pub const LAYOUT_VERSION: u32 = 8;
 
 /// Older layouts whose pinned maps an agent of [`LAYOUT_VERSION`] takes over,
 /// keeping every entry and counter: the maps whose shape did not change are
 /// reused in place, ENDPOINTS is copied into a map of this layout, and the maps
 /// they lack are created beside them.
-pub const MIGRATES_FROM: [u32; 5] = [2, 3, 4, 5, 6];
+pub const MIGRATES_FROM: [u32; 6] = [2, 3, 4, 5, 6, 7];
 
 /// The layouts of [`MIGRATES_FROM`] whose ENDPOINTS has another shape (before 4):
 /// taking them over copies ENDPOINTS into a new map.
@@ -75,12 +80,32 @@ pub const STATS_MAP: &str = "STATS";
 /// an endpoint for one of them is not counted there but marked
 /// ([`MARK_BIT_GLOBAL`]), and counted where it is seen translated.
 pub const SERVICES_MAP: &str = "SERVICES";
-/// `(client identity, Service address, port, protocol, direction) -> packets,
-/// bytes`, per CPU, least recently used entries evicted first:
-/// [`ServiceFlowKey`] -> [`FlowValue`]. Written by the root cgroup's programs,
+/// `(client identity, IPv4 Service address, port, protocol, direction) ->
+/// packets, bytes`, per CPU, least recently used entries evicted first:
+/// [`ServiceFlowKey4`] -> [`FlowValue`]. Written by the root cgroup's programs,
 /// where a pod's request still carries the Service address it dialled and its
-/// reply carries it back; FLOWS is counted as it would be without it.
-pub const SERVICE_FLOWS_MAP: &str = "SERVICE_FLOWS";
+/// reply carries it back; FLOWS is counted as it would be without it. One map
+/// per family: a 12-byte key costs a counter update a third less than the
+/// 28 bytes one key of both families takes.
+pub const SERVICE_FLOWS4_MAP: &str = "SERVICE_FLOWS4";
+/// [`SERVICE_FLOWS4_MAP`] of IPv6 Service addresses: [`ServiceFlowKey6`] ->
+/// [`FlowValue`].
+pub const SERVICE_FLOWS6_MAP: &str = "SERVICE_FLOWS6";
+/// Layouts 6 and 7's Service counters, both families in one map:
+/// [`ServiceFlowKeyLayout7`] -> [`FlowValue`]. Taken over by copying every entry
+/// into [`SERVICE_FLOWS4_MAP`] and [`SERVICE_FLOWS6_MAP`].
+pub const SERVICE_FLOWS_LAYOUT7_MAP: &str = "SERVICE_FLOWS";
+/// Per socket, the client its Service packets are counted for (a socket
+/// storage map of [`ClientCache`], not pinned): the root cgroup's programs look
+/// a Service packet's client up in ENDPOINTS once per socket, not once per
+/// packet. Made with the programs, so it never outlives what wrote it.
+pub const SOCKET_CLIENTS_MAP: &str = "SOCKET_CLIENTS";
+/// A one-entry array of `u64`, mmapable: the epoch of [`SOCKET_CLIENTS_MAP`]'s
+/// entries. The agent adds one after each write to ENDPOINTS, and a socket's
+/// cached client is used only while its epoch is the current one. Pinned, so an
+/// agent's writes also reach the programs an older agent left attached until it
+/// replaces them.
+pub const CLIENTS_EPOCH_MAP: &str = "CLIENTS_EPOCH";
 /// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
 /// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
 /// so any agent, older or newer, can read it before touching the other maps.
@@ -125,8 +150,8 @@ pub const NODE_ADDRESSES_MAX: usize = 16;
 /// Maximum number of identity pairs counted at once; the least recently used
 /// pair is evicted when the map is full.
 pub const FLOWS_MAX_ENTRIES: u32 = 65_536;
-/// Entries of [`SERVICE_FLOWS_MAP`] unless the agent is told otherwise
-/// (`census-agent --service-flows-max-entries`).
+/// Entries of [`SERVICE_FLOWS4_MAP`], and of [`SERVICE_FLOWS6_MAP`], unless the
+/// agent is told otherwise (`census-agent --service-flows-max-entries`).
 pub const SERVICE_FLOWS_MAX_ENTRIES: u32 = 16_384;
 /// Slots of [`INTERFACES_MAP`] (a power of two). Two interfaces census counts on
 /// share a slot only when their ifindexes differ by a multiple of this; the one
@@ -134,6 +159,9 @@ pub const SERVICE_FLOWS_MAX_ENTRIES: u32 = 16_384;
 pub const INTERFACES_MAX_ENTRIES: u32 = 65_536;
 /// [`INTERFACES_MAP`]'s map flags: `BPF_F_MMAPABLE`.
 pub const INTERFACES_MAP_FLAGS: u32 = 1 << 10;
+/// [`CLIENTS_EPOCH_MAP`]'s map flags: `BPF_F_MMAPABLE`, so the agent bumps it with
+/// a store, not a syscall, after each write to ENDPOINTS.
+pub const CLIENTS_EPOCH_MAP_FLAGS: u32 = 1 << 10;
 /// Slots of [`STATS_MAP`].
 pub const STATS_MAX_ENTRIES: u32 = 16;
 /// The meta map holds one entry, at index [`META_LAYOUT_INDEX`].
@@ -539,7 +567,7 @@ pub struct FlowKey {
     pub dst_identity: u32,
 }
 
-/// Which way a [`ServiceFlowKey`]'s packets went.
+/// Which way a Service counter's packets went.
 pub mod service_direction {
     /// From the client to the Service address (the root cgroup's egress).
     pub const REQUEST: u8 = 1;
@@ -547,16 +575,43 @@ pub mod service_direction {
     pub const REPLY: u8 = 2;
 }
 
-/// The key of [`SERVICE_FLOWS_MAP`]: a client, the Service address and port it
+/// The key of [`SERVICE_FLOWS4_MAP`]: a client, the Service address and port it
 /// dialled (as the socket layer sees them, before DNAT and after its reversal),
 /// the IP protocol, and which way ([`service_direction`]).
 ///
-/// `port` is in host order; 0 when the packet carries none (neither TCP nor
-/// UDP, a fragment without its transport header). `client_identity` is
-/// [`identity::HOST`] for the node's own (host-network) sockets.
+/// `service` is the address as it sits in the packet (network order), read as a
+/// native word, as [`EndpointKey::v4_word`] takes it. `port` is in host order; 0
+/// when the packet carries none (neither TCP nor UDP, a fragment without its
+/// transport header). `client_identity` is [`identity::HOST`] for the node's own
+/// (host-network) sockets.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ServiceFlowKey {
+pub struct ServiceFlowKey4 {
+    pub client_identity: u32,
+    pub port: u16,
+    pub protocol: u8,
+    pub direction: u8,
+    pub service: u32,
+}
+
+/// The key of [`SERVICE_FLOWS6_MAP`]: [`ServiceFlowKey4`] of an IPv6 Service
+/// address (its four words as they sit in the packet, as
+/// [`EndpointKey::v6_words`] takes them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceFlowKey6 {
+    pub client_identity: u32,
+    pub port: u16,
+    pub protocol: u8,
+    pub direction: u8,
+    pub service: [u32; 4],
+}
+
+/// The key of layouts 6 and 7's [`SERVICE_FLOWS_LAYOUT7_MAP`]: as
+/// [`ServiceFlowKey4`] and [`ServiceFlowKey6`], the address an [`EndpointKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceFlowKeyLayout7 {
     pub client_identity: u32,
     pub port: u16,
     pub protocol: u8,
@@ -564,8 +619,52 @@ pub struct ServiceFlowKey {
     pub service: EndpointKey,
 }
 
+/// A socket's entry in [`SOCKET_CLIENTS_MAP`]: the client of `address` (the
+/// socket's own address in a Service packet: a request's source, a reply's
+/// destination), as found in ENDPOINTS while [`CLIENTS_EPOCH_MAP`] read an epoch.
+/// `stamp` holds both, so that one 8-byte store writes them together and one load
+/// reads them together (CPUs writing one socket's entry at once never leave one's
+/// epoch beside the other's client): the epoch's low 32 bits, then the client
+/// ([`ClientCache::stamp`]). The client is [`identity::INVALID`] for an address
+/// whose Service packets this node does not count (another node's pod, an unknown
+/// address). A new entry is zeroed: no address has family 0, so it matches
+/// nothing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientCache {
+    pub stamp: u64,
+    pub address: EndpointKey,
+    pub pad: u32,
+}
+
+impl ClientCache {
+    /// The stamp of `client` read in `epoch`.
+    #[inline(always)]
+    pub const fn stamp(epoch: u64, client: u32) -> u64 {
+        (epoch << 32) | client as u64
+    }
+
+    /// The client of a stamp.
+    #[inline(always)]
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the client is the stamp's low 32 bits"
+    )]
+    pub const fn client(stamp: u64) -> u32 {
+        stamp as u32
+    }
+
+    /// Whether `stamp` was made in `epoch` (its low 32 bits: a stale entry is
+    /// taken for a current one only after exactly 2^32 ENDPOINTS writes).
+    #[inline(always)]
+    pub const fn is_of(stamp: u64, epoch: u64) -> bool {
+        (stamp >> 32) == (epoch & 0xffff_ffff)
+    }
+}
+
 /// Counters of one identity pair on one CPU, the value of [`FLOWS_MAP`] (and of
-/// one [`ServiceFlowKey`], in the same units, in [`SERVICE_FLOWS_MAP`]).
+/// one Service key, in the same units, in [`SERVICE_FLOWS4_MAP`] and
+/// [`SERVICE_FLOWS6_MAP`]).
 ///
 /// `packets` counts GSO segments (a GSO packet of 10 segments counts 10).
 /// `bytes` counts the link-layer bytes of every segment: `skb->len`, Ethernet
@@ -599,9 +698,15 @@ const _: () = {
     assert!(size_of::<ServiceKey>() == 24);
     assert!(core::mem::offset_of!(ServiceKey, address) == 4);
     assert!(size_of::<FlowValue>() == 16);
-    assert!(size_of::<ServiceFlowKey>() == 28);
-    assert!(align_of::<ServiceFlowKey>() == 4);
-    assert!(core::mem::offset_of!(ServiceFlowKey, service) == 8);
+    assert!(size_of::<ServiceFlowKey4>() == 12);
+    assert!(size_of::<ServiceFlowKey6>() == 24);
+    assert!(align_of::<ServiceFlowKey6>() == 4);
+    assert!(core::mem::offset_of!(ServiceFlowKey6, service) == 8);
+    assert!(size_of::<ServiceFlowKeyLayout7>() == 28);
+    assert!(align_of::<ServiceFlowKeyLayout7>() == 4);
+    assert!(core::mem::offset_of!(ServiceFlowKeyLayout7, service) == 8);
+    assert!(size_of::<ClientCache>() == 32);
+    assert!(core::mem::offset_of!(ClientCache, address) == 8);
     assert!(align_of::<FlowValue>() == 8);
     assert!(size_of::<filter::AddressFilter>() == 16 + 4 * 8 + 4 * 32 + 1024 + 512);
 };
@@ -609,8 +714,8 @@ const _: () = {
 #[cfg(feature = "user")]
 mod user {
     use super::{
-        EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue, ServiceFlowKey,
-        ServiceKey,
+        EndpointKey, EndpointValue, FlowKey, FlowValue, InterfaceValue, NodeValue, ServiceFlowKey4,
+        ServiceFlowKey6, ServiceFlowKeyLayout7, ServiceKey,
     };
 
     // SAFETY: `#[repr(C)]`, only integer fields, no implicit padding (the sizes are
@@ -630,7 +735,11 @@ mod user {
     // SAFETY: as above.
     unsafe impl aya::Pod for ServiceKey {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for ServiceFlowKey {}
+    unsafe impl aya::Pod for ServiceFlowKey4 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for ServiceFlowKey6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for ServiceFlowKeyLayout7 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::filter::AddressFilter {}
 }
@@ -638,6 +747,34 @@ mod user {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stamp gives back its client, and is of its epoch only (by the epoch's
+    /// low 32 bits), the highest client and a wrapped epoch included.
+    #[test]
+    fn a_client_stamp_holds_its_client_and_its_epoch() {
+        for (epoch, client) in [
+            (0, 0),
+            (1, 1000),
+            (u64::from(u32::MAX), u32::MAX),
+            (7 << 32 | 5, 42),
+        ] {
+            let stamp = ClientCache::stamp(epoch, client);
+            assert_eq!(ClientCache::client(stamp), client);
+            assert!(ClientCache::is_of(stamp, epoch));
+            assert!(!ClientCache::is_of(stamp, epoch + 1));
+            assert!(
+                ClientCache::is_of(stamp, epoch + (1 << 32)),
+                "only the low 32 bits"
+            );
+        }
+        let fresh = 0;
+        assert!(ClientCache::is_of(fresh, 0), "a new entry's stamp");
+        assert_ne!(
+            EndpointKey::v4([0; 4]).family,
+            0,
+            "but no address matches a new entry's zeroed address"
+        );
+    }
 
     #[test]
     fn v4_keys_round_trip_and_zero_the_tail() {

@@ -61,11 +61,11 @@ pub struct Status {
     /// The operator's last set of Service addresses, as ranges per kind; `None`
     /// until one came.
     pub services: Option<ServiceCounts>,
-    /// The Services the operator named, by ClusterIP (what SERVICE_FLOWS'
+    /// The Services the operator named, by ClusterIP (what SERVICE_FLOWS4/6's
     /// addresses are shown as).
     pub service_names: Arc<BTreeMap<IpAddr, ClusterIpService>>,
     /// The identities this node's endpoints hold now, `host` among them: the
-    /// clients SERVICE_FLOWS may name that are still in use.
+    /// clients SERVICE_FLOWS4/6 may name that are still in use.
     pub local_identities: Arc<BTreeSet<u32>>,
     pub operator: OperatorLink,
     /// The cluster-wide endpoint map.

@@ -193,7 +193,7 @@ pub struct FlowEntry {
     pub bytes: u64,
 }
 
-/// `GET /v1/services`: SERVICE_FLOWS, summed over CPUs, each address named by
+/// `GET /v1/services`: SERVICE_FLOWS4/6, summed over CPUs, each address named by
 /// the Service whose ClusterIP it is (as the operator last said), and the
 /// Services the operator named.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -205,7 +205,7 @@ pub struct ServicesResponse {
     pub cluster_ips: Vec<NamedClusterIp>,
 }
 
-/// One SERVICE_FLOWS entry.
+/// One SERVICE_FLOWS4/6 entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceFlowEntry {
     /// The client's identity (1, `host`, for the node's own sockets).

@@ -352,7 +352,9 @@ async fn flows(State(state): State<AdminState>) -> Response {
 
 async fn services(State(state): State<AdminState>) -> Response {
     let Some(maps) = state.maps.clone() else {
-        return unavailable("this agent has no pinned SERVICE_FLOWS map to read");
+        return unavailable(
+            "this agent has no pinned SERVICE_FLOWS4 and SERVICE_FLOWS6 maps to read",
+        );
     };
     let names = state.status.borrow().service_names.clone();
     let read = tokio::task::spawn_blocking(move || maps.service_flows()).await;
@@ -388,10 +390,10 @@ async fn services(State(state): State<AdminState>) -> Response {
         .into_response(),
         Ok(Err(error)) => (
             StatusCode::INTERNAL_SERVER_ERROR,
-            format!("reading SERVICE_FLOWS failed: {error}\n"),
+            format!("reading SERVICE_FLOWS4/6 failed: {error}\n"),
         )
             .into_response(),
-        Err(_) => unavailable("reading SERVICE_FLOWS was interrupted"),
+        Err(_) => unavailable("reading SERVICE_FLOWS4/6 was interrupted"),
     }
 }
 

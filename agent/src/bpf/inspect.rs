@@ -31,9 +31,9 @@ use aya::{
     sys::SyscallError,
 };
 use census_common::{
-    ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue, INTERFACES_MAP,
-    LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP, SERVICE_FLOWS_MAP,
-    SERVICES_MAP, STATS_MAP,
+    CLIENTS_EPOCH_MAP, ENDPOINTS_MAP, EndpointKey, EndpointValue, FLOWS_MAP, FlowKey, FlowValue,
+    INTERFACES_MAP, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP, MIGRATES_FROM, NODES_MAP,
+    SERVICE_FLOWS_LAYOUT7_MAP, SERVICE_FLOWS4_MAP, SERVICE_FLOWS6_MAP, SERVICES_MAP, STATS_MAP,
     filter::{ADDRESS_FILTER_MAP, AddressFilter},
 };
 use ipnet::IpNet;
@@ -45,7 +45,7 @@ use super::{
     nodes::{self, NodeRecord, NodesMap},
     pins::{self, Pins},
     privileges,
-    service_flows::{self, ServiceFlow},
+    service_flows::{ServiceFlow, ServiceFlowMaps, SplitMaps},
     services::{self, ServiceKind, ServicesMap},
     sys::{self, MappedArray},
     tc,
@@ -192,7 +192,7 @@ pub struct Inspector {
     interfaces: MappedArray,
     flows: FlowsMap,
     /// `None` in the maps of a layout before SERVICE_FLOWS existed.
-    service_flows: Option<service_flows::ServiceFlowsMap>,
+    service_flows: Option<ServiceFlowMaps>,
     /// `None` in the maps of a layout before STATS existed.
     stats: Option<StatsMap>,
 }
@@ -270,14 +270,17 @@ impl Inspector {
             (INTERFACES_MAP, interfaces_path, interfaces_info),
         ];
         // Maps later layouts added: STATS in 3, NODES in 4, SERVICES in 5,
-        // SERVICE_FLOWS in 6, ADDRESS_FILTER in 7 (listed, not read: it is
-        // derived from SERVICES and ENDPOINTS).
+        // SERVICE_FLOWS in 6 (one per family in 8), ADDRESS_FILTER in 7 and
+        // CLIENTS_EPOCH in 8 (listed, not read: ADDRESS_FILTER is derived from
+        // SERVICES and ENDPOINTS, CLIENTS_EPOCH counts their writes).
         let stats = open_since(&dir, layout, STATS_MAP, &mut infos)?;
         let nodes = open_since(&dir, layout, NODES_MAP, &mut infos)?;
         let services = open_since(&dir, layout, SERVICES_MAP, &mut infos)?;
-        let service_flows = open_since(&dir, layout, SERVICE_FLOWS_MAP, &mut infos)?;
+        let service_flows = open_service_flows(&dir, layout, &mut infos)?;
         let _: Option<Array<MapData, AddressFilter>> =
             open_since(&dir, layout, ADDRESS_FILTER_MAP, &mut infos)?;
+        let _: Option<Array<MapData, u64>> =
+            open_since(&dir, layout, CLIENTS_EPOCH_MAP, &mut infos)?;
         Ok(Self {
             service_flows,
             dir,
@@ -375,10 +378,17 @@ impl Inspector {
                     Some(services) => count(services.keys(), pin)?,
                     None => 0,
                 },
-                SERVICE_FLOWS_MAP => match &self.service_flows {
-                    Some(map) => count(map.keys(), pin)?,
-                    None => 0,
-                },
+                SERVICE_FLOWS4_MAP | SERVICE_FLOWS6_MAP | SERVICE_FLOWS_LAYOUT7_MAP => {
+                    match self
+                        .service_flows
+                        .as_ref()
+                        .and_then(|maps| maps.count(name))
+                    {
+                        Some(Ok(n)) => n,
+                        Some(Err(source)) => return Err(self.map_error(name, source)),
+                        None => 0,
+                    }
+                }
                 INTERFACES_MAP => used_slots(&self.interfaces).len() as u64,
                 _ => u64::from(shape.max_entries),
             };
@@ -448,14 +458,15 @@ impl Inspector {
         })
     }
 
-    /// Every SERVICE_FLOWS entry, summed over CPUs (see
+    /// Every Service counter, summed over CPUs (see
     /// [`Datapath::service_flows`](super::Datapath::service_flows)); empty in the
-    /// maps of a layout without SERVICE_FLOWS.
+    /// maps of a layout without them.
     pub fn service_flows(&self) -> Result<Vec<ServiceFlow>, InspectError> {
-        let Some(map) = &self.service_flows else {
+        let Some(maps) = &self.service_flows else {
             return Ok(Vec::new());
         };
-        service_flows::read_all(map).map_err(|source| self.map_error(SERVICE_FLOWS_MAP, source))
+        maps.read_all()
+            .map_err(|(map, source)| self.map_error(map, source))
     }
 
     /// Every used slot of INTERFACES, by slot: the interfaces census counts on
@@ -584,6 +595,24 @@ where
     })?;
     infos.push((name, path, info));
     Ok(Some(map))
+}
+
+/// The Service counters: this layout's two maps, or layouts 6 and 7's one (also
+/// mid-migration, while the old map is the complete one); `None` before layout 6.
+fn open_service_flows(
+    dir: &Path,
+    layout: u32,
+    infos: &mut Vec<(&'static str, PathBuf, MapInfo)>,
+) -> Result<Option<ServiceFlowMaps>, InspectError> {
+    if layout != LAYOUT_VERSION && exists(&dir.join(SERVICE_FLOWS_LAYOUT7_MAP))? {
+        let map = open_since(dir, layout, SERVICE_FLOWS_LAYOUT7_MAP, infos)?;
+        return Ok(map.map(ServiceFlowMaps::Layout7));
+    }
+    let v4 = open_since(dir, layout, SERVICE_FLOWS4_MAP, infos)?;
+    let v6 = open_since(dir, layout, SERVICE_FLOWS6_MAP, infos)?;
+    Ok(v4
+        .zip(v6)
+        .map(|(v4, v6)| ServiceFlowMaps::Split(SplitMaps { v4, v6 })))
 }
 
 /// Opens the pin of `name`, checking the map's kind and sizes against this layout.

@@ -5,7 +5,7 @@ use std::{
     collections::BTreeSet,
     fmt,
     net::IpAddr,
-    os::fd::OwnedFd,
+    os::fd::{AsFd as _, OwnedFd},
     path::{Path, PathBuf},
     sync::{Mutex, MutexGuard, PoisonError},
     time::Duration,
@@ -17,9 +17,9 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TestRun as _, TestRunOptions},
 };
 use census_common::{
-    ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP, MARK_BIT_GLOBAL, META_MAP,
-    NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICE_FLOWS_MAP, SERVICES_MAP, STATS_MAP,
-    filter::ADDRESS_FILTER_MAP,
+    CLIENTS_EPOCH_MAP, ENDPOINTS_MAP, ENDPOINTS_MAX_ENTRIES, FLOWS_MAP, INTERFACES_MAP,
+    MARK_BIT_GLOBAL, META_MAP, NODES_MAP, NODES_MAX_ENTRIES, PROGRAM_UPLINK, SERVICE_FLOWS4_MAP,
+    SERVICE_FLOWS6_MAP, SERVICES_MAP, STATS_MAP, filter::ADDRESS_FILTER_MAP,
 };
 
 use super::log::{DatapathLog, LogForwarder};
@@ -33,9 +33,10 @@ use super::{
     object,
     pins::{self, Layout, Pins},
     privileges,
-    service_flows::ServiceFlowsMap,
+    service_flows::{self, SplitMaps},
     services::{self, MarkBit, ServicesMap},
     sockets::{SocketHook, socket_program},
+    sys,
 };
 
 /// census's datapath on this node: the loaded programs and the pinned maps.
@@ -60,7 +61,9 @@ pub struct Datapath {
     pub(super) stats: StatsMap,
     pub(super) nodes: NodesMap,
     pub(super) services: ServicesMap,
-    pub(super) service_flows: ServiceFlowsMap,
+    pub(super) service_flows: SplitMaps,
+    /// CLIENTS_EPOCH, mapped: bumped after each write to ENDPOINTS.
+    pub(super) clients_epoch: sys::MappedCounter,
     /// ADDRESS_FILTER and what it is built from; read-only methods learn from
     /// what they read (ENDPOINTS' HOST entries, SERVICES).
     pub(super) filter: Mutex<Filter>,
@@ -139,7 +142,11 @@ impl Datapath {
         let mut endpoints: EndpointsMap = take_map(&mut ebpf, ENDPOINTS_MAP)?;
         let nodes: NodesMap = take_map(&mut ebpf, NODES_MAP)?;
         let services: ServicesMap = take_map(&mut ebpf, SERVICES_MAP)?;
-        let service_flows: ServiceFlowsMap = take_map(&mut ebpf, SERVICE_FLOWS_MAP)?;
+        let mut service_flows = SplitMaps {
+            v4: take_map(&mut ebpf, SERVICE_FLOWS4_MAP)?,
+            v6: take_map(&mut ebpf, SERVICE_FLOWS6_MAP)?,
+        };
+        let clients_epoch = clients_epoch(&mut ebpf)?;
         let filter = Filter::open(
             take_map(&mut ebpf, ADDRESS_FILTER_MAP)?,
             services::read_all(&services)?
@@ -151,9 +158,9 @@ impl Datapath {
         let nodes_max_entries = max_entries(NODES_MAP, nodes.map())?;
         bring_to_layout(
             &pins,
-            migration,
-            &mut endpoints,
-            endpoints_max_entries,
+            (layout, migration),
+            (&mut endpoints, endpoints_max_entries),
+            &mut service_flows,
             &mut meta,
         )?;
         let interfaces = ebpf
@@ -188,6 +195,7 @@ impl Datapath {
             nodes,
             services,
             service_flows,
+            clients_epoch,
             filter: Mutex::new(filter),
             endpoints_max_entries,
             nodes_max_entries,
@@ -283,7 +291,7 @@ pub struct Options {
     /// FLOWS' entries when it is created (the object's 65,536 if `None`); a FLOWS
     /// map already pinned keeps its size (and its counters).
     pub flows_max_entries: Option<u32>,
-    /// SERVICE_FLOWS' entries when it is created
+    /// Entries of SERVICE_FLOWS4 and of SERVICE_FLOWS6 when they are created
     /// ([`SERVICE_FLOWS_MAX_ENTRIES`](census_common::SERVICE_FLOWS_MAX_ENTRIES)
     /// if `None`); a pinned one keeps its size and counters.
     pub service_flows_max_entries: Option<u32>,
@@ -433,12 +441,13 @@ fn max_entries(map: &'static str, data: &MapData) -> Result<u32, Error> {
 }
 
 /// The pins brought to this layout: a `migration`'s ENDPOINTS entries copied into
-/// `endpoints`, the layout stamped in `meta`, then the migration finished.
+/// `endpoints`, an older layout's SERVICE_FLOWS copied into `service_flows`, the
+/// layout stamped in `meta`, then what the copies read removed.
 fn bring_to_layout(
     pins: &Pins,
-    migration: Option<migrate::Migration>,
-    endpoints: &mut EndpointsMap,
-    endpoints_max_entries: u32,
+    (layout, migration): (Layout, Option<migrate::Migration>),
+    (endpoints, endpoints_max_entries): (&mut EndpointsMap, u32),
+    service_flows: &mut SplitMaps,
     meta: &mut Array<MapData, u32>,
 ) -> Result<(), Error> {
     if let Some(migration) = &migration {
@@ -450,11 +459,44 @@ fn bring_to_layout(
             "copied ENDPOINTS into a map of this layout"
         );
     }
+    // Only before this layout is stamped: after, the new maps count on, and the
+    // old map is a leftover to remove, not to copy again.
+    if let Layout::Older(from) = layout {
+        let copied = service_flows::copy_layout7(pins, service_flows)?;
+        if copied > 0 {
+            tracing::info!(
+                pin_dir = %pins.dir().display(),
+                from,
+                entries = copied,
+                "copied SERVICE_FLOWS into SERVICE_FLOWS4 and SERVICE_FLOWS6"
+            );
+        }
+    }
     pins::stamp_layout(meta)?;
     if let Some(migration) = migration {
         migration.finish()?;
     }
-    Ok(())
+    service_flows::remove_layout7(pins)
+}
+
+/// CLIENTS_EPOCH, mapped for the agent's writes.
+fn clients_epoch(ebpf: &mut Ebpf) -> Result<sys::MappedCounter, Error> {
+    let map = ebpf
+        .map(CLIENTS_EPOCH_MAP)
+        .ok_or(Error::MissingFromObject {
+            kind: "map",
+            name: CLIENTS_EPOCH_MAP,
+        })?;
+    let Map::Array(data) = map else {
+        return Err(Error::MissingFromObject {
+            kind: "array map",
+            name: CLIENTS_EPOCH_MAP,
+        });
+    };
+    sys::MappedCounter::new(data.fd().as_fd()).map_err(|source| Error::MapMemory {
+        map: CLIENTS_EPOCH_MAP,
+        source,
+    })
 }
 
 fn load_socket_program(ebpf: &mut Ebpf, hook: SocketHook) -> Result<(), Error> {
@@ -476,7 +518,8 @@ fn configure<'a>(
         loader.map_max_entries(FLOWS_MAP, entries);
     }
     if let Some(entries) = options.service_flows_max_entries {
-        loader.map_max_entries(SERVICE_FLOWS_MAP, entries);
+        loader.map_max_entries(SERVICE_FLOWS4_MAP, entries);
+        loader.map_max_entries(SERVICE_FLOWS6_MAP, entries);
     }
     loader.map_max_entries(
         ENDPOINTS_MAP,
@@ -502,11 +545,9 @@ fn reopen_pins(
         pinned.push((*name, data));
     }
     pins::warn_size(&pinned, FLOWS_MAP, options.flows_max_entries);
-    pins::warn_size(
-        &pinned,
-        SERVICE_FLOWS_MAP,
-        options.service_flows_max_entries,
-    );
+    for map in [SERVICE_FLOWS4_MAP, SERVICE_FLOWS6_MAP] {
+        pins::warn_size(&pinned, map, options.service_flows_max_entries);
+    }
     pins::warn_size(&pinned, ENDPOINTS_MAP, options.endpoints_max_entries);
     pins::warn_size(&pinned, NODES_MAP, options.nodes_max_entries);
     Ok(pinned)

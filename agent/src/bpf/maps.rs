@@ -265,9 +265,9 @@ pub struct DatapathStats {
     pub service_marked: u64,
     /// Marked packets counted once translated.
     pub marked_counted: u64,
-    /// Entries inserted into SERVICE_FLOWS.
+    /// Entries inserted into SERVICE_FLOWS4/6.
     pub service_flow_inserts: u64,
-    /// SERVICE_FLOWS inserts the kernel refused: those packets went uncounted
+    /// SERVICE_FLOWS4/6 inserts the kernel refused: those packets went uncounted
     /// there (FLOWS counted them as always).
     pub service_flow_insert_failures: u64,
 }
@@ -523,6 +523,10 @@ impl Datapath {
         if full || result.is_ok() {
             self.endpoints_full = full;
         }
+        if result.is_ok() {
+            // The sockets' cached clients were read before this write.
+            self.clients_epoch.advance();
+        }
         if !host && result.is_ok() {
             self.filter_mut().remove_host(&key)?;
         }
@@ -547,6 +551,9 @@ impl Datapath {
             Err(error) if is_not_found(&error) => false,
             Err(error) => return Err(endpoints_error(error)),
         };
+        if removed {
+            self.clients_epoch.advance();
+        }
         self.filter_mut().remove_host(key)?;
         Ok(removed)
     }

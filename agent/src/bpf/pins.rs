@@ -8,13 +8,18 @@
 //! <pin dir>/INTERFACES             array[ifindex % 65536] of (ifindex, identity), mmapable
 //! <pin dir>/FLOWS                  (src identity, dst identity) -> packets, bytes
 //! <pin dir>/STATS                  per-CPU array of u64: the program's own counters
-//! <pin dir>/SERVICE_FLOWS          (client identity, Service address, port, protocol,
-//!                                  direction) -> packets, bytes
+//! <pin dir>/SERVICE_FLOWS4         (client identity, IPv4 Service address, port,
+//!                                  protocol, direction) -> packets, bytes
+//! <pin dir>/SERVICE_FLOWS6         the same, of IPv6 Service addresses
+//! <pin dir>/CLIENTS_EPOCH          array[1] of u64, mmapable: bumped after each
+//!                                  ENDPOINTS write (the sockets' cached clients)
 //! <pin dir>/links/<if>-ingress     TCX link of census_ingress on interface <if>
 //! <pin dir>/links/<if>-egress      TCX link of census_egress on interface <if>
 //! <pin dir>/links/<if>-<direction>:tc:<ifindex>:<priority>:<handle>/
 //!                                  (a directory) census's TC filter on <if>, in TC mode
 //! <pin dir>/ENDPOINTS-layout<N>    only while an older layout's ENDPOINTS is migrated
+//! <pin dir>/SERVICE_FLOWS          only while layout 6 or 7's Service counters are
+//!                                  copied into SERVICE_FLOWS4 and SERVICE_FLOWS6
 //! ```
 
 use std::{
@@ -25,13 +30,14 @@ use std::{
 
 use aya::maps::{Array, MapData, MapError, MapInfo, MapType};
 use census_common::{
-    ENDPOINTS_COPIED_FROM, ENDPOINTS_MAP, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey,
-    EndpointValue, FLOWS_MAP, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP,
-    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, LAYOUT_VERSION,
-    META_LAYOUT_INDEX, META_MAP, META_MAX_ENTRIES, MIGRATES_FROM, NODES_MAP, NODES_MAP_FLAGS,
-    NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAP, SERVICE_FLOWS_MAX_ENTRIES, SERVICES_MAP,
-    SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAP, STATS_MAX_ENTRIES, ServiceFlowKey,
-    ServiceKey,
+    CLIENTS_EPOCH_MAP, CLIENTS_EPOCH_MAP_FLAGS, ENDPOINTS_COPIED_FROM, ENDPOINTS_MAP,
+    ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAP,
+    FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP, INTERFACES_MAP_FLAGS,
+    INTERFACES_MAX_ENTRIES, InterfaceValue, LAYOUT_VERSION, META_LAYOUT_INDEX, META_MAP,
+    META_MAX_ENTRIES, MIGRATES_FROM, NODES_MAP, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue,
+    SERVICE_FLOWS_LAYOUT7_MAP, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_FLOWS4_MAP, SERVICE_FLOWS6_MAP,
+    SERVICES_MAP, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAP, STATS_MAX_ENTRIES,
+    ServiceFlowKey4, ServiceFlowKey6, ServiceFlowKeyLayout7, ServiceKey,
     filter::{ADDRESS_FILTER_MAP, AddressFilter, FILTER_MAP_MAX_ENTRIES},
 };
 
@@ -43,7 +49,7 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/census";
 const LINKS_DIR: &str = "links";
 
 /// Every map census pins, the layout version map first.
-pub(super) const MAPS: [&str; 9] = [
+pub(super) const MAPS: [&str; 11] = [
     META_MAP,
     ENDPOINTS_MAP,
     FLOWS_MAP,
@@ -51,23 +57,34 @@ pub(super) const MAPS: [&str; 9] = [
     STATS_MAP,
     NODES_MAP,
     SERVICES_MAP,
-    SERVICE_FLOWS_MAP,
+    SERVICE_FLOWS4_MAP,
+    SERVICE_FLOWS6_MAP,
     ADDRESS_FILTER_MAP,
+    CLIENTS_EPOCH_MAP,
 ];
 /// The maps of [`MAPS`] that a layout version guards.
-pub(super) const DATA_MAPS: [&str; 8] = [
+pub(super) const DATA_MAPS: [&str; 10] = [
     ENDPOINTS_MAP,
     FLOWS_MAP,
     INTERFACES_MAP,
     STATS_MAP,
     NODES_MAP,
     SERVICES_MAP,
-    SERVICE_FLOWS_MAP,
+    SERVICE_FLOWS4_MAP,
+    SERVICE_FLOWS6_MAP,
     ADDRESS_FILTER_MAP,
+    CLIENTS_EPOCH_MAP,
 ];
 /// The maps a layout sizes as the agent is told (`--*-max-entries`): any size is
 /// that map.
-const SIZED_MAPS: [&str; 4] = [ENDPOINTS_MAP, FLOWS_MAP, NODES_MAP, SERVICE_FLOWS_MAP];
+const SIZED_MAPS: [&str; 6] = [
+    ENDPOINTS_MAP,
+    FLOWS_MAP,
+    NODES_MAP,
+    SERVICE_FLOWS4_MAP,
+    SERVICE_FLOWS6_MAP,
+    SERVICE_FLOWS_LAYOUT7_MAP,
+];
 
 /// Paths under one pin directory.
 #[derive(Debug, Clone)]
@@ -156,12 +173,29 @@ pub(super) fn expected_shape(map: &str) -> Option<MapShape> {
             size_of::<FlowValue>(),
             FLOWS_MAX_ENTRIES,
         )),
-        SERVICE_FLOWS_MAP => Some(shape(
+        SERVICE_FLOWS4_MAP => Some(shape(
             MapType::LruPerCpuHash,
-            size_of::<ServiceFlowKey>(),
+            size_of::<ServiceFlowKey4>(),
             size_of::<FlowValue>(),
             SERVICE_FLOWS_MAX_ENTRIES,
         )),
+        SERVICE_FLOWS6_MAP => Some(shape(
+            MapType::LruPerCpuHash,
+            size_of::<ServiceFlowKey6>(),
+            size_of::<FlowValue>(),
+            SERVICE_FLOWS_MAX_ENTRIES,
+        )),
+        // Not a map of this layout: layouts 6 and 7's, taken over by a copy.
+        SERVICE_FLOWS_LAYOUT7_MAP => Some(shape(
+            MapType::LruPerCpuHash,
+            size_of::<ServiceFlowKeyLayout7>(),
+            size_of::<FlowValue>(),
+            SERVICE_FLOWS_MAX_ENTRIES,
+        )),
+        CLIENTS_EPOCH_MAP => Some(MapShape {
+            map_flags: CLIENTS_EPOCH_MAP_FLAGS,
+            ..shape(MapType::Array, size_of::<u32>(), size_of::<u64>(), 1)
+        }),
         ADDRESS_FILTER_MAP => Some(shape(
             MapType::Array,
             size_of::<u32>(),
@@ -206,6 +240,12 @@ pub(super) fn old_endpoints_shape() -> MapShape {
         max_entries: 65_536,
         map_flags: 0,
     }
+}
+
+/// Whether `found` is the shape of layouts 6 and 7's SERVICE_FLOWS (any size).
+pub(super) fn is_layout7_service_flows(found: &MapShape) -> bool {
+    expected_shape(SERVICE_FLOWS_LAYOUT7_MAP)
+        .is_some_and(|expected| shape_matches(SERVICE_FLOWS_LAYOUT7_MAP, &expected, found))
 }
 
 /// The shape `map` has in the maps of layout `layout` (this one or one of

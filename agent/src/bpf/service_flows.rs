@@ -1,18 +1,29 @@
-//! SERVICE_FLOWS: packets and bytes per (client identity, Service address, port,
-//! protocol, direction), counted by the root cgroup's programs where a socket's
-//! request still carries the Service address it dialled and its reply carries
-//! it back (docs/design.md, "Which Service"). FLOWS' units: segments, and the
-//! link-layer bytes of every segment.
+//! SERVICE_FLOWS4 and SERVICE_FLOWS6: packets and bytes per (client identity,
+//! Service address, port, protocol, direction), one map per family, counted by
+//! the root cgroup's programs where a socket's request still carries the Service
+//! address it dialled and its reply carries it back (docs/design.md, "Which
+//! Service"). FLOWS' units: segments, and the link-layer bytes of every segment.
+//! Layouts 6 and 7 kept both families in one map, SERVICE_FLOWS, which an agent of
+//! this layout copies into the two ([`copy_layout7`]).
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{collections::BTreeMap, fmt, fs, io, net::IpAddr};
 
-use aya::maps::{IterableMap as _, MapData, MapError, PerCpuHashMap};
-use census_common::{FlowValue, SERVICE_FLOWS_MAP, ServiceFlowKey, service_direction};
+use aya::maps::{IterableMap as _, MapData, MapError, MapInfo, PerCpuHashMap};
+use census_common::{
+    EndpointKey, FlowValue, SERVICE_FLOWS_LAYOUT7_MAP, SERVICE_FLOWS4_MAP, SERVICE_FLOWS6_MAP,
+    ServiceFlowKey4, ServiceFlowKey6, ServiceFlowKeyLayout7, service_direction,
+};
 use serde::{Deserialize, Serialize};
 
-use super::{Datapath, Error, maps::is_not_found};
+use super::{
+    Datapath, Error,
+    maps::is_not_found,
+    pins::{self, Pins},
+};
 
-pub(super) type ServiceFlowsMap = PerCpuHashMap<MapData, ServiceFlowKey, FlowValue>;
+pub(super) type ServiceFlowsMap4 = PerCpuHashMap<MapData, ServiceFlowKey4, FlowValue>;
+pub(super) type ServiceFlowsMap6 = PerCpuHashMap<MapData, ServiceFlowKey6, FlowValue>;
+pub(super) type ServiceFlowsMapLayout7 = PerCpuHashMap<MapData, ServiceFlowKeyLayout7, FlowValue>;
 
 /// Which way a Service's packets went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -75,26 +86,133 @@ pub struct ServiceFlow {
     pub bytes: u64,
 }
 
-fn service_flows_error(source: MapError) -> Error {
-    Error::Map {
-        map: SERVICE_FLOWS_MAP,
-        source,
+/// A Service counter's key, either family's, as the readers take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Key {
+    client_identity: u32,
+    service: IpAddr,
+    port: u16,
+    protocol: u8,
+    direction: ServiceDirection,
+}
+
+/// The key of a map of Service counters: what it says, if census wrote it.
+trait CounterKey: aya::Pod {
+    fn read(&self) -> Option<Key>;
+}
+
+impl CounterKey for ServiceFlowKey4 {
+    fn read(&self) -> Option<Key> {
+        Some(Key {
+            client_identity: self.client_identity,
+            service: EndpointKey::v4_word(self.service).ip()?,
+            port: self.port,
+            protocol: self.protocol,
+            direction: ServiceDirection::from_raw(self.direction)?,
+        })
     }
 }
 
-/// Every entry of a SERVICE_FLOWS map, summed over CPUs, ordered by client,
-/// Service address, port, protocol and direction. The map evicts least recently
-/// used entries when full, and the walk is not atomic: an entry evicted meanwhile
-/// is missing, never counted twice. Entries census does not write (a key whose
-/// address or direction is not well formed) are left out.
-pub(super) fn read_all(map: &ServiceFlowsMap) -> Result<Vec<ServiceFlow>, MapError> {
-    let mut flows = BTreeMap::new();
+impl CounterKey for ServiceFlowKey6 {
+    fn read(&self) -> Option<Key> {
+        Some(Key {
+            client_identity: self.client_identity,
+            service: EndpointKey::v6_words(self.service).ip()?,
+            port: self.port,
+            protocol: self.protocol,
+            direction: ServiceDirection::from_raw(self.direction)?,
+        })
+    }
+}
+
+impl CounterKey for ServiceFlowKeyLayout7 {
+    fn read(&self) -> Option<Key> {
+        Some(Key {
+            client_identity: self.client_identity,
+            service: self.service.ip()?,
+            port: self.port,
+            protocol: self.protocol,
+            direction: ServiceDirection::from_raw(self.direction)?,
+        })
+    }
+}
+
+/// This layout's Service counters: one map per family.
+pub(super) struct SplitMaps {
+    pub(super) v4: ServiceFlowsMap4,
+    pub(super) v6: ServiceFlowsMap6,
+}
+
+/// Where a node's Service counters are: this layout's two maps, or an older
+/// layout's one (read by the CLI beside an agent not upgraded yet).
+pub(super) enum ServiceFlowMaps {
+    Split(SplitMaps),
+    Layout7(ServiceFlowsMapLayout7),
+}
+
+impl SplitMaps {
+    /// See [`ServiceFlowMaps::read_all`].
+    pub(super) fn read_all(&self) -> Result<Vec<ServiceFlow>, (&'static str, MapError)> {
+        let mut flows = BTreeMap::new();
+        collect(&self.v4, &mut flows).map_err(|e| (SERVICE_FLOWS4_MAP, e))?;
+        collect(&self.v6, &mut flows).map_err(|e| (SERVICE_FLOWS6_MAP, e))?;
+        Ok(flows.into_values().collect())
+    }
+}
+
+impl ServiceFlowMaps {
+    /// Every entry, summed over CPUs, ordered by client, Service address, port,
+    /// protocol and direction. The maps evict least recently used entries when
+    /// full, and a walk is not atomic: an entry evicted meanwhile is missing, never
+    /// counted twice. Entries census does not write (a key whose address or
+    /// direction is not well formed) are left out. A failure names its map.
+    pub(super) fn read_all(&self) -> Result<Vec<ServiceFlow>, (&'static str, MapError)> {
+        match self {
+            Self::Split(maps) => maps.read_all(),
+            Self::Layout7(map) => {
+                let mut flows = BTreeMap::new();
+                collect(map, &mut flows).map_err(|e| (SERVICE_FLOWS_LAYOUT7_MAP, e))?;
+                Ok(flows.into_values().collect())
+            }
+        }
+    }
+
+    /// The entries of the map named `name`, if it is one of these.
+    pub(super) fn count(&self, name: &str) -> Option<Result<u64, MapError>> {
+        let count = |keys: &mut dyn Iterator<Item = Result<(), MapError>>| {
+            let mut n = 0u64;
+            for key in keys {
+                match key {
+                    Ok(()) => n += 1,
+                    Err(error) if is_not_found(&error) => {}
+                    Err(error) => return Err(error),
+                }
+            }
+            Ok(n)
+        };
+        match (self, name) {
+            (Self::Split(maps), SERVICE_FLOWS4_MAP) => {
+                Some(count(&mut maps.v4.keys().map(|k| k.map(drop))))
+            }
+            (Self::Split(maps), SERVICE_FLOWS6_MAP) => {
+                Some(count(&mut maps.v6.keys().map(|k| k.map(drop))))
+            }
+            (Self::Layout7(map), SERVICE_FLOWS_LAYOUT7_MAP) => {
+                Some(count(&mut map.keys().map(|k| k.map(drop))))
+            }
+            _ => None,
+        }
+    }
+}
+
+fn collect<K: CounterKey>(
+    map: &PerCpuHashMap<MapData, K, FlowValue>,
+    flows: &mut BTreeMap<Key, ServiceFlow>,
+) -> Result<(), MapError> {
     for entry in map.iter() {
         match entry {
             Ok((key, per_cpu)) => {
-                let (Some(service), Some(direction)) =
-                    (key.service.ip(), ServiceDirection::from_raw(key.direction))
-                else {
+                let Some(key) = key.read() else {
                     continue;
                 };
                 let (packets, bytes) = per_cpu.iter().fold((0u64, 0u64), |(p, b), v| {
@@ -102,41 +220,130 @@ pub(super) fn read_all(map: &ServiceFlowsMap) -> Result<Vec<ServiceFlow>, MapErr
                 });
                 let flow = ServiceFlow {
                     client_identity: key.client_identity,
-                    service,
+                    service: key.service,
                     port: key.port,
                     protocol: key.protocol,
-                    direction,
+                    direction: key.direction,
                     packets,
                     bytes,
                 };
-                let order = (
-                    key.client_identity,
-                    service,
-                    key.port,
-                    key.protocol,
-                    direction,
-                );
-                flows.insert(order, flow);
+                flows.insert(key, flow);
             }
             Err(error) if is_not_found(&error) => {}
             Err(error) => return Err(error),
         }
     }
-    Ok(flows.into_values().collect())
+    Ok(())
+}
+
+/// Takes over layouts 6 and 7's SERVICE_FLOWS, before this layout is stamped:
+/// every entry copied, with its per-CPU counters, into `v4` or `v6` by its
+/// family; how many. A copy killed midway is redone whole at the next start
+/// (each entry is written, not added to), and the old pin is removed once this
+/// layout is stamped ([`remove_layout7`]). Nothing if there is no old map.
+pub(super) fn copy_layout7(pins: &Pins, maps: &mut SplitMaps) -> Result<u64, Error> {
+    let Some(old) = open_layout7(pins)? else {
+        return Ok(0);
+    };
+    let failed = |map, source| Error::Map { map, source };
+    let mut copied = 0;
+    for entry in old.iter() {
+        let (key, per_cpu) = match entry {
+            Ok(entry) => entry,
+            Err(error) if is_not_found(&error) => continue,
+            Err(error) => return Err(failed(SERVICE_FLOWS_LAYOUT7_MAP, error)),
+        };
+        let (port, protocol, direction) = (key.port, key.protocol, key.direction);
+        let client_identity = key.client_identity;
+        match key.service.ip() {
+            Some(IpAddr::V4(_)) => {
+                let key = ServiceFlowKey4 {
+                    client_identity,
+                    port,
+                    protocol,
+                    direction,
+                    service: key.service.addr[0],
+                };
+                maps.v4
+                    .insert(key, per_cpu, 0)
+                    .map_err(|e| failed(SERVICE_FLOWS4_MAP, e))?;
+            }
+            Some(IpAddr::V6(_)) => {
+                let key = ServiceFlowKey6 {
+                    client_identity,
+                    port,
+                    protocol,
+                    direction,
+                    service: key.service.addr,
+                };
+                maps.v6
+                    .insert(key, per_cpu, 0)
+                    .map_err(|e| failed(SERVICE_FLOWS6_MAP, e))?;
+            }
+            // Not census's: nothing to count it as.
+            None => continue,
+        }
+        copied += 1;
+    }
+    Ok(copied)
+}
+
+/// The old SERVICE_FLOWS pinned in `pins`, if there is one of layout 7's shape.
+fn open_layout7(pins: &Pins) -> Result<Option<ServiceFlowsMapLayout7>, Error> {
+    let path = pins.map(SERVICE_FLOWS_LAYOUT7_MAP);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let failed = |source| Error::Map {
+        map: SERVICE_FLOWS_LAYOUT7_MAP,
+        source,
+    };
+    let info = MapInfo::from_pin(&path).map_err(failed)?;
+    if !pins::is_layout7_service_flows(&pins::shape_of(&info)) {
+        return Ok(None);
+    }
+    let data = MapData::from_pin(&path).map_err(failed)?;
+    aya::maps::Map::from_map_data(data)
+        .and_then(ServiceFlowsMapLayout7::try_from)
+        .map(Some)
+        .map_err(failed)
+}
+
+/// Removes the old SERVICE_FLOWS' pin, once this layout is stamped: its entries
+/// were copied.
+pub(super) fn remove_layout7(pins: &Pins) -> Result<(), Error> {
+    if open_layout7(pins)?.is_none() {
+        return Ok(());
+    }
+    let path = pins.map(SERVICE_FLOWS_LAYOUT7_MAP);
+    match fs::remove_file(&path) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(Error::Io {
+            operation: "removing pin",
+            path,
+            source: error,
+        }),
+        _ => Ok(()),
+    }
 }
 
 impl Datapath {
-    /// Every SERVICE_FLOWS entry (see [`read_all`]).
+    /// Every Service counter of both families (see [`ServiceFlowMaps::read_all`]).
     pub fn service_flows(&self) -> Result<Vec<ServiceFlow>, Error> {
-        read_all(&self.service_flows).map_err(service_flows_error)
+        self.service_flows
+            .read_all()
+            .map_err(|(map, source)| Error::Map { map, source })
     }
 
-    /// SERVICE_FLOWS' size, as created.
+    /// The size each family's Service counter map was created with.
     pub fn service_flows_max_entries(&self) -> Result<u32, Error> {
         self.service_flows
+            .v4
             .map()
             .info()
             .map(|info| info.max_entries())
-            .map_err(service_flows_error)
+            .map_err(|source| Error::Map {
+                map: SERVICE_FLOWS4_MAP,
+                source,
+            })
     }
 }

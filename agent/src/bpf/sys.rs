@@ -1,7 +1,8 @@
 //! What aya 0.14 does not expose: four `bpf(2)` commands (the TCX and cgroup part
 //! of a link's info, `BPF_LINK_UPDATE` of a pinned cgroup link, `BPF_LINK_DETACH`, and
-//! `BPF_OBJ_GET` with `BPF_F_RDONLY`), and a read-only mapping of an mmapable
-//! array map. The one raw `bpf()` wrapper ([`bpf`]; the TCX probe uses it too),
+//! `BPF_OBJ_GET` with `BPF_F_RDONLY`), a read-only mapping of an mmapable array
+//! map, and a writable mapping of a one-`u64` mmapable array (a counter the agent
+//! bumps with a store). The one raw `bpf()` wrapper ([`bpf`]; the TCX probe uses it too),
 //! with the kernel's types and numbers from aya's generated bindings (`aya-obj`).
 #![allow(unsafe_code)]
 
@@ -232,6 +233,67 @@ impl MappedArray {
             };
         }
         Some(words)
+    }
+}
+
+/// A writable, shared mapping of the one `u64` of an array map created with
+/// `BPF_F_MMAPABLE` and one entry: the programs read what [`Self::advance`]
+/// stores, without a syscall.
+#[derive(Debug)]
+pub(super) struct MappedCounter {
+    value: NonNull<std::sync::atomic::AtomicU64>,
+}
+
+// SAFETY: the mapping is only accessed through an atomic; it is not tied to the
+// thread that made it.
+unsafe impl Send for MappedCounter {}
+// SAFETY: as above.
+unsafe impl Sync for MappedCounter {}
+
+/// Bytes a [`MappedCounter`] maps: one element of 8 bytes (the kernel maps whole
+/// pages of the map's values; the first 8 bytes are the element).
+const COUNTER_LEN: usize = 8;
+
+impl MappedCounter {
+    /// Maps the value of the one-entry `u64` array map `fd` refers to, for reads
+    /// and writes.
+    pub(super) fn new(fd: BorrowedFd<'_>) -> io::Result<Self> {
+        // SAFETY: a new mapping (no address hint) of the map's first 8 bytes, shared
+        // as the kernel requires for map mmaps; the result is checked before use.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                COUNTER_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let value = NonNull::new(base.cast::<std::sync::atomic::AtomicU64>())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        Ok(Self { value })
+    }
+
+    /// Adds one, after every write before it (a program that reads the new value
+    /// then reads what those writes wrote).
+    pub(super) fn advance(&self) {
+        // SAFETY: the mapping lives as long as `self`; page-aligned, so aligned
+        // for a u64.
+        unsafe { self.value.as_ref() }.fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for MappedCounter {
+    fn drop(&mut self) {
+        // SAFETY: the mapping this value made, which nothing else unmaps; no
+        // reference into it outlives `self`.
+        unsafe {
+            libc::munmap(self.value.as_ptr().cast(), COUNTER_LEN);
+        }
     }
 }
 

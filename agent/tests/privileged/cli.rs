@@ -289,8 +289,10 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
             ("STATS", "percpu_array", 4, 8),
             ("NODES", "hash", 4, 580),
             ("SERVICES", "lpm_trie", 24, 4),
-            ("SERVICE_FLOWS", "lru_percpu_hash", 28, 16),
+            ("SERVICE_FLOWS4", "lru_percpu_hash", 12, 16),
+            ("SERVICE_FLOWS6", "lru_percpu_hash", 24, 16),
             ("ADDRESS_FILTER", "array", 4, 1712),
+            ("CLIENTS_EPOCH", "array", 4, 8),
         ]
     );
     for map in maps {
@@ -318,8 +320,8 @@ fn census_bpf_agrees_with_bpftool_after_traffic() -> TestResult {
     assert!(table.starts_with("NAME "), "{table}");
     assert_eq!(
         table.lines().count(),
-        10,
-        "a header and the nine maps: {table}"
+        12,
+        "a header and the eleven maps: {table}"
     );
     let one = census_json(&[
         "bpf",

@@ -560,7 +560,7 @@ fn uninstall_leaves_no_pin_and_no_program() -> TestResult {
     // In the agent's network namespace: TC filters are found there by ifindex.
     let removed = lab.node().run(|| uninstall(pins.path()))??;
     assert_eq!(removed.links.len(), 2);
-    assert_eq!(removed.pins.len(), 9, "the nine maps: {removed:?}");
+    assert_eq!(removed.pins.len(), 11, "the eleven maps: {removed:?}");
     assert!(!pins.path().exists());
     assert_eq!(uninstall(pins.path())?, Default::default(), "idempotent");
 

@@ -71,29 +71,89 @@ fn service_ranges_are_written_read_back_and_replaced() -> TestResult {
     Ok(())
 }
 
-/// An agent of layout 6 takes layout 4's and 5's pins over in place: the same
+/// The maps of this layout that layouts 6 and 7 did not have.
+const SINCE_LAYOUT_8: [&str; 3] = ["SERVICE_FLOWS4", "SERVICE_FLOWS6", "CLIENTS_EPOCH"];
+
+/// An agent of this layout takes layout 4's to 7's pins over in place: the same
 /// ENDPOINTS map (not copied), its entries, FLOWS' counters, the maps the older
-/// layout lacked (SERVICES, SERVICE_FLOWS) created, the layout stamped 6.
+/// layout lacked (SERVICES, the Service counters, ...) created, layouts 6 and 7's
+/// one SERVICE_FLOWS copied into the two of this layout, the layout stamped.
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_4_pins_are_taken_over_in_place() -> TestResult {
-    older_pins_are_taken_over_in_place(4, &["SERVICES", "SERVICE_FLOWS", "ADDRESS_FILTER"])
+    older_pins_are_taken_over_in_place(
+        4,
+        &[&["SERVICES", "ADDRESS_FILTER"][..], &SINCE_LAYOUT_8].concat(),
+    )
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_5_pins_are_taken_over_in_place() -> TestResult {
-    older_pins_are_taken_over_in_place(5, &["SERVICE_FLOWS", "ADDRESS_FILTER"])
+    older_pins_are_taken_over_in_place(5, &[&["ADDRESS_FILTER"][..], &SINCE_LAYOUT_8].concat())
 }
 
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_6_pins_are_taken_over_in_place() -> TestResult {
-    older_pins_are_taken_over_in_place(6, &["ADDRESS_FILTER"])
+    older_pins_are_taken_over_in_place(6, &[&["ADDRESS_FILTER"][..], &SINCE_LAYOUT_8].concat())
 }
 
-/// What an agent of `layout` left, without the maps `missing` it lacked, is
-/// taken over in place.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn layout_7_pins_are_taken_over_in_place() -> TestResult {
+    older_pins_are_taken_over_in_place(7, &SINCE_LAYOUT_8)
+}
+
+/// Layouts 6 and 7's SERVICE_FLOWS, pinned in `pins` with bpftool: a
+/// least-recently-used per-CPU hash of 28-byte keys holding an IPv4 and an IPv6
+/// Service counter (3 packets and 300 bytes on every CPU).
+fn pin_layout7_service_flows(pins: &PinDir) -> TestResult {
+    let path = pins.join("SERVICE_FLOWS");
+    let path = path_str(&path)?;
+    bpftool(
+        None,
+        &[
+            "map",
+            "create",
+            path,
+            "type",
+            "lru_percpu_hash",
+            "key",
+            "28",
+            "value",
+            "16",
+            "entries",
+            "16384",
+            "name",
+            "SERVICE_FLOWS",
+        ],
+    )?;
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>();
+    let value = [&3u64.to_ne_bytes()[..], &300u64.to_ne_bytes()].concat();
+    let v4 = std::net::Ipv4Addr::new(10, 96, 0, 10).octets();
+    let v6 = "fd00:10:96::a".parse::<std::net::Ipv6Addr>()?.octets();
+    let mut v4_key = [&POD.to_ne_bytes()[..], &80u16.to_ne_bytes(), &[6, 1]].concat();
+    v4_key.extend(4u32.to_ne_bytes());
+    v4_key.extend(v4);
+    v4_key.extend([0; 12]);
+    let mut v6_key = [&POD.to_ne_bytes()[..], &53u16.to_ne_bytes(), &[17, 2]].concat();
+    v6_key.extend(6u32.to_ne_bytes());
+    v6_key.extend(v6);
+    for key in [v4_key, v6_key] {
+        let mut args = vec!["map", "update", "pinned", path, "key", "hex"];
+        let (key, value) = (hex(&key), hex(&value));
+        args.extend(key.iter().map(String::as_str));
+        args.extend(["value", "hex"]);
+        args.extend(value.iter().map(String::as_str));
+        let status = std::process::Command::new("bpftool").args(&args).status()?;
+        assert!(status.success(), "bpftool map update");
+    }
+    Ok(())
+}
+
+/// What an agent of `layout` left, without the maps `missing` it lacked (and,
+/// for layouts 6 and 7, with their SERVICE_FLOWS), is taken over in place.
 fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResult {
     let pins = PinDir::new();
     let mut datapath = open_datapath(pins.path())?;
@@ -117,23 +177,45 @@ fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResu
     for map in missing {
         std::fs::remove_file(pins.join(map))?;
     }
+    let had_service_flows = layout >= 6;
+    if had_service_flows {
+        pin_layout7_service_flows(&pins)?;
+    }
     let mut meta: Array<MapData, u32> =
         Array::try_from(Map::Array(MapData::from_pin(pins.join("CENSUS_META"))?))?;
     meta.set(0, layout, 0)?;
     drop(meta);
     let old = Inspector::open(pins.path())?;
     assert_eq!(old.layout_version(), layout);
-    assert_eq!(
-        old.service_flows()?,
-        [],
-        "no SERVICE_FLOWS read in layout {layout}"
-    );
+    let old_service_flows = old.service_flows()?;
+    if had_service_flows {
+        assert_eq!(old_service_flows.len(), 2, "{old_service_flows:?}");
+        for flow in &old_service_flows {
+            assert!(flow.packets >= 3 && flow.packets % 3 == 0, "{flow:?}");
+            assert_eq!(flow.bytes, flow.packets * 100, "{flow:?}");
+        }
+    } else {
+        assert_eq!(
+            old_service_flows,
+            [],
+            "no Service counters in layout {layout}"
+        );
+    }
     assert_eq!(old.endpoints()?.len(), 1);
     drop(old);
 
     let mut datapath = open_datapath(pins.path())?;
     assert_eq!(layout_of(&pins)?, LAYOUT_VERSION);
-    assert_eq!(LAYOUT_VERSION, 7);
+    assert_eq!(LAYOUT_VERSION, 8);
+    assert!(
+        !pins.join("SERVICE_FLOWS").exists(),
+        "the old map's pin removed"
+    );
+    assert_eq!(
+        datapath.service_flows()?,
+        old_service_flows,
+        "every Service counter copied"
+    );
     assert_eq!(
         endpoints_id(&pins)?,
         id_before,
@@ -144,7 +226,6 @@ fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResu
     for map in missing {
         assert!(pins.join(map).exists(), "{map} created");
     }
-    assert_eq!(datapath.service_flows()?, []);
     datapath.upsert_service(net("10.96.0.0/12")?, ServiceKind::ClusterIpRange)?;
     assert_eq!(datapath.services()?.len(), 1);
     let filter = datapath.address_filter()?;
@@ -155,6 +236,58 @@ fn older_pins_are_taken_over_in_place(layout: u32, missing: &[&str]) -> TestResu
 
 fn key(text: &str) -> Fallible<EndpointKey> {
     Ok(EndpointKey::from(text.parse::<std::net::IpAddr>()?))
+}
+
+/// A copy of layout 7's SERVICE_FLOWS killed midway is redone whole at the next
+/// start (the counters written as the old map holds them, not added twice); and
+/// once this layout is stamped, an old map left beside it is only removed, never
+/// copied over counters that went on since.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_service_flows_copy_killed_midway_is_redone_and_a_leftover_only_removed() -> TestResult {
+    let pins = PinDir::new();
+    drop(open_datapath(pins.path())?);
+    pin_layout7_service_flows(&pins)?;
+    let stamp = |layout: u32| -> TestResult {
+        let mut meta: Array<MapData, u32> =
+            Array::try_from(Map::Array(MapData::from_pin(pins.join("CENSUS_META"))?))?;
+        meta.set(0, layout, 0)?;
+        Ok(())
+    };
+    // Killed after copying, before stamping: the new maps hold the copy, the
+    // layout still says 7, the old map is still pinned.
+    stamp(7)?;
+    let old = Inspector::open(pins.path())?.service_flows()?;
+    let datapath = open_datapath(pins.path())?;
+    assert_eq!(datapath.service_flows()?, old);
+    drop(datapath);
+    pin_layout7_service_flows(&pins)?;
+    stamp(7)?;
+    let datapath = open_datapath(pins.path())?;
+    assert_eq!(
+        datapath.service_flows()?,
+        old,
+        "copied again, not added twice"
+    );
+    assert!(!pins.join("SERVICE_FLOWS").exists());
+    drop(datapath);
+
+    // Stamped, the old pin left (killed before removing it), and the counters
+    // moved on since: the leftover is removed, the counters stay.
+    let fresh = PinDir::new();
+    drop(open_datapath(fresh.path())?);
+    pin_layout7_service_flows(&fresh)?;
+    let datapath = open_datapath(fresh.path())?;
+    assert_eq!(
+        datapath.service_flows()?,
+        [],
+        "nothing copied into this layout's maps"
+    );
+    assert!(
+        !fresh.join("SERVICE_FLOWS").exists(),
+        "the leftover removed"
+    );
+    Ok(())
 }
 
 /// ADDRESS_FILTER holds every Service range and address SERVICES holds and

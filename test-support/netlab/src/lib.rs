@@ -44,5 +44,7 @@ pub use forward::{Forward, Target};
 pub use lab::{Lab, Pod};
 pub use nat::{Masquerade, TO_ROUTER};
 pub use netns::{ChildGuard, Netns, add_veth, ip_in, unique_name};
-pub use traffic::{UdpReceiver, UdpSender, exchange_udp, udp_echo, udp_echo_through};
+pub use traffic::{
+    UdpReceiver, UdpSender, exchange_udp, udp_echo, udp_echo_between, udp_echo_through,
+};
 pub use world::{WORLD_LINK, World};

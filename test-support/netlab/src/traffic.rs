@@ -126,7 +126,7 @@ pub fn udp_echo(
     let server = UdpReceiver::bind(server_ns, server_ip)?;
     let client = UdpReceiver::bind(client_ns, client_ip)?;
     let target = server.addr;
-    echo(&client, target, &server, count, payload, wait)
+    udp_echo_between(&client, target, &server, count, payload, wait)
 }
 
 /// [`udp_echo`] through another address: the client sends to `target` (a
@@ -149,10 +149,13 @@ pub fn udp_echo_through(
 ) -> Result<usize, Error> {
     let server = UdpReceiver::bind_addr(server_ns, server)?;
     let client = UdpReceiver::bind(client_ns, client_ip)?;
-    echo(&client, target, &server, count, payload, wait)
+    udp_echo_between(&client, target, &server, count, payload, wait)
 }
 
-fn echo(
+/// [`udp_echo_through`] between sockets the caller keeps open: `count` requests
+/// from `client` to `target`, each sent back by `server` to its source; how many
+/// replies came back.
+pub fn udp_echo_between(
     client: &UdpReceiver,
     target: SocketAddr,
     server: &UdpReceiver,

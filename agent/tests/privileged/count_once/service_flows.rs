@@ -1,5 +1,5 @@
 //! Which Service (docs/design.md, "Which Service"): the root cgroup's programs
-//! count SERVICE_FLOWS per (client, Service address, port, protocol,
+//! count SERVICE_FLOWS4/6 per (client, Service address, port, protocol,
 //! direction), where a request still carries the Service address its client
 //! dialled and its reply carries it back, in the lab of the count-once rows
 //! with kube-proxy's rules. Each row checks the Service counters and that FLOWS
@@ -15,11 +15,12 @@ use std::{
     time::Duration,
 };
 
-use census_agent::bpf::{ServiceDirection, identity};
-use census_netlab::{Side, kube_proxy::Protocol};
+use census_agent::bpf::{Endpoint, ServiceDirection, identity};
+use census_netlab::{Side, UdpReceiver, kube_proxy::Protocol, udp_echo_between};
 
 use super::{
-    BACKEND, CLIENT, COUNT, Counts, Lab, PAYLOAD, Shape, TARGET_PORT, cluster_ip, each_way, through,
+    BACKEND, CLIENT, COUNT, Counts, Lab, PAYLOAD, Shape, TARGET_PORT, WAIT, cluster_ip, each_way,
+    through,
 };
 use crate::support::{Fallible, TestResult, frame_len};
 
@@ -36,7 +37,7 @@ impl Lab {
         Self::named(Shape::default(), ("svc-a", "svc-b"), pods)
     }
 
-    /// Every node's SERVICE_FLOWS summed.
+    /// Every node's SERVICE_FLOWS4/6 summed.
     fn service_counts(&self) -> Fallible<ServiceCounts> {
         let mut counts = ServiceCounts::new();
         for datapath in &self.datapaths {
@@ -97,6 +98,36 @@ fn a_pod_calling_a_cluster_ip_with_its_backend_on_its_node_counts_the_service() 
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn a_pod_calling_a_cluster_ip_with_its_backend_on_another_node_counts_the_service() -> TestResult {
     a_pod_calling_a_cluster_ip(Side::B, 22)
+}
+
+/// A client relabelled while its socket stays open (a pod whose labels changed
+/// gets another identity, ENDPOINTS is rewritten): the Service packets that
+/// socket sends and receives after the change count for the new identity, none
+/// more for the old. The socket's kept client (SOCKET_CLIENTS) is not used past
+/// an ENDPOINTS write.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_relabelled_client_s_open_socket_counts_for_its_new_identity() -> TestResult {
+    const RELABELLED: u32 = 1077;
+    let mut lab = Lab::for_services(&[(Side::A, CLIENT), (Side::B, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip("svcrelabel", 29, backend);
+    lab.add_service(&service)?;
+    let server = UdpReceiver::bind_addr(
+        &backend.ns,
+        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
+    )?;
+    let socket = UdpReceiver::bind(&client.ns, client.ipv4.into())?;
+    let target = SocketAddr::V4(service.address);
+    let exchange = || udp_echo_between(&socket, target, &server, COUNT, PAYLOAD, WAIT);
+    assert_eq!(exchange()?, COUNT);
+    let address = IpAddr::V4(client.ipv4);
+    lab.datapaths[0].upsert_endpoint(address, Endpoint::local(RELABELLED))?;
+    assert_eq!(exchange()?, COUNT);
+    let mut expected = udp_each_way(CLIENT, target);
+    expected.extend(udp_each_way(RELABELLED, target));
+    assert_eq!(lab.service_counts()?, expected);
+    Ok(())
 }
 
 /// A pod reaching itself through its Service: the Service counted each way for
@@ -166,7 +197,7 @@ fn a_fragmented_datagram_counts_the_service_once_per_datagram() -> TestResult {
         SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
         COUNT,
         DATAGRAM,
-        super::WAIT,
+        WAIT,
     )?;
     assert_eq!(replies, COUNT);
     let address = SocketAddr::V4(service.address);

@@ -26,7 +26,7 @@ pub(crate) enum BpfCommand {
     /// The NODES map: the other nodes remote endpoints are on -> name, addresses.
     Nodes(nodes::NodesArgs),
     /// The SERVICES map: the cluster's Service addresses (ClusterIP ranges,
-    /// LoadBalancer and external IPs) -> kind; `flows`: the SERVICE_FLOWS map,
+    /// LoadBalancer and external IPs) -> kind; `flows`: the SERVICE_FLOWS4 and SERVICE_FLOWS6 maps,
     /// packets and bytes per client and Service.
     Services(services::ServicesArgs),
     /// The INTERFACES map: the interfaces census counts on -> the identity of the

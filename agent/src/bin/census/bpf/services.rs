@@ -4,7 +4,7 @@
 //! counted where it is seen translated, not where it leaves. Maps of a layout
 //! before SERVICES (4 and older) show none.
 //!
-//! `census bpf services flows`: the SERVICE_FLOWS map, packets and bytes per
+//! `census bpf services flows`: the SERVICE_FLOWS4 and SERVICE_FLOWS6 maps, packets and bytes per
 //! (client identity, Service address, port, protocol, direction), summed over
 //! CPUs; each address named `namespace/name` by the local agent (its admin
 //! port) when the operator named it, `null` (`-` in the table) otherwise or when
@@ -31,12 +31,12 @@ enum ServicesCommand {
     /// Every Service range, IPv4 first, by address then prefix length.
     #[command(visible_alias = "show")]
     List,
-    /// Packets and bytes per client and Service (SERVICE_FLOWS), named by the
+    /// Packets and bytes per client and Service (SERVICE_FLOWS4/6), named by the
     /// local agent.
     Flows,
 }
 
-/// One SERVICE_FLOWS entry, as `-o json` prints it (docs/cli.md).
+/// One SERVICE_FLOWS4/6 entry, as `-o json` prints it (docs/cli.md).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct ServiceFlowView {
     pub(crate) client_identity: u32,
