@@ -199,7 +199,8 @@ impl Migration {
     }
 }
 
-fn remove_pin(path: &Path) -> Result<(), Error> {
+/// Removes the pin at `path`; nothing if it is gone already.
+pub(super) fn remove_pin(path: &Path) -> Result<(), Error> {
     match fs::remove_file(path) {
         Err(error) if error.kind() != io::ErrorKind::NotFound => Err(Error::Io {
             operation: "removing pin",

@@ -6,7 +6,7 @@
 //! Layouts 6 and 7 kept both families in one map, SERVICE_FLOWS, which an agent of
 //! this layout copies into the two ([`copy_layout7`]).
 
-use std::{collections::BTreeMap, fmt, fs, io, net::IpAddr};
+use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 use aya::maps::{IterableMap as _, MapData, MapError, MapInfo, PerCpuHashMap};
 use census_common::{
@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     Datapath, Error,
     maps::is_not_found,
+    migrate,
     pins::{self, Pins},
 };
 
@@ -101,39 +102,44 @@ trait CounterKey: aya::Pod {
     fn read(&self) -> Option<Key>;
 }
 
+impl Key {
+    /// The key of these fields, if census wrote them (a well-formed address and
+    /// direction).
+    fn new(
+        client_identity: u32,
+        service: EndpointKey,
+        (port, protocol, direction): (u16, u8, u8),
+    ) -> Option<Self> {
+        Some(Self {
+            client_identity,
+            service: service.ip()?,
+            port,
+            protocol,
+            direction: ServiceDirection::from_raw(direction)?,
+        })
+    }
+}
+
 impl CounterKey for ServiceFlowKey4 {
     fn read(&self) -> Option<Key> {
-        Some(Key {
-            client_identity: self.client_identity,
-            service: EndpointKey::v4_word(self.service).ip()?,
-            port: self.port,
-            protocol: self.protocol,
-            direction: ServiceDirection::from_raw(self.direction)?,
-        })
+        let service = EndpointKey::v4_word(self.service);
+        let rest = (self.port, self.protocol, self.direction);
+        Key::new(self.client_identity, service, rest)
     }
 }
 
 impl CounterKey for ServiceFlowKey6 {
     fn read(&self) -> Option<Key> {
-        Some(Key {
-            client_identity: self.client_identity,
-            service: EndpointKey::v6_words(self.service).ip()?,
-            port: self.port,
-            protocol: self.protocol,
-            direction: ServiceDirection::from_raw(self.direction)?,
-        })
+        let service = EndpointKey::v6_words(self.service);
+        let rest = (self.port, self.protocol, self.direction);
+        Key::new(self.client_identity, service, rest)
     }
 }
 
 impl CounterKey for ServiceFlowKeyLayout7 {
     fn read(&self) -> Option<Key> {
-        Some(Key {
-            client_identity: self.client_identity,
-            service: self.service.ip()?,
-            port: self.port,
-            protocol: self.protocol,
-            direction: ServiceDirection::from_raw(self.direction)?,
-        })
+        let rest = (self.port, self.protocol, self.direction);
+        Key::new(self.client_identity, self.service, rest)
     }
 }
 
@@ -315,15 +321,7 @@ pub(super) fn remove_layout7(pins: &Pins) -> Result<(), Error> {
     if open_layout7(pins)?.is_none() {
         return Ok(());
     }
-    let path = pins.map(SERVICE_FLOWS_LAYOUT7_MAP);
-    match fs::remove_file(&path) {
-        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(Error::Io {
-            operation: "removing pin",
-            path,
-            source: error,
-        }),
-        _ => Ok(()),
-    }
+    migrate::remove_pin(&pins.map(SERVICE_FLOWS_LAYOUT7_MAP))
 }
 
 impl Datapath {
