@@ -811,10 +811,15 @@ fn is_service(address: &EndpointKey) -> bool {
 /// [`is_service`] with the filter read once for the packet.
 #[inline(always)]
 fn is_service_by(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
-    may_be_service(filter, address)
-        && SERVICES
-            .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
-            .is_some()
+    may_be_service(filter, address) && in_services(address)
+}
+
+/// Whether SERVICES holds `address` (one of its ranges, or the address itself).
+#[inline(always)]
+fn in_services(address: &EndpointKey) -> bool {
+    SERVICES
+        .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
+        .is_some()
 }
 
 /// [`is_service_by`] for SERVICE_FLOWS4/6: an address in a range the filter holds
@@ -826,9 +831,7 @@ fn is_service_counted(filter: Option<&AddressFilter>, address: &EndpointKey) -> 
     match filter.map_or(Verdict::Maybe, |filter| filter.service_verdict(address)) {
         Verdict::No => false,
         Verdict::Yes => true,
-        Verdict::Maybe => SERVICES
-            .get(Key::new(SERVICE_LOOKUP_PREFIX_LEN, *address))
-            .is_some(),
+        Verdict::Maybe => in_services(address),
     }
 }
 
