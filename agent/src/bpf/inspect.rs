@@ -379,14 +379,15 @@ impl Inspector {
                     None => 0,
                 },
                 SERVICE_FLOWS4_MAP | SERVICE_FLOWS6_MAP | SERVICE_FLOWS_LAYOUT7_MAP => {
-                    match self
-                        .service_flows
-                        .as_ref()
-                        .and_then(|maps| maps.count(name))
-                    {
-                        Some(Ok(n)) => n,
-                        Some(Err(source)) => return Err(self.map_error(name, source)),
-                        None => 0,
+                    match (&self.service_flows, *name) {
+                        (Some(ServiceFlowMaps::Split(maps)), SERVICE_FLOWS4_MAP) => {
+                            count(maps.v4.keys(), pin)?
+                        }
+                        (Some(ServiceFlowMaps::Split(maps)), SERVICE_FLOWS6_MAP) => {
+                            count(maps.v6.keys(), pin)?
+                        }
+                        (Some(ServiceFlowMaps::Layout7(map)), _) => count(map.keys(), pin)?,
+                        _ => 0,
                     }
                 }
                 INTERFACES_MAP => used_slots(&self.interfaces).len() as u64,

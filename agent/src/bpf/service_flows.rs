@@ -182,33 +182,6 @@ impl ServiceFlowMaps {
             }
         }
     }
-
-    /// The entries of the map named `name`, if it is one of these.
-    pub(super) fn count(&self, name: &str) -> Option<Result<u64, MapError>> {
-        let count = |keys: &mut dyn Iterator<Item = Result<(), MapError>>| {
-            let mut n = 0u64;
-            for key in keys {
-                match key {
-                    Ok(()) => n += 1,
-                    Err(error) if is_not_found(&error) => {}
-                    Err(error) => return Err(error),
-                }
-            }
-            Ok(n)
-        };
-        match (self, name) {
-            (Self::Split(maps), SERVICE_FLOWS4_MAP) => {
-                Some(count(&mut maps.v4.keys().map(|k| k.map(drop))))
-            }
-            (Self::Split(maps), SERVICE_FLOWS6_MAP) => {
-                Some(count(&mut maps.v6.keys().map(|k| k.map(drop))))
-            }
-            (Self::Layout7(map), SERVICE_FLOWS_LAYOUT7_MAP) => {
-                Some(count(&mut map.keys().map(|k| k.map(drop))))
-            }
-            _ => None,
-        }
-    }
 }
 
 fn collect<K: CounterKey>(
