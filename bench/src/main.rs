@@ -345,12 +345,17 @@ mod tests {
 
     use super::Options;
 
-    #[test]
-    fn a_run_of_no_identities_is_refused_by_name() {
-        let error = Options::try_parse_from(["census-bench", "seed-gc", "--identities", "0"])
+    /// What parsing `args` is refused with; empty if they are accepted.
+    fn refusal(args: &[&str]) -> String {
+        Options::try_parse_from(args)
             .err()
             .map(|e| e.to_string())
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_run_of_no_identities_is_refused_by_name() {
+        let error = refusal(&["census-bench", "seed-gc", "--identities", "0"]);
         assert!(
             error.contains("--identities") && error.contains("at least 1"),
             "{error}"
@@ -361,10 +366,7 @@ mod tests {
 
     #[test]
     fn an_unknown_phase_is_refused_naming_the_phases() {
-        let error = Options::try_parse_from(["census-bench", "seed-leak", "--phase", "labels"])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let error = refusal(&["census-bench", "seed-leak", "--phase", "labels"]);
         assert!(
             error.contains("labels: not a phase") && error.contains("job-labels-kept+deletes-lost"),
             "{error}"
