@@ -167,6 +167,7 @@ impl Caller {
             node: self.node.to_string(),
             session: Some(session_to_wire(self.session)),
             labels: labels.to_strings(),
+            allocation: 0,
         };
         let mut client = self.client.clone();
         let call = tokio::time::timeout(CALL_TIMEOUT, client.allocate(request));

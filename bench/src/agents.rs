@@ -488,6 +488,7 @@ impl Agent {
                 node: self.node.clone(),
                 session: Some(self.session),
                 labels: labels.as_ref().clone(),
+                allocation: 0,
             };
             match client.allocate(request).await {
                 Ok(resp) => {
@@ -546,7 +547,13 @@ impl Agent {
             .map(|h| wire(&h.pod, h.identity))
             .collect();
         let seq = self
-            .send(stream, Body::Snapshot(pb::Snapshot { endpoints }))
+            .send(
+                stream,
+                Body::Snapshot(pb::Snapshot {
+                    endpoints,
+                    allocations_settled: 0,
+                }),
+            )
             .await?;
         stream.sent.insert(seq, Instant::now());
         stream.next_snapshot = Instant::now() + jittered(stream.interval);

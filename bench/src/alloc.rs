@@ -138,6 +138,7 @@ async fn cell(
                     node: node.name.clone(),
                     session: Some(node.session),
                     labels,
+                    allocation: 0,
                 };
                 let started = Instant::now();
                 match tokio::time::timeout(CALL_TIMEOUT, client.allocate(request)).await {
@@ -187,6 +188,7 @@ pub(crate) async fn make_released(
                     node: node.name.clone(),
                     session: Some(node.session),
                     labels: new_labels(&tag, i),
+                    allocation: 0,
                 };
                 for attempt in 0..10u32 {
                     match tokio::time::timeout(CALL_TIMEOUT, client.allocate(request.clone())).await {

@@ -373,6 +373,7 @@ async fn batch(
                     node: node.name.clone(),
                     session: Some(node.session),
                     labels: known_labels(k).as_ref().clone(),
+                    allocation: 0,
                 };
                 let size = request.encoded_len();
                 let (started, sent, answer) = match kind {
@@ -427,7 +428,10 @@ async fn snapshot_round_trip(fleet: &Fleet, p: &Floor) -> anyhow::Result<Against
     let channel = fleet.channel(0);
     let mut stream = SnapshotStream::open(channel.clone()).await?;
     let endpoints = snapshot_endpoints(fleet, &stream.node, stream.session, p).await?;
-    let snapshot = Body::Snapshot(pb::Snapshot { endpoints });
+    let snapshot = Body::Snapshot(pb::Snapshot {
+        endpoints,
+        allocations_settled: 0,
+    });
     let size = pb::AgentMessage {
         seq: 1,
         body: Some(snapshot.clone()),
@@ -603,6 +607,7 @@ async fn snapshot_endpoints(
                 node: node.to_owned(),
                 session: Some(session),
                 labels: labels.clone(),
+                allocation: 0,
             })
             .await
             .context("the snapshot node's Allocate")?

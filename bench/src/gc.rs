@@ -307,6 +307,7 @@ async fn probe_allocations(
             node: node.name.clone(),
             session: Some(node.session),
             labels,
+            allocation: 0,
         });
         match tokio::time::timeout(CALL_TIMEOUT, call).await {
             Ok(Ok(_)) if is_new => new.push(started.elapsed()),

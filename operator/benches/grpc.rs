@@ -116,6 +116,7 @@ fn allocate_request(session: pb::Session, i: usize) -> pb::AllocateRequest {
         node: NODE.into(),
         session: Some(session),
         labels: labels(i),
+        allocation: 0,
     }
 }
 
@@ -171,6 +172,7 @@ async fn snapshot_latency(
             seq,
             body: Some(Body::Snapshot(pb::Snapshot {
                 endpoints: endpoints.clone(),
+                allocations_settled: 0,
             })),
         };
         let started = Instant::now();

@@ -41,6 +41,7 @@ async fn allocate(
             node: node.into(),
             session: Some(session),
             labels: strings(labels),
+            allocation: 0,
         }),
     )
     .await

@@ -148,6 +148,7 @@ async fn connect(url: &str, n: usize) -> TestResult<IdleAgent> {
             node: node.clone(),
             session: Some(session),
             labels: strings(LABELS),
+            allocation: 0,
         })
         .await?
         .into_inner()
@@ -176,7 +177,10 @@ async fn connect(url: &str, n: usize) -> TestResult<IdleAgent> {
     for (seq, endpoints) in [(1, endpoints), (2, Vec::new())] {
         sync.send(pb::AgentMessage {
             seq,
-            body: Some(Body::Snapshot(pb::Snapshot { endpoints })),
+            body: Some(Body::Snapshot(pb::Snapshot {
+                endpoints,
+                allocations_settled: 0,
+            })),
         })
         .await?;
         ack(&mut answers, seq).await?;

@@ -116,6 +116,7 @@ async fn allocate(
         node: NODE.into(),
         session: Some(session(start)),
         labels: labels(name),
+        allocation: 0,
     };
     let identity = client.allocate(req).await?.into_inner().identity;
     identity

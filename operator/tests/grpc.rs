@@ -652,6 +652,7 @@ async fn snapshot_over_the_endpoint_limit_ends_the_stream_and_keeps_the_view() -
             seq,
             Body::Snapshot(pb::Snapshot {
                 endpoints: vec![ep("web-0"), ep("web-1"), ep("web-2"), ep("web-3")],
+                allocations_settled: 0,
             }),
         )
         .await?;
@@ -1166,7 +1167,13 @@ async fn an_old_seq_is_acked_as_ignored_and_counted() -> TestResult {
     let before = op.observe().await?;
 
     let answer = agent
-        .exchange(1, Body::Snapshot(pb::Snapshot { endpoints: vec![] }))
+        .exchange(
+            1,
+            Body::Snapshot(pb::Snapshot {
+                endpoints: vec![],
+                allocations_settled: 0,
+            }),
+        )
         .await?;
     assert_eq!(
         answer.ack,
@@ -1227,6 +1234,7 @@ async fn a_protocol_version_mismatch_is_failed_precondition_naming_both() -> Tes
             node: "node-a".into(),
             session: Some(s),
             labels: strings(DB),
+            allocation: 0,
         })
         .await;
     expect_status(answer, Code::FailedPrecondition, both)?;
@@ -1334,6 +1342,7 @@ async fn allocate_needs_the_nodes_current_session() -> TestResult {
             node: "node-a".into(),
             session: None,
             labels: strings(SHOP),
+            allocation: 0,
         })
         .await;
     expect_status(answer, Code::InvalidArgument, &["session", "is required"])?;
@@ -1842,7 +1851,10 @@ async fn a_snapshot_at_the_endpoint_limit_fits_the_message_limit() -> TestResult
             }
         })
         .collect();
-    let snapshot = pb::Snapshot { endpoints };
+    let snapshot = pb::Snapshot {
+        endpoints,
+        allocations_settled: 0,
+    };
     let size = snapshot.encoded_len();
     assert!(
         size > 4 * 1024 * 1024,

@@ -233,6 +233,7 @@ async fn a_large_snapshot_waits_for_the_budget_and_goes_through_when_room_comes_
         .collect();
     let size = pb::Snapshot {
         endpoints: endpoints.clone(),
+        allocations_settled: 0,
     }
     .encoded_len();
     assert!(
@@ -243,7 +244,10 @@ async fn a_large_snapshot_waits_for_the_budget_and_goes_through_when_room_comes_
     agent
         .send(
             seq,
-            pb::agent_message::Body::Snapshot(pb::Snapshot { endpoints }),
+            pb::agent_message::Body::Snapshot(pb::Snapshot {
+                endpoints,
+                allocations_settled: 0,
+            }),
         )
         .await?;
     // It waits: no Ack while the first holds the budget.

@@ -737,7 +737,10 @@ mod tests {
     }
 
     fn snapshot(endpoints: Vec<pb::Endpoint>) -> pb::Snapshot {
-        pb::Snapshot { endpoints }
+        pb::Snapshot {
+            endpoints,
+            allocations_settled: 0,
+        }
     }
 
     /// (key, reason) of each rejection, in order.

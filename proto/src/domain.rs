@@ -297,6 +297,39 @@ impl fmt::Display for SessionId {
     }
 }
 
+/// An agent's number for one of its allocations, counted from 1 in each session;
+/// every retry of one allocation carries the same number. The hold an answer adds
+/// records it, and a snapshot that says every allocation up to some number has
+/// settled ends the holds of those ([`AllocationId::NONE`]: not numbered, or none
+/// settled).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct AllocationId(u64);
+
+impl AllocationId {
+    /// Not numbered (an agent that numbers no allocation), or none settled.
+    pub const NONE: Self = Self(0);
+
+    pub const fn new(n: u64) -> Self {
+        Self(n)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The number after this one.
+    pub const fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+
+    /// Whether this is a number at all.
+    pub const fn is_some(self) -> bool {
+        self.0 != 0
+    }
+}
+
 /// One endpoint as an agent holds it: its key, addresses, the identity it has written
 /// and its canonical identity labels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,25 +13,9 @@
 use std::collections::{BTreeSet, HashMap, hash_map::Entry};
 
 use census_proto::{
-    domain::{EndpointKey, IdentityId},
+    domain::{AllocationId, EndpointKey, IdentityId},
     labels::LabelSet,
 };
-
-/// One Allocate request of the core, from its start to its answer or cancellation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct AllocationId(u64);
-
-impl AllocationId {
-    /// No request: for an answer the core did not ask for (the core resolves
-    /// answers by label set).
-    pub const NONE: Self = Self(0);
-
-    /// For tests that answer requests they did not get from a core.
-    #[cfg(test)]
-    pub const fn new(n: u64) -> Self {
-        Self(n)
-    }
-}
 
 /// What the cache knows of one label set.
 #[derive(Debug, Default)]
@@ -86,7 +70,7 @@ impl IdentityCache {
             return Lookup::Pending(None);
         }
         self.last_request += 1;
-        let id = AllocationId(self.last_request);
+        let id = AllocationId::new(self.last_request);
         entry.inflight = Some(id);
         Lookup::Pending(Some(AllocationRequest {
             id,

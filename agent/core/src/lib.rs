@@ -70,6 +70,7 @@ use census_proto::{
 use ipnet::IpNet;
 use tracing::{debug, info, warn};
 
+pub use census_proto::domain::AllocationId;
 pub use effects::{Allocation, Desired, Effects, Entry, InterfaceChange, Report};
 pub use error::{AllocateFailure, DatapathError, LabelsError, Problem, StreamError};
 pub use events::{
@@ -77,7 +78,7 @@ pub use events::{
     MapNode, MissingHook, NodeHook, OperatorEvent, ProgramInFront, Reconciled, Verdict,
     VerdictScope,
 };
-pub use identities::{AllocationId, AllocationRequest};
+pub use identities::AllocationRequest;
 use identities::{IdentityCache, Lookup, Release};
 use remote::RemoteMap;
 pub use remote::{MapApplied, NodeEntry};

@@ -516,6 +516,7 @@ impl SyncClient {
             seq,
             body: Some(Body::Snapshot(pb::Snapshot {
                 endpoints: state.mirror.values().cloned().collect(),
+                allocations_settled: 0,
             })),
         })
     }

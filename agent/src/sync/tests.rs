@@ -99,6 +99,7 @@ async fn allocate(
             node: node.to_owned(),
             session: Some(session_to_wire(session)),
             labels: labels.to_strings(),
+            allocation: 0,
         })
         .await?
         .into_inner();

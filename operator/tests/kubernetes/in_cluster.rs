@@ -232,6 +232,7 @@ async fn allocate_as(
         node: node.into(),
         session: Some(crate::operator::session(1)),
         labels: crate::operator::wire_labels(app),
+        allocation: 0,
     });
     request
         .metadata_mut()

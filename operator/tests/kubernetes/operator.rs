@@ -153,6 +153,7 @@ pub(crate) async fn allocate(
             node: node.into(),
             session: Some(session),
             labels: wire_labels(app),
+            allocation: 0,
         }),
     )
     .await
@@ -224,7 +225,10 @@ impl Agent {
         self.tx
             .send(pb::AgentMessage {
                 seq,
-                body: Some(Body::Snapshot(pb::Snapshot { endpoints })),
+                body: Some(Body::Snapshot(pb::Snapshot {
+                    endpoints,
+                    allocations_settled: 0,
+                })),
             })
             .await
             .map_err(|_| "the stream is closed")?;

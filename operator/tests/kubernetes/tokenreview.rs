@@ -458,6 +458,7 @@ async fn allocate_as(
         node: node.into(),
         session: Some(crate::operator::session(1)),
         labels: crate::operator::wire_labels("web"),
+        allocation: 0,
     };
     let request = match token {
         Some(token) => bearer(message, token)?,

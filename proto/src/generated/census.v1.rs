@@ -58,6 +58,12 @@ pub struct AllocateRequest {
     pub session: ::core::option::Option<Session>,
     #[prost(string, repeated, tag = "4")]
     pub labels: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// The agent's number for this allocation, counted from 1 in its session; every
+    /// retry of one allocation carries the same number. The hold the answer adds
+    /// records it, so a later Snapshot's `allocations_settled` can end the hold.
+    /// 0: not numbered (the hold only expires).
+    #[prost(uint64, tag = "5")]
+    pub allocation: u64,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct AllocateResponse {
@@ -243,6 +249,12 @@ pub struct EndpointDelete {
 pub struct Snapshot {
     #[prost(message, repeated, tag = "1")]
     pub endpoints: ::prost::alloc::vec::Vec<Endpoint>,
+    /// Every allocation of this session numbered up to this one has been answered or
+    /// given up, and each endpoint that took up its identity is in `endpoints`: the
+    /// operator ends the holds of those allocations (an answer no endpoint took up
+    /// needs no hold). 0: none.
+    #[prost(uint64, tag = "2")]
+    pub allocations_settled: u64,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct OperatorMessage {
@@ -801,7 +813,8 @@ pub mod identity_service_client {
         }
         /// Returns the identity of a label set, allocating and persisting a new one if
         /// needed. The identity is held for the calling node until it appears in that
-        /// node's view or the hold times out.
+        /// node's view, a Snapshot's `allocations_settled` covers the call's
+        /// `allocation`, or the hold times out.
         ///
         /// The node must have said Hello on EndpointSync first, and `session` must be the
         /// session of that Hello (the node's current one; its stream need not still be
@@ -949,7 +962,8 @@ pub mod identity_service_server {
     pub trait IdentityService: std::marker::Send + std::marker::Sync + 'static {
         /// Returns the identity of a label set, allocating and persisting a new one if
         /// needed. The identity is held for the calling node until it appears in that
-        /// node's view or the hold times out.
+        /// node's view, a Snapshot's `allocations_settled` covers the call's
+        /// `allocation`, or the hold times out.
         ///
         /// The node must have said Hello on EndpointSync first, and `session` must be the
         /// session of that Hello (the node's current one; its stream need not still be

@@ -257,8 +257,14 @@ impl Agent {
     /// A snapshot with the next `seq`.
     pub async fn snapshot(&mut self, endpoints: Vec<pb::Endpoint>) -> TestResult<Answer> {
         let seq = self.next_seq();
-        self.exchange(seq, Body::Snapshot(pb::Snapshot { endpoints }))
-            .await
+        self.exchange(
+            seq,
+            Body::Snapshot(pb::Snapshot {
+                endpoints,
+                allocations_settled: 0,
+            }),
+        )
+        .await
     }
 
     /// An upsert with the next `seq`.

@@ -188,6 +188,7 @@ impl Operator {
                 node: node.into(),
                 session: Some(session),
                 labels: strings(labels),
+                allocation: 0,
             })
             .await;
         Ok(match answer {

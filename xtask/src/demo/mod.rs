@@ -1119,6 +1119,7 @@ async fn identities_over_grpc(port: u16, certs: &tls::DemoCerts) -> anyhow::Resu
                     labels: labels.clone(),
                 })
                 .collect(),
+            allocations_settled: 0,
         })),
     })
     .await?;
@@ -1156,6 +1157,7 @@ async fn allocate_pods(
                 node: NODE.to_owned(),
                 session: Some(session),
                 labels: labels.clone(),
+                allocation: 0,
             })
             .await?
             .into_inner()

@@ -141,6 +141,7 @@ async fn connect(port: u16, certs: &super::tls::DemoCerts) -> anyhow::Result<(u3
             node: NODE.to_owned(),
             session: Some(session),
             labels: labels.clone(),
+            allocation: 0,
         })
         .await?
         .into_inner()
@@ -157,6 +158,7 @@ async fn connect(port: u16, certs: &super::tls::DemoCerts) -> anyhow::Result<(u3
                 identity,
                 labels,
             }],
+            allocations_settled: 0,
         })),
     })
     .await?;
