@@ -123,7 +123,7 @@ impl Caller {
                 // Ended (false) only when the agent stops; then the call fails and ends.
                 let _ = connected.wait_for(|up| *up).await.map(|_| ());
                 let _permit = self.limit.acquire().await;
-                self.attempt(&labels).await
+                self.attempt(request, &labels).await
             };
             let result = tokio::select! {
                 result = attempt => result,
@@ -160,14 +160,19 @@ impl Caller {
         }
     }
 
-    /// One Allocate call.
-    async fn attempt(&self, labels: &LabelSet) -> Result<IdentityId, AllocateFailure> {
+    /// One Allocate call of `allocation`: every attempt carries its number, under
+    /// which the operator records the hold its answer adds.
+    async fn attempt(
+        &self,
+        allocation: AllocationId,
+        labels: &LabelSet,
+    ) -> Result<IdentityId, AllocateFailure> {
         let request = pb::AllocateRequest {
             protocol_version: PROTOCOL_VERSION,
             node: self.node.to_string(),
             session: Some(session_to_wire(self.session)),
             labels: labels.to_strings(),
-            allocation: 0,
+            allocation: allocation.get(),
         };
         let mut client = self.client.clone();
         let call = tokio::time::timeout(CALL_TIMEOUT, client.allocate(request));
@@ -197,18 +202,151 @@ fn failure(status: &tonic::Status) -> AllocateFailure {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use census_proto::pb::identity_service_server::{IdentityService, IdentityServiceServer};
+    use census_testkit::{TestResult, fail, lazy_channel};
+    use tokio::net::TcpListener;
+    use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+    use tonic::{Request, Response, Status, transport::Server};
+
     use super::*;
+    use crate::daemon::new_session;
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    /// An IdentityService that answers UNAVAILABLE to its first Allocate and
+    /// identity 300 to the others, handing the test every request.
+    struct Recording {
+        requests: mpsc::UnboundedSender<pb::AllocateRequest>,
+        calls: AtomicUsize,
+    }
+
+    #[tonic::async_trait]
+    impl IdentityService for Recording {
+        type WatchStream = ReceiverStream<Result<pb::WatchEvent, Status>>;
+
+        async fn allocate(
+            &self,
+            request: Request<pb::AllocateRequest>,
+        ) -> Result<Response<pb::AllocateResponse>, Status> {
+            let _ = self.requests.send(request.into_inner());
+            if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Err(Status::unavailable("not yet"));
+            }
+            Ok(Response::new(pb::AllocateResponse {
+                identity: Some(pb::Identity {
+                    id: 300,
+                    ..pb::Identity::default()
+                }),
+            }))
+        }
+
+        async fn get(&self, _: Request<pb::GetRequest>) -> Result<Response<pb::Identity>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn lookup(
+            &self,
+            _: Request<pb::LookupRequest>,
+        ) -> Result<Response<pb::Identity>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn list(
+            &self,
+            _: Request<pb::ListRequest>,
+        ) -> Result<Response<pb::ListResponse>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn watch(
+            &self,
+            _: Request<pb::WatchRequest>,
+        ) -> Result<Response<Self::WatchStream>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>) -> TestResult<T> {
+        match tokio::time::timeout(WAIT, rx.recv()).await {
+            Ok(Some(item)) => Ok(item),
+            _ => fail("nothing came"),
+        }
+    }
+
+    /// The operator records the hold of an answer under the request's number, and
+    /// a retry is the same allocation.
+    #[tokio::test]
+    async fn every_attempt_of_a_request_carries_its_number() -> TestResult {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (requests_tx, mut requests) = mpsc::unbounded_channel();
+        let service = Recording {
+            requests: requests_tx,
+            calls: AtomicUsize::new(0),
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(
+            Server::builder()
+                .add_service(IdentityServiceServer::new(service))
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                    let _ = stopped.await;
+                }),
+        );
+        let (events_tx, mut events) = mpsc::channel(16);
+        let (_connected, connected) = watch::channel(true);
+        let mut client = AllocateClient::new(
+            crate::client::plain(lazy_channel(addr)?),
+            NodeName::new("n1")?,
+            new_session(),
+            events_tx,
+            connected,
+            Duration::from_millis(50),
+            Metrics::default(),
+        );
+        client.caller.initial_backoff = Duration::from_millis(10);
+        let labels: LabelSet = "k8s:app=web".parse()?;
+        client.apply(Allocation::Start(AllocationRequest {
+            id: AllocationId::new(7),
+            labels: labels.clone(),
+        }));
+
+        let event = tokio::time::timeout(WAIT, events.recv()).await?;
+        assert!(
+            matches!(&event, Some(AllocationEvent::Failed { request, .. }) if *request == AllocationId::new(7)),
+            "{event:?}"
+        );
+        let event = tokio::time::timeout(WAIT, events.recv()).await?;
+        assert_eq!(
+            event,
+            Some(AllocationEvent::Allocated {
+                request: AllocationId::new(7),
+                labels,
+                id: IdentityId::new(300).ok_or("300")?,
+            })
+        );
+        let numbers = [
+            next(&mut requests).await?.allocation,
+            next(&mut requests).await?.allocation,
+        ];
+        assert_eq!(numbers, [7, 7], "the attempt and its retry");
+
+        let _ = stop.send(());
+        server.await??;
+        Ok(())
+    }
 
     #[test]
     fn an_invalid_argument_is_a_refusal_and_other_codes_are_not() {
-        let refused = failure(&tonic::Status::invalid_argument("labels[0]: bad"));
+        let refused = failure(&Status::invalid_argument("labels[0]: bad"));
         assert!(refused.is_refusal());
         assert_eq!(refused.metric_label(), "InvalidArgument");
         assert_eq!(
             refused.to_string(),
             "operator: InvalidArgument: labels[0]: bad"
         );
-        let away = failure(&tonic::Status::unavailable("not the leader"));
+        let away = failure(&Status::unavailable("not the leader"));
         assert!(!away.is_refusal());
         assert_eq!(away.metric_label(), "Unavailable");
         assert_eq!(away.to_string(), "operator: Unavailable: not the leader");
