@@ -53,6 +53,11 @@ pub enum Allocation {
 pub enum Report {
     Upsert(Endpoint),
     Delete(EndpointKey),
+    /// Every allocation numbered up to this one has been answered or given up,
+    /// and the reports before this one carry each endpoint that took up its
+    /// identity: what a Snapshot's `allocations_settled` says. The last report
+    /// of its batch, and only when the number has grown.
+    Settled(AllocationId),
 }
 
 /// What the shells must do after the events since the last [`super::Core::take_effects`].

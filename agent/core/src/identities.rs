@@ -8,7 +8,9 @@
 //!   the last user drops it, and with it the request in flight (the release says
 //!   which request to cancel);
 //! - a `Rebind` from the operator rewrites the entry, so every endpoint of the set
-//!   follows.
+//!   follows;
+//! - requests are numbered 1, 2, 3, ... and the cache knows which are still in
+//!   flight, so it can say up to which number all are settled ([`IdentityCache::settled`]).
 
 use std::collections::{BTreeSet, HashMap, hash_map::Entry};
 
@@ -55,7 +57,10 @@ pub(crate) enum Release {
 #[derive(Debug, Default)]
 pub(crate) struct IdentityCache {
     entries: HashMap<LabelSet, CacheEntry>,
-    last_request: u64,
+    last_request: AllocationId,
+    /// Every entry's `inflight`, lowest first for [`Self::settled`]; a B-tree gives
+    /// its nodes back as it empties, so it needs no [`Self::shrink`].
+    inflight: BTreeSet<AllocationId>,
 }
 
 impl IdentityCache {
@@ -69,9 +74,10 @@ impl IdentityCache {
         if entry.inflight.is_some() {
             return Lookup::Pending(None);
         }
-        self.last_request += 1;
-        let id = AllocationId::new(self.last_request);
+        self.last_request = self.last_request.next();
+        let id = self.last_request;
         entry.inflight = Some(id);
+        self.inflight.insert(id);
         Lookup::Pending(Some(AllocationRequest {
             id,
             labels: labels.clone(),
@@ -86,6 +92,9 @@ impl IdentityCache {
         entry.get_mut().users.remove(user);
         if entry.get().users.is_empty() {
             let gone = entry.remove();
+            if let Some(request) = gone.inflight {
+                self.inflight.remove(&request);
+            }
             self.shrink();
             return Release::Dropped(gone.inflight);
         }
@@ -93,15 +102,27 @@ impl IdentityCache {
     }
 
     /// The operator answered `id` for `labels`: the users to update (none if nobody
-    /// needs the set any more).
+    /// needs the set any more). The set's request in flight, whichever answered,
+    /// is settled.
     pub(crate) fn resolved(&mut self, labels: &LabelSet, id: IdentityId) -> Vec<EndpointKey> {
         match self.entries.get_mut(labels) {
             Some(entry) => {
                 entry.id = Some(id);
-                entry.inflight = None;
+                if let Some(request) = entry.inflight.take() {
+                    self.inflight.remove(&request);
+                }
                 entry.users.iter().cloned().collect()
             }
             None => Vec::new(),
+        }
+    }
+
+    /// The highest number up to which every request has been answered or given
+    /// up: the one before the lowest in flight, or the last when none is.
+    pub(crate) fn settled(&self) -> AllocationId {
+        match self.inflight.first() {
+            Some(lowest) => AllocationId::new(lowest.get().saturating_sub(1)),
+            None => self.last_request,
         }
     }
 
@@ -241,6 +262,57 @@ mod tests {
             panic!("a new request");
         };
         assert_ne!(again.id, request.id, "every request has its own id");
+    }
+
+    #[test]
+    fn settled_is_the_number_before_the_lowest_request_in_flight() {
+        let mut cache = IdentityCache::default();
+        assert_eq!(cache.settled(), AllocationId::NONE, "none asked yet");
+        let (web, db, api) = (
+            labels("k8s:app=web"),
+            labels("k8s:app=db"),
+            labels("k8s:app=api"),
+        );
+        for set in [&web, &db, &api] {
+            let _ = cache.acquire(set, &key("pod-0"));
+        }
+        let _ = cache.acquire(&db, &key("pod-1"));
+        assert_eq!(cache.settled(), AllocationId::NONE);
+        cache.resolved(&db, id(301));
+        assert_eq!(cache.settled(), AllocationId::NONE, "1 is still in flight");
+        assert_eq!(
+            cache.release(&web, &key("pod-0")),
+            Release::Dropped(Some(AllocationId::new(1)))
+        );
+        assert_eq!(cache.settled(), AllocationId::new(2), "3 is in flight");
+        assert_eq!(cache.release(&db, &key("pod-0")), Release::Kept);
+        cache.resolved(&api, id(302));
+        assert_eq!(
+            cache.settled(),
+            AllocationId::new(3),
+            "none in flight: the last"
+        );
+
+        let Lookup::Pending(Some(request)) = cache.acquire(&web, &key("pod-0")) else {
+            panic!("a request");
+        };
+        assert_eq!(request.id, AllocationId::new(4));
+        assert_eq!(cache.settled(), AllocationId::new(3));
+        cache.rebind(&web, id(303));
+        assert_eq!(
+            cache.settled(),
+            AllocationId::new(4),
+            "a Rebind answers it too"
+        );
+        for (set, user) in [(&web, "pod-0"), (&db, "pod-1"), (&api, "pod-0")] {
+            cache.release(set, &key(user));
+        }
+        assert!(cache.is_empty() && cache.inflight.is_empty());
+        assert_eq!(
+            cache.settled(),
+            AllocationId::new(4),
+            "the number never goes back"
+        );
     }
 
     #[test]

@@ -20,6 +20,10 @@
 //! ([`Core::on_reconciled`]) — and effects queue up until [`Core::take_effects`]:
 //! allocations to start or cancel, reports for the operator, and the datapath
 //! changes themselves (`address -> Option<Entry>`, `interface -> attach or detach`).
+//! Allocations are numbered 1, 2, 3, ... (one agent process, one count); when every
+//! one up to a number has been answered or given up, the batch's reports end with
+//! that number ([`Report::Settled`]), after the reports of the endpoints that took
+//! up the identities, so the operator may end those allocations' holds.
 //! [`Core::status`] is the one status the admin API and the metrics read.
 //!
 //! An endpoint **holds** an identity once one is known for it; only then are its
@@ -149,6 +153,8 @@ pub struct Core {
     interfaces: HashMap<String, usize>,
     host_ips: BTreeSet<IpAddr>,
     cache: IdentityCache,
+    /// The last [`Report::Settled`] given.
+    settled: AllocationId,
     /// Whether the source has given its first full set.
     synced: bool,
     /// LOCAL entries found in ENDPOINTS at start, until the first full set.
@@ -747,16 +753,23 @@ impl Core {
     }
 
     /// The effects of the events since the last call: the datapath changes as the
-    /// state is now.
+    /// state is now. The reports end with [`Report::Settled`] when more requests
+    /// are settled: every answer is applied (its endpoints reported) in the event
+    /// that settles it, so the reports before it carry them.
     pub fn take_effects(&mut self) -> Effects {
         let Queue {
             allocations,
-            reports,
+            mut reports,
             ips,
             interfaces,
             nodes,
             services,
         } = mem::take(&mut self.queue);
+        let settled = self.cache.settled();
+        if settled > self.settled {
+            self.settled = settled;
+            reports.push(Report::Settled(settled));
+        }
         let identities = self.interface_identities();
         Effects {
             allocations,

@@ -46,6 +46,34 @@ fn allocated(e: &mut Core, name: &str, n: u32) {
     });
 }
 
+/// The requests `fx` starts.
+fn started(fx: &Effects) -> Vec<AllocationRequest> {
+    fx.started().cloned().collect()
+}
+
+/// The operator answers `request` with `n`.
+fn answer(e: &mut Core, request: &AllocationRequest, n: u32) {
+    e.on_allocation(AllocationEvent::Allocated {
+        request: request.id,
+        labels: request.labels.clone(),
+        id: id(n),
+    });
+}
+
+/// `fx`'s reports, in order: `upsert web-0 300`, `delete web-0`, `settled 2`.
+fn reports(fx: &Effects) -> Vec<String> {
+    fx.reports
+        .iter()
+        .map(|report| match report {
+            Report::Upsert(endpoint) => {
+                format!("upsert {} {}", endpoint.key.name(), endpoint.identity)
+            }
+            Report::Delete(key) => format!("delete {}", key.name()),
+            Report::Settled(upto) => format!("settled {}", upto.get()),
+        })
+        .collect()
+}
+
 /// ENDPOINTS as the effects leave it, applied as reconcile applies them.
 #[derive(Debug, Default)]
 struct Maps(BTreeMap<IpAddr, Entry>);
@@ -113,7 +141,10 @@ fn endpoints_are_written_once_their_identity_is_known() {
         maps.entries(),
         vec![("198.18.1.2".into(), 300), ("198.18.2.2".into(), 300)]
     );
-    assert_eq!(fx.reports.len(), 2);
+    assert_eq!(
+        reports(&fx),
+        ["upsert web-0 300", "upsert web-1 300", "settled 1"]
+    );
     assert_eq!(counts(&e), (2, 1, 0));
     let view = e.view();
     assert_eq!(view[0].key.name(), "db-0", "sorted by namespace/name");
@@ -339,7 +370,11 @@ fn an_endpoint_without_an_interface_is_written_and_shows_why() {
         Some(Entry::Unattached(id(300))),
         "not LOCAL: no census hook counts its packets as they leave it"
     );
-    assert_eq!(fx.reports.len(), 1, "the operator counts it");
+    assert_eq!(
+        reports(&fx),
+        ["upsert web-0 300", "settled 1"],
+        "the operator counts it"
+    );
     let view = e.view();
     assert_eq!(view[0].state, EndpointState::Error);
     assert_eq!(
@@ -647,4 +682,157 @@ fn the_datapath_health_of_a_full_pass_is_the_status() {
     });
     assert_eq!(e.status().datapath_error, None);
     assert!(e.status().in_front.is_empty());
+}
+
+#[test]
+fn an_answer_is_settled_after_the_endpoints_that_took_its_identity_up() {
+    let mut e = Core::new(HashMap::new());
+    e.on_source(SourceEvent::Reset(vec![
+        ep("web-0", "198.18.1.2", "web"),
+        ep("web-1", "198.18.2.2", "web"),
+    ]));
+    let fx = e.take_effects();
+    let [web] = started(&fx).try_into().unwrap_or_else(|r| panic!("{r:?}"));
+    assert_eq!(web.id, AllocationId::new(1), "numbered from 1");
+    assert!(
+        reports(&fx).is_empty(),
+        "nothing settled while it is in flight"
+    );
+
+    answer(&mut e, &web, 300);
+    assert_eq!(
+        reports(&e.take_effects()),
+        ["upsert web-0 300", "upsert web-1 300", "settled 1"]
+    );
+    assert!(e.take_effects().is_empty(), "said once");
+}
+
+#[test]
+fn a_request_given_up_is_settled() {
+    let mut e = Core::new(HashMap::new());
+    e.on_source(SourceEvent::Reset(vec![ep("web-0", "198.18.1.2", "web")]));
+    let [web] = started(&e.take_effects())
+        .try_into()
+        .unwrap_or_else(|r| panic!("{r:?}"));
+
+    e.on_source(SourceEvent::Delete(key("web-0")));
+    let fx = e.take_effects();
+    assert_eq!(fx.allocations, [Allocation::Cancel(web.id)]);
+    assert_eq!(
+        reports(&fx),
+        ["settled 1"],
+        "the pod ended before the answer"
+    );
+
+    answer(&mut e, &web, 300);
+    assert!(
+        e.take_effects().is_empty(),
+        "a late answer settles nothing again"
+    );
+}
+
+#[test]
+fn the_settled_number_waits_for_the_lowest_request_in_flight() {
+    let mut e = Core::new(HashMap::new());
+    e.on_source(SourceEvent::Reset(vec![
+        ep("web-0", "198.18.1.2", "web"),
+        ep("db-0", "198.18.3.2", "db"),
+    ]));
+    let [web, db] = started(&e.take_effects())
+        .try_into()
+        .unwrap_or_else(|r| panic!("{r:?}"));
+    assert_eq!((web.id.get(), db.id.get()), (1, 2));
+
+    answer(&mut e, &db, 301);
+    assert_eq!(
+        reports(&e.take_effects()),
+        ["upsert db-0 301"],
+        "1 is still in flight"
+    );
+    answer(&mut e, &web, 300);
+    assert_eq!(
+        reports(&e.take_effects()),
+        ["upsert web-0 300", "settled 2"]
+    );
+}
+
+#[test]
+fn a_failed_attempt_settles_nothing() {
+    let mut e = Core::new(HashMap::new());
+    e.on_source(SourceEvent::Reset(vec![ep("web-0", "198.18.1.2", "web")]));
+    let [web] = started(&e.take_effects())
+        .try_into()
+        .unwrap_or_else(|r| panic!("{r:?}"));
+
+    e.on_allocation(AllocationEvent::Failed {
+        request: web.id,
+        labels: web.labels.clone(),
+        failure: AllocateFailure::Timeout,
+    });
+    assert!(reports(&e.take_effects()).is_empty(), "it is retried");
+    answer(&mut e, &web, 300);
+    assert_eq!(
+        reports(&e.take_effects()),
+        ["upsert web-0 300", "settled 1"]
+    );
+}
+
+#[test]
+fn a_rebind_that_answers_a_request_in_flight_settles_it() {
+    // A restarted agent: web-0 keeps the identity the maps held while it asks.
+    let mut e = Core::new(HashMap::from([(ip("198.18.1.2"), 300)]));
+    e.on_source(SourceEvent::Reset(vec![ep("web-0", "198.18.1.2", "web")]));
+    let fx = e.take_effects();
+    assert_eq!(started(&fx).len(), 1);
+    assert_eq!(reports(&fx), ["upsert web-0 300"]);
+
+    e.on_operator(OperatorEvent::Rebind {
+        key: key("web-0"),
+        id: id(400),
+    });
+    assert_eq!(
+        reports(&e.take_effects()),
+        ["upsert web-0 400", "settled 1"]
+    );
+}
+
+#[test]
+fn settled_comes_after_every_report_of_its_batch() {
+    let mut e = Core::new(HashMap::new());
+    e.on_source(SourceEvent::Reset(vec![
+        ep("web-0", "198.18.1.2", "web"),
+        ep("api-0", "198.18.5.2", "api"),
+    ]));
+    for request in started(&e.take_effects()) {
+        answer(&mut e, &request, 300);
+    }
+    assert_eq!(
+        reports(&e.take_effects()).last().map(String::as_str),
+        Some("settled 2")
+    );
+
+    e.on_source(SourceEvent::Upsert(ep("db-0", "198.18.3.2", "db")));
+    let [db] = started(&e.take_effects())
+        .try_into()
+        .unwrap_or_else(|r| panic!("{r:?}"));
+    e.on_source(SourceEvent::Upsert(ep("web-1", "198.18.2.2", "web")));
+    e.on_source(SourceEvent::Delete(key("api-0")));
+    assert_eq!(
+        reports(&e.take_effects()),
+        ["upsert web-1 300", "delete api-0"],
+        "nothing settled: 3 is in flight"
+    );
+
+    e.on_source(SourceEvent::Upsert(ep("web-2", "198.18.4.2", "web")));
+    answer(&mut e, &db, 301);
+    e.on_source(SourceEvent::Delete(key("web-0")));
+    assert_eq!(
+        reports(&e.take_effects()),
+        [
+            "upsert web-2 300",
+            "upsert db-0 301",
+            "delete web-0",
+            "settled 3"
+        ]
+    );
 }

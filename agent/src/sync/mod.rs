@@ -151,6 +151,7 @@ impl State {
             Report::Delete(key) => {
                 self.mirror.remove(key);
             }
+            Report::Settled(_) => {}
         }
     }
 
@@ -468,6 +469,7 @@ impl SyncClient {
                     endpoint: Some(endpoint_to_wire(&endpoint)),
                 }),
             ),
+            Report::Settled(_) => return,
             Report::Delete(_) if self.drop_deletes => {
                 self.metrics.deltas_dropped.inc();
                 return;
