@@ -13,6 +13,11 @@
 //!   not, so a snapshot is always "the state after every delta up to its seq". A
 //!   delta that does not fit in the outgoing queue is dropped and covered by a
 //!   snapshot sent as soon as there is room: the stream never blocks the agent.
+//! - The core's last word on which allocations are settled ([`Report::Settled`]) is
+//!   kept beside the mirror for the whole session and goes in every snapshot
+//!   (`allocations_settled`), never as a delta. It comes after the reports of the
+//!   endpoints that took the identities up, so the mirror it goes out with holds
+//!   them.
 //! - Acks record the last seq applied, Rebinds go to the core, a SnapshotRequest
 //!   sends one now. The stream's state ([`OperatorLink`]) goes to the core too, which
 //!   holds the agent's one status. An Ack's rejected and pending entries go to the core as a
@@ -52,7 +57,8 @@ use tracing::{Instrument as _, debug, info, info_span, warn};
 
 use crate::{
     agent_core::{
-        LabelSettings, OperatorEvent, OperatorLink, Report, StreamError, Verdict, VerdictScope,
+        AllocationId, LabelSettings, OperatorEvent, OperatorLink, Report, StreamError, Verdict,
+        VerdictScope,
     },
     backoff::{Backoff, jittered},
     host::HostIps,
@@ -130,6 +136,8 @@ struct State {
     ready: watch::Receiver<bool>,
     shutdown: watch::Receiver<bool>,
     mirror: BTreeMap<EndpointKey, pb::Endpoint>,
+    /// The core's last [`Report::Settled`], for every snapshot of the session.
+    settled: AllocationId,
     seq: u64,
     streams: u64,
     interval: Duration,
@@ -151,7 +159,7 @@ impl State {
             Report::Delete(key) => {
                 self.mirror.remove(key);
             }
-            Report::Settled(_) => {}
+            Report::Settled(upto) => self.settled = *upto,
         }
     }
 
@@ -212,6 +220,7 @@ impl SyncClient {
             ready,
             shutdown,
             mirror: BTreeMap::new(),
+            settled: AllocationId::NONE,
             seq: 0,
             streams: 0,
             interval: DEFAULT_INTERVAL,
@@ -469,6 +478,7 @@ impl SyncClient {
                     endpoint: Some(endpoint_to_wire(&endpoint)),
                 }),
             ),
+            // Snapshots carry it.
             Report::Settled(_) => return,
             Report::Delete(_) if self.drop_deletes => {
                 self.metrics.deltas_dropped.inc();
@@ -518,7 +528,7 @@ impl SyncClient {
             seq,
             body: Some(Body::Snapshot(pb::Snapshot {
                 endpoints: state.mirror.values().cloned().collect(),
-                allocations_settled: 0,
+                allocations_settled: state.settled.get(),
             })),
         })
     }

@@ -6,19 +6,27 @@ use std::{
 };
 
 use census_proto::{
+    convert::filter_to_wire,
     domain::{Endpoint, IdentityId, canonical_ips},
     labels::{LabelFilter, LabelSet},
-    pb::identity_service_client::IdentityServiceClient,
+    pb::{
+        endpoint_sync_server::{EndpointSync, EndpointSyncServer},
+        identity_service_client::IdentityServiceClient,
+    },
 };
 use census_testkit::{
-    Operator, TestResult, identity, lazy_channel, node, node as node_info, until_some,
+    Operator, TestResult, fail, identity, lazy_channel, node, node as node_info, until_some,
 };
-use tokio::task::JoinHandle;
-use tonic::transport::Channel;
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{
+    Request, Response, Status,
+    transport::{Channel, Server},
+};
 
 use super::*;
 use crate::{
-    agent_core::{AllocationEvent, Core, EndpointState},
+    agent_core::{AllocationEvent, AllocationId, Core, EndpointState},
     daemon::new_session,
     source::{HostInterface, SourceEndpoint, SourceEvent},
 };
@@ -525,5 +533,149 @@ async fn hello_carries_the_nodes_first_16_addresses_but_link_local_ones() -> Tes
     let sent = client.hello_addresses();
     let want: Vec<String> = (1..=16).map(|i| format!("198.18.0.{i}")).collect();
     assert_eq!(sent, want);
+    Ok(())
+}
+
+type Outbound = mpsc::Sender<Result<pb::OperatorMessage, Status>>;
+
+/// An EndpointSync service that answers every Hello (snapshots only when asked)
+/// and hands the test each stream: the agent's messages, and the sending side of
+/// the operator's, which ends the stream when dropped.
+struct Scripted {
+    streams: mpsc::UnboundedSender<(mpsc::UnboundedReceiver<pb::AgentMessage>, Outbound)>,
+}
+
+#[tonic::async_trait]
+impl EndpointSync for Scripted {
+    type SyncStream = ReceiverStream<Result<pb::OperatorMessage, Status>>;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (operator, outbound) = mpsc::channel(16);
+        let reply = pb::HelloReply {
+            protocol_version: PROTOCOL_VERSION,
+            filter: Some(filter_to_wire(&LabelFilter::default())),
+            // An hour: within a test, only the snapshots asked for.
+            snapshot_interval_ms: 3_600_000,
+            ..pb::HelloReply::default()
+        };
+        let _ = operator
+            .send(Ok(pb::OperatorMessage {
+                body: Some(operator_message::Body::HelloReply(reply)),
+            }))
+            .await;
+        let (agent, messages) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok(Some(message)) = inbound.message().await {
+                if agent.send(message).is_err() {
+                    return;
+                }
+            }
+        });
+        let _ = self.streams.send((messages, operator));
+        Ok(Response::new(ReceiverStream::new(outbound)))
+    }
+}
+
+async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>) -> TestResult<T> {
+    match tokio::time::timeout(WAIT, rx.recv()).await {
+        Ok(Some(item)) => Ok(item),
+        _ => fail("nothing came"),
+    }
+}
+
+/// The next message's body, which must be a Snapshot.
+async fn next_snapshot(
+    messages: &mut mpsc::UnboundedReceiver<pb::AgentMessage>,
+) -> TestResult<pb::Snapshot> {
+    match next(messages).await?.body {
+        Some(Body::Snapshot(snapshot)) => Ok(snapshot),
+        other => fail(format!("not a snapshot: {other:?}")),
+    }
+}
+
+/// The operator ends the holds of the allocations a Snapshot says are settled: the
+/// number travels in every Snapshot, never as a message of its own, and a new
+/// stream of the same session still carries it.
+#[tokio::test]
+async fn the_settled_allocations_go_in_every_snapshot_and_never_as_a_delta() -> TestResult {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (streams_tx, mut streams) = mpsc::unbounded_channel();
+    let (stop_server, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(
+        Server::builder()
+            .add_service(EndpointSyncServer::new(Scripted {
+                streams: streams_tx,
+            }))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = stopped.await;
+            }),
+    );
+    let client = start(lazy_channel(addr)?, "n1")?;
+    client.ready.send(true)?;
+    let (mut messages, operator) = next(&mut streams).await?;
+    assert!(matches!(
+        next(&mut messages).await?.body,
+        Some(Body::Hello(_))
+    ));
+    let first = next_snapshot(&mut messages).await?;
+    assert_eq!(first.allocations_settled, 0, "nothing settled yet");
+
+    let web = labels("web")?;
+    let web_id = IdentityId::new(300).ok_or("300")?;
+    client.reports.send(Report::Upsert(endpoint(
+        "web-0",
+        "198.18.1.2",
+        web_id,
+        &web,
+    )?))?;
+    client.reports.send(Report::Settled(AllocationId::new(3)))?;
+    client.reports.send(Report::Upsert(endpoint(
+        "web-1",
+        "198.18.2.2",
+        web_id,
+        &web,
+    )?))?;
+    for name in ["web-0", "web-1"] {
+        match next(&mut messages).await?.body {
+            Some(Body::Upsert(upsert)) => {
+                assert_eq!(upsert.endpoint.map(|e| e.name).as_deref(), Some(name));
+            }
+            other => return fail(format!("not {name}'s upsert: {other:?}")),
+        }
+    }
+    assert_eq!(client.metrics.deltas_sent.get(), 2);
+    assert_eq!(client.metrics.deltas_dropped.get(), 0);
+
+    operator
+        .send(Ok(pb::OperatorMessage {
+            body: Some(operator_message::Body::SnapshotRequest(
+                pb::SnapshotRequest {},
+            )),
+        }))
+        .await?;
+    let asked = next_snapshot(&mut messages).await?;
+    assert_eq!(asked.allocations_settled, 3);
+    assert_eq!(asked.endpoints.len(), 2);
+
+    // The operator ends the stream; the agent's next one is the same session.
+    drop((operator, messages));
+    let (mut messages, _operator) = next(&mut streams).await?;
+    assert!(matches!(
+        next(&mut messages).await?.body,
+        Some(Body::Hello(_))
+    ));
+    let again = next_snapshot(&mut messages).await?;
+    assert_eq!(again.allocations_settled, 3, "kept across streams");
+    assert_eq!(again.endpoints.len(), 2);
+
+    client.stop.send(true)?;
+    client.task.await?;
+    let _ = stop_server.send(());
+    server.await??;
     Ok(())
 }
