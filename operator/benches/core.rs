@@ -29,7 +29,7 @@ use census_operator::{
     store::{Loaded, StoreOp},
 };
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
     labels::{LabelLimits, LabelSet},
 };
 use census_testkit::alloc::{PerThreadCounting, thread_net_bytes};
@@ -158,14 +158,14 @@ fn bench_allocate_known() -> BenchResult {
     let (session, _) = connect(&mut alloc, &n, now)?;
     let sets: Vec<LabelSet> = (0..1000).map(pod_labels).collect::<Result<_, _>>()?;
     for (i, l) in sets.iter().enumerate() {
-        alloc.allocate(i as u64, &n, session, l.clone(), now)?;
+        alloc.allocate(i as u64, &n, session, AllocationId::NONE, l.clone(), now)?;
     }
     settle(&mut alloc, now);
     let iterations = 2_000_000;
     let started = Instant::now();
     for i in 0..iterations {
         let l = &sets[i % sets.len()];
-        black_box(alloc.allocate(i as u64, &n, session, l.clone(), now)?);
+        black_box(alloc.allocate(i as u64, &n, session, AllocationId::NONE, l.clone(), now)?);
     }
     let per = started.elapsed() / iterations as u32;
     println!(
@@ -192,7 +192,7 @@ fn bench_snapshot_unchanged() -> BenchResult {
             )
         })
         .collect::<Result<_, _>>()?;
-    alloc.snapshot(&n, conn, 1, eps.clone(), now)?;
+    alloc.snapshot(&n, conn, 1, eps.clone(), AllocationId::NONE, now)?;
     settle(&mut alloc, now);
     let iterations = 100_000u64;
     let started = Instant::now();
@@ -203,7 +203,7 @@ fn bench_snapshot_unchanged() -> BenchResult {
     let clone = started.elapsed() / iterations as u32;
     let started = Instant::now();
     for seq in 2..iterations + 2 {
-        let applied = alloc.snapshot(&n, conn, seq, eps.clone(), now)?;
+        let applied = alloc.snapshot(&n, conn, seq, eps.clone(), AllocationId::NONE, now)?;
         debug_assert_eq!(applied.corrections, 0);
         black_box(applied);
     }
@@ -241,9 +241,9 @@ fn bench_memory() -> BenchResult {
             )
         })
         .collect::<Result<_, _>>()?;
-    alloc.snapshot(&seed, conn, 1, seed_eps, now)?;
+    alloc.snapshot(&seed, conn, 1, seed_eps, AllocationId::NONE, now)?;
     settle(&mut alloc, now);
-    alloc.snapshot(&seed, conn, 2, Vec::new(), now)?;
+    alloc.snapshot(&seed, conn, 2, Vec::new(), AllocationId::NONE, now)?;
     alloc.node_gone(&seed, now);
     settle(&mut alloc, now);
     let with_identities = heap();
@@ -262,7 +262,7 @@ fn bench_memory() -> BenchResult {
                 )
             })
             .collect::<Result<_, _>>()?;
-        alloc.snapshot(name, conn, 1, eps, now)?;
+        alloc.snapshot(name, conn, 1, eps, AllocationId::NONE, now)?;
     }
     settle(&mut alloc, now);
     let build = started.elapsed();
@@ -318,7 +318,7 @@ fn churn_nodes(
                 )
             })
             .collect::<Result<_, _>>()?;
-        alloc.snapshot(&name, conn, 1, steady.clone(), now)?;
+        alloc.snapshot(&name, conn, 1, steady.clone(), AllocationId::NONE, now)?;
         nodes.push(ChurnNode {
             name,
             session,
@@ -337,7 +337,14 @@ fn true_snapshots(
     now: Timestamp,
 ) -> Result<(), Box<dyn std::error::Error>> {
     for n in nodes.iter_mut() {
-        alloc.snapshot(&n.name, n.conn, n.seq, n.steady.clone(), now)?;
+        alloc.snapshot(
+            &n.name,
+            n.conn,
+            n.seq,
+            n.steady.clone(),
+            AllocationId::NONE,
+            now,
+        )?;
         n.seq += 1;
     }
     alloc.tick(now);
@@ -356,7 +363,14 @@ fn churn_pod(
     let l = labels(&format!(
         "app=backup,job-name=backup-{j},controller-uid=6f1e2c3d-{j:08x}"
     ))?;
-    let id = match alloc.allocate(j as u64, &n.name, n.session, l.clone(), now)? {
+    let id = match alloc.allocate(
+        j as u64,
+        &n.name,
+        n.session,
+        AllocationId::NONE,
+        l.clone(),
+        now,
+    )? {
         Some(id) => id,
         None => {
             settle(alloc, now);
@@ -472,7 +486,7 @@ fn bench_edit_storm() -> BenchResult {
                     )
                 })
                 .collect::<Result<_, _>>()?;
-            alloc.snapshot(&name, conn, 1, eps, now)?;
+            alloc.snapshot(&name, conn, 1, eps, AllocationId::NONE, now)?;
             settle(&mut alloc, now);
         }
         let started = Instant::now();

@@ -29,7 +29,9 @@ use bytes::Bytes;
 
 use census_proto::{
     convert::WireLimits,
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, ServiceSet, SessionId},
+    domain::{
+        AllocationId, Endpoint, EndpointKey, IdRange, IdentityId, NodeName, ServiceSet, SessionId,
+    },
     labels::{LabelFilter, LabelSet},
 };
 use tokio::sync::{Semaphore, broadcast, mpsc, oneshot, watch};
@@ -252,11 +254,12 @@ pub trait Api: Send + Sync + fmt::Debug + 'static {
 
     fn node(&self, name: &NodeName) -> Option<NodeInfo>;
 
-    /// Allocate for `caller`'s session.
+    /// Allocate for `caller`'s session, the agent's `allocation` (its number).
     fn allocate(
         &self,
         caller: &Caller,
         session: SessionId,
+        allocation: AllocationId,
         labels: LabelSet,
     ) -> Result<Allocation, Refused>;
 
@@ -276,11 +279,13 @@ pub trait Api: Send + Sync + fmt::Debug + 'static {
 
     fn delete(&self, stream: &Connected, seq: u64, key: &EndpointKey) -> Result<Applied, Refused>;
 
+    /// A snapshot, with the highest of the agent's allocation numbers settled.
     fn snapshot(
         &self,
         stream: &Connected,
         seq: u64,
         endpoints: Vec<Endpoint>,
+        settled: AllocationId,
     ) -> Result<Applied, Refused>;
 
     /// The stream ended.

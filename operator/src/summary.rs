@@ -71,6 +71,7 @@ impl Summary {
             ),
             ("released", counters.released, last.released),
             ("holds expired", counters.holds_expired, last.holds_expired),
+            ("holds settled", counters.holds_settled, last.holds_settled),
             ("nodes dropped", counters.nodes_dropped, last.nodes_dropped),
             ("unresolved", counters.unresolved, last.unresolved),
             ("rebinds", counters.rebinds, last.rebinds),

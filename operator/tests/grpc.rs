@@ -240,6 +240,36 @@ async fn snapshots_and_deltas_are_acked_and_node_service_shows_the_view() -> Tes
     op.shut_down().await
 }
 
+/// Pods gone before their identities were answered: the agent's next snapshot says
+/// their allocations have settled, and the holds end there, not at the hold
+/// timeout; a later allocation still in flight keeps its hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_ends_the_holds_of_the_allocations_it_says_have_settled() -> TestResult {
+    let op = Operator::start(&[]).await?;
+    let s = session(100);
+    let (mut agent, _) = Agent::connect(&op, "node-a", s).await?;
+    let allocated = |answer: Result<pb::Identity, Status>| {
+        answer
+            .map(|identity| identity.id)
+            .map_err(|e| e.to_string())
+    };
+    let shop = allocated(op.allocate_numbered("node-a", s, 1, SHOP).await?)?;
+    let db = allocated(op.allocate_numbered("node-a", s, 2, DB).await?)?;
+    assert_eq!(op.get_node_ok("node-a").await?.holds, 2);
+
+    // An agent that settles nothing yet ends nothing.
+    agent.snapshot_settled(vec![], 0).await?;
+    assert_eq!(op.get_node_ok("node-a").await?.holds, 2);
+
+    agent.snapshot_settled(vec![], 1).await?;
+    assert_eq!(op.get_node_ok("node-a").await?.holds, 1);
+    assert_eq!(op.get(shop).await??.holds, 0);
+    assert_eq!(op.get(db).await??.holds, 1);
+    let (_, _, metrics) = op.admin_get("/metrics").await?;
+    assert_eq!(sample(&metrics, "census_holds_settled_total"), Some(1.0));
+    op.shut_down().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_paginates_filters_by_selector_and_refuses_bad_tokens() -> TestResult {
     let op = Operator::start(&[]).await?;

@@ -1,7 +1,7 @@
 //! Allocate, the store's answers, and what happens when the store disagrees.
 
 use census_proto::{
-    domain::{EndpointKey, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelSet,
 };
 
@@ -22,6 +22,7 @@ impl Allocator {
         req: RequestId,
         node_name: &NodeName,
         session: SessionId,
+        allocation: AllocationId,
         labels: LabelSet,
         now: Timestamp,
     ) -> Result<Option<IdentityId>, AllocError> {
@@ -44,13 +45,14 @@ impl Allocator {
             node.heard(now);
             core.counters.allocations_known += 1;
             if core.wake(id, now) {
-                core.add_hold(node, id, now);
+                core.add_hold(node, id, allocation, now);
                 return Ok(Some(id));
             }
             if let Some(entry) = core.ids.get_mut(id) {
                 entry.waiters.push(Waiter::Request {
                     req,
                     node: node_name.clone(),
+                    allocation,
                 });
                 node.pending += 1;
                 core.wait_for(req, id, now);
@@ -88,6 +90,7 @@ impl Allocator {
             entry.waiters.push(Waiter::Request {
                 req,
                 node: node_name.clone(),
+                allocation,
             });
         }
         node.pending += 1;
@@ -199,10 +202,14 @@ impl Allocator {
         let waiters = std::mem::take(&mut entry.waiters);
         for waiter in waiters {
             match waiter {
-                Waiter::Request { req, node } => {
+                Waiter::Request {
+                    req,
+                    node,
+                    allocation,
+                } => {
                     if let Some(n) = self.nodes.get_mut(&node) {
                         n.pending = n.pending.saturating_sub(1);
-                        core.add_hold(n, id, now);
+                        core.add_hold(n, id, allocation, now);
                     }
                     core.reply(req, Ok(id));
                 }
@@ -265,7 +272,7 @@ impl Allocator {
             core.gc.create_retries.insert((retry_at, id));
         }
         for waiter in requests {
-            if let Waiter::Request { req, node } = waiter {
+            if let Waiter::Request { req, node, .. } = waiter {
                 if let Some(n) = self.nodes.get_mut(&node) {
                     n.pending = n.pending.saturating_sub(1);
                 }
@@ -505,10 +512,15 @@ impl Allocator {
         }
         for waiter in old.waiters {
             // Rebinds are sent by `move_users` for every endpoint in a view.
-            if let Waiter::Request { req, node } = waiter {
+            if let Waiter::Request {
+                req,
+                node,
+                allocation,
+            } = waiter
+            {
                 if let Some(n) = self.nodes.get_mut(&node) {
                     n.pending = n.pending.saturating_sub(1);
-                    core.add_hold(n, to, now);
+                    core.add_hold(n, to, allocation, now);
                 }
                 core.reply(req, Ok(to));
             }
@@ -552,8 +564,8 @@ impl Allocator {
             });
             node.counters.rebinds += rebound;
             counters.rebinds += rebound;
-            if let Some(expires) = node.holds.remove(&from) {
-                node.holds.insert(to, expires);
+            if let Some(hold) = node.holds.remove(&from) {
+                node.holds.insert(to, hold);
                 holds += 1;
             }
         }
@@ -636,7 +648,11 @@ impl Allocator {
             return;
         }
         let requests = old.waiters.into_iter().filter_map(|w| match w {
-            Waiter::Request { req, node } => Some((req, node)),
+            Waiter::Request {
+                req,
+                node,
+                allocation,
+            } => Some((req, node, allocation)),
             Waiter::Rebind { .. } => None,
         });
         // No new id inside the adoption window: it could be one an agent that has
@@ -654,7 +670,7 @@ impl Allocator {
                 }
                 node.holds.remove(&id);
             }
-            for (req, node) in requests {
+            for (req, node, _) in requests {
                 if let Some(n) = self.nodes.get_mut(&node) {
                     n.pending = n.pending.saturating_sub(1);
                 }
@@ -683,10 +699,14 @@ impl Allocator {
         );
         core.create_op(fresh);
         let requests: Vec<Waiter> = requests
-            .map(|(req, node)| {
+            .map(|(req, node, allocation)| {
                 // The call's deadline stands: it waits on `fresh` now.
                 core.gc.waiting.insert(req, fresh);
-                Waiter::Request { req, node }
+                Waiter::Request {
+                    req,
+                    node,
+                    allocation,
+                }
             })
             .collect();
         if let Some(entry) = core.ids.get_mut(fresh) {

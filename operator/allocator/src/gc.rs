@@ -133,7 +133,7 @@ impl Allocator {
             let mut waited = None;
             if let Some(entry) = core.ids.get_mut(id) {
                 entry.waiters.retain(|w| match w {
-                    Waiter::Request { req: r, node } if *r == req => {
+                    Waiter::Request { req: r, node, .. } if *r == req => {
                         waited = Some(node.clone());
                         false
                     }
@@ -170,8 +170,8 @@ impl Allocator {
                 continue;
             }
             let before = node.holds.len();
-            node.holds.retain(|&id, &mut expires| {
-                if expires > now {
+            node.holds.retain(|&id, hold| {
+                if hold.expires > now {
                     return true;
                 }
                 core.hold_gone(id);

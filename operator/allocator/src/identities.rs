@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use census_proto::{
-    domain::{EndpointKey, IdRange, IdentityId, NodeName},
+    domain::{AllocationId, EndpointKey, IdRange, IdentityId, NodeName},
     labels::LabelSet,
 };
 
@@ -35,8 +35,13 @@ pub(crate) enum Phase {
 /// Someone waiting for an identity's binding to be persisted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Waiter {
-    /// An Allocate call, answered when persisted (a hold is added for `node` then).
-    Request { req: RequestId, node: NodeName },
+    /// An Allocate call, answered when persisted (a hold is added for `node` then,
+    /// recording the agent's `allocation`).
+    Request {
+        req: RequestId,
+        node: NodeName,
+        allocation: AllocationId,
+    },
     /// An endpoint whose agent must be told to use this identity once it is persisted.
     Rebind {
         node: NodeName,
@@ -424,7 +429,7 @@ impl Identities {
             let before = entry.seen();
             let had = taken.len();
             entry.waiters.retain(|w| match w {
-                Waiter::Request { req, node: n } if n == node => {
+                Waiter::Request { req, node: n, .. } if n == node => {
                     taken.push((*req, id));
                     false
                 }

@@ -27,9 +27,9 @@ mod watch;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque, hash_map};
 
-use census_proto::domain::{IdentityId, NodeName};
+use census_proto::domain::{AllocationId, IdentityId, NodeName};
 
 pub use self::{
     config::{Config, Liveness},
@@ -47,7 +47,7 @@ pub use self::{
 };
 use self::{
     identities::{Identities, Phase, Tomb},
-    nodes::{Node, Persisted},
+    nodes::{Hold, Node, Persisted},
 };
 
 /// The identity allocator. See the module documentation.
@@ -334,13 +334,48 @@ impl Core {
         }
     }
 
-    fn add_hold(&mut self, node: &mut Node, id: IdentityId, now: Timestamp) {
+    /// Holds `id` for `node`, for the agent's `allocation` (see [`Hold`]).
+    fn add_hold(
+        &mut self,
+        node: &mut Node,
+        id: IdentityId,
+        allocation: AllocationId,
+        now: Timestamp,
+    ) {
         let expires = now.plus(self.cfg.hold_timeout);
-        if node.holds.insert(id, expires).is_none()
-            && let Some(entry) = self.ids.get_mut(id)
-        {
-            entry.holds += 1;
+        match node.holds.entry(id) {
+            hash_map::Entry::Occupied(mut held) => {
+                let hold = held.get_mut();
+                *hold = hold.renewed(expires, allocation);
+            }
+            hash_map::Entry::Vacant(slot) => {
+                slot.insert(Hold {
+                    expires,
+                    allocation,
+                });
+                if let Some(entry) = self.ids.get_mut(id) {
+                    entry.holds += 1;
+                }
+            }
         }
+    }
+
+    /// Ends `node`'s holds of the allocations its agent says have settled up to
+    /// `settled` (a snapshot's: what took their identities up is in the view, and
+    /// nothing else needs them).
+    fn end_settled_holds(&mut self, node: &mut Node, settled: AllocationId) {
+        if !settled.is_some() || node.holds.is_empty() {
+            return;
+        }
+        let before = node.holds.len();
+        node.holds.retain(|&id, hold| {
+            if !hold.settled_by(settled) {
+                return true;
+            }
+            self.hold_gone(id);
+            false
+        });
+        self.counters.holds_settled += (before - node.holds.len()) as u64;
     }
 
     /// Ends `node`'s hold on `id`, if it has one (an endpoint of its view took the id

@@ -6,9 +6,41 @@ use std::{
     net::{IpAddr, Ipv4Addr},
 };
 
-use census_proto::domain::{IdentityId, SessionId};
+use census_proto::domain::{AllocationId, IdentityId, SessionId};
 
 use super::{ConnId, Timestamp, map::view::View};
+
+/// A node's hold on an identity an Allocate handed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hold {
+    pub(crate) expires: Timestamp,
+    /// The agent's number of the allocation the hold protects: a snapshot of the
+    /// same session that says it has settled ends the hold. `NONE` for an agent
+    /// that numbers none, and for every hold of an earlier session (a new session
+    /// counts from 1 again): such a hold only expires.
+    pub(crate) allocation: AllocationId,
+}
+
+impl Hold {
+    /// The hold after another Allocate of the same identity: it expires later and
+    /// protects the later allocation; a hold that only expires stays so.
+    pub(crate) fn renewed(self, expires: Timestamp, allocation: AllocationId) -> Self {
+        let allocation = if self.allocation.is_some() && allocation.is_some() {
+            self.allocation.max(allocation)
+        } else {
+            AllocationId::NONE
+        };
+        Self {
+            expires,
+            allocation,
+        }
+    }
+
+    /// Whether a snapshot whose allocations up to `settled` have settled ends it.
+    pub(crate) fn settled_by(&self, settled: AllocationId) -> bool {
+        self.allocation.is_some() && self.allocation <= settled
+    }
+}
 
 /// One endpoint in a node's view: the identity the agent holds (corrected by
 /// Rebind) and its addresses. Labels are not kept: the identity has them.
@@ -99,8 +131,8 @@ pub(crate) struct Node {
     pub(crate) persisted: Persisted,
     /// Changed only through [`View`]'s methods, which keep the endpoint map in step.
     pub(crate) view: View,
-    /// Identity -> when the hold expires.
-    pub(crate) holds: HashMap<IdentityId, Timestamp>,
+    /// Identities handed out by Allocate and not yet taken up by the view.
+    pub(crate) holds: HashMap<IdentityId, Hold>,
     /// Allocations of this node waiting for the store.
     pub(crate) pending: u32,
     /// Snapshots checked against the view, never 0 (see [`ViewEntry::seen`]).

@@ -33,6 +33,8 @@ pub struct Counters {
     /// Endpoints left out of a view because no identity could be found for them.
     pub unresolved: u64,
     pub holds_expired: u64,
+    /// Holds ended by a snapshot saying their allocation had settled.
+    pub holds_settled: u64,
     pub nodes_dropped: u64,
     pub released: u64,
     pub quarantine_ended: u64,

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelSet,
 };
 
@@ -70,6 +70,11 @@ impl Allocator {
             node.session = Some(session);
             node.last_seq = 0;
             node.first_snapshot_pending = true;
+            // The new session numbers its allocations from 1 again: the earlier
+            // session's holds only expire.
+            for hold in node.holds.values_mut() {
+                hold.allocation = AllocationId::NONE;
+            }
         }
         node.heard(now);
         if node.persisted == Persisted::No {
@@ -177,13 +182,16 @@ impl Allocator {
     }
 
     /// A full snapshot of `name`: it replaces the node's view. References it adds or
-    /// removes are corrections (adoptions in a session's first snapshot).
+    /// removes are corrections (adoptions in a session's first snapshot). The
+    /// node's allocations numbered up to `settled` have been answered or given up
+    /// and what took their identities up is in `endpoints`: their holds end.
     pub fn snapshot(
         &mut self,
         name: &NodeName,
         conn: ConnId,
         seq: u64,
         endpoints: Vec<Endpoint>,
+        settled: AllocationId,
         now: Timestamp,
     ) -> Result<Applied, SyncError> {
         let node = current(&mut self.nodes, name, conn)?;
@@ -199,8 +207,10 @@ impl Allocator {
         if unchanged(node, core, &endpoints) {
             // At rest: the view gives back what a burst of deltas grew it to, so it
             // holds what a changed snapshot would have rebuilt it with.
-            // No endpoint took an id up, so no hold ends (see `upsert`).
+            // No endpoint took an id up, so no hold ends (see `upsert`) but those
+            // of the allocations settled.
             node.view.settle();
+            core.end_settled_holds(node, settled);
             return Ok(Applied::default());
         }
 
@@ -271,6 +281,7 @@ impl Allocator {
             }
         }
         count_changes(node, core, &mut applied, first, changes);
+        core.end_settled_holds(node, settled);
         self.name_conflicts();
         Ok(applied)
     }

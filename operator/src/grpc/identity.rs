@@ -7,7 +7,7 @@ use census_proto::{
         check_version, filtered_labels_from_wire, labels_from_wire, node_from_wire,
         session_from_wire,
     },
-    domain::IdentityId,
+    domain::{AllocationId, IdentityId},
     labels::{LabelLimits, LabelSet},
     pb::{self, identity_service_server::IdentityService, watch_event::Kind},
 };
@@ -81,7 +81,7 @@ impl IdentityService for Identities {
         let caller = Caller { node, peer };
         let (Allocated { id, info }, kind) = match self
             .operator
-            .allocate(&caller, session, labels)
+            .allocate(&caller, session, AllocationId::new(req.allocation), labels)
             .map_err(refused)?
         {
             Allocation::Known(allocated) => (allocated, "known"),

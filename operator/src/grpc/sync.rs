@@ -26,6 +26,7 @@ use census_proto::{
         node_from_wire, pending_to_wire, services_to_wire, session_from_wire, snapshot_from_wire,
         upsert_from_wire,
     },
+    domain::AllocationId,
     pb::{self, agent_message::Body, endpoint_sync_server::SERVICE_NAME},
 };
 use tokio::sync::{mpsc, watch};
@@ -489,7 +490,12 @@ impl Stream {
                     .map_err(|e| self.invalid("snapshot", field(e)))?;
                 let applied = self
                     .operator
-                    .snapshot(&self.connected, seq, entries.endpoints)
+                    .snapshot(
+                        &self.connected,
+                        seq,
+                        entries.endpoints,
+                        AllocationId::new(snapshot.allocations_settled),
+                    )
                     .map_err(refused)?;
                 (applied, entries.rejected, Covers::All)
             }

@@ -276,6 +276,12 @@ fn encode_outcomes(e: &mut DescriptorEncoder<'_>, c: &Counters) -> Result<(), fm
     )?;
     counter(
         e,
+        "census_holds_settled",
+        "Holds ended by a snapshot saying their allocation had settled",
+        c.holds_settled,
+    )?;
+    counter(
+        e,
         "census_nodes_dropped",
         "Node views dropped (silence, or node gone)",
         c.nodes_dropped,

@@ -4,7 +4,7 @@
 use std::{net::IpAddr, time::Instant};
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
     labels::LabelSet,
 };
 use tokio::sync::oneshot;
@@ -88,6 +88,7 @@ impl Api for Runtime {
         &self,
         caller: &Caller,
         session: SessionId,
+        allocation: AllocationId,
         labels: LabelSet,
     ) -> Result<Allocation, Refused> {
         let mut inner = self.inner.lock();
@@ -99,7 +100,7 @@ impl Api for Runtime {
         inner.next_req += 1;
         let answer = match inner
             .alloc
-            .allocate(req, &caller.node, session, labels, now)
+            .allocate(req, &caller.node, session, allocation, labels, now)
         {
             Ok(Some(id)) => Ok(Ok(id)),
             Ok(None) => {
@@ -167,10 +168,11 @@ impl Api for Runtime {
         stream: &Connected,
         seq: u64,
         endpoints: Vec<Endpoint>,
+        settled: AllocationId,
     ) -> Result<Applied, Refused> {
         self.on_stream(stream, |a, now| {
             let started = Instant::now();
-            let applied = a.snapshot(&stream.node, stream.conn, seq, endpoints, now);
+            let applied = a.snapshot(&stream.node, stream.conn, seq, endpoints, settled, now);
             self.metrics
                 .snapshot_apply
                 .observe(started.elapsed().as_secs_f64());

@@ -6,7 +6,9 @@ use std::{
 
 use census_proto::{
     convert::WireLimits,
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, ServiceKind, SessionId},
+    domain::{
+        AllocationId, Endpoint, EndpointKey, IdRange, IdentityId, NodeName, ServiceKind, SessionId,
+    },
     labels::{LabelFilter, LabelSet},
 };
 use tokio::sync::{broadcast, mpsc};
@@ -125,7 +127,7 @@ async fn roles_change_in_terms_and_followers_refuse_writes()
         other => return Err(format!("expected NotLeader, got {other:?}").into()),
     }
     assert!(matches!(
-        runtime.allocate(&caller, SESSION, web.clone()),
+        runtime.allocate(&caller, SESSION, AllocationId::NONE, web.clone()),
         Err(Refused::NotLeader(_))
     ));
 
@@ -223,7 +225,9 @@ async fn a_known_label_set_is_answered_at_once_with_its_identity()
     let caller = caller()?;
     let (tx, _rx) = mpsc::channel(8);
     runtime.hello(&caller, SESSION, Vec::new(), tx)?;
-    let Allocation::New(pending) = runtime.allocate(&caller, SESSION, web.clone())? else {
+    let Allocation::New(pending) =
+        runtime.allocate(&caller, SESSION, AllocationId::NONE, web.clone())?
+    else {
         return Err("a new label set is persisted first".into());
     };
     // The writer's answer, as it would come back from the store.
@@ -234,7 +238,7 @@ async fn a_known_label_set_is_answered_at_once_with_its_identity()
     runtime.store_results(0, [(op, Ok(()))]);
     let new = pending.await??;
     assert_eq!(new.info.as_ref().map(|i| i.id), Some(new.id));
-    match runtime.allocate(&caller, SESSION, web)? {
+    match runtime.allocate(&caller, SESSION, AllocationId::NONE, web)? {
         Allocation::Known(known) => {
             assert_eq!(known.id, new.id);
             assert_eq!(known.info.map(|i| i.holds), Some(1));
@@ -337,7 +341,12 @@ async fn a_full_map_is_exact_at_its_version_so_no_later_change_is_lost()
     let (tx, _rx) = mpsc::channel(8);
     let stream = runtime.hello(&caller, SESSION, Vec::new(), tx)?;
     let watch = runtime.map_watch(&caller, SESSION)?;
-    runtime.snapshot(&stream, 1, vec![web("web-0", [198, 18, 0, 2], 300)?])?;
+    runtime.snapshot(
+        &stream,
+        1,
+        vec![web("web-0", [198, 18, 0, 2], 300)?],
+        AllocationId::NONE,
+    )?;
     runtime.map_tick();
     // Added after the last tick, then read by a full map, then removed again before
     // the next tick: the watcher must still hear of the removal.
@@ -348,13 +357,19 @@ async fn a_full_map_is_exact_at_its_version_so_no_later_change_is_lost()
             web("web-0", [198, 18, 0, 2], 300)?,
             web("web-1", [198, 18, 0, 3], 300)?,
         ],
+        AllocationId::NONE,
     )?;
     let mut resync = runtime.map_resync(watch.term)?;
     assert_eq!(
         rec.full(resync.full.version),
         [IpAddr::from([198, 18, 0, 2]), IpAddr::from([198, 18, 0, 3])]
     );
-    runtime.snapshot(&stream, 3, vec![web("web-0", [198, 18, 0, 2], 300)?])?;
+    runtime.snapshot(
+        &stream,
+        3,
+        vec![web("web-0", [198, 18, 0, 2], 300)?],
+        AllocationId::NONE,
+    )?;
     runtime.map_tick();
     let mut last = resync.full.version;
     while let Ok(batch) = resync.changes.try_recv() {
@@ -501,6 +516,7 @@ async fn service_addresses_go_whole_in_a_full_maps_first_chunk_and_after_each_ch
             web("web-0", [198, 18, 0, 2], 300)?,
             web("web-1", [198, 18, 0, 3], 300)?,
         ],
+        AllocationId::NONE,
     )?;
     let resync = runtime.map_resync(watch.term)?;
     let chunks: Vec<RecordedBatch> = rec
@@ -522,7 +538,7 @@ async fn service_addresses_go_whole_in_a_full_maps_first_chunk_and_after_each_ch
     .into_iter()
     .collect();
     runtime.set_services(second.clone());
-    runtime.snapshot(&stream, 2, Vec::new())?;
+    runtime.snapshot(&stream, 2, Vec::new(), AllocationId::NONE)?;
     runtime.map_tick();
     let after: Vec<RecordedBatch> = rec
         .0
@@ -608,7 +624,8 @@ impl MapLab {
         } else {
             Vec::new()
         };
-        self.runtime.snapshot(&self.stream, seq, endpoints)?;
+        self.runtime
+            .snapshot(&self.stream, seq, endpoints, AllocationId::NONE)?;
         self.runtime.map_tick();
         Ok(())
     }

@@ -24,7 +24,7 @@ use census_operator::{
 };
 use census_proto::{
     convert::WireLimits,
-    domain::{Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
     labels::{LabelFilter, LabelSet},
 };
 use tokio::sync::mpsc;
@@ -198,7 +198,7 @@ async fn gc_scenario(count: u32, gc_rate: f64) -> TestResult<Outcome> {
             })
         })
         .collect::<Result<_, census_proto::domain::NameError>>()?;
-    let applied = runtime.snapshot(&stream, 1, endpoints)?;
+    let applied = runtime.snapshot(&stream, 1, endpoints, AllocationId::NONE)?;
     assert_eq!(applied.rebinds, 0, "every regained identity keeps its id");
 
     // Every other identity is deleted: tombstoned, then gone after the quarantine.

@@ -254,14 +254,24 @@ impl Agent {
         }
     }
 
-    /// A snapshot with the next `seq`.
+    /// A snapshot with the next `seq`, settling no allocation.
     pub async fn snapshot(&mut self, endpoints: Vec<pb::Endpoint>) -> TestResult<Answer> {
+        self.snapshot_settled(endpoints, 0).await
+    }
+
+    /// A snapshot with the next `seq`, saying the session's allocations up to
+    /// `settled` have settled.
+    pub async fn snapshot_settled(
+        &mut self,
+        endpoints: Vec<pb::Endpoint>,
+        settled: u64,
+    ) -> TestResult<Answer> {
         let seq = self.next_seq();
         self.exchange(
             seq,
             Body::Snapshot(pb::Snapshot {
                 endpoints,
-                allocations_settled: 0,
+                allocations_settled: settled,
             }),
         )
         .await

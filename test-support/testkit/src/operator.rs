@@ -174,11 +174,24 @@ impl Operator {
         Self::launch(store_dir, dir, args, &[]).await
     }
 
-    /// Allocates `labels` for `node` in `session`; the gRPC answer as it is.
+    /// Allocates `labels` for `node` in `session`, not numbered (as an agent that
+    /// numbers none); the gRPC answer as it is.
     pub async fn allocate(
         &self,
         node: &str,
         session: pb::Session,
+        labels: &[&str],
+    ) -> TestResult<Result<pb::Identity, Status>> {
+        self.allocate_numbered(node, session, 0, labels).await
+    }
+
+    /// Allocates `labels` as the agent's allocation `allocation`; the gRPC answer
+    /// as it is.
+    pub async fn allocate_numbered(
+        &self,
+        node: &str,
+        session: pb::Session,
+        allocation: u64,
         labels: &[&str],
     ) -> TestResult<Result<pb::Identity, Status>> {
         let mut client = self.identities().await?;
@@ -188,7 +201,7 @@ impl Operator {
                 node: node.into(),
                 session: Some(session),
                 labels: strings(labels),
-                allocation: 0,
+                allocation,
             })
             .await;
         Ok(match answer {

@@ -30,7 +30,12 @@ fn holds(h: &Harness) -> usize {
 }
 
 fn hold_expiry(h: &Harness, id: IdentityId) -> Option<Timestamp> {
-    h.alloc.nodes.get(&node(N1))?.holds.get(&id).copied()
+    h.alloc
+        .nodes
+        .get(&node(N1))?
+        .holds
+        .get(&id)
+        .map(|hold| hold.expires)
 }
 
 /// `n` identities allocated on node-1 and released once their holds ended: the

@@ -7,7 +7,7 @@ use std::{
     net::IpAddr,
 };
 
-use census_proto::domain::{EndpointKey, IdentityId, NodeName};
+use census_proto::domain::{AllocationId, EndpointKey, IdentityId, NodeName};
 use proptest::{
     prelude::*,
     test_runner::{RngAlgorithm, TestRng, TestRunner},
@@ -1154,7 +1154,8 @@ fn map_memory_per_entry_at_550k() {
             })
             .collect();
         let now = h.now;
-        ok(h.alloc.snapshot(&node(name), *conn, 1, eps, now));
+        ok(h.alloc
+            .snapshot(&node(name), *conn, 1, eps, AllocationId::NONE, now));
     }
     let _ = h.alloc.drain_effects();
     let _ = h.alloc.take_map_delta();

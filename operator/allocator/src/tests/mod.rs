@@ -18,7 +18,7 @@ use std::{
 };
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdRange, IdentityId, NodeName, SessionId},
     labels::{LabelLimits, LabelSet},
 };
 
@@ -466,17 +466,35 @@ impl Harness {
         r
     }
 
+    /// Allocate from an agent that numbers no allocation.
     pub(super) fn allocate(
         &mut self,
         node_name: &str,
         s: SessionId,
         l: &str,
     ) -> Result<Option<IdentityId>, AllocError> {
+        self.allocate_numbered(node_name, s, 0, l)
+    }
+
+    /// Allocate as the agent's allocation `n`.
+    pub(super) fn allocate_numbered(
+        &mut self,
+        node_name: &str,
+        s: SessionId,
+        n: u64,
+        l: &str,
+    ) -> Result<Option<IdentityId>, AllocError> {
         let req = self.next_req;
         self.next_req += 1;
-        let r = self
-            .alloc
-            .allocate(req, &node(node_name), s, labels(l), self.now);
+        let now = self.now;
+        let r = self.alloc.allocate(
+            req,
+            &node(node_name),
+            s,
+            AllocationId::new(n),
+            labels(l),
+            now,
+        );
         self.route();
         r
     }
@@ -509,9 +527,27 @@ impl Harness {
         seq: u64,
         eps: Vec<Endpoint>,
     ) -> Result<Applied, SyncError> {
-        let r = self
-            .alloc
-            .snapshot(&node(node_name), conn, seq, eps, self.now);
+        self.snapshot_settled(node_name, conn, seq, eps, 0)
+    }
+
+    /// A snapshot saying the agent's allocations up to `settled` have settled.
+    pub(super) fn snapshot_settled(
+        &mut self,
+        node_name: &str,
+        conn: ConnId,
+        seq: u64,
+        eps: Vec<Endpoint>,
+        settled: u64,
+    ) -> Result<Applied, SyncError> {
+        let now = self.now;
+        let r = self.alloc.snapshot(
+            &node(node_name),
+            conn,
+            seq,
+            eps,
+            AllocationId::new(settled),
+            now,
+        );
         self.route();
         r
     }

@@ -178,6 +178,111 @@ fn hold_quota_and_hold_expiry() {
     assert!(h.alloc.counters().holds_expired >= 2);
 }
 
+fn holds_of(h: &Harness) -> Option<u32> {
+    h.alloc.node(&node(N1)).map(|n| n.holds)
+}
+
+/// The pod ended before its Allocate was answered: the agent gave the allocation
+/// up, and its next snapshot says so. The hold ends then, not at the hold timeout,
+/// and the identity is released at once.
+#[test]
+fn a_snapshot_that_settles_an_allocation_no_endpoint_took_up_ends_its_hold() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    ok(h.snapshot(N1, c, 1, vec![]));
+    ok(h.allocate_numbered(N1, s, 1, "app=a"));
+    h.settle_store();
+    let x = h
+        .alloc
+        .lookup(&labels("app=a"))
+        .map_or_else(|| panic!("app=a has no identity"), |info| info.id);
+    assert_eq!(holds_of(&h), Some(1));
+    // A snapshot that settles nothing yet (an old agent's, or the answer still on
+    // its way) ends nothing.
+    ok(h.snapshot_settled(N1, c, 2, vec![], 0));
+    assert_eq!(holds_of(&h), Some(1));
+    // Unchanged view, allocation 1 settled: the hold ends.
+    ok(h.snapshot_settled(N1, c, 3, vec![], 1));
+    assert_eq!(holds_of(&h), Some(0));
+    assert_eq!(h.alloc.counters().holds_settled, 1);
+    assert_eq!(h.alloc.counters().holds_expired, 0);
+    h.advance(ms(10));
+    assert!(
+        matches!(h.state(x.get()), Some(IdentityState::Released { .. })),
+        "{:?}",
+        h.state(x.get())
+    );
+}
+
+/// Only the allocations the snapshot covers: a later one still in flight keeps
+/// its hold, in a snapshot that changes the view too.
+#[test]
+fn a_hold_of_an_allocation_not_yet_settled_stays() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    let a = ok(h.allocate_numbered(N1, s, 1, "app=a"));
+    let b = ok(h.allocate_numbered(N1, s, 2, "app=b"));
+    h.settle_store();
+    assert_eq!(holds_of(&h), Some(2), "{a:?} {b:?}");
+    let c_id = ok(h.allocate_now(N1, s, "app=c"));
+    ok(h.snapshot_settled(N1, c, 1, vec![mk_endpoint("c", c_id.get(), "app=c")], 1));
+    // c was taken up by the view; a (allocation 1) settled; b (2) stays.
+    assert_eq!(holds_of(&h), Some(1));
+    assert_eq!(h.alloc.counters().holds_settled, 1);
+    ok(h.snapshot_settled(N1, c, 2, vec![mk_endpoint("c", c_id.get(), "app=c")], 2));
+    assert_eq!(holds_of(&h), Some(0));
+    assert_eq!(h.alloc.counters().holds_settled, 2);
+}
+
+/// An agent that numbers no allocation: its holds only expire, whatever a
+/// snapshot says.
+#[test]
+fn holds_of_an_agent_that_numbers_none_only_expire() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    ok(h.allocate_now(N1, s, "app=a"));
+    ok(h.snapshot_settled(N1, c, 1, vec![], 7));
+    assert_eq!(holds_of(&h), Some(1));
+    for seq in 2..6 {
+        h.advance(ms(1_000));
+        ok(h.snapshot_settled(N1, c, seq, vec![], 7));
+    }
+    assert_eq!(holds_of(&h), Some(0));
+    assert_eq!(h.alloc.counters().holds_settled, 0);
+    assert_eq!(h.alloc.counters().holds_expired, 1);
+}
+
+/// A new session numbers from 1 again: its snapshots do not end the holds of the
+/// session before it, and a hold renewed by its allocations still only expires.
+#[test]
+fn a_new_session_s_numbers_do_not_end_the_last_session_s_holds() {
+    let mut h = Harness::new(small_config());
+    let (s1, _) = connected(&mut h, N1, 10);
+    ok(h.allocate_numbered(N1, s1, 5, "app=a"));
+    ok(h.allocate_numbered(N1, s1, 6, "app=b"));
+    h.settle_store();
+    let (s2, c2) = connected(&mut h, N1, 20);
+    // The new session asks for app=b again as its allocation 1.
+    ok(h.allocate_numbered(N1, s2, 1, "app=b"));
+    ok(h.snapshot_settled(N1, c2, 1, vec![], 9));
+    assert_eq!(holds_of(&h), Some(2));
+    assert_eq!(h.alloc.counters().holds_settled, 0);
+}
+
+/// Two allocations of one identity: the hold protects the later one.
+#[test]
+fn a_renewed_hold_ends_with_its_latest_allocation() {
+    let mut h = Harness::new(small_config());
+    let (s, c) = connected(&mut h, N1, 10);
+    ok(h.allocate_numbered(N1, s, 1, "app=a"));
+    h.settle_store();
+    ok(h.allocate_numbered(N1, s, 3, "app=a"));
+    ok(h.snapshot_settled(N1, c, 1, vec![], 2));
+    assert_eq!(holds_of(&h), Some(1));
+    ok(h.snapshot_settled(N1, c, 2, vec![], 3));
+    assert_eq!(holds_of(&h), Some(0));
+}
+
 #[test]
 fn exhausted_range_recovers_when_quarantine_ends() {
     let mut cfg = small_config();

@@ -116,10 +116,13 @@ pub(super) enum Action {
         pod: u8,
     },
     /// Many Job pods start at once, their identities are allocated and reported, and
-    /// then they finish: maps grow, and must give the memory back at rest.
+    /// then they finish: maps grow, and must give the memory back at rest. `early`:
+    /// they finish before their Allocates are answered, and the agent's next
+    /// snapshot says it gave the allocations up.
     Burst {
         agent: usize,
         pods: u8,
+        early: bool,
     },
     Send {
         agent: usize,
@@ -212,7 +215,7 @@ pub(super) fn arb_action() -> impl Strategy<Value = Action> {
         6 => (agent.clone(), 0..PODS).prop_map(|(agent, pod)| Action::Unwant { agent, pod }),
         6 => (agent.clone(), 0..PODS).prop_map(|(agent, pod)| Action::Rewant { agent, pod }),
         8 => (agent.clone(), 0..PODS).prop_map(|(agent, pod)| Action::Allocate { agent, pod }),
-        1 => (agent.clone(), 4u8..40).prop_map(|(agent, pods)| Action::Burst { agent, pods }),
+        1 => (agent.clone(), 4u8..40, any::<bool>()).prop_map(|(agent, pods, early)| Action::Burst { agent, pods, early }),
         12 => (agent.clone(), prop_oneof![
             8 => Just(Fate::Deliver),
             4 => Just(Fate::Drop),

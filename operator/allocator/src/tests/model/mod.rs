@@ -302,6 +302,7 @@ fn run_case(
     t.labels_bound += s.labels_bound;
     t.clock_steps += s.clock_steps;
     t.bursts += s.bursts;
+    t.early_bursts += s.early_bursts;
     t.relabelled += s.relabelled;
     t.outages += s.outages;
     t.quarantined_claims += s.quarantined_claims;
@@ -320,6 +321,7 @@ fn add(total: &mut Counters, now: &Counters) {
     total.blocked += now.blocked;
     total.nodes_dropped += now.nodes_dropped;
     total.holds_expired += now.holds_expired;
+    total.holds_settled += now.holds_settled;
     for (k, v) in &now.gc_outcomes {
         *total.gc_outcomes.entry(k).or_default() += v;
     }
@@ -387,6 +389,7 @@ fn invariants_hold_under_loss_reordering_restarts_and_failures() {
         ("ids blocked", k.blocked),
         ("nodes dropped", k.nodes_dropped),
         ("holds expired", k.holds_expired),
+        ("holds ended by a settled allocation", k.holds_settled),
         ("creates of labels bound elsewhere", s.labels_bound),
         ("store conflicts", s.conflicts),
         ("range exhausted", s.range_exhausted),
@@ -408,6 +411,7 @@ fn invariants_hold_under_loss_reordering_restarts_and_failures() {
         ("objects edited", s.edited),
         ("clock steps", s.clock_steps),
         ("bursts", s.bursts),
+        ("bursts ended before their answers", s.early_bursts),
         ("agents restarted with a pod relabelled", s.relabelled),
         ("agents down past their node's view", s.outages),
         (

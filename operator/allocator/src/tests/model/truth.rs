@@ -12,7 +12,7 @@ use std::{
 };
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdRange, IdentityId, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdRange, IdentityId, SessionId},
     labels::LabelSet,
 };
 
@@ -24,9 +24,11 @@ pub(super) struct NodeTruth {
     /// Endpoint -> the identity the node told the core it holds, in an accepted
     /// message, and the core did not answer as pending or unresolved.
     pub(super) told: BTreeMap<EndpointKey, (IdentityId, LabelSet)>,
-    /// Identity -> (labels, expiry) of Allocate answers not yet taken up by an
-    /// endpoint of the node's view.
-    pub(super) holds: BTreeMap<IdentityId, (LabelSet, Timestamp)>,
+    /// Identity -> (labels, expiry, the allocation's number) of Allocate answers
+    /// not yet taken up by an endpoint of the node's view nor settled by a snapshot
+    /// of the session. The number is `NONE` once the session that asked has been
+    /// replaced (a new one numbers from 1), and stays so while the hold is renewed.
+    pub(super) holds: BTreeMap<IdentityId, (LabelSet, Timestamp, AllocationId)>,
     /// Every Allocate answer's hold expiry (never ended early): an upper bound of
     /// the node's holds.
     pub(super) answered: BTreeMap<IdentityId, Timestamp>,
@@ -133,6 +135,9 @@ impl Truth {
         if n.session != Some(session) {
             n.session = Some(session);
             n.max_seq = 0;
+            for (_, _, number) in n.holds.values_mut() {
+                *number = AllocationId::NONE;
+            }
         }
     }
 
@@ -146,11 +151,23 @@ impl Truth {
 
     /// An Allocate of node `i` answered `id` for `labels`.
     /// (An answer the store's write completes does not mean the node was heard.)
-    pub(super) fn answered(&mut self, i: usize, id: IdentityId, labels: &LabelSet, now: Timestamp) {
+    /// `number` is the agent's number of the allocation.
+    pub(super) fn answered(
+        &mut self,
+        i: usize,
+        id: IdentityId,
+        labels: &LabelSet,
+        number: AllocationId,
+        now: Timestamp,
+    ) {
         self.refresh(now);
         let expires = now.plus(self.cfg.hold_timeout);
         let n = &mut self.nodes[i];
-        n.holds.insert(id, (labels.clone(), expires));
+        // The core keeps the larger number of a hold it still has, or none if
+        // either has none; the model cannot know whether it still has it (it may
+        // have expired or moved), so it keeps the new number: the hold it records
+        // ends no later than the core's.
+        n.holds.insert(id, (labels.clone(), expires, number));
         n.answered.insert(id, expires);
     }
 
@@ -189,7 +206,13 @@ impl Truth {
         };
         let mut taken_up = Vec::new();
         match msg {
-            Delivered::Snapshot(entries) => {
+            Delivered::Snapshot(entries, settled) => {
+                // The agent's allocations up to `settled` need no hold: what took
+                // their identities up is in the snapshot.
+                if settled.get() > 0 {
+                    n.holds
+                        .retain(|_, (_, _, number)| number.get() == 0 || *number > settled);
+                }
                 let old = std::mem::take(&mut n.told);
                 for Endpoint {
                     key,
@@ -260,10 +283,10 @@ impl Truth {
                     "delete of {id} ({labels}) while node {i} reports {key} holding it"
                 ));
             }
-            if let Some((_, until)) = n
+            if let Some((_, until, _)) = n
                 .holds
                 .get(&id)
-                .filter(|(l, until)| l == labels && now < *until)
+                .filter(|(l, until, _)| l == labels && now < *until)
             {
                 return Err(format!(
                     "delete of {id} ({labels}) while node {i} holds it from an Allocate until {until}"
@@ -388,7 +411,8 @@ impl Truth {
 
 /// The content of a delivered message.
 pub(super) enum Delivered<'a> {
-    Snapshot(&'a [Endpoint]),
+    /// The endpoints, and the highest allocation number settled.
+    Snapshot(&'a [Endpoint], AllocationId),
     Upsert(&'a Endpoint),
     Delete(&'a EndpointKey),
 }

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use census_proto::{
-    domain::{Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
+    domain::{AllocationId, Endpoint, EndpointKey, IdentityId, NodeName, SessionId},
     labels::LabelSet,
 };
 
@@ -26,7 +26,8 @@ use crate::{Allocator, Applied, Counters, StoreEvent, nodes::NodeCounters};
 pub(super) enum Msg {
     Upsert(Endpoint),
     Delete(EndpointKey),
-    Snapshot(Vec<Endpoint>),
+    /// The endpoints, and the highest allocation number settled.
+    Snapshot(Vec<Endpoint>, AllocationId),
 }
 
 #[derive(Debug)]
@@ -48,8 +49,11 @@ pub(super) struct Agent {
     inbox: VecDeque<(ConnId, EndpointKey, IdentityId)>,
     /// The labels each pod had when it was last removed.
     gone: BTreeMap<EndpointKey, LabelSet>,
-    /// Allocate calls waiting for an answer: request -> pod.
-    pub(super) pending: HashMap<RequestId, (EndpointKey, LabelSet)>,
+    /// Allocate calls waiting for an answer: request -> pod, and the allocation's
+    /// number.
+    pub(super) pending: HashMap<RequestId, (EndpointKey, LabelSet, AllocationId)>,
+    /// The last allocation number of the process (from 1 in each session).
+    allocations: AllocationId,
 }
 
 impl Agent {
@@ -77,7 +81,24 @@ impl Agent {
 
     fn send_snapshot(&mut self) {
         let truth = self.truth();
-        self.send(Msg::Snapshot(truth));
+        let settled = self.settled();
+        self.send(Msg::Snapshot(truth, settled));
+    }
+
+    /// Every allocation up to this number is answered (and what took its identity
+    /// up is in `held`) or given up: the lowest waiting for an answer, less one.
+    fn settled(&self) -> AllocationId {
+        self.pending
+            .values()
+            .map(|(_, _, n)| AllocationId::new(n.get() - 1))
+            .min()
+            .unwrap_or(self.allocations)
+    }
+
+    /// The number of a new allocation.
+    fn next_allocation(&mut self) -> AllocationId {
+        self.allocations = self.allocations.next();
+        self.allocations
     }
 }
 
@@ -106,6 +127,8 @@ pub(super) struct Seen {
     pub(super) labels_bound: u64,
     pub(super) clock_steps: u64,
     pub(super) bursts: u64,
+    /// Bursts whose pods ended before their Allocates were answered.
+    pub(super) early_bursts: u64,
     /// Agents restarted with a pod's labels changed under its pinned identity.
     pub(super) relabelled: u64,
     /// Agents down past their node's view.
@@ -137,7 +160,7 @@ pub(super) struct Sim {
     pub(super) seen: Seen,
     /// Every Allocate not yet answered -> its agent (also those of agent processes
     /// that died meanwhile: the core still counts them against the quota).
-    outstanding: BTreeMap<RequestId, usize>,
+    outstanding: BTreeMap<RequestId, (usize, AllocationId)>,
 }
 
 /// What the store holds for one id.
@@ -163,6 +186,8 @@ fn id_state(s: &ModelStore, op: &StoreOp) -> IdState {
 struct Accounts {
     core: Counters,
     node: Option<(NodeCounters, bool, HashMap<EndpointKey, IdentityId>)>,
+    /// The node's holds: identity -> the allocation's number.
+    holds: BTreeMap<IdentityId, AllocationId>,
 }
 
 impl Accounts {
@@ -172,6 +197,9 @@ impl Accounts {
             node: alloc.nodes.get(name).map(|n| {
                 let view = n.view.iter().map(|(k, v)| (k.clone(), v.id)).collect();
                 (n.counters, n.first_snapshot_pending, view)
+            }),
+            holds: alloc.nodes.get(name).map_or_else(BTreeMap::new, |n| {
+                n.holds.iter().map(|(id, h)| (*id, h.allocation)).collect()
             }),
         }
     }
@@ -198,7 +226,7 @@ impl Accounts {
         } else {
             match msg {
                 Msg::Upsert(_) | Msg::Delete(_) => want.deltas += 1,
-                Msg::Snapshot(_) => want.snapshots += 1,
+                Msg::Snapshot(..) => want.snapshots += 1,
             }
         }
         want.adoptions += applied.adoptions;
@@ -211,13 +239,36 @@ impl Accounts {
         // What resolving entries may add besides: identities adopted or made.
         want.identities_adopted = c1.identities_adopted;
         want.allocations_new = c1.allocations_new;
+        // A hold ends when an endpoint takes its identity up; an accepted snapshot
+        // also ends those of the allocations it says have settled, and no other.
+        let taken_up: BTreeSet<IdentityId> = v1
+            .iter()
+            .filter(|(key, id)| v0.get(*key) != Some(*id))
+            .map(|(_, id)| *id)
+            .collect();
+        let settled = match msg {
+            Msg::Snapshot(_, settled) if !applied.ignored => *settled,
+            _ => AllocationId::NONE,
+        };
+        let settles = |id: &IdentityId, n: &AllocationId| {
+            !taken_up.contains(id) && n.is_some() && *n <= settled
+        };
+        let mut holds = self.holds.clone();
+        holds.retain(|id, n| !taken_up.contains(id) && !settles(id, n));
+        want.holds_settled += self.holds.iter().filter(|(id, n)| settles(id, n)).count() as u64;
+        if holds != after.holds {
+            return Err(format!(
+                "holds after {applied:?} (settled {settled:?}): core {:?}; expected {holds:?}",
+                after.holds
+            ));
+        }
         if *c1 != want || *n1 != node {
             return Err(format!(
                 "counters after {applied:?}: core {c1:?}, node {n1:?}; \
                  expected core {want:?}, node {node:?}"
             ));
         }
-        if let Msg::Snapshot(_) = msg
+        if let Msg::Snapshot(..) = msg
             && !applied.ignored
         {
             let changed = v0
@@ -271,6 +322,7 @@ impl Sim {
                 inbox: VecDeque::new(),
                 gone: BTreeMap::new(),
                 pending: HashMap::new(),
+                allocations: AllocationId::NONE,
             })
             .collect();
         let truth = Truth::new(
@@ -341,20 +393,20 @@ impl Sim {
                 .position(|a| a.pending.contains_key(&req))
             else {
                 // An answer to a process that died: its node holds the id all the same.
-                if let (Some(i), Ok(id)) = (asked_by, &result) {
+                if let (Some((i, n)), Ok(id)) = (asked_by, &result) {
                     let labels = self.h.alloc.identity(*id).and_then(|info| info.labels);
                     if let Some(l) = labels {
-                        self.truth.answered(i, *id, &l, now);
+                        self.truth.answered(i, *id, &l, n, now);
                     }
                 }
                 continue;
             };
-            let Some((key, l)) = self.agents[i].pending.remove(&req) else {
+            let Some((key, l, n)) = self.agents[i].pending.remove(&req) else {
                 continue;
             };
             match result {
                 Ok(id) => {
-                    self.truth.answered(i, id, &l, now);
+                    self.truth.answered(i, id, &l, n, now);
                     let a = &mut self.agents[i];
                     if a.wanted.get(&key) == Some(&l) && !a.held.contains_key(&key) {
                         a.held.insert(key.clone(), (id, l.clone()));
@@ -421,7 +473,7 @@ impl Sim {
             }
             AllocError::HoldQuota { .. } => {
                 self.seen.hold_quota += 1;
-                let pending = self.outstanding.values().filter(|&&a| a == i).count();
+                let pending = self.outstanding.values().filter(|&&(a, _)| a == i).count();
                 check(self.truth.check_hold_quota(i, pending, now));
             }
             AllocError::AdoptionWindow { .. } => {
@@ -517,7 +569,7 @@ impl Sim {
         let name = a.name.clone();
         let claims: &[Endpoint] = match &msg {
             Msg::Upsert(ep) => std::slice::from_ref(ep),
-            Msg::Snapshot(eps) => eps,
+            Msg::Snapshot(eps, _) => eps,
             Msg::Delete(_) => &[],
         };
         let ids = &self.h.alloc.core.ids;
@@ -535,7 +587,9 @@ impl Sim {
         let r = match msg.clone() {
             Msg::Upsert(ep) => self.h.alloc.upsert(&name, conn, seq, ep, now),
             Msg::Delete(key) => self.h.alloc.delete(&name, conn, seq, &key, now),
-            Msg::Snapshot(eps) => self.h.alloc.snapshot(&name, conn, seq, eps, now),
+            Msg::Snapshot(eps, settled) => {
+                self.h.alloc.snapshot(&name, conn, seq, eps, settled, now)
+            }
         };
         check(before.account(&Accounts::of(&self.h.alloc, &name), &msg, r.as_ref().ok()));
         match r {
@@ -548,7 +602,7 @@ impl Sim {
                 let delivered = match &msg {
                     Msg::Upsert(ep) => Delivered::Upsert(ep),
                     Msg::Delete(key) => Delivered::Delete(key),
-                    Msg::Snapshot(eps) => Delivered::Snapshot(eps),
+                    Msg::Snapshot(eps, settled) => Delivered::Snapshot(eps, *settled),
                 };
                 check(
                     self.truth
@@ -605,20 +659,21 @@ impl Sim {
         self.next_req += 1;
         let now = self.h.now;
         let a = &mut self.agents[agent];
+        let n = a.next_allocation();
         match self
             .h
             .alloc
-            .allocate(req, &a.name, a.session, l.clone(), now)
+            .allocate(req, &a.name, a.session, n, l.clone(), now)
         {
             Ok(Some(id)) => {
                 a.held.insert(key.clone(), (id, l.clone()));
                 a.send(Msg::Upsert(Agent::endpoint(key, id, &l)));
                 self.truth.heard(agent, now);
-                self.truth.answered(agent, id, &l, now);
+                self.truth.answered(agent, id, &l, n, now);
             }
             Ok(None) => {
-                a.pending.insert(req, (key.clone(), l));
-                self.outstanding.insert(req, agent);
+                a.pending.insert(req, (key.clone(), l, n));
+                self.outstanding.insert(req, (agent, n));
                 self.truth.heard(agent, now);
             }
             Err(e) => self.alloc_error(agent, &e),
@@ -910,7 +965,7 @@ impl Sim {
             Action::Allocate { agent, pod } => {
                 self.allocate(agent, &key(&format!("pod-{pod}")));
             }
-            Action::Burst { agent, pods } => {
+            Action::Burst { agent, pods, early } => {
                 self.seen.bursts += 1;
                 let mut keys = Vec::new();
                 for _ in 0..pods {
@@ -920,6 +975,13 @@ impl Sim {
                     self.agents[agent].wanted.insert(k.clone(), l);
                     self.allocate(agent, &k);
                     keys.push(k);
+                }
+                if early {
+                    // Done before the answers: the agent uses none of them.
+                    for k in &keys {
+                        self.agents[agent].wanted.remove(k);
+                    }
+                    self.seen.early_bursts += 1;
                 }
                 while let Some(op) = self.h.pending_ops.pop_front() {
                     self.answer(op, Answer::Ok);
@@ -931,6 +993,9 @@ impl Sim {
                     if a.held.remove(&k).is_some() {
                         a.send(Msg::Delete(k));
                     }
+                }
+                if early {
+                    a.send_snapshot();
                 }
                 self.deliver_all(agent);
             }
@@ -973,7 +1038,8 @@ impl Sim {
                 if duplicate && let Some(last) = truth.last().cloned() {
                     truth.push(last);
                 }
-                a.send(Msg::Snapshot(truth));
+                let settled = a.settled();
+                a.send(Msg::Snapshot(truth, settled));
             }
             Action::Reconnect { agent } => self.connect(agent),
             Action::RestartAgent {
@@ -1031,6 +1097,7 @@ impl Sim {
                 }
                 a.session = session(start);
                 a.pending.clear();
+                a.allocations = AllocationId::NONE;
                 a.inbox.clear();
                 a.seq = 0;
                 self.connect(agent);
