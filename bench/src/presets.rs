@@ -436,6 +436,10 @@ pub(crate) struct SeedLeak {
     pub(crate) level_every: Duration,
     pub(crate) max_heap_delta_bytes: i64,
     pub(crate) max_rss_delta_bytes: Option<i64>,
+    /// Where each Job pod has its own identity: the p99 from a pod's end to its
+    /// identity's deletion.
+    #[serde(with = "millis", rename = "max_end_to_deletion_ms")]
+    pub(crate) max_end_to_deletion: Duration,
     /// The operator's heap profiled (one sample per 2^this bytes): its live heap by
     /// owner at idle and after the quiet period, and what grew in between.
     pub(crate) heap_sample_lg: Option<u32>,
@@ -443,6 +447,8 @@ pub(crate) struct SeedLeak {
 
 pub(crate) fn seed_leak(preset: Preset) -> SeedLeak {
     let short = preset == Preset::SeedLeakShort;
+    let snapshot_interval = Duration::from_secs(if short { 2 } else { 5 });
+    let grace = Duration::from_secs(if short { 2 } else { 5 });
     SeedLeak {
         preset: preset.name(),
         plane_name: if short { "seed-gate" } else { "seeds" },
@@ -470,8 +476,8 @@ pub(crate) fn seed_leak(preset: Preset) -> SeedLeak {
         } else {
             vec![(false, false), (false, true), (true, false), (true, true)]
         },
-        snapshot_interval: Duration::from_secs(if short { 2 } else { 5 }),
-        grace: Duration::from_secs(if short { 2 } else { 5 }),
+        snapshot_interval,
+        grace,
         quarantine: Duration::from_secs(if short { 5 } else { 30 }),
         level_samples: 5,
         // 12 s between the first and last readings, longer than the API server
@@ -485,6 +491,12 @@ pub(crate) fn seed_leak(preset: Preset) -> SeedLeak {
         // per Job (60 Jobs) is what the gate is for, and lands far above either.
         max_heap_delta_bytes: if short { 128 * 1024 } else { 64 * 1024 },
         max_rss_delta_bytes: (!short).then_some(2 * 1024 * 1024),
+        // One snapshot interval (the agent's next snapshot releases the identity,
+        // its delete event lost or not) plus the grace period, and 2 s for the
+        // once-a-second poll, the interval's jitter and the GC's delete. A pod that
+        // ended before its Allocate was answered once waited out the hold timeout
+        // too (three intervals): 8-9 s in the gate, 20-21 s in the full preset.
+        max_end_to_deletion: snapshot_interval + grace + Duration::from_secs(2),
         // Off (`--heap-sample-lg` turns it on): the first profile's symbol tables
         // stay in the live heap it would explain (+119 MiB in a gate run).
         heap_sample_lg: None,

@@ -319,8 +319,8 @@ async fn run_phase(
         .kubectl_ok(&["delete", "namespace", &jobs_ns, "--wait=false"]);
 
     let deltas = Deltas::of(&points)?;
-    let failures = phase_failures(&points, &deltas, p);
     let latency = end_to_deletion.filter(|v| !v.is_empty()).map(Latency::of);
+    let failures = phase_failures(&points, &deltas, latency.as_ref(), p);
     Ok(PhaseOut {
         name,
         keep_job_labels: keep,
@@ -629,8 +629,15 @@ impl Deltas {
 }
 
 /// A phase judged against the preset's targets: every point's Identity objects
-/// and settled identities at the live set, the operator's growth within bounds.
-fn phase_failures(points: &[Point], deltas: &Deltas, p: &SeedLeak) -> Vec<String> {
+/// and settled identities at the live set, the operator's growth within bounds,
+/// and (each Job pod with an identity of its own) a pod's end to its identity's
+/// deletion.
+fn phase_failures(
+    points: &[Point],
+    deltas: &Deltas,
+    end_to_deletion: Option<&Latency>,
+    p: &SeedLeak,
+) -> Vec<String> {
     let mut failures = Vec::new();
     for pt in points {
         if pt.identity_objects != pt.live_set {
@@ -660,6 +667,15 @@ fn phase_failures(points: &[Point], deltas: &Deltas, p: &SeedLeak) -> Vec<String
             "operator RSS {} over idle after the quiet period (target: within {})",
             kib(deltas.rss),
             kib(max)
+        ));
+    }
+    if let Some(latency) = end_to_deletion
+        && latency.p99_us > p.max_end_to_deletion.as_micros() as f64
+    {
+        failures.push(format!(
+            "a Job pod's end to its identity's deletion p99 {:.1} s (target: within {:.1} s)",
+            latency.p99_us / 1e6,
+            p.max_end_to_deletion.as_secs_f64()
         ));
     }
     failures
@@ -968,9 +984,10 @@ fn summary(p: &SeedLeak, phases: &[PhaseOut], machine: &Machine, passed: bool) {
         ));
     }
     say(format!(
-        "targets: identities beyond the live set 0 once settled at every point; operator live heap within {} and RSS within {} of idle after the quiet period",
+        "targets: identities beyond the live set 0 once settled at every point; operator live heap within {} and RSS within {} of idle after the quiet period; a Job pod's end to its identity's deletion p99 within {:.0} s",
         kib(p.max_heap_delta_bytes),
-        p.max_rss_delta_bytes.map_or("(not gated)".to_owned(), kib)
+        p.max_rss_delta_bytes.map_or("(not gated)".to_owned(), kib),
+        p.max_end_to_deletion.as_secs_f64()
     ));
     say(machine.line());
     say(if passed {
@@ -1096,4 +1113,36 @@ fn plots(results: &Results, timeline: &[Timeline]) -> anyhow::Result<()> {
             },
         ],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::{Preset, seed_leak};
+
+    /// A pod whose identity waits out a hold (three snapshot intervals) before the
+    /// grace period fails the gate; one released at the next snapshot passes.
+    #[test]
+    fn a_job_pod_s_identity_deleted_after_its_hold_would_have_ended_fails_the_phase() {
+        let p = seed_leak(Preset::SeedLeakShort);
+        let deltas = Deltas {
+            heap: 0,
+            rss: 0,
+            agent_heap: Vec::new(),
+            agent_rss: Vec::new(),
+        };
+        let latency = |p99_s: f64| Latency {
+            count: 60,
+            p50_us: p99_s * 1e6,
+            p99_us: p99_s * 1e6,
+            p999_us: p99_s * 1e6,
+            max_us: p99_s * 1e6,
+        };
+        assert!(phase_failures(&[], &deltas, Some(&latency(4.0)), &p).is_empty());
+        assert!(phase_failures(&[], &deltas, None, &p).is_empty());
+        assert_eq!(
+            phase_failures(&[], &deltas, Some(&latency(8.0)), &p),
+            ["a Job pod's end to its identity's deletion p99 8.0 s (target: within 6.0 s)"]
+        );
+    }
 }
