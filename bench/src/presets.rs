@@ -495,7 +495,8 @@ pub(crate) fn seed_leak(preset: Preset) -> SeedLeak {
         // its delete event lost or not) plus the grace period, and 2 s for the
         // once-a-second poll, the interval's jitter and the GC's delete. A pod that
         // ended before its Allocate was answered once waited out the hold timeout
-        // too (three intervals): 8-9 s in the gate, 20-21 s in the full preset.
+        // too (three intervals): 20-21 s in the full preset, so 8 s or more in the
+        // gate.
         max_end_to_deletion: snapshot_interval + grace + Duration::from_secs(2),
         // Off (`--heap-sample-lg` turns it on): the first profile's symbol tables
         // stay in the live heap it would explain (+119 MiB in a gate run).
