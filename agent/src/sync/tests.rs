@@ -597,6 +597,16 @@ async fn next_snapshot(
     }
 }
 
+/// A new stream's first messages: its Hello, then its snapshot.
+async fn hello_then_snapshot(
+    messages: &mut mpsc::UnboundedReceiver<pb::AgentMessage>,
+) -> TestResult<pb::Snapshot> {
+    match next(messages).await?.body {
+        Some(Body::Hello(_)) => next_snapshot(messages).await,
+        other => fail(format!("not a Hello: {other:?}")),
+    }
+}
+
 /// The operator ends the holds of the allocations a Snapshot says are settled: the
 /// number travels in every Snapshot, never as a message of its own, and a new
 /// stream of the same session still carries it.
@@ -618,11 +628,7 @@ async fn the_settled_allocations_go_in_every_snapshot_and_never_as_a_delta() -> 
     let client = start(lazy_channel(addr)?, "n1")?;
     client.ready.send(true)?;
     let (mut messages, operator) = next(&mut streams).await?;
-    assert!(matches!(
-        next(&mut messages).await?.body,
-        Some(Body::Hello(_))
-    ));
-    let first = next_snapshot(&mut messages).await?;
+    let first = hello_then_snapshot(&mut messages).await?;
     assert_eq!(first.allocations_settled, 0, "nothing settled yet");
 
     let web = labels("web")?;
@@ -665,11 +671,7 @@ async fn the_settled_allocations_go_in_every_snapshot_and_never_as_a_delta() -> 
     // The operator ends the stream; the agent's next one is the same session.
     drop((operator, messages));
     let (mut messages, _operator) = next(&mut streams).await?;
-    assert!(matches!(
-        next(&mut messages).await?.body,
-        Some(Body::Hello(_))
-    ));
-    let again = next_snapshot(&mut messages).await?;
+    let again = hello_then_snapshot(&mut messages).await?;
     assert_eq!(again.allocations_settled, 3, "kept across streams");
     assert_eq!(again.endpoints.len(), 2);
 
