@@ -366,6 +366,10 @@ impl Allocator {
                         attempt,
                         retry_at,
                     };
+                    // Here too: if the identity is wanted again before the retry
+                    // (`wake` writes the binding again), a create that writes nothing
+                    // must leave this tombstone's quarantine in place.
+                    entry.ended_tomb = Some(Tomb::of(tombstone));
                     core.gc.delete_retries.insert((retry_at, id));
                 }
             }

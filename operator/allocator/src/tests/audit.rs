@@ -271,6 +271,67 @@ fn patient() -> Config {
     }
 }
 
+// ---- 6: a failed delete, then wanted again before its retry ----
+
+/// The long model run of 2026-12-07 (after holds began to end at a settled
+/// allocation) found it: a delete commits but is answered with an error; before its
+/// retry the labels are wanted again, so the binding is written again; that create
+/// writes nothing (the labels are bound elsewhere by then). The delete's tombstone
+/// is in the store, so the quarantine must go on: the id is not free for other
+/// labels, and the tombstone is cleaned up when it ends.
+#[test]
+fn a_failed_delete_wanted_again_before_its_retry_keeps_its_quarantine() {
+    let mut h = Harness::new(Config {
+        node_ttl: ms(600_000),
+        ..two_ids()
+    });
+    let (s, _c) = connected(&mut h, N1, 10);
+    h.settle_store();
+    let x = ok(h.allocate_now(N1, s, "app=web"));
+    until_delete_issued(&mut h, x);
+    // The delete commits (tombstone and all) but is answered with an error: nothing
+    // wants x then, so its delete waits for its retry.
+    let Some(op) = h.pop_pending() else {
+        panic!("no delete queued");
+    };
+    assert!(h.store.apply(&op, h.now).is_ok());
+    let err = StoreError::Unavailable {
+        cause: "timeout",
+        detail: "no answer".into(),
+    };
+    h.alloc.store_result(op, Err(err), h.now);
+    h.route();
+    // Someone binds app=web at 257; then app=web is wanted again: the core writes x's
+    // binding again, and the store answers LabelsBound(257).
+    h.store.identities.insert(id(257), labels("app=web"));
+    h.store.foreign.insert(id(257));
+    assert_eq!(h.allocate(N1, s, "app=web"), Ok(None));
+    h.settle_store();
+    assert_eq!(h.replies.last().map(|(_, r)| r.clone()), Some(Ok(id(257))));
+    assert!(
+        matches!(h.state(x.get()), Some(IdentityState::Quarantined { .. })),
+        "x is still quarantined for app=web: {:?}",
+        h.state(x.get())
+    );
+    // Other labels do not get x inside the quarantine (the model store fails the
+    // test if they did)...
+    let db = h.allocate_now(N1, s, "app=db");
+    assert!(
+        matches!(db, Err(AllocError::RangeExhausted { .. })),
+        "{db:?}"
+    );
+    // ...and once it ends, its tombstone leaves the store.
+    for _ in 0..30 {
+        h.advance(ms(1_000));
+        h.settle_store();
+    }
+    assert!(
+        !h.store.tombstones.contains_key(&x),
+        "x's tombstone outlived its quarantine: {:?}",
+        h.store.tombstones
+    );
+}
+
 // ---- 5: the core path the long model run found ----
 
 #[test]
