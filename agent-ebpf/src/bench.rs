@@ -28,6 +28,7 @@
 #![no_main]
 #![feature(asm_experimental_arch)]
 
+#[expect(dead_code, reason = "the bench's programs read no 64-bit words")]
 mod load;
 
 use load::load_word;

@@ -95,7 +95,7 @@
 
 mod load;
 
-use load::load_word;
+use load::{load_dword, load_word};
 
 use aya_ebpf::{
     EbpfContext,
@@ -117,7 +117,7 @@ use census_common::{
     INTERFACES_MAX_ENTRIES, InterfaceValue, MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS,
     NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN,
     SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAX_ENTRIES, ServiceFlowKey4, ServiceFlowKey6,
-    filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES, Verdict},
+    filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES, Probe, V4, V6, Verdict},
     flags, identity, interface_slot, service_direction, stats,
 };
 
@@ -390,32 +390,32 @@ fn count_marked(ctx: &TcContext) {
 /// destination's, and was counted where it left its pod.
 #[inline(always)]
 fn count_from_node(ctx: &SkBuffContext) {
-    // Each family's path on its own: the IPv4 one knows that three of each
-    // address's words are zero.
-    match addresses(ctx) {
-        Some((Family::V4, src, dst)) => count_from_node_in(ctx, Family::V4, &src, &dst),
-        Some((Family::V6, src, dst)) => count_from_node_in(ctx, Family::V6, &src, &dst),
+    // Each family's path on its own, its addresses as the filter reads them.
+    match socket_sides(ctx) {
+        Some(Sides::V4(src, dst)) => count_from_node_in(ctx, Family::V4, src, dst),
+        Some(Sides::V6(src, dst)) => count_from_node_in(ctx, Family::V6, src, dst),
         None => {}
     }
 }
 
 /// [`count_from_node`] of a packet of `family`.
 #[inline(always)]
-fn count_from_node_in(ctx: &SkBuffContext, family: Family, src: &EndpointKey, dst: &EndpointKey) {
+fn count_from_node_in<A: Probe>(ctx: &SkBuffContext, family: Family, src: A, dst: A) {
     // Nearly no packet a socket sends is a Service request or from an address
     // FLOWS counts here (the node's own, or a Service's): the filter says so
-    // without a lookup of its source.
+    // without a lookup of its source, and without making its keys.
     let filter = address_filter();
-    let pair = filter.is_none_or(|filter| filter.may_be_source(src));
-    let service = service_requested(ctx, family, filter, (pair, dst));
+    let pair = filter.is_none_or(|filter| filter.may_be_source(&src));
+    let service = service_requested(ctx, family, filter, (pair, &dst));
     if pair {
-        let from = endpoint(src);
+        let src = src.key();
+        let from = endpoint(&src);
         if let Some(service) = service {
             count_service_request(ctx, family, service_client(from), service);
         }
-        count_pair_from_node(ctx, family, (src, from), dst);
+        count_pair_from_node(ctx, family, (&src, from), &dst.key());
     } else if let Some(service) = service {
-        count_service_request(ctx, family, client_of(ctx, src), service);
+        count_service_request(ctx, family, client_of(ctx, &src.key()), service);
     }
 }
 
@@ -570,23 +570,23 @@ fn client_of(ctx: &SkBuffContext, address: &EndpointKey) -> Option<u32> {
 /// addresses (`host_source`, from the filter): only a host-network socket's packet
 /// is translated before this hook, and a pod's carries the pod's address.
 #[inline(always)]
-fn service_requested(
+fn service_requested<A: Probe>(
     ctx: &SkBuffContext,
     family: Family,
     filter: Option<&AddressFilter>,
-    (host_source, dst): (bool, &EndpointKey),
+    (host_source, dst): (bool, &A),
 ) -> Option<(EndpointKey, u16, u8)> {
     // The headers' ports only once the packet is a Service's: nearly no packet a
     // socket sends is.
     if is_service_counted(filter, dst) {
         let (protocol, _, dst_port) = transport(ctx, family);
-        return Some((*dst, dst_port, protocol));
+        return Some((dst.key(), dst_port, protocol));
     }
     if !host_source {
         return None;
     }
     match socket_destination(ctx, family) {
-        Some((address, port)) if address != *dst && is_service_counted(filter, &address) => {
+        Some((address, port)) if address != dst.key() && is_service_counted(filter, &address) => {
             Some((address, port, transport(ctx, family).0))
         }
         _ => None,
@@ -627,17 +627,25 @@ fn count_service_request(
 /// itself.
 #[inline(always)]
 fn count_service_reply(ctx: &SkBuffContext) {
-    let Some((family, src, dst)) = addresses(ctx) else {
-        return;
-    };
+    match socket_sides(ctx) {
+        Some(Sides::V4(src, dst)) => count_service_reply_in(ctx, Family::V4, src, dst),
+        Some(Sides::V6(src, dst)) => count_service_reply_in(ctx, Family::V6, src, dst),
+        None => {}
+    }
+}
+
+/// [`count_service_reply`] of a packet of `family`.
+#[inline(always)]
+fn count_service_reply_in<A: Probe>(ctx: &SkBuffContext, family: Family, src: A, dst: A) {
     // The Service address first: nearly no packet a socket receives is from one.
     if !is_service_counted(address_filter(), &src) {
         return;
     }
-    let Some(client) = client_of(ctx, &dst) else {
+    let Some(client) = client_of(ctx, &dst.key()) else {
         return;
     };
     let (protocol, src_port, _) = transport(ctx, family);
+    let src = src.key();
     let service = ServiceCounter {
         client,
         service: &src,
@@ -827,11 +835,11 @@ fn in_services(address: &EndpointKey) -> bool {
 /// FLOWS' choices: what a packet is counted as there never rests on a filter
 /// read while it is written, and nothing is counted twice or lost.
 #[inline(always)]
-fn is_service_counted(filter: Option<&AddressFilter>, address: &EndpointKey) -> bool {
+fn is_service_counted<A: Probe>(filter: Option<&AddressFilter>, address: &A) -> bool {
     match filter.map_or(Verdict::Maybe, |filter| filter.service_verdict(address)) {
         Verdict::No => false,
         Verdict::Yes => true,
-        Verdict::Maybe => in_services(address),
+        Verdict::Maybe => in_services(&address.key()),
     }
 }
 
@@ -965,6 +973,31 @@ fn frame<P: Packet>(packet: &P) -> Frame {
     }
 }
 
+/// A socket's packet's addresses as the filter reads them: the root cgroup's
+/// programs make keys of them only for the few packets that need a lookup.
+enum Sides {
+    V4(V4, V4),
+    V6(V6, V6),
+}
+
+/// [`Sides`] of an IP packet the root cgroup sees; `None` for anything else, a
+/// packet too short to hold them counted as unparsable (as [`addresses`]).
+#[inline(always)]
+fn socket_sides(ctx: &SkBuffContext) -> Option<Sides> {
+    match ctx.protocol() {
+        ETH_P_IP => match ctx.read_words::<2>(IPV4_SADDR) {
+            Some([src, dst]) => return Some(Sides::V4(V4(src), V4(dst))),
+            None => unparsable(ctx, Family::V4),
+        },
+        ETH_P_IPV6 => match ctx.read_dwords::<4>(IPV6_SADDR) {
+            Some([s0, s1, d0, d1]) => return Some(Sides::V6(V6([s0, s1]), V6([d0, d1]))),
+            None => unparsable(ctx, Family::V6),
+        },
+        _ => {}
+    }
+    None
+}
+
 /// [`frame`]'s addresses of an IP packet; `None` for anything else, a packet
 /// too short to hold them counted as unparsable.
 #[inline(always)]
@@ -998,6 +1031,21 @@ trait Packet: EbpfContext {
             let mut words = [0u32; N];
             for (i, word) in words.iter_mut().enumerate() {
                 *word = load_word(start + offset + 4 * i);
+            }
+            return Some(words);
+        }
+        self.read(offset)
+    }
+
+    /// As [`read_words`](Self::read_words), in 64-bit words (see
+    /// [`load_dword`]).
+    #[inline(always)]
+    fn read_dwords<const N: usize>(&self, offset: usize) -> Option<[u64; N]> {
+        let (start, end) = self.linear();
+        if start + offset + 8 * N <= end {
+            let mut words = [0u64; N];
+            for (i, word) in words.iter_mut().enumerate() {
+                *word = load_dword(start + offset + 8 * i);
             }
             return Some(words);
         }

@@ -78,12 +78,166 @@ pub struct V4Range {
     pub mask: u32,
 }
 
-/// An IPv6 range, as [`V4Range`] over the four words.
+/// An IPv6 range, as [`V4Range`] over the address's two halves (see [`V6`]):
+/// two 64-bit tests where four words would be four.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct V6Range {
-    pub network: [u32; 4],
-    pub mask: [u32; 4],
+    pub network: [u64; 2],
+    pub mask: [u64; 2],
+}
+
+/// An IPv4 address as a header holds it: its 4 bytes in network order, read as
+/// one native word (as [`EndpointKey::v4_word`] takes it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct V4(pub u32);
+
+/// An IPv6 address as a header holds it: its 16 bytes read as two native 64-bit
+/// words, in memory order. The root cgroup's programs read a packet's addresses
+/// so (two loads each, not four) and ask the filter about them before any
+/// [`EndpointKey`] is made: nearly no packet needs one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct V6(pub [u64; 2]);
+
+impl V6 {
+    /// The address of an [`EndpointKey`]'s four words.
+    #[inline(always)]
+    pub const fn from_words([a, b, c, d]: [u32; 4]) -> Self {
+        Self([join(a, b), join(c, d)])
+    }
+
+    /// The address's four words, as an [`EndpointKey`] holds them.
+    #[inline(always)]
+    pub const fn words(self) -> [u32; 4] {
+        let [[a, b], [c, d]] = [split(self.0[0]), split(self.0[1])];
+        [a, b, c, d]
+    }
+}
+
+/// Two words in memory order as one 64-bit word.
+#[inline(always)]
+const fn join(first: u32, second: u32) -> u64 {
+    let (low, high) = if cfg!(target_endian = "little") {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    (high as u64) << 32 | low as u64
+}
+
+/// [`join`] undone.
+#[inline(always)]
+#[expect(clippy::cast_possible_truncation, reason = "the halves of a u64")]
+const fn split(word: u64) -> [u32; 2] {
+    let (low, high) = (word as u32, (word >> 32) as u32);
+    if cfg!(target_endian = "little") {
+        [low, high]
+    } else {
+        [high, low]
+    }
+}
+
+/// What the filter is asked about: an address of a family known where it is
+/// read ([`V4`], [`V6`]: the programs', no family tests), or an
+/// [`EndpointKey`] (the family read from it).
+pub trait Probe: Copy {
+    /// Whether the address is in one of `filter`'s range slots, or of a family
+    /// the filter does not know (which may be anything).
+    fn in_ranges(&self, filter: &AddressFilter) -> bool;
+    /// The hash whose top bits are its bitmaps' bit; equal for an address and
+    /// its [`EndpointKey`].
+    fn hash(&self) -> u32;
+    /// Whether it is an IPv4 or IPv6 address.
+    fn is_ip(&self) -> bool;
+    /// Its key in ENDPOINTS and SERVICES.
+    fn key(&self) -> EndpointKey;
+}
+
+impl Probe for V4 {
+    #[inline(always)]
+    fn in_ranges(&self, filter: &AddressFilter) -> bool {
+        for (i, range) in (0u32..).zip(filter.v4_ranges.iter()) {
+            if i >= filter.v4_slots {
+                break;
+            }
+            if self.0 & range.mask == range.network {
+                return true;
+            }
+        }
+        false
+    }
+
+    #[inline(always)]
+    fn hash(&self) -> u32 {
+        hash_words([self.0, 0, 0, 0], family::IPV4)
+    }
+
+    #[inline(always)]
+    fn is_ip(&self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn key(&self) -> EndpointKey {
+        EndpointKey::v4_word(self.0)
+    }
+}
+
+impl Probe for V6 {
+    #[inline(always)]
+    fn in_ranges(&self, filter: &AddressFilter) -> bool {
+        let [high, low] = self.0;
+        for (i, range) in (0u32..).zip(filter.v6_ranges.iter()) {
+            if i >= filter.v6_slots {
+                break;
+            }
+            if high & range.mask[0] == range.network[0] && low & range.mask[1] == range.network[1] {
+                return true;
+            }
+        }
+        false
+    }
+
+    #[inline(always)]
+    fn hash(&self) -> u32 {
+        hash_words(self.words(), family::IPV6)
+    }
+
+    #[inline(always)]
+    fn is_ip(&self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn key(&self) -> EndpointKey {
+        EndpointKey::v6_words(self.words())
+    }
+}
+
+impl Probe for EndpointKey {
+    #[inline(always)]
+    fn in_ranges(&self, filter: &AddressFilter) -> bool {
+        match self.family {
+            family::IPV4 => V4(self.addr[0]).in_ranges(filter),
+            family::IPV6 => V6::from_words(self.addr).in_ranges(filter),
+            _ => true,
+        }
+    }
+
+    #[inline(always)]
+    fn hash(&self) -> u32 {
+        hash_words(self.addr, self.family)
+    }
+
+    #[inline(always)]
+    fn is_ip(&self) -> bool {
+        self.family == family::IPV4 || self.family == family::IPV6
+    }
+
+    #[inline(always)]
+    fn key(&self) -> EndpointKey {
+        *self
+    }
 }
 
 /// The value of [`ADDRESS_FILTER_MAP`]'s entry.
@@ -116,22 +270,28 @@ const UNUSED_V4: V4Range = V4Range {
     mask: 0,
 };
 const UNUSED_V6: V6Range = V6Range {
-    network: [u32::MAX; 4],
-    mask: [0; 4],
+    network: [u64::MAX; 2],
+    mask: [0; 2],
 };
 
 /// The bit of `key` in a bitmap of `2^lg` bits: a multiplicative hash of its
 /// words.
 #[inline(always)]
 pub const fn bucket(key: &EndpointKey, lg: u32) -> u32 {
-    hash(key) >> (32 - lg)
+    bucket_of(hash_words(key.addr, key.family), lg)
 }
 
-/// A multiplicative hash of `key`'s words; its top bits are its bucket.
+/// The bit of a hash in a bitmap of `2^lg` bits.
 #[inline(always)]
-const fn hash(key: &EndpointKey) -> u32 {
-    let [a, b, c, d] = key.addr;
-    let folded = a ^ b.rotate_left(8) ^ c.rotate_left(16) ^ d.rotate_left(24) ^ key.family;
+const fn bucket_of(hash: u32, lg: u32) -> u32 {
+    hash >> (32 - lg)
+}
+
+/// A multiplicative hash of a key's words and family; its top bits are its
+/// bucket.
+#[inline(always)]
+const fn hash_words([a, b, c, d]: [u32; 4], family: u32) -> u32 {
+    let folded = a ^ b.rotate_left(8) ^ c.rotate_left(16) ^ d.rotate_left(24) ^ family;
     folded.wrapping_mul(0x9E37_79B1)
 }
 
@@ -195,16 +355,16 @@ impl AddressFilter {
     /// exactly (a ClusterIP, the Service packets' common case); else `Maybe`,
     /// for SERVICES to answer.
     #[inline(always)]
-    pub fn service_verdict(&self, key: &EndpointKey) -> Verdict {
-        if !self.is_on() || (key.family != family::IPV4 && key.family != family::IPV6) {
+    pub fn service_verdict<P: Probe>(&self, key: &P) -> Verdict {
+        if !self.is_on() || !key.is_ip() {
             Verdict::Maybe
-        } else if self.in_ranges(key) {
+        } else if key.in_ranges(self) {
             if self.ranges_exact() {
                 Verdict::Yes
             } else {
                 Verdict::Maybe
             }
-        } else if test_bit(&self.services, bucket(key, SERVICE_BITS_LG)) {
+        } else if test_bit(&self.services, bucket_of(key.hash(), SERVICE_BITS_LG)) {
             Verdict::Maybe
         } else {
             Verdict::No
@@ -214,50 +374,19 @@ impl AddressFilter {
     /// Whether `key` may be a Service address (in SERVICES); `false` only if it
     /// surely is not.
     #[inline(always)]
-    pub fn may_be_service(&self, key: &EndpointKey) -> bool {
+    pub fn may_be_service<P: Probe>(&self, key: &P) -> bool {
         !self.is_on()
-            || self.in_ranges(key)
-            || test_bit(&self.services, bucket(key, SERVICE_BITS_LG))
-    }
-
-    /// Whether `key` is in one of the range slots (or of an unknown family).
-    #[inline(always)]
-    fn in_ranges(&self, key: &EndpointKey) -> bool {
-        match key.family {
-            family::IPV4 => {
-                for (i, range) in (0u32..).zip(self.v4_ranges.iter()) {
-                    if i >= self.v4_slots {
-                        break;
-                    }
-                    if key.addr[0] & range.mask == range.network {
-                        return true;
-                    }
-                }
-            }
-            family::IPV6 => {
-                for (i, range) in (0u32..).zip(self.v6_ranges.iter()) {
-                    if i >= self.v6_slots {
-                        break;
-                    }
-                    if key.addr[0] & range.mask[0] == range.network[0]
-                        && key.addr[1] & range.mask[1] == range.network[1]
-                        && key.addr[2] & range.mask[2] == range.network[2]
-                        && key.addr[3] & range.mask[3] == range.network[3]
-                    {
-                        return true;
-                    }
-                }
-            }
-            _ => return true,
-        }
-        false
+            || key.in_ranges(self)
+            || test_bit(&self.services, bucket_of(key.hash(), SERVICE_BITS_LG))
     }
 
     /// Whether `key` may be one of the node's own addresses (flagged HOST in
     /// ENDPOINTS) or a Service address; `false` only if it surely is neither.
     #[inline(always)]
-    pub fn may_be_source(&self, key: &EndpointKey) -> bool {
-        !self.is_on() || self.in_ranges(key) || test_bit(&self.sources, bucket(key, SOURCE_BITS_LG))
+    pub fn may_be_source<P: Probe>(&self, key: &P) -> bool {
+        !self.is_on()
+            || key.in_ranges(self)
+            || test_bit(&self.sources, bucket_of(key.hash(), SOURCE_BITS_LG))
     }
 
     /// The filter of `services` (SERVICES' keys) and `hosts` (the addresses
@@ -305,7 +434,10 @@ impl AddressFilter {
                     mask: mask[0],
                 })
             } else {
-                v6.add(V6Range { network, mask })
+                v6.add(V6Range {
+                    network: V6::from_words(network).0,
+                    mask: V6::from_words(mask).0,
+                })
             };
             if !added {
                 return Self { state: 0, ..filter };

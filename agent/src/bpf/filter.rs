@@ -473,13 +473,23 @@ mod tests {
             range.network = pick(before.v4_ranges[i].network, after.v4_ranges[i].network);
             range.mask = pick(before.v4_ranges[i].mask, after.v4_ranges[i].mask);
         }
+        // The IPv6 ranges' 64-bit halves, torn in the middle too.
+        let mut pick_halves = |a: u64, b: u64| {
+            #[expect(clippy::cast_possible_truncation, reason = "the halves of a u64")]
+            let (low, high) = (
+                pick(a as u32, b as u32),
+                pick((a >> 32) as u32, (b >> 32) as u32),
+            );
+            u64::from(high) << 32 | u64::from(low)
+        };
         for (i, range) in read.v6_ranges.iter_mut().enumerate() {
-            for w in 0..4 {
-                range.network[w] = pick(
+            for w in 0..2 {
+                range.network[w] = pick_halves(
                     before.v6_ranges[i].network[w],
                     after.v6_ranges[i].network[w],
                 );
-                range.mask[w] = pick(before.v6_ranges[i].mask[w], after.v6_ranges[i].mask[w]);
+                range.mask[w] =
+                    pick_halves(before.v6_ranges[i].mask[w], after.v6_ranges[i].mask[w]);
             }
         }
         let mut pick64 = |a: u64, b: u64| {
@@ -529,7 +539,87 @@ mod tests {
         (0u8..8).prop_map(|i| address(&format!("198.18.0.{i}")))
     }
 
+    /// Addresses in, beside and far from what [`range_strategy`] and
+    /// [`host_strategy`] make.
+    fn probe_strategy() -> impl Strategy<Value = IpAddr> {
+        prop_oneof![
+            any::<[u8; 4]>().prop_map(IpAddr::from),
+            (0u8..=255, any::<u16>()).prop_map(|(i, low)| {
+                let [a, b] = low.to_be_bytes();
+                IpAddr::from([10, i, a, b])
+            }),
+            (0u8..16).prop_map(|i| IpAddr::from([198, 18, 0, i])),
+            (0u8..16).prop_map(|i| IpAddr::from([203, 0, 113, i])),
+            any::<u128>().prop_map(|bits| IpAddr::from(bits.to_be_bytes())),
+            (0u16..6, any::<u32>()).prop_map(|(i, low)| {
+                IpAddr::from(
+                    ((0xfd00_u128 << 112) | (u128::from(i) << 96) | u128::from(low)).to_be_bytes(),
+                )
+            }),
+            (0u16..16).prop_map(|i| {
+                IpAddr::from(((0x2001_0db8_u128 << 96) | u128::from(i)).to_be_bytes())
+            }),
+        ]
+    }
+
+    /// An address as the root cgroup's programs read it from a header: IPv4
+    /// one word, IPv6 two 64-bit words (each 8 bytes as they sit in memory).
+    fn read_as_the_programs_do(
+        ip: IpAddr,
+    ) -> Result<census_common::filter::V6, census_common::filter::V4> {
+        use census_common::filter::{V4, V6};
+        match ip {
+            IpAddr::V4(ip) => Err(V4(u32::from_ne_bytes(ip.octets()))),
+            IpAddr::V6(ip) => {
+                let o = ip.octets();
+                let half = |i: usize| {
+                    u64::from_ne_bytes([
+                        o[i],
+                        o[i + 1],
+                        o[i + 2],
+                        o[i + 3],
+                        o[i + 4],
+                        o[i + 5],
+                        o[i + 6],
+                        o[i + 7],
+                    ])
+                };
+                Ok(V6([half(0), half(8)]))
+            }
+        }
+    }
+
     proptest! {
+        /// The programs ask the filter about a packet's addresses as they read
+        /// them (`V4`, `V6`), the agent about keys: every answer is the same,
+        /// and so is the key the programs make of an address when they need one.
+        #[test]
+        fn an_address_read_as_the_programs_read_it_is_judged_as_its_key_is(
+            services in prop::collection::vec(range_strategy(), 0..7),
+            hosts in prop::collection::vec(host_strategy(), 0..4),
+            exact in any::<bool>(),
+            probes in prop::collection::vec(probe_strategy(), 1..32),
+        ) {
+            use census_common::filter::{FILTER_ON, Probe};
+            let built = AddressFilter::build(&AddressFilter::OFF, services, hosts);
+            let filter = if exact || !built.is_on() { built } else { AddressFilter { state: FILTER_ON, ..built } };
+            for ip in probes {
+                let key = EndpointKey::from(ip);
+                let (verdict, service, source, read_key) = match read_as_the_programs_do(ip) {
+                    Ok(v6) => {
+                        prop_assert_eq!(census_common::filter::V6::from_words(key.addr), v6);
+                        prop_assert_eq!(v6.words(), key.addr);
+                        (filter.service_verdict(&v6), filter.may_be_service(&v6), filter.may_be_source(&v6), v6.key())
+                    }
+                    Err(v4) => (filter.service_verdict(&v4), filter.may_be_service(&v4), filter.may_be_source(&v4), v4.key()),
+                };
+                prop_assert_eq!(read_key, key);
+                prop_assert_eq!(verdict, filter.service_verdict(&key), "{}", ip);
+                prop_assert_eq!(service, filter.may_be_service(&key), "{}", ip);
+                prop_assert_eq!(source, filter.may_be_source(&key), "{}", ip);
+            }
+        }
+
         /// Over any sequence of sets, every write of the steps from one filter
         /// to the next, read torn with the write before it, still says "maybe"
         /// of what both the filter before and after hold (what SERVICES and
