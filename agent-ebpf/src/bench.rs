@@ -49,9 +49,10 @@ use census_common::{
 static TARGET: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
 /// Slot 0: how many peers to cycle through; slot 1: the first peer's address
-/// word, in host order (consecutive peers are consecutive words).
+/// word, in host order (peers are consecutive words); slot 2: the stride of the
+/// order they are visited in, prime to their count (1: in address order).
 #[map(name = "BENCH_CONFIG")]
-static CONFIG: Array<u32> = Array::with_max_entries(2, 0);
+static CONFIG: Array<u32> = Array::with_max_entries(3, 0);
 
 #[map(name = "BENCH_CURSOR")]
 static CURSOR: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
@@ -269,19 +270,13 @@ fn address<const WHICH: usize>(ctx: &TcContext) -> Option<EndpointKey> {
         if start + offset + 4 > end {
             return None;
         }
-        // SAFETY: bounds checked above.
-        Some(EndpointKey::v4_word(unsafe {
-            core::ptr::read_unaligned((start + offset) as *const u32)
-        }))
+        Some(EndpointKey::v4_word(load_word(start + offset)))
     } else {
         let offset = ETH_HLEN + 8 + WHICH * 16;
         if start + offset + 16 > end {
             return None;
         }
-        // SAFETY: bounds checked above.
-        Some(EndpointKey::v6_words(unsafe {
-            core::ptr::read_unaligned((start + offset) as *const [u32; 4])
-        }))
+        Some(EndpointKey::v6_words(words(start + offset)))
     }
 }
 
@@ -297,17 +292,13 @@ fn lookup<const WHICH: usize>(ctx: &TcContext) -> i32 {
         if start + offset + 4 > end {
             return TC_ACT_UNSPEC;
         }
-        // SAFETY: bounds checked above.
-        EndpointKey::v4_word(unsafe { core::ptr::read_unaligned((start + offset) as *const u32) })
+        EndpointKey::v4_word(load_word(start + offset))
     } else {
         let offset = ETH_HLEN + 8 + WHICH * 16;
         if start + offset + 16 > end {
             return TC_ACT_UNSPEC;
         }
-        // SAFETY: bounds checked above.
-        EndpointKey::v6_words(unsafe {
-            core::ptr::read_unaligned((start + offset) as *const [u32; 4])
-        })
+        EndpointKey::v6_words(words(start + offset))
     };
     // SAFETY: the value is copied out at once.
     let identity = unsafe { ENDPOINTS.get(key) }.map_or(0, |ep| ep.identity);
@@ -318,19 +309,37 @@ fn lookup<const WHICH: usize>(ctx: &TcContext) -> i32 {
     TC_ACT_UNSPEC
 }
 
+/// The four words of an IPv6 address at `address` of the packet's linear data
+/// (bounds checked by the caller), one load each, as census's programs read them.
+#[inline(always)]
+fn words(address: usize) -> [u32; 4] {
+    [
+        load_word(address),
+        load_word(address + 4),
+        load_word(address + 8),
+        load_word(address + 12),
+    ]
+}
+
 #[inline(always)]
 fn cycle<const OFFSET: usize>(ctx: &TcContext) -> i32 {
-    let (Some(&peers), Some(&base), Some(cursor)) =
-        (CONFIG.get(0), CONFIG.get(1), CURSOR.get_ptr_mut(0))
-    else {
+    let (Some(&peers), Some(&base), Some(&stride), Some(cursor)) = (
+        CONFIG.get(0),
+        CONFIG.get(1),
+        CONFIG.get(2),
+        CURSOR.get_ptr_mut(0),
+    ) else {
         return TC_ACT_UNSPEC;
     };
     // SAFETY: this CPU's slot; runs on one CPU do not interleave.
-    let peer = unsafe {
-        let peer = *cursor;
-        *cursor = if peer + 1 >= peers { 0 } else { peer + 1 };
-        peer
+    let step = unsafe {
+        let step = *cursor;
+        *cursor = if step + 1 >= peers { 0 } else { step + 1 };
+        step
     };
+    // The step's peer: a stride prime to `peers` visits each once per cycle.
+    #[expect(clippy::cast_possible_truncation, reason = "a remainder below `peers`")]
+    let peer = ((u64::from(step) * u64::from(stride)) % u64::from(peers.max(1))) as u32;
     let word = base.wrapping_add(peer).to_be();
     let (start, end) = (ctx.data(), ctx.data_end());
     if start + OFFSET + 4 <= end {

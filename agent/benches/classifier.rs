@@ -379,6 +379,52 @@ struct Options {
     memory_entries: u32,
     /// Only the root cgroup's rows (`--sockets-only`).
     sockets_only: bool,
+    /// The order the cyclers visit the peers in (`--order`).
+    order: Order,
+}
+
+/// The order the cyclers visit the peers in: each once per cycle either way.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// By address: each run's peer is the last one's next address, so a lookup
+    /// in a trie walks nearly the same nodes as the one before it.
+    Address,
+    /// A stride of about 0.618 of the peers (prime to their count): each run's
+    /// peer is far from the last one's, as the peers of real traffic are.
+    Scattered,
+}
+
+impl Order {
+    /// The cyclers' stride through `peers` peers: prime to `peers`, so that
+    /// every peer is visited once per cycle.
+    fn stride(self, peers: u32) -> u32 {
+        let peers = peers.max(1);
+        match self {
+            Self::Address => 1,
+            Self::Scattered => {
+                #[expect(clippy::cast_possible_truncation, reason = "below `peers`")]
+                let mut stride = (u64::from(peers) * 618 / 1000) as u32 | 1;
+                while gcd(stride, peers) != 1 {
+                    stride += 2;
+                }
+                stride % peers
+            }
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Address => "by address",
+            Self::Scattered => "scattered",
+        }
+    }
+}
+
+fn gcd(mut a: u32, mut b: u32) -> u32 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 /// census's programs and maps, loaded without pins, ENDPOINTS sized for the
@@ -626,8 +672,13 @@ impl Bench {
     }
 
     /// Makes the cyclers tail-call `target` and cycle through `peers` words from
-    /// `first`.
-    fn aim(&mut self, target: &ProgramFd, peers: u32, first: u32) -> Fallible<()> {
+    /// `first`, in `order`.
+    fn aim(
+        &mut self,
+        target: &ProgramFd,
+        (peers, first): (u32, u32),
+        order: Order,
+    ) -> Fallible<()> {
         let fd = target;
         {
             let map = self.ebpf.map_mut("BENCH_TARGET").ok_or("no BENCH_TARGET")?;
@@ -638,6 +689,7 @@ impl Bench {
         let mut config: Array<&mut MapData, u32> = Array::try_from(map)?;
         config.set(0, peers.max(1), 0)?;
         config.set(1, first, 0)?;
+        config.set(2, order.stride(peers), 0)?;
         Ok(())
     }
 }
@@ -954,9 +1006,11 @@ fn run(objects: &Objects) -> Fallible<()> {
     }
 
     println!(
-        "census classifier, BPF_PROG_TEST_RUN ({} runs x {} rounds, median); no attachment is \
-         involved, so TCX and TC modes run the same program at the same cost",
-        options.repeat, options.rounds
+        "census classifier, BPF_PROG_TEST_RUN ({} runs x {} rounds, median), peers visited {}; no \
+         attachment is involved, so TCX and TC modes run the same program at the same cost",
+        options.repeat,
+        options.rounds,
+        options.order.name()
     );
     let empty = bench.program("bench_empty")?;
     let frame4 = packet::udp_frame(addrs.pod_a4, addrs.remote_seed, 64).ok_or("frame")?;
@@ -1059,7 +1113,7 @@ fn scenario_row(
     let ctx = context(scenario.from, mark);
     let cycler = Bench::cycler(scenario.hook, scenario.family);
     let classifier = census.program(scenario.hook)?.fd()?.try_clone()?;
-    bench.aim(&classifier, peers, first)?;
+    bench.aim(&classifier, (peers, first), options.order)?;
     let marks = census.marks()?;
     let (measured, made) = measure(
         bench.program(cycler)?,
@@ -1071,20 +1125,20 @@ fn scenario_row(
     )?;
     check_path(scenario, made, marks, census.marks()?)?;
     let empty = bench.program("bench_empty")?.fd()?.try_clone()?;
-    bench.aim(&empty, peers, first)?;
+    bench.aim(&empty, (peers, first), options.order)?;
     let (floor, _) = measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?;
     let lookup = bench
         .program(Bench::lookup(scenario.hook))?
         .fd()?
         .try_clone()?;
-    bench.aim(&lookup, peers, first)?;
+    bench.aim(&lookup, (peers, first), options.order)?;
     let (lookup, _) = measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?;
     let lpm = if at.log_level == 0 {
         let lpm = bench
             .program(Bench::lpm(scenario.hook))?
             .fd()?
             .try_clone()?;
-        bench.aim(&lpm, peers, first)?;
+        bench.aim(&lpm, (peers, first), options.order)?;
         Some(measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?.0)
     } else {
         None
@@ -1389,6 +1443,7 @@ fn parse_args() -> Fallible<Options> {
             peers: 16_384,
             memory_entries: MEMORY_ENTRIES,
             sockets_only: false,
+            order: Order::Address,
         }
     } else {
         Options {
@@ -1397,6 +1452,7 @@ fn parse_args() -> Fallible<Options> {
             peers: 16_384,
             memory_entries: 1_000,
             sockets_only: false,
+            order: Order::Address,
         }
     };
     let mut args = args.into_iter();
@@ -1407,6 +1463,17 @@ fn parse_args() -> Fallible<Options> {
             "--rounds" => options.rounds = value()?.parse()?,
             "--peers" => options.peers = value()?.parse()?,
             "--sockets-only" => options.sockets_only = true,
+            "--order" => {
+                options.order = match value()?.as_str() {
+                    "address" => Order::Address,
+                    "scattered" => Order::Scattered,
+                    other => {
+                        return Err(
+                            format!("--order takes address or scattered, not {other:?}").into()
+                        );
+                    }
+                }
+            }
             // Anything else (a filter) is ignored.
             _ => {}
         }

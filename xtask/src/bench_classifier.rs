@@ -37,6 +37,26 @@ pub(crate) struct Options {
     /// Only the root cgroup's programs' rows.
     #[arg(long)]
     sockets_only: bool,
+    /// The order the peers are visited in: `address` (each run's peer the next
+    /// address) or `scattered` (each far from the last, as in real traffic).
+    #[arg(long, value_enum, default_value_t = Order::Address)]
+    order: Order,
+}
+
+/// The order the bench's cyclers visit the peers in.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Order {
+    Address,
+    Scattered,
+}
+
+impl Order {
+    const fn arg(self) -> &'static str {
+        match self {
+            Self::Address => "address",
+            Self::Scattered => "scattered",
+        }
+    }
 }
 
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
@@ -46,6 +66,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         peers,
         no_build_ebpf,
         sockets_only,
+        order,
     } = options;
     if !cmd::is_root() {
         bail!(
@@ -71,6 +92,8 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         rounds.to_string().into(),
         "--peers".into(),
         peers.to_string().into(),
+        "--order".into(),
+        order.arg().into(),
     ];
     if sockets_only {
         args.push("--sockets-only".into());
