@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Datapath, Error,
-    maps::is_not_found,
+    maps::{MapShape, is_not_found},
     migrate,
     pins::{self, Pins},
 };
@@ -221,7 +221,7 @@ fn collect<K: CounterKey>(
 /// (each entry is written, not added to), and the old pin is removed once this
 /// layout is stamped ([`remove_layout7`]). Nothing if there is no old map.
 pub(super) fn copy_layout7(pins: &Pins, maps: &mut SplitMaps) -> Result<u64, Error> {
-    let Some(old) = open_layout7(pins)? else {
+    let Layout7Pin::Found(old) = open_layout7(pins)? else {
         return Ok(0);
     };
     let failed = |map, source| Error::Map { map, source };
@@ -267,34 +267,55 @@ pub(super) fn copy_layout7(pins: &Pins, maps: &mut SplitMaps) -> Result<u64, Err
     Ok(copied)
 }
 
-/// The old SERVICE_FLOWS pinned in `pins`, if there is one of layout 7's shape.
-fn open_layout7(pins: &Pins) -> Result<Option<ServiceFlowsMapLayout7>, Error> {
+/// What is pinned under layouts 6 and 7's SERVICE_FLOWS name.
+enum Layout7Pin {
+    Absent,
+    /// A map of another shape: not census's Service counters, so neither copied
+    /// nor removed.
+    Foreign(MapShape),
+    Found(ServiceFlowsMapLayout7),
+}
+
+/// The old SERVICE_FLOWS pinned in `pins`.
+fn open_layout7(pins: &Pins) -> Result<Layout7Pin, Error> {
     let path = pins.map(SERVICE_FLOWS_LAYOUT7_MAP);
     if !path.exists() {
-        return Ok(None);
+        return Ok(Layout7Pin::Absent);
     }
     let failed = |source| Error::Map {
         map: SERVICE_FLOWS_LAYOUT7_MAP,
         source,
     };
     let info = MapInfo::from_pin(&path).map_err(failed)?;
-    if !pins::is_layout7_service_flows(&pins::shape_of(&info)) {
-        return Ok(None);
+    let shape = pins::shape_of(&info);
+    if !pins::is_layout7_service_flows(&shape) {
+        return Ok(Layout7Pin::Foreign(shape));
     }
     let data = MapData::from_pin(&path).map_err(failed)?;
     aya::maps::Map::from_map_data(data)
         .and_then(ServiceFlowsMapLayout7::try_from)
-        .map(Some)
+        .map(Layout7Pin::Found)
         .map_err(failed)
 }
 
 /// Removes the old SERVICE_FLOWS' pin, once this layout is stamped: its entries
-/// were copied.
+/// were copied. A pin of another shape under its name is left, with a warning
+/// at every start while it is there: census did not make it.
 pub(super) fn remove_layout7(pins: &Pins) -> Result<(), Error> {
-    if open_layout7(pins)?.is_none() {
-        return Ok(());
+    match open_layout7(pins)? {
+        Layout7Pin::Absent => Ok(()),
+        Layout7Pin::Foreign(shape) => {
+            tracing::warn!(
+                pin = %pins.map(SERVICE_FLOWS_LAYOUT7_MAP).display(),
+                %shape,
+                "a pinned map named SERVICE_FLOWS is not layouts 6 and 7's Service counters \
+                 (those are a least-recently-used per-CPU hash of 28-byte keys and 16-byte \
+                 values): not copied, left in place; remove it if nothing else uses it"
+            );
+            Ok(())
+        }
+        Layout7Pin::Found(_) => migrate::remove_pin(&pins.map(SERVICE_FLOWS_LAYOUT7_MAP)),
     }
-    migrate::remove_pin(&pins.map(SERVICE_FLOWS_LAYOUT7_MAP))
 }
 
 impl Datapath {

@@ -6,7 +6,7 @@ use std::{
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream},
     path::Path,
-    sync::{Arc, Mutex},
+    sync::Mutex,
     time::Duration,
 };
 
@@ -130,34 +130,6 @@ fn interface_misses_are_counted() -> TestResult {
     datapath.test_run(Direction::Ingress, &udp, TestContext::default(), 5)?;
     assert_eq!(datapath.stats()?.interface_misses, 5);
     Ok(())
-}
-
-/// A subscriber that keeps every line, and the lines it kept.
-fn capture() -> (tracing::Dispatch, Arc<Mutex<Vec<u8>>>) {
-    let lines = Arc::new(Mutex::new(Vec::new()));
-    let writer = Capture(Arc::clone(&lines));
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    (tracing::Dispatch::new(subscriber), lines)
-}
-
-#[derive(Clone)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .map_err(|_| std::io::Error::other("poisoned"))?
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 fn datapath_lines(lines: &Mutex<Vec<u8>>) -> Vec<String> {

@@ -15,7 +15,8 @@ use census_netlab::{Lab, packet};
 use ipnet::IpNet;
 
 use super::support::{
-    Fallible, PinDir, TestResult, bpftool, open_attached, open_datapath, path_str, register,
+    Fallible, PinDir, TestResult, bpftool, capture, open_attached, open_datapath, path_str,
+    register,
 };
 
 const POD: u32 = 1000;
@@ -103,6 +104,51 @@ fn layout_6_pins_are_taken_over_in_place() -> TestResult {
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_7_pins_are_taken_over_in_place() -> TestResult {
     older_pins_are_taken_over_in_place(7, &SINCE_LAYOUT_8)
+}
+
+/// A map of another shape pinned under layouts 6 and 7's SERVICE_FLOWS name is
+/// not census's: neither copied nor removed, and a warning says so at every start.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_foreign_map_under_the_old_service_flows_name_is_left_with_a_warning() -> TestResult {
+    let pins = PinDir::new();
+    drop(open_datapath(pins.path())?);
+    let path = pins.join("SERVICE_FLOWS");
+    bpftool(
+        None,
+        &[
+            "map",
+            "create",
+            path_str(&path)?,
+            "type",
+            "hash",
+            "key",
+            "8",
+            "value",
+            "8",
+            "entries",
+            "16",
+            "name",
+            "SERVICE_FLOWS",
+        ],
+    )?;
+    let (dispatch, captured) = capture();
+    let datapath = tracing::dispatcher::with_default(&dispatch, || open_datapath(pins.path()))?;
+    let text = captured
+        .lock()
+        .map(|lines| String::from_utf8_lossy(&lines).into_owned())
+        .unwrap_or_default();
+    let removed = !path.exists();
+    // The pin directory's uninstall removes census's pins only.
+    std::fs::remove_file(&path)?;
+    assert!(!removed, "the foreign map's pin was removed");
+    assert!(
+        text.contains("is not layouts 6 and 7's Service counters")
+            && text.contains("Hash map, key 8 B, value 8 B, 16 entries"),
+        "no warning naming the map and its shape: {text}"
+    );
+    assert!(datapath.service_flows()?.is_empty(), "nothing was copied");
+    Ok(())
 }
 
 /// Layouts 6 and 7's SERVICE_FLOWS, pinned in `pins` with bpftool: a

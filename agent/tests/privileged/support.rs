@@ -4,6 +4,7 @@ use std::{
     net::IpAddr,
     path::{Path, PathBuf},
     process::Command,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -527,4 +528,32 @@ pub(crate) fn spoof_addresses_of(lab: &Lab, pod: &Pod, other: &Pod) -> TestResul
         "0",
     )?;
     Ok(())
+}
+
+/// A subscriber that keeps every line, and the lines it kept.
+pub(crate) fn capture() -> (tracing::Dispatch, Arc<Mutex<Vec<u8>>>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let writer = Capture(Arc::clone(&lines));
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    (tracing::Dispatch::new(subscriber), lines)
+}
+
+#[derive(Clone)]
+pub(crate) struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
