@@ -295,6 +295,10 @@ pub struct Options {
     /// ([`SERVICE_FLOWS_MAX_ENTRIES`](census_common::SERVICE_FLOWS_MAX_ENTRIES)
     /// if `None`); a pinned one keeps its size and counters.
     pub service_flows_max_entries: Option<u32>,
+    /// SERVICE_FLOWS6's entries when it is created, where they differ from
+    /// `service_flows_max_entries` (an IPv4-only cluster's); a pinned one keeps
+    /// its size and counters.
+    pub service_flows6_max_entries: Option<u32>,
     /// ENDPOINTS' entries when it is created
     /// ([`ENDPOINTS_MAX_ENTRIES`](census_common::ENDPOINTS_MAX_ENTRIES) if `None`).
     pub endpoints_max_entries: Option<u32>,
@@ -310,6 +314,14 @@ pub struct Options {
     /// census's bit of `skb->mark` (`--mark-bit`): set on a packet for a Service
     /// address until it is counted.
     pub mark_bit: MarkBit,
+}
+
+impl Options {
+    /// SERVICE_FLOWS6's size: its own, else the one both families take.
+    fn service_flows6_entries(&self) -> Option<u32> {
+        self.service_flows6_max_entries
+            .or(self.service_flows_max_entries)
+    }
 }
 
 /// Cumulative run statistics of one program, kept by the kernel while run-time
@@ -519,6 +531,8 @@ fn configure<'a>(
     }
     if let Some(entries) = options.service_flows_max_entries {
         loader.map_max_entries(SERVICE_FLOWS4_MAP, entries);
+    }
+    if let Some(entries) = options.service_flows6_entries() {
         loader.map_max_entries(SERVICE_FLOWS6_MAP, entries);
     }
     loader.map_max_entries(
@@ -545,9 +559,16 @@ fn reopen_pins(
         pinned.push((*name, data));
     }
     pins::warn_size(&pinned, FLOWS_MAP, options.flows_max_entries);
-    for map in [SERVICE_FLOWS4_MAP, SERVICE_FLOWS6_MAP] {
-        pins::warn_size(&pinned, map, options.service_flows_max_entries);
-    }
+    pins::warn_size(
+        &pinned,
+        SERVICE_FLOWS4_MAP,
+        options.service_flows_max_entries,
+    );
+    pins::warn_size(
+        &pinned,
+        SERVICE_FLOWS6_MAP,
+        options.service_flows6_entries(),
+    );
     pins::warn_size(&pinned, ENDPOINTS_MAP, options.endpoints_max_entries);
     pins::warn_size(&pinned, NODES_MAP, options.nodes_max_entries);
     Ok(pinned)

@@ -326,16 +326,16 @@ impl Datapath {
             .map_err(|(map, source)| Error::Map { map, source })
     }
 
-    /// The size each family's Service counter map was created with.
-    pub fn service_flows_max_entries(&self) -> Result<u32, Error> {
-        self.service_flows
-            .v4
-            .map()
-            .info()
-            .map(|info| info.max_entries())
-            .map_err(|source| Error::Map {
-                map: SERVICE_FLOWS4_MAP,
-                source,
-            })
+    /// The sizes SERVICE_FLOWS4 and SERVICE_FLOWS6 were created with.
+    pub fn service_flows_max_entries(&self) -> Result<(u32, u32), Error> {
+        let size = |map: &MapData, name| {
+            map.info()
+                .map(|info| info.max_entries())
+                .map_err(|source| Error::Map { map: name, source })
+        };
+        Ok((
+            size(self.service_flows.v4.map(), SERVICE_FLOWS4_MAP)?,
+            size(self.service_flows.v6.map(), SERVICE_FLOWS6_MAP)?,
+        ))
     }
 }

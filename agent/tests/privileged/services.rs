@@ -15,8 +15,8 @@ use census_netlab::{Lab, packet};
 use ipnet::IpNet;
 
 use super::support::{
-    Fallible, PinDir, TestResult, bpftool, capture, open_attached, open_datapath, path_str,
-    register,
+    Fallible, PinDir, TestResult, attach_mode, bpftool, capture, open_attached, open_datapath,
+    path_str, register,
 };
 
 const POD: u32 = 1000;
@@ -104,6 +104,47 @@ fn layout_6_pins_are_taken_over_in_place() -> TestResult {
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn layout_7_pins_are_taken_over_in_place() -> TestResult {
     older_pins_are_taken_over_in_place(7, &SINCE_LAYOUT_8)
+}
+
+/// Each family's Service counters take their own size when created (an
+/// IPv4-only cluster's IPv6 map can be one entry); the IPv6 one takes the IPv4
+/// one's size unless given its own, and a pinned one keeps its size.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn each_family_s_service_counters_take_their_own_size() -> TestResult {
+    let open = |pins: &PinDir, v4: Option<u32>, v6: Option<u32>| {
+        census_agent::bpf::Datapath::open_with_options(
+            pins.path(),
+            &census_agent::bpf::DatapathOptions {
+                attach_mode: attach_mode(),
+                service_flows_max_entries: v4,
+                service_flows6_max_entries: v6,
+                ..census_agent::bpf::DatapathOptions::default()
+            },
+        )
+    };
+    let pins = PinDir::new();
+    let datapath = open(&pins, Some(2048), Some(1))?;
+    assert_eq!(datapath.service_flows_max_entries()?, (2048, 1));
+    let shown = bpftool(
+        None,
+        &[
+            "map",
+            "show",
+            "pinned",
+            path_str(&pins.join("SERVICE_FLOWS6"))?,
+        ],
+    )?;
+    assert_eq!(shown["max_entries"], 1, "{shown}");
+    drop(datapath);
+    // Pinned: kept, whatever is asked.
+    let datapath = open(&pins, Some(4096), None)?;
+    assert_eq!(datapath.service_flows_max_entries()?, (2048, 1));
+    drop(datapath);
+    let both = PinDir::new();
+    let datapath = open(&both, Some(4096), None)?;
+    assert_eq!(datapath.service_flows_max_entries()?, (4096, 4096));
+    Ok(())
 }
 
 /// A map of another shape pinned under layouts 6 and 7's SERVICE_FLOWS name is
