@@ -434,6 +434,26 @@ mod tests {
     }
 
     #[test]
+    fn the_ipv6_service_counters_take_their_own_size_only_when_asked() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from(["census-agent", "--service-flows-max-entries", "2048"])?;
+        assert_eq!(cli.agent.datapath.service_flows_max_entries, 2048);
+        assert_eq!(cli.agent.datapath.service_flows6_max_entries, None);
+        let cli = Cli::try_parse_from(["census-agent", "--service-flows6-max-entries", "1"])?;
+        assert_eq!(cli.agent.datapath.service_flows6_max_entries, Some(1));
+        for bad in ["0", "16777217", "many"] {
+            let error = Cli::try_parse_from(["census-agent", "--service-flows6-max-entries", bad])
+                .err()
+                .map(|error| error.to_string())
+                .unwrap_or_default();
+            assert!(
+                error.contains("--service-flows6-max-entries") && error.contains(bad),
+                "{bad}: {error}"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
     fn uninstall_is_a_subcommand() -> Result<(), clap::Error> {
         let cli = Cli::try_parse_from(["census-agent", "uninstall", "--pin-dir", "/sys/fs/bpf/x"])?;
         let Some(Command::Uninstall(args)) = cli.command else {
