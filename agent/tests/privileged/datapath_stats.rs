@@ -26,16 +26,6 @@ const LOOPBACK: u32 = 1;
 /// The node the remote destinations are on.
 const NODE: std::num::NonZeroU16 = std::num::NonZeroU16::new(2).unwrap();
 
-fn open_with(pins: &Path, options: DatapathOptions) -> Fallible<census_agent::bpf::Datapath> {
-    let options = DatapathOptions {
-        attach_mode: attach_mode(),
-        ..options
-    };
-    Ok(census_agent::bpf::Datapath::open_with_options(
-        pins, &options,
-    )?)
-}
-
 /// A full FLOWS evicts without telling the program: every new pair is counted as
 /// inserted, and the pairs inserted less the pairs present are the evictions the
 /// agent reports (`census bpf maps`, the metrics).

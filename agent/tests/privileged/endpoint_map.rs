@@ -22,16 +22,6 @@ const NODE_B: NonZeroU16 = NonZeroU16::new(2).unwrap();
 const COUNT: usize = 30;
 const PAYLOAD: usize = 64;
 
-fn open_with(pins: &Path, options: DatapathOptions) -> Fallible<census_agent::bpf::Datapath> {
-    let options = DatapathOptions {
-        attach_mode: attach_mode(),
-        ..options
-    };
-    Ok(census_agent::bpf::Datapath::open_with_options(
-        pins, &options,
-    )?)
-}
-
 fn census_json(args: &[&str]) -> Fallible<Value> {
     let mut command = Command::new(env!("CARGO_BIN_EXE_census"));
     for (name, _) in std::env::vars() {

@@ -8,14 +8,14 @@ use std::collections::BTreeMap;
 
 use aya::maps::{Array, Map, MapData};
 use census_agent::bpf::{
-    AttachOutcome, Direction, Endpoint, EndpointKey, Error, Inspector, Interface, LAYOUT_VERSION,
-    ServiceKind, TestContext,
+    AttachOutcome, DatapathOptions, Direction, Endpoint, EndpointKey, Error, Inspector, Interface,
+    LAYOUT_VERSION, ServiceKind, TestContext,
 };
 use census_netlab::{Lab, packet};
 use ipnet::IpNet;
 
 use super::support::{
-    Fallible, PinDir, TestResult, attach_mode, bpftool, capture, open_attached, open_datapath,
+    Fallible, PinDir, TestResult, bpftool, capture, open_attached, open_datapath, open_with,
     path_str, register,
 };
 
@@ -113,13 +113,12 @@ fn layout_7_pins_are_taken_over_in_place() -> TestResult {
 #[ignore = "needs root: cargo xtask test-privileged"]
 fn each_family_s_service_counters_take_their_own_size() -> TestResult {
     let open = |pins: &PinDir, v4: Option<u32>, v6: Option<u32>| {
-        census_agent::bpf::Datapath::open_with_options(
+        open_with(
             pins.path(),
-            &census_agent::bpf::DatapathOptions {
-                attach_mode: attach_mode(),
+            DatapathOptions {
                 service_flows_max_entries: v4,
                 service_flows6_max_entries: v6,
-                ..census_agent::bpf::DatapathOptions::default()
+                ..DatapathOptions::default()
             },
         )
     };

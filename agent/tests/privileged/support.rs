@@ -68,9 +68,14 @@ pub(crate) fn kernel_at_least(major: u32, minor: u32) -> Fallible<bool> {
 
 /// Opens the datapath in `pins` in the suite's attach mode.
 pub(crate) fn open_datapath(pins: &Path) -> Fallible<Datapath> {
+    open_with(pins, DatapathOptions::default())
+}
+
+/// [`open_datapath`] with `options` (their attach mode replaced by the suite's).
+pub(crate) fn open_with(pins: &Path, options: DatapathOptions) -> Fallible<Datapath> {
     let options = DatapathOptions {
         attach_mode: attach_mode(),
-        ..DatapathOptions::default()
+        ..options
     };
     Ok(Datapath::open_with_options(pins, &options)?)
 }
