@@ -24,6 +24,12 @@
 //! the update of a counter in a map made as SERVICE_FLOWS4 (or SERVICE_FLOWS6)
 //! is, alone, and after one ENDPOINTS-like lookup of the client (what census did
 //! for every Service packet before it kept each socket's client).
+//! `bench_cgroup_call`, `bench_cgroup_socket` and `bench_cgroup_slot` take a
+//! Service packet's cost apart: one kernel helper call that does nearly nothing
+//! (what a call and its return cost on the machine), the read of the packet's
+//! socket's entry in a map made as SOCKET_CLIENTS, and a counter reached by index
+//! in a per-CPU array, which the verifier inlines (what a counter costs without
+//! a key hashed and compared).
 #![no_std]
 #![no_main]
 #![feature(asm_experimental_arch)]
@@ -34,15 +40,17 @@ mod load;
 use load::load_word;
 
 use aya_ebpf::{
-    bindings::TC_ACT_UNSPEC,
-    macros::{cgroup_skb, classifier, map},
+    bindings::{BPF_SK_STORAGE_GET_F_CREATE, TC_ACT_UNSPEC},
+    btf_maps::SkStorage,
+    helpers::generated::{bpf_get_numa_node_id, bpf_sk_storage_get},
+    macros::{btf_map, cgroup_skb, classifier, map},
     maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, ProgramArray, lpm_trie::Key},
     programs::{SkBuffContext, TcContext},
 };
 use census_common::{
-    BPF_F_NO_PREALLOC, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue,
-    FlowValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN, ServiceFlowKey4,
-    ServiceFlowKey6,
+    BPF_F_NO_PREALLOC, ClientCache, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey,
+    EndpointValue, FlowValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN,
+    ServiceFlowKey4, ServiceFlowKey6,
 };
 
 #[map(name = "BENCH_TARGET")]
@@ -77,6 +85,15 @@ static SERVICE_FLOWS4: LruPerCpuHashMap<ServiceFlowKey4, FlowValue> =
 #[map(name = "BENCH_SERVICE_FLOWS6")]
 static SERVICE_FLOWS6: LruPerCpuHashMap<ServiceFlowKey6, FlowValue> =
     LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
+
+/// Shaped as census's SOCKET_CLIENTS.
+#[btf_map]
+static SOCKET_CLIENTS: SkStorage<ClientCache> = SkStorage::new();
+
+/// Per-CPU counters in an array, looked up by index: the verifier inlines the
+/// lookup, so no kernel function is called.
+#[map(name = "BENCH_SLOTS")]
+static SLOTS: PerCpuArray<FlowValue> = PerCpuArray::with_max_entries(1024, 0);
 
 /// Where the lookups leave the identity they found, so that they are not
 /// optimized away.
@@ -133,6 +150,71 @@ fn bench_cgroup_empty(_ctx: SkBuffContext) -> i32 {
 fn bench_cgroup_counter(ctx: SkBuffContext) -> i32 {
     if let Some((_, dst, len)) = ipv4_addresses(&ctx) {
         count_service(0, dst, len);
+    }
+    1
+}
+
+/// One call of a kernel helper that only reads a per-CPU word
+/// (`bpf_get_numa_node_id`): what a call and its return cost on this machine.
+#[cgroup_skb(egress)]
+fn bench_cgroup_call(_ctx: SkBuffContext) -> i32 {
+    // SAFETY: a helper of no arguments.
+    let node = unsafe { bpf_get_numa_node_id() };
+    if let Some(sink) = SINK.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot.
+        #[expect(
+            clippy::cast_sign_loss,
+            clippy::cast_possible_truncation,
+            reason = "kept only"
+        )]
+        unsafe {
+            *sink = node as u32;
+        };
+    }
+    1
+}
+
+/// The packet's socket's entry in a map made as SOCKET_CLIENTS, read (made on
+/// the first run), as census reads a socket's kept client; nothing else.
+#[cgroup_skb(egress)]
+fn bench_cgroup_socket(ctx: SkBuffContext) -> i32 {
+    // SAFETY: `sk` is a readable field of a cgroup_skb program's context.
+    let sk = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).__bindgen_anon_2.sk) };
+    if sk.is_null() {
+        return 1;
+    }
+    // SAFETY: a socket of the context; see census's `client_of`.
+    let cache = unsafe {
+        bpf_sk_storage_get(
+            (&raw const SOCKET_CLIENTS).cast_mut().cast(),
+            sk.cast(),
+            core::ptr::null_mut(),
+            u64::from(BPF_SK_STORAGE_GET_F_CREATE),
+        )
+    }
+    .cast::<ClientCache>();
+    if let (false, Some(sink)) = (cache.is_null(), SINK.get_ptr_mut(0)) {
+        // SAFETY: the socket's entry, live for the run; this CPU's slot.
+        #[expect(clippy::cast_possible_truncation, reason = "kept only")]
+        unsafe {
+            *sink = core::ptr::read_volatile(&raw const (*cache).stamp) as u32;
+        };
+    }
+    1
+}
+
+/// A packet added to this CPU's counters in slot (destination mod 1024) of a
+/// per-CPU array: what a counter costs that is reached without hashing a key.
+#[cgroup_skb(egress)]
+fn bench_cgroup_slot(ctx: SkBuffContext) -> i32 {
+    if let Some((_, dst, len)) = ipv4_addresses(&ctx)
+        && let Some(value) = SLOTS.get_ptr_mut(dst & 1023)
+    {
+        // SAFETY: this CPU's slot of an array element.
+        unsafe {
+            (*value).packets += 1;
+            (*value).bytes += u64::from(len);
+        }
     }
     1
 }

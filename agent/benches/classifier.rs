@@ -596,6 +596,9 @@ impl Bench {
             "bench_cgroup_counter",
             "bench_cgroup_counter6",
             "bench_cgroup_service_floor",
+            "bench_cgroup_call",
+            "bench_cgroup_socket",
+            "bench_cgroup_slot",
         ] {
             let program: &mut CgroupSkb = ebpf
                 .program_mut(name)
@@ -1327,8 +1330,10 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
 /// request: the update of a counter in a map made as SERVICE_FLOWS4 (a 12-byte
 /// key) and as SERVICE_FLOWS6 (24 bytes), alone, and after one ENDPOINTS-like
 /// lookup of the client (BENCH_ENDPOINTS at [`CLUSTER_ENTRIES`], holding it: what
-/// a socket's first Service packet costs before its client is kept), each beside
-/// the empty program.
+/// a socket's first Service packet costs before its client is kept); then what
+/// a Service packet's cost is made of: one kernel helper call that does nearly
+/// nothing, the read of the socket's kept client, and a counter reached without
+/// a hashed key (a per-CPU array slot). Each beside the empty program.
 #[expect(clippy::print_stdout, reason = "a benchmark's report")]
 fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
     fill(&mut bench.endpoints()?, CLUSTER_ENTRIES, 0)?;
@@ -1348,6 +1353,18 @@ fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
         (
             "bench_cgroup_service_floor",
             "one ENDPOINTS lookup of the client + the SERVICE_FLOWS4 update",
+        ),
+        (
+            "bench_cgroup_call",
+            "one kernel helper call that only reads a per-CPU word",
+        ),
+        (
+            "bench_cgroup_socket",
+            "the socket's SOCKET_CLIENTS entry read",
+        ),
+        (
+            "bench_cgroup_slot",
+            "a counter in a per-CPU array slot (no key hashed)",
         ),
     ] {
         let measured = socket_median(bench.cgroup(program)?, &frame, options)?;
