@@ -1,7 +1,11 @@
 //! Cost of census's classifier per packet, measured in the kernel with
 //! `BPF_PROG_TEST_RUN`: the mean the kernel reports over `repeat` runs, median of
 //! `rounds` such means, each shown as a ratio to an empty TC program measured the
-//! same way in the same run.
+//! same way in the same run. A row's programs (census's, its floor, its
+//! references) are measured one round of each in turn, and a ratio is the median
+//! of the rounds' ratios: on a shared machine memory can slow for seconds at a
+//! time, and programs measured one after the other would each see another
+//! machine.
 //!
 //! A test run does not attach anything (`BPF_PROG_TEST_RUN` runs the loaded
 //! program on a packet of its own), so the figures are the same whether the agent
@@ -820,54 +824,105 @@ fn measure(
     warm_up: u32,
     runs: Runs,
 ) -> Fallible<(Duration, u64)> {
-    let run = |repeat| -> Fallible<Duration> {
-        let result = program.test_run(TestRunOptions {
-            data_in: Some(frame),
-            ctx_in: Some(ctx),
-            repeat,
-            ..TestRunOptions::default()
-        })?;
-        if result.return_value.cast_signed() != -1 {
-            return Err(
-                format!("returned {} instead of TC_ACT_UNSPEC", result.return_value).into(),
-            );
-        }
-        Ok(result.duration)
-    };
-    // Every peer seen once: their FLOWS pairs exist, as in steady state.
+    let mut total = warm(program, (frame, ctx), warm_up, runs)?;
+    let mut means = Rounds::default();
+    for _ in 0..options.rounds {
+        let (mean, made) = round(program, (frame, ctx), options, runs)?;
+        means.0.push(mean);
+        total += made;
+    }
+    Ok((means.median(), total))
+}
+
+/// One test run of `repeat` runs of `program` over `frame`, which must let it
+/// go (TC_ACT_UNSPEC): their mean.
+fn test_run(
+    program: &SchedClassifier,
+    (frame, ctx): (&[u8], &[u8]),
+    repeat: u32,
+) -> Fallible<Duration> {
+    let result = program.test_run(TestRunOptions {
+        data_in: Some(frame),
+        ctx_in: Some(ctx),
+        repeat,
+        ..TestRunOptions::default()
+    })?;
+    if result.return_value.cast_signed() != -1 {
+        return Err(format!("returned {} instead of TC_ACT_UNSPEC", result.return_value).into());
+    }
+    Ok(result.duration)
+}
+
+/// At least 1,000 runs of `program` (every peer seen once: their FLOWS pairs
+/// exist, as in steady state), not measured; how many.
+fn warm(
+    program: &SchedClassifier,
+    packet: (&[u8], &[u8]),
+    warm_up: u32,
+    runs: Runs,
+) -> Fallible<u64> {
     let warm_up = warm_up.max(1_000);
-    let mut total = 0;
-    let mut means = Vec::with_capacity(options.rounds);
     match runs {
         Runs::Repeated => {
-            run(warm_up)?;
-            total += u64::from(warm_up);
-            for _ in 0..options.rounds {
-                means.push(run(options.repeat)?);
-                total += u64::from(options.repeat);
-            }
+            test_run(program, packet, warm_up)?;
         }
         Runs::Single => {
             for _ in 0..warm_up {
-                run(1)?;
-            }
-            total += u64::from(warm_up);
-            let calls = (options.repeat / SINGLE_RUN_DIVISOR).max(1);
-            for _ in 0..options.rounds {
-                let mut sum = Duration::ZERO;
-                for _ in 0..calls {
-                    sum += run(1)?;
-                }
-                means.push(sum / calls);
-                total += u64::from(calls);
+                test_run(program, packet, 1)?;
             }
         }
     }
-    means.sort();
-    Ok((
-        means.get(means.len() / 2).copied().unwrap_or_default(),
-        total,
-    ))
+    Ok(u64::from(warm_up))
+}
+
+/// One round: the mean of `repeat` runs of `program` (see [`Runs`]), and how
+/// many runs it made.
+fn round(
+    program: &SchedClassifier,
+    packet: (&[u8], &[u8]),
+    options: &Options,
+    runs: Runs,
+) -> Fallible<(Duration, u64)> {
+    match runs {
+        Runs::Repeated => Ok((
+            test_run(program, packet, options.repeat)?,
+            u64::from(options.repeat),
+        )),
+        Runs::Single => {
+            let calls = (options.repeat / SINGLE_RUN_DIVISOR).max(1);
+            let mut sum = Duration::ZERO;
+            for _ in 0..calls {
+                sum += test_run(program, packet, 1)?;
+            }
+            Ok((sum / calls, u64::from(calls)))
+        }
+    }
+}
+
+/// One program's round means, in the order they were taken.
+#[derive(Default, Clone)]
+struct Rounds(Vec<Duration>);
+
+impl Rounds {
+    fn median(&self) -> Duration {
+        let mut means = self.0.clone();
+        means.sort();
+        means.get(means.len() / 2).copied().unwrap_or_default()
+    }
+
+    /// The median over rounds of this program's mean over `other`'s in the same
+    /// round: the two were measured side by side, so what changed between rounds
+    /// (another tenant's memory traffic on a shared machine) weighs on both.
+    fn over(&self, other: &Self) -> f64 {
+        let mut ratios: Vec<f64> = self
+            .0
+            .iter()
+            .zip(&other.0)
+            .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64().max(1e-12))
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN)
+    }
 }
 
 /// Checks that `runs` runs of `scenario` took its path: STATS' marks went from
@@ -901,13 +956,15 @@ struct Row {
     name: String,
     entries: u32,
     peers: u32,
-    measured: Duration,
-    floor: Duration,
+    /// census's classifier, its floor and its references, one round of each in
+    /// turn.
+    measured: Rounds,
+    floor: Rounds,
     /// The cycler and one lookup of the peer in a map like ENDPOINTS.
-    lookup: Duration,
+    lookup: Rounds,
     /// The cycler and one lookup of the peer in an LPM trie of the same
     /// addresses (measured with the log off).
-    lpm: Option<Duration>,
+    lpm: Option<Rounds>,
     /// Whether the peer is in ENDPOINTS (and the LPM reference): a local or
     /// remote peer, not a Service or world address.
     in_maps: bool,
@@ -946,11 +1003,9 @@ struct Verdicts {
 
 impl Verdicts {
     fn judge(&mut self, row: &Row) {
-        let ratio = row.measured.as_secs_f64() / row.floor.as_secs_f64().max(1e-12);
-        let over_lookup = row.measured.as_secs_f64() / row.lookup.as_secs_f64().max(1e-12);
-        let over_lpm = row
-            .lpm
-            .map(|lpm| row.measured.as_secs_f64() / lpm.as_secs_f64().max(1e-12));
+        let ratio = row.measured.over(&row.floor);
+        let over_lookup = row.measured.over(&row.lookup);
+        let over_lpm = row.lpm.as_ref().map(|lpm| row.measured.over(lpm));
         if !row.judged || row.entries != CLUSTER_ENTRIES {
             return;
         }
@@ -1115,37 +1170,54 @@ fn scenario_row(
     };
     let ctx = context(scenario.from, mark);
     let cycler = Bench::cycler(scenario.hook, scenario.family);
-    let classifier = census.program(scenario.hook)?.fd()?.try_clone()?;
-    bench.aim(&classifier, (peers, first), options.order)?;
-    let marks = census.marks()?;
-    let (measured, made) = measure(
-        bench.program(cycler)?,
-        &frame,
-        &ctx,
-        options,
-        peers * 2,
-        runs,
-    )?;
-    check_path(scenario, made, marks, census.marks()?)?;
-    let empty = bench.program("bench_empty")?.fd()?.try_clone()?;
-    bench.aim(&empty, (peers, first), options.order)?;
-    let (floor, _) = measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?;
-    let lookup = bench
-        .program(Bench::lookup(scenario.hook))?
-        .fd()?
-        .try_clone()?;
-    bench.aim(&lookup, (peers, first), options.order)?;
-    let (lookup, _) = measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?;
-    let lpm = if at.log_level == 0 {
-        let lpm = bench
-            .program(Bench::lpm(scenario.hook))?
+    // census's classifier, the floor and the references, one round of each in
+    // turn: a shared machine's memory can slow for a while, and each ratio is
+    // taken between rounds measured side by side.
+    let mut targets = vec![
+        census.program(scenario.hook)?.fd()?.try_clone()?,
+        bench.program("bench_empty")?.fd()?.try_clone()?,
+        bench
+            .program(Bench::lookup(scenario.hook))?
             .fd()?
-            .try_clone()?;
-        bench.aim(&lpm, (peers, first), options.order)?;
-        Some(measure(bench.program(cycler)?, &frame, &ctx, options, 0, runs)?.0)
-    } else {
-        None
+            .try_clone()?,
+    ];
+    if at.log_level == 0 {
+        targets.push(
+            bench
+                .program(Bench::lpm(scenario.hook))?
+                .fd()?
+                .try_clone()?,
+        );
+    }
+    let marks = census.marks()?;
+    let packet = (frame.as_slice(), ctx.as_slice());
+    let mut made = 0;
+    for (i, target) in targets.iter().enumerate() {
+        bench.aim(target, (peers, first), options.order)?;
+        let warm_up = if i == 0 { peers * 2 } else { 0 };
+        let warmed = warm(bench.program(cycler)?, packet, warm_up, runs)?;
+        if i == 0 {
+            made += warmed;
+        }
+    }
+    let mut rounds = vec![Rounds::default(); targets.len()];
+    for _ in 0..options.rounds {
+        for (i, target) in targets.iter().enumerate() {
+            bench.aim(target, (peers, first), options.order)?;
+            let (mean, runs) = round(bench.program(cycler)?, packet, options, runs)?;
+            rounds[i].0.push(mean);
+            if i == 0 {
+                made += runs;
+            }
+        }
+    }
+    check_path(scenario, made, marks, census.marks()?)?;
+    let mut rounds = rounds.into_iter();
+    let (Some(measured), Some(floor), Some(lookup)) = (rounds.next(), rounds.next(), rounds.next())
+    else {
+        return Err("a target without rounds".into());
     };
+    let lpm = rounds.next();
     Ok(Row {
         name: scenario.name.clone(),
         entries: at.entries,
@@ -1177,23 +1249,22 @@ fn print_rows(log_name: &str, rows: &[Row]) {
         "x lpm"
     );
     for row in rows {
-        let ratio = row.measured.as_secs_f64() / row.floor.as_secs_f64().max(1e-12);
-        let over_lookup = row.measured.as_secs_f64() / row.lookup.as_secs_f64().max(1e-12);
-        let over_lpm = row
-            .lpm
-            .map(|lpm| row.measured.as_secs_f64() / lpm.as_secs_f64().max(1e-12));
+        let ratio = row.measured.over(&row.floor);
+        let over_lookup = row.measured.over(&row.lookup);
+        let over_lpm = row.lpm.as_ref().map(|lpm| row.measured.over(lpm));
         println!(
             "  {:<72} {:>8} {:>7} {:>6} {:>6} {:>7.2}x {:>7} {:>8.2}x {:>6} {:>6}",
             row.name,
             row.entries,
             row.peers,
-            row.measured.as_nanos(),
-            row.floor.as_nanos(),
+            row.measured.median().as_nanos(),
+            row.floor.median().as_nanos(),
             ratio,
-            row.lookup.as_nanos(),
+            row.lookup.median().as_nanos(),
             over_lookup,
             row.lpm
-                .map_or_else(|| "-".to_owned(), |lpm| lpm.as_nanos().to_string()),
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |lpm| lpm.median().as_nanos().to_string()),
             over_lpm.map_or_else(|| "-".to_owned(), |x| format!("{x:.2}x")),
         );
     }
@@ -1214,15 +1285,23 @@ fn socket_run(program: &CgroupSkb, frame: &[u8], repeat: u32) -> Fallible<Durati
     Ok(result.duration)
 }
 
-/// After 1,000 runs of warm-up, the median of `rounds` means of `repeat` runs.
-fn socket_median(program: &CgroupSkb, frame: &[u8], options: &Options) -> Fallible<Duration> {
-    socket_run(program, frame, 1_000)?;
-    let mut means = Vec::with_capacity(options.rounds);
-    for _ in 0..options.rounds {
-        means.push(socket_run(program, frame, options.repeat)?);
+/// After 1,000 runs of warm-up each, `rounds` means of `repeat` runs of each of
+/// `programs`, one round of each in turn.
+fn socket_rounds<const N: usize>(
+    programs: [&CgroupSkb; N],
+    frame: &[u8],
+    options: &Options,
+) -> Fallible<[Rounds; N]> {
+    for program in programs {
+        socket_run(program, frame, 1_000)?;
     }
-    means.sort();
-    Ok(means.get(means.len() / 2).copied().unwrap_or_default())
+    let mut rounds: [Rounds; N] = std::array::from_fn(|_| Rounds::default());
+    for _ in 0..options.rounds {
+        for (program, rounds) in programs.iter().zip(&mut rounds) {
+            rounds.0.push(socket_run(program, frame, options.repeat)?);
+        }
+    }
+    Ok(rounds)
 }
 
 /// A root cgroup row: the program, the packet's source and destination, whether
@@ -1291,7 +1370,11 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
         for (program, src, dst, counts, target, what) in socket_cases(family) {
             let frame = packet::udp_frame(src, dst, 64).ok_or("frame")?;
             let before = census.service_packets()?;
-            let measured = socket_median(census.socket_program(program)?, &frame, options)?;
+            let [measured, empty] = socket_rounds(
+                [census.socket_program(program)?, bench.cgroup_empty()?],
+                &frame,
+                options,
+            )?;
             let runs = 1_000 + u64::from(options.repeat) * options.rounds as u64;
             let counted = census.service_packets()? - before;
             let want = if counts { runs } else { 0 };
@@ -1301,8 +1384,7 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
                 )
                 .into());
             }
-            let empty = socket_median(bench.cgroup_empty()?, &frame, options)?;
-            let ratio = measured.as_secs_f64() / empty.as_secs_f64().max(1e-12);
+            let ratio = measured.over(&empty);
             let name = format!("{v} {what}");
             if ratio > target {
                 missed.push(format!("{name} ({ratio:.2}x)"));
@@ -1310,8 +1392,8 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
             println!(
                 "  {:<64} {:>6} {:>6} {:>7.2}x {:>6.1}x",
                 name,
-                measured.as_nanos(),
-                empty.as_nanos(),
+                measured.median().as_nanos(),
+                empty.median().as_nanos(),
                 ratio,
                 target
             );
@@ -1340,7 +1422,6 @@ fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
     let local = peer_ip(Family::V4, first_word(Family::V4, Peer::Local) + 1);
     let service = peer_ip(Family::V4, first_word(Family::V4, Peer::Service) + 1);
     let frame = packet::udp_frame(local, service, 64).ok_or("frame")?;
-    let empty = socket_median(bench.cgroup_empty()?, &frame, options)?;
     for (program, what) in [
         (
             "bench_cgroup_counter",
@@ -1367,14 +1448,17 @@ fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
             "a counter in a per-CPU array slot (no key hashed)",
         ),
     ] {
-        let measured = socket_median(bench.cgroup(program)?, &frame, options)?;
-        let ratio = measured.as_secs_f64() / empty.as_secs_f64().max(1e-12);
+        let [measured, empty] = socket_rounds(
+            [bench.cgroup(program)?, bench.cgroup_empty()?],
+            &frame,
+            options,
+        )?;
         println!(
             "  {:<64} {:>6} {:>6} {:>7.2}x",
             format!("IPv4 reference: {what}"),
-            measured.as_nanos(),
-            empty.as_nanos(),
-            ratio,
+            measured.median().as_nanos(),
+            empty.median().as_nanos(),
+            measured.over(&empty),
         );
     }
     Ok(())
