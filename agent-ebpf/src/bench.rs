@@ -160,16 +160,15 @@ fn bench_cgroup_counter(ctx: SkBuffContext) -> i32 {
 fn bench_cgroup_call(_ctx: SkBuffContext) -> i32 {
     // SAFETY: a helper of no arguments.
     let node = unsafe { bpf_get_numa_node_id() };
+    #[expect(
+        clippy::cast_sign_loss,
+        clippy::cast_possible_truncation,
+        reason = "a NUMA node's number, kept only"
+    )]
+    let node = node as u32;
     if let Some(sink) = SINK.get_ptr_mut(0) {
         // SAFETY: this CPU's slot.
-        #[expect(
-            clippy::cast_sign_loss,
-            clippy::cast_possible_truncation,
-            reason = "kept only"
-        )]
-        unsafe {
-            *sink = node as u32;
-        };
+        unsafe { *sink = node };
     }
     1
 }
@@ -194,11 +193,12 @@ fn bench_cgroup_socket(ctx: SkBuffContext) -> i32 {
     }
     .cast::<ClientCache>();
     if let (false, Some(sink)) = (cache.is_null(), SINK.get_ptr_mut(0)) {
-        // SAFETY: the socket's entry, live for the run; this CPU's slot.
+        // SAFETY: the socket's entry, live for the run.
+        let stamp = unsafe { core::ptr::read_volatile(&raw const (*cache).stamp) };
         #[expect(clippy::cast_possible_truncation, reason = "kept only")]
-        unsafe {
-            *sink = core::ptr::read_volatile(&raw const (*cache).stamp) as u32;
-        };
+        let stamp = stamp as u32;
+        // SAFETY: this CPU's slot.
+        unsafe { *sink = stamp };
     }
     1
 }
