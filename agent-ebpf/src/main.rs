@@ -1018,8 +1018,23 @@ trait Packet: EbpfContext {
     /// Bytes before the IP header.
     const L2_LEN: usize;
 
-    /// A `T` at `offset` of the packet, if it has that many bytes.
-    fn read<T: Copy>(&self, offset: usize) -> Option<T>;
+    /// A `T` at `offset` of the packet, if it has that many bytes: straight from
+    /// the linear data when it is there (the common case, and the cheapest), else
+    /// as [`load_bytes`](Self::load_bytes) reads it.
+    #[inline(always)]
+    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
+        let (start, end) = self.linear();
+        if start + offset + size_of::<T>() <= end {
+            // SAFETY: the bounds check above is the one the verifier requires for
+            // direct packet access; the read is unaligned-safe.
+            return Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) });
+        }
+        self.load_bytes(offset)
+    }
+
+    /// A `T` at `offset` of the packet through `bpf_skb_load_bytes`, which also
+    /// reads paged data.
+    fn load_bytes<T: Copy>(&self, offset: usize) -> Option<T>;
 
     /// `N` words at `offset` of the packet, as they sit in memory, if it has
     /// that many bytes: one load each from the linear data (see [`load_word`]),
@@ -1056,10 +1071,25 @@ trait Packet: EbpfContext {
     fn linear(&self) -> (usize, usize);
 
     /// `skb->protocol`: the EtherType.
-    fn protocol(&self) -> u16;
+    #[inline(always)]
+    fn protocol(&self) -> u16 {
+        // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
+        // run; `protocol` is a readable field of a TC and a cgroup_skb program's
+        // context. The EtherType is in network order in the low 16 bits.
+        #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
+        u16::from_be(unsafe { (*self.sk_buff()).protocol } as u16)
+    }
 
     /// `skb->len` and `skb->gso_segs`.
-    fn len_and_segments(&self) -> (u32, u32);
+    #[inline(always)]
+    fn len_and_segments(&self) -> (u32, u32) {
+        // SAFETY: as for `protocol`; `len` and `gso_segs` are readable fields of
+        // both programs' contexts.
+        unsafe {
+            let skb = self.sk_buff();
+            ((*skb).len, (*skb).gso_segs)
+        }
+    }
 
     /// The packet's `__sk_buff`, valid for the program's whole run.
     fn sk_buff(&self) -> *mut __sk_buff;
@@ -1073,31 +1103,9 @@ impl Packet for TcContext {
         (self.data(), self.data_end())
     }
 
-    /// Straight from the linear data when it is there (the common case, and the
-    /// cheapest), else through `bpf_skb_load_bytes`, which also reads paged data.
     #[inline(always)]
-    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
-        let start = self.data();
-        if start + offset + size_of::<T>() <= self.data_end() {
-            // SAFETY: the bounds check above is the one the verifier requires for
-            // direct packet access; the read is unaligned-safe.
-            return Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) });
-        }
+    fn load_bytes<T: Copy>(&self, offset: usize) -> Option<T> {
         self.load(offset).ok()
-    }
-
-    #[inline(always)]
-    fn protocol(&self) -> u16 {
-        // The EtherType in network order in the low 16 bits.
-        #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
-        u16::from_be(self.skb.protocol() as u16)
-    }
-
-    #[inline(always)]
-    fn len_and_segments(&self) -> (u32, u32) {
-        // SAFETY: the kernel passes a valid `__sk_buff` for the program's whole
-        // run; these are readable context fields of a TC program.
-        unsafe { ((*self.skb.skb).len, (*self.skb.skb).gso_segs) }
     }
 
     #[inline(always)]
@@ -1121,30 +1129,9 @@ impl Packet for SkBuffContext {
         }
     }
 
-    /// As on TC: straight from the linear data when it is there (a cgroup hook's
-    /// data starts at the IP header), else through `bpf_skb_load_bytes`.
     #[inline(always)]
-    fn read<T: Copy>(&self, offset: usize) -> Option<T> {
-        let (start, end) = self.linear();
-        if start + offset + size_of::<T>() <= end {
-            // SAFETY: the bounds check above is the one the verifier requires for
-            // direct packet access; the read is unaligned-safe.
-            return Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) });
-        }
+    fn load_bytes<T: Copy>(&self, offset: usize) -> Option<T> {
         self.load(offset).ok()
-    }
-
-    #[inline(always)]
-    fn protocol(&self) -> u16 {
-        #[expect(clippy::cast_possible_truncation, reason = "a be16 held in a u32")]
-        u16::from_be(self.skb.protocol() as u16)
-    }
-
-    #[inline(always)]
-    fn len_and_segments(&self) -> (u32, u32) {
-        // SAFETY: as for TC; `len` and `gso_segs` are readable fields of a
-        // cgroup_skb program's context.
-        unsafe { ((*self.skb.skb).len, (*self.skb.skb).gso_segs) }
     }
 
     #[inline(always)]
