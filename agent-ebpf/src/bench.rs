@@ -24,12 +24,12 @@
 //! the update of a counter in a map made as SERVICE_FLOWS4 (or SERVICE_FLOWS6)
 //! is, alone, and after one ENDPOINTS-like lookup of the client (what census did
 //! for every Service packet before it kept each socket's client).
-//! `bench_cgroup_call`, `bench_cgroup_socket` and `bench_cgroup_slot` take a
+//! `bench_cgroup_call`, `bench_cgroup_client` and `bench_cgroup_slot` take a
 //! Service packet's cost apart: one kernel helper call that does nearly nothing
-//! (what a call and its return cost on the machine), the read of the packet's
-//! socket's entry in a map made as SOCKET_CLIENTS, and a counter reached by index
-//! in a per-CPU array, which the verifier inlines (what a counter costs without
-//! a key hashed and compared).
+//! (what a call and its return cost on the machine), the read of the client's
+//! entry in a map made as CLIENTS, and a counter reached by index in a per-CPU
+//! array, which the verifier inlines (what a counter costs without a key hashed
+//! and compared).
 #![no_std]
 #![no_main]
 #![feature(asm_experimental_arch)]
@@ -40,17 +40,16 @@ mod load;
 use load::load_word;
 
 use aya_ebpf::{
-    bindings::{BPF_SK_STORAGE_GET_F_CREATE, TC_ACT_UNSPEC},
-    btf_maps::SkStorage,
-    helpers::generated::{bpf_get_numa_node_id, bpf_sk_storage_get},
-    macros::{btf_map, cgroup_skb, classifier, map},
+    bindings::TC_ACT_UNSPEC,
+    helpers::generated::bpf_get_numa_node_id,
+    macros::{cgroup_skb, classifier, map},
     maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, ProgramArray, lpm_trie::Key},
     programs::{SkBuffContext, TcContext},
 };
 use census_common::{
-    BPF_F_NO_PREALLOC, ClientCache, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey,
-    EndpointValue, FlowValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN,
-    ServiceFlowKey4, ServiceFlowKey6,
+    BPF_F_NO_PREALLOC, CLIENTS_MAX_ENTRIES, ClientCache, ENDPOINTS_MAP_FLAGS,
+    ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FlowValue, SERVICE_FLOWS_MAX_ENTRIES,
+    SERVICE_LOOKUP_PREFIX_LEN, ServiceFlowKey4, ServiceFlowKey6, filter::Probe,
 };
 
 #[map(name = "BENCH_TARGET")]
@@ -86,9 +85,9 @@ static SERVICE_FLOWS4: LruPerCpuHashMap<ServiceFlowKey4, FlowValue> =
 static SERVICE_FLOWS6: LruPerCpuHashMap<ServiceFlowKey6, FlowValue> =
     LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
 
-/// Shaped as census's SOCKET_CLIENTS.
-#[btf_map]
-static SOCKET_CLIENTS: SkStorage<ClientCache> = SkStorage::new();
+/// Shaped as census's CLIENTS.
+#[map(name = "BENCH_CLIENTS")]
+static CLIENTS: Array<ClientCache> = Array::with_max_entries(CLIENTS_MAX_ENTRIES, 0);
 
 /// Per-CPU counters in an array, looked up by index: the verifier inlines the
 /// lookup, so no kernel function is called.
@@ -173,32 +172,33 @@ fn bench_cgroup_call(_ctx: SkBuffContext) -> i32 {
     1
 }
 
-/// The packet's socket's entry in a map made as SOCKET_CLIENTS, read (made on
-/// the first run), as census reads a socket's kept client; nothing else.
+/// The client of the packet's IPv4 source read from a map made as CLIENTS, as
+/// census reads a Service packet's client (written on the first run); nothing
+/// else.
 #[cgroup_skb(egress)]
-fn bench_cgroup_socket(ctx: SkBuffContext) -> i32 {
-    // SAFETY: `sk` is a readable field of a cgroup_skb program's context.
-    let sk = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).__bindgen_anon_2.sk) };
-    if sk.is_null() {
+fn bench_cgroup_client(ctx: SkBuffContext) -> i32 {
+    let Some((src, _, _)) = ipv4_addresses(&ctx) else {
         return 1;
-    }
-    // SAFETY: a socket of the context; see census's `client_of`.
-    let cache = unsafe {
-        bpf_sk_storage_get(
-            (&raw const SOCKET_CLIENTS).cast_mut().cast(),
-            sk.cast(),
-            core::ptr::null_mut(),
-            u64::from(BPF_SK_STORAGE_GET_F_CREATE),
-        )
-    }
-    .cast::<ClientCache>();
-    if let (false, Some(sink)) = (cache.is_null(), SINK.get_ptr_mut(0)) {
-        // SAFETY: the socket's entry, live for the run.
-        let stamp = unsafe { core::ptr::read_volatile(&raw const (*cache).stamp) };
-        #[expect(clippy::cast_possible_truncation, reason = "kept only")]
-        let stamp = stamp as u32;
+    };
+    let address = EndpointKey::v4_word(src);
+    let hash = address.hash();
+    let Some(entry) = CLIENTS.get_ptr_mut(ClientCache::slot(hash)) else {
+        return 1;
+    };
+    // SAFETY: an element of a live array; runs on one CPU do not interleave.
+    let client = unsafe {
+        let stamp = core::ptr::read_volatile(&raw const (*entry).stamp);
+        if ClientCache::is_of(stamp, 0, hash) && (*entry).address == address {
+            ClientCache::client(stamp)
+        } else {
+            (*entry).address = address;
+            core::ptr::write_volatile(&raw mut (*entry).stamp, ClientCache::stamp(0, hash, 7));
+            7
+        }
+    };
+    if let Some(sink) = SINK.get_ptr_mut(0) {
         // SAFETY: this CPU's slot.
-        unsafe { *sink = stamp };
+        unsafe { *sink = client };
     }
     1
 }

@@ -52,9 +52,9 @@
 //! but its socket still holds the address it connected to) and a reply carries
 //! it back (translated back before delivery). Egress counts a request from a
 //! pod of this node or from the node itself to a Service address, ingress a
-//! reply from a Service address to one of them. The client of a socket's
-//! Service packets is looked up in ENDPOINTS once per socket (SOCKET_CLIENTS,
-//! valid while the agent has not written ENDPOINTS since).
+//! reply from a Service address to one of them. The client of a Service
+//! packet is looked up in ENDPOINTS once per address (CLIENTS, valid while the
+//! agent has not written ENDPOINTS since).
 //!
 //! The sender of a marked packet is the endpoint behind the interface it came in
 //! by (`skb->ingress_ifindex`'s INTERFACES entry): so a request that kube-proxy
@@ -99,10 +99,9 @@ use load::{load_dword, load_word};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{__sk_buff, BPF_NOEXIST, BPF_SK_STORAGE_GET_F_CREATE, TC_ACT_UNSPEC},
-    btf_maps::SkStorage,
-    helpers::{bpf_ktime_get_ns, generated::bpf_sk_storage_get},
-    macros::{btf_map, cgroup_skb, classifier, map},
+    bindings::{__sk_buff, BPF_NOEXIST, TC_ACT_UNSPEC},
+    helpers::bpf_ktime_get_ns,
+    macros::{cgroup_skb, classifier, map},
     maps::{Array, HashMap, LpmTrie, LruPerCpuHashMap, PerCpuArray, lpm_trie::Key},
     programs::{SkBuffContext, TcContext},
 };
@@ -112,11 +111,12 @@ use aya_log_ebpf::{
     warn,
 };
 use census_common::{
-    CLIENTS_EPOCH_MAP_FLAGS, ClientCache, ENDPOINTS_MAP_FLAGS, ENDPOINTS_MAX_ENTRIES, EndpointKey,
-    EndpointValue, FLOWS_MAX_ENTRIES, FlowKey, FlowValue, INTERFACES_MAP_FLAGS,
-    INTERFACES_MAX_ENTRIES, InterfaceValue, MARK_BIT_DEFAULT, META_MAX_ENTRIES, NODES_MAP_FLAGS,
-    NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAX_ENTRIES, SERVICE_LOOKUP_PREFIX_LEN,
-    SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAX_ENTRIES, ServiceFlowKey4, ServiceFlowKey6,
+    CLIENTS_EPOCH_MAP_FLAGS, CLIENTS_MAX_ENTRIES, ClientCache, ENDPOINTS_MAP_FLAGS,
+    ENDPOINTS_MAX_ENTRIES, EndpointKey, EndpointValue, FLOWS_MAX_ENTRIES, FlowKey, FlowValue,
+    INTERFACES_MAP_FLAGS, INTERFACES_MAX_ENTRIES, InterfaceValue, MARK_BIT_DEFAULT,
+    META_MAX_ENTRIES, NODES_MAP_FLAGS, NODES_MAX_ENTRIES, NodeValue, SERVICE_FLOWS_MAX_ENTRIES,
+    SERVICE_LOOKUP_PREFIX_LEN, SERVICES_MAP_FLAGS, SERVICES_MAX_ENTRIES, STATS_MAX_ENTRIES,
+    ServiceFlowKey4, ServiceFlowKey6,
     filter::{AddressFilter, FILTER_MAP_MAX_ENTRIES, Probe, V4, V6, Verdict},
     flags, identity, interface_slot, service_direction, stats,
 };
@@ -163,12 +163,12 @@ static SERVICE_FLOWS4: LruPerCpuHashMap<ServiceFlowKey4, FlowValue> =
 static SERVICE_FLOWS6: LruPerCpuHashMap<ServiceFlowKey6, FlowValue> =
     LruPerCpuHashMap::with_max_entries(SERVICE_FLOWS_MAX_ENTRIES, 0);
 
-/// Per socket, the client its Service packets count for (`client_of`). Not
-/// pinned: made with the programs.
-#[btf_map]
-static SOCKET_CLIENTS: SkStorage<ClientCache> = SkStorage::new();
+/// By address, the client Service packets were last counted for (`client_of`).
+/// Not pinned: made with the programs.
+#[map(name = "CLIENTS")]
+static CLIENTS: Array<ClientCache> = Array::with_max_entries(CLIENTS_MAX_ENTRIES, 0);
 
-/// The epoch of SOCKET_CLIENTS' entries, bumped by the agent after each write to
+/// The epoch of CLIENTS' entries, bumped by the agent after each write to
 /// ENDPOINTS.
 #[map(name = "CLIENTS_EPOCH")]
 static CLIENTS_EPOCH: Array<u64> = Array::with_max_entries(1, CLIENTS_EPOCH_MAP_FLAGS);
@@ -415,7 +415,7 @@ fn count_from_node_in<A: Probe>(ctx: &SkBuffContext, family: Family, src: A, dst
         }
         count_pair_from_node(ctx, family, (&src, from), &dst.key());
     } else if let Some(service) = service {
-        count_service_request(ctx, family, client_of(ctx, &src.key()), service);
+        count_service_request(ctx, family, client_of(&src.key()), service);
     }
 }
 
@@ -508,15 +508,15 @@ fn service_client(ep: Option<EndpointValue>) -> Option<u32> {
 }
 
 /// [`service_client`] of `address`, the address of the packet's socket (a
-/// request's source, a reply's destination), from the socket's SOCKET_CLIENTS
-/// entry while the entry's epoch is CLIENTS_EPOCH's: one ENDPOINTS lookup per
-/// socket and epoch, not one per packet. A packet without a full socket looks it
-/// up. The epoch and client are one word, written and read whole; CPUs writing
-/// one socket's entry at once can leave one's address beside the other's stamp,
-/// but both are the socket's own addresses, which are one endpoint's (a pod's,
-/// or the node's: `host`), so the client is the same.
+/// request's source, a reply's destination), from its CLIENTS entry while the
+/// entry's epoch is CLIENTS_EPOCH's: one ENDPOINTS lookup per address and epoch,
+/// not one per packet, and no kernel function called when the entry holds it. The
+/// entry is the address's by its hash's top bits; an address that finds another
+/// there looks its client up and takes the entry. Each CPU writes it without a
+/// lock: the hash in the stamp keeps a reader from taking one writer's client for
+/// another's address (see [`ClientCache`]).
 #[inline(always)]
-fn client_of(ctx: &SkBuffContext, address: &EndpointKey) -> Option<u32> {
+fn client_of(address: &EndpointKey) -> Option<u32> {
     // The epoch before ENDPOINTS: the agent bumps it after each write, so an
     // entry stamped with it holds what ENDPOINTS held then, or newer.
     // SAFETY: index 0 of a one-entry array; a volatile read keeps it before the
@@ -524,41 +524,23 @@ fn client_of(ctx: &SkBuffContext, address: &EndpointKey) -> Option<u32> {
     let epoch = CLIENTS_EPOCH
         .get_ptr(0)
         .map_or(0, |epoch| unsafe { core::ptr::read_volatile(epoch) });
-    // SAFETY: `sk` is a readable field of a cgroup_skb program's context, a
-    // socket or null.
-    let sk = unsafe { core::ptr::read_volatile(&raw const (*ctx.skb.skb).__bindgen_anon_2.sk) };
-    let cache = if sk.is_null() {
-        core::ptr::null_mut()
-    } else {
-        // SAFETY: a socket of the context; the helper returns null for one that
-        // is not full (a request or time-wait socket), and the entry lives as
-        // long as the socket, past this run.
-        unsafe {
-            bpf_sk_storage_get(
-                (&raw const SOCKET_CLIENTS).cast_mut().cast(),
-                sk.cast(),
-                core::ptr::null_mut(),
-                u64::from(BPF_SK_STORAGE_GET_F_CREATE),
-            )
-        }
-        .cast::<ClientCache>()
-    };
-    if cache.is_null() {
+    let hash = address.hash();
+    let Some(entry) = CLIENTS.get_ptr_mut(ClientCache::slot(hash)) else {
         return service_client(endpoint(address));
-    }
-    // SAFETY: the socket's entry, live for the run; see above for CPUs writing it
-    // at once.
+    };
+    // SAFETY: an element of a live array, for the run; see above for CPUs
+    // writing it at once.
     unsafe {
-        let stamp = core::ptr::read_volatile(&raw const (*cache).stamp);
-        if ClientCache::is_of(stamp, epoch) && (*cache).address == *address {
+        let stamp = core::ptr::read_volatile(&raw const (*entry).stamp);
+        if ClientCache::is_of(stamp, epoch, hash) && (*entry).address == *address {
             let client = ClientCache::client(stamp);
             return (client != identity::INVALID).then_some(client);
         }
         let client = service_client(endpoint(address));
-        (*cache).address = *address;
+        (*entry).address = *address;
         core::ptr::write_volatile(
-            &raw mut (*cache).stamp,
-            ClientCache::stamp(epoch, client.unwrap_or(identity::INVALID)),
+            &raw mut (*entry).stamp,
+            ClientCache::stamp(epoch, hash, client.unwrap_or(identity::INVALID)),
         );
         client
     }
@@ -641,7 +623,7 @@ fn count_service_reply_in<A: Probe>(ctx: &SkBuffContext, family: Family, src: A,
     if !is_service_counted(address_filter(), &src) {
         return;
     }
-    let Some(client) = client_of(ctx, &dst.key()) else {
+    let Some(client) = client_of(&dst.key()) else {
         return;
     };
     let (protocol, src_port, _) = transport(ctx, family);

@@ -601,7 +601,7 @@ impl Bench {
             "bench_cgroup_counter6",
             "bench_cgroup_service_floor",
             "bench_cgroup_call",
-            "bench_cgroup_socket",
+            "bench_cgroup_client",
             "bench_cgroup_slot",
         ] {
             let program: &mut CgroupSkb = ebpf
@@ -1414,7 +1414,7 @@ fn socket_rows(object: &[u8], bench: &mut Bench, options: &Options) -> Fallible<
 /// lookup of the client (BENCH_ENDPOINTS at [`CLUSTER_ENTRIES`], holding it: what
 /// a socket's first Service packet costs before its client is kept); then what
 /// a Service packet's cost is made of: one kernel helper call that does nearly
-/// nothing, the read of the socket's kept client, and a counter reached without
+/// nothing, the read of the client's CLIENTS entry, and a counter reached without
 /// a hashed key (a per-CPU array slot). Each beside the empty program.
 #[expect(clippy::print_stdout, reason = "a benchmark's report")]
 fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
@@ -1439,10 +1439,7 @@ fn service_floor(bench: &mut Bench, options: &Options) -> Fallible<()> {
             "bench_cgroup_call",
             "one kernel helper call that only reads a per-CPU word",
         ),
-        (
-            "bench_cgroup_socket",
-            "the socket's SOCKET_CLIENTS entry read",
-        ),
+        ("bench_cgroup_client", "the client's CLIENTS entry read"),
         (
             "bench_cgroup_slot",
             "a counter in a per-CPU array slot (no key hashed)",

@@ -95,16 +95,22 @@ pub const SERVICE_FLOWS6_MAP: &str = "SERVICE_FLOWS6";
 /// [`ServiceFlowKeyLayout7`] -> [`FlowValue`]. Taken over by copying every entry
 /// into [`SERVICE_FLOWS4_MAP`] and [`SERVICE_FLOWS6_MAP`].
 pub const SERVICE_FLOWS_LAYOUT7_MAP: &str = "SERVICE_FLOWS";
-/// Per socket, the client its Service packets are counted for (a socket
-/// storage map of [`ClientCache`], not pinned): the root cgroup's programs look
-/// a Service packet's client up in ENDPOINTS once per socket, not once per
-/// packet. Made with the programs, so it never outlives what wrote it.
-pub const SOCKET_CLIENTS_MAP: &str = "SOCKET_CLIENTS";
-/// A one-entry array of `u64`, mmapable: the epoch of [`SOCKET_CLIENTS_MAP`]'s
-/// entries. The agent adds one after each write to ENDPOINTS, and a socket's
-/// cached client is used only while its epoch is the current one. Pinned, so an
-/// agent's writes also reach the programs an older agent left attached until it
-/// replaces them.
+/// The clients Service packets were last counted for, by address (an array of
+/// [`CLIENTS_MAX_ENTRIES`] [`ClientCache`] entries, not pinned): the root
+/// cgroup's programs look a Service packet's client up in ENDPOINTS once per
+/// address and epoch, not once per packet. Made with the programs, so it never
+/// outlives what wrote it.
+pub const CLIENTS_MAP: &str = "CLIENTS";
+/// Entries of [`CLIENTS_MAP`]: 2^[`CLIENTS_LG`], 128 KiB. An address takes the
+/// entry its hash's top bits name; two clients of one node whose addresses share
+/// an entry take it from each other (about 1.5 such pairs among 110 pods).
+pub const CLIENTS_MAX_ENTRIES: u32 = 1 << CLIENTS_LG;
+/// The bits of an address's hash that name its [`CLIENTS_MAP`] entry.
+pub const CLIENTS_LG: u32 = 12;
+/// A one-entry array of `u64`, mmapable: the epoch of [`CLIENTS_MAP`]'s
+/// entries. The agent adds one after each write to ENDPOINTS, and a kept client
+/// is used only while its epoch is the current one. Pinned, so an agent's writes
+/// also reach the programs an older agent left attached until it replaces them.
 pub const CLIENTS_EPOCH_MAP: &str = "CLIENTS_EPOCH";
 /// A one-entry array holding the [`LAYOUT_VERSION`] the pinned maps were made
 /// with. Its own shape (array, `u32` key, `u32` value, one entry) never changes,
@@ -619,16 +625,18 @@ pub struct ServiceFlowKeyLayout7 {
     pub service: EndpointKey,
 }
 
-/// A socket's entry in [`SOCKET_CLIENTS_MAP`]: the client of `address` (the
-/// socket's own address in a Service packet: a request's source, a reply's
-/// destination), as found in ENDPOINTS while [`CLIENTS_EPOCH_MAP`] read an epoch.
-/// `stamp` holds both, so that one 8-byte store writes them together and one load
-/// reads them together (CPUs writing one socket's entry at once never leave one's
-/// epoch beside the other's client): the epoch's low 32 bits, then the client
-/// ([`ClientCache::stamp`]). The client is [`identity::INVALID`] for an address
-/// whose Service packets this node does not count (another node's pod, an unknown
-/// address). A new entry is zeroed: no address has family 0, so it matches
-/// nothing.
+/// An entry of [`CLIENTS_MAP`]: the client of `address` (the address of a Service
+/// packet's socket: a request's source, a reply's destination), as found in
+/// ENDPOINTS while [`CLIENTS_EPOCH_MAP`] read an epoch. `stamp` is one 8-byte word,
+/// written and read whole: the client in its low 32 bits, and in its high 32 the
+/// epoch's low 32 bits XOR the address's hash (`filter::Probe::hash`)
+/// ([`ClientCache::stamp`]). The entry is shared by every CPU and written without a
+/// lock, so a reader can meet one writer's stamp beside another's address; the hash
+/// in the stamp refuses that pair, since two addresses of one family have one hash
+/// only if they fold to one 32-bit word (never two IPv4 addresses). The client is
+/// [`identity::INVALID`] for an address whose Service packets this node does not
+/// count (another node's pod, an unknown address). A new entry is zeroed: no
+/// address has family 0, so it matches nothing.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClientCache {
@@ -638,10 +646,20 @@ pub struct ClientCache {
 }
 
 impl ClientCache {
-    /// The stamp of `client` read in `epoch`.
+    /// The [`CLIENTS_MAP`] entry of an address of hash `hash`.
     #[inline(always)]
-    pub const fn stamp(epoch: u64, client: u32) -> u64 {
-        (epoch << 32) | client as u64
+    pub const fn slot(hash: u32) -> u32 {
+        hash >> (32 - CLIENTS_LG)
+    }
+
+    /// The stamp of `client`, read in `epoch` for an address of hash `hash`.
+    #[inline(always)]
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the epoch's low 32 bits are what a stamp keeps"
+    )]
+    pub const fn stamp(epoch: u64, hash: u32, client: u32) -> u64 {
+        (((epoch as u32) ^ hash) as u64) << 32 | client as u64
     }
 
     /// The client of a stamp.
@@ -654,11 +672,15 @@ impl ClientCache {
         stamp as u32
     }
 
-    /// Whether `stamp` was made in `epoch` (its low 32 bits: a stale entry is
-    /// taken for a current one only after exactly 2^32 ENDPOINTS writes).
+    /// Whether `stamp` was made in `epoch` for an address of hash `hash` (a stale
+    /// entry is taken for a current one only after exactly 2^32 ENDPOINTS writes).
     #[inline(always)]
-    pub const fn is_of(stamp: u64, epoch: u64) -> bool {
-        (stamp >> 32) == (epoch & 0xffff_ffff)
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the epoch's low 32 bits are what a stamp keeps"
+    )]
+    pub const fn is_of(stamp: u64, epoch: u64, hash: u32) -> bool {
+        (stamp >> 32) as u32 == (epoch as u32) ^ hash
     }
 }
 
@@ -748,32 +770,68 @@ mod user {
 mod tests {
     use super::*;
 
-    /// A stamp gives back its client, and is of its epoch only (by the epoch's
-    /// low 32 bits), the highest client and a wrapped epoch included.
+    /// A stamp gives back its client, and is of its epoch and its address's hash
+    /// only (by the epoch's low 32 bits), the highest client and a wrapped epoch
+    /// included.
     #[test]
-    fn a_client_stamp_holds_its_client_and_its_epoch() {
-        for (epoch, client) in [
-            (0, 0),
-            (1, 1000),
-            (u64::from(u32::MAX), u32::MAX),
-            (7 << 32 | 5, 42),
+    fn a_client_stamp_holds_its_client_its_epoch_and_its_address() {
+        for (epoch, hash, client) in [
+            (0, 0, 0),
+            (1, 0x9e37_79b1, 1000),
+            (u64::from(u32::MAX), u32::MAX, u32::MAX),
+            (7 << 32 | 5, 12345, 42),
         ] {
-            let stamp = ClientCache::stamp(epoch, client);
+            let stamp = ClientCache::stamp(epoch, hash, client);
             assert_eq!(ClientCache::client(stamp), client);
-            assert!(ClientCache::is_of(stamp, epoch));
-            assert!(!ClientCache::is_of(stamp, epoch + 1));
+            assert!(ClientCache::is_of(stamp, epoch, hash));
+            assert!(!ClientCache::is_of(stamp, epoch + 1, hash));
+            assert!(!ClientCache::is_of(stamp, epoch, hash ^ 1));
             assert!(
-                ClientCache::is_of(stamp, epoch + (1 << 32)),
+                ClientCache::is_of(stamp, epoch + (1 << 32), hash),
                 "only the low 32 bits"
             );
         }
         let fresh = 0;
-        assert!(ClientCache::is_of(fresh, 0), "a new entry's stamp");
+        assert!(ClientCache::is_of(fresh, 0, 0), "a new entry's stamp");
         assert_ne!(
             EndpointKey::v4([0; 4]).family,
             0,
             "but no address matches a new entry's zeroed address"
         );
+    }
+
+    /// Two IPv4 addresses never have one hash, so a stamp written for one is
+    /// refused beside the other, whichever entry they share: every address of a
+    /// /16, and addresses far apart.
+    #[test]
+    fn a_stamp_for_one_ipv4_address_is_refused_beside_another() {
+        extern crate std;
+        use crate::filter::Probe;
+        use std::collections::{HashMap, HashSet};
+        let hash = |octets: [u8; 4]| EndpointKey::v4(octets).hash();
+        let mut seen = HashMap::new();
+        for i in 0..=u16::MAX {
+            let [a, b] = i.to_be_bytes();
+            let octets = [10, 244, a, b];
+            if let Some(other) = seen.insert(hash(octets), octets) {
+                panic!("{other:?} and {octets:?} have one hash");
+            }
+        }
+        for (x, y) in [
+            ([10, 0, 0, 1], [10, 0, 0, 2]),
+            ([198, 18, 0, 1], [203, 0, 113, 9]),
+            ([0, 0, 0, 0], [255, 255, 255, 255]),
+        ] {
+            let stamp = ClientCache::stamp(3, hash(x), 1000);
+            assert!(ClientCache::is_of(stamp, 3, hash(x)));
+            assert!(!ClientCache::is_of(stamp, 3, hash(y)), "{x:?} beside {y:?}");
+        }
+        // The entries of a node's pods spread: 110 of one /24 take 110 entries.
+        let slots: HashSet<u32> = (1..=110)
+            .map(|i| ClientCache::slot(hash([10, 244, 7, i])))
+            .collect();
+        assert!(slots.len() > 100, "{} entries for 110 pods", slots.len());
+        assert!(slots.iter().all(|slot| *slot < CLIENTS_MAX_ENTRIES));
     }
 
     #[test]
