@@ -384,3 +384,168 @@ fn two_services_in_front_of_one_backend_are_counted_apart() -> TestResult {
     );
     Ok(())
 }
+
+/// The highest id of a BPF map on the machine now (0 if none): the maps made
+/// after this have higher ids.
+fn last_map_id() -> Fallible<u32> {
+    let maps = bpftool_json(&["map", "list"])?;
+    Ok(maps
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|map| map["id"].as_u64())
+        .max()
+        .map_or(Ok(0), u32::try_from)?)
+}
+
+/// `bpftool -j <args>`, its output parsed.
+fn bpftool_json(args: &[&str]) -> Fallible<serde_json::Value> {
+    let output = std::process::Command::new("bpftool")
+        .arg("-j")
+        .args(args)
+        .output()?;
+    if !output.status.success() {
+        return Err(format!(
+            "bpftool {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+        .into());
+    }
+    Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+/// The bytes of a `bpftool -j map lookup` answer's `value` (hex strings).
+fn value_bytes(entry: &serde_json::Value) -> Fallible<Vec<u8>> {
+    entry["value"]
+        .as_array()
+        .ok_or("no value")?
+        .iter()
+        .map(|byte| {
+            let hex = byte.as_str().ok_or("not a hex byte")?;
+            Ok(u8::from_str_radix(hex.trim_start_matches("0x"), 16)?)
+        })
+        .collect()
+}
+
+/// Arguments naming `bytes` to bpftool, one hex byte each.
+fn hex_args(bytes: &[u8]) -> Vec<String> {
+    bytes.iter().map(|byte| format!("0x{byte:02x}")).collect()
+}
+
+/// The CLIENTS entry (`census_common::ClientCache`) of `address` in the lab's
+/// maps made after `since` that holds `client` for it (the other node's holds
+/// the address too, as no client of its own): the map, and the entry's stamp.
+fn clients_entry(since: u32, address: IpAddr, client: u32) -> Fallible<(u32, u64)> {
+    use census_common::{ClientCache, EndpointKey, filter::Probe as _};
+    let key = EndpointKey::from(address);
+    let slot = ClientCache::slot(key.hash()).to_le_bytes();
+    let maps = bpftool_json(&["map", "list"])?;
+    for map in maps.as_array().into_iter().flatten() {
+        let id = u32::try_from(map["id"].as_u64().ok_or("a map without id")?)?;
+        if id <= since || map["name"].as_str() != Some(census_common::CLIENTS_MAP) {
+            continue;
+        }
+        let id_arg = id.to_string();
+        let mut args = vec!["map", "lookup", "id", id_arg.as_str(), "key"];
+        let slot_args = hex_args(&slot);
+        args.extend(slot_args.iter().map(String::as_str));
+        let value = value_bytes(&bpftool_json(&args)?)?;
+        let (stamp, rest) = value.split_at(8);
+        let stamp = u64::from_le_bytes(stamp.try_into()?);
+        if rest.get(..20) == Some(&key_bytes(&key)[..]) && ClientCache::client(stamp) == client {
+            return Ok((id, stamp));
+        }
+    }
+    Err(format!("no CLIENTS entry holds {client} for {address}").into())
+}
+
+/// An ENDPOINTS key's 20 bytes as they sit in a map.
+fn key_bytes(key: &census_common::EndpointKey) -> Vec<u8> {
+    let mut bytes = key.family.to_le_bytes().to_vec();
+    bytes.extend(key.octets());
+    bytes
+}
+
+/// Writes the CLIENTS entry of `address` in map `id`: the address beside `stamp`.
+fn write_clients_entry(id: u32, address: IpAddr, stamp: u64) -> Fallible<()> {
+    use census_common::{ClientCache, EndpointKey, filter::Probe as _};
+    let key = EndpointKey::from(address);
+    let slot = ClientCache::slot(key.hash()).to_le_bytes();
+    let mut value = stamp.to_le_bytes().to_vec();
+    value.extend(key_bytes(&key));
+    value.extend([0; 4]);
+    let id_arg = id.to_string();
+    let mut args = vec!["map", "update", "id", id_arg.as_str(), "key"];
+    let slot_args = hex_args(&slot);
+    args.extend(slot_args.iter().map(String::as_str));
+    args.push("value");
+    let value_args = hex_args(&value);
+    args.extend(value_args.iter().map(String::as_str));
+    let status = std::process::Command::new("bpftool").args(&args).status()?;
+    if !status.success() {
+        return Err(format!("bpftool map update of CLIENTS {id} failed: {status}").into());
+    }
+    Ok(())
+}
+
+/// A Service packet's client is kept by address in CLIENTS, an array every CPU
+/// writes without a lock; an entry holding the client's address beside a stamp
+/// written for another address (what two CPUs writing one entry at once can
+/// leave) is not taken: the packets still count for the client. The same entry
+/// with a stamp made for the client's own address is taken (an identity written
+/// there is what the packets then count for), which shows the test reaches the
+/// entry the program reads.
+#[test]
+#[ignore = "needs root: cargo xtask test-privileged"]
+fn a_kept_client_beside_another_address_s_stamp_is_not_taken() -> TestResult {
+    use census_common::{ClientCache, EndpointKey, filter::Probe as _};
+    const PLANTED: u32 = 1099;
+    let since = last_map_id()?;
+    let lab = Lab::for_services(&[(Side::A, CLIENT), (Side::B, BACKEND)])?;
+    let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
+    let service = cluster_ip("svckept", 30, backend);
+    lab.add_service(&service)?;
+    let server = UdpReceiver::bind_addr(
+        &backend.ns,
+        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
+    )?;
+    let socket = UdpReceiver::bind(&client.ns, client.ipv4.into())?;
+    let target = SocketAddr::V4(service.address);
+    let exchange = || udp_echo_between(&socket, target, &server, COUNT, PAYLOAD, WAIT);
+    assert_eq!(exchange()?, COUNT);
+    let address = IpAddr::V4(client.ipv4);
+    let (map, _) = clients_entry(since, address, CLIENT)?;
+    // Node A's epoch: the client is its pod.
+    let epoch_pin = lab._pins[0].path().join(census_common::CLIENTS_EPOCH_MAP);
+    let epoch = bpftool_json(&[
+        "map",
+        "lookup",
+        "pinned",
+        &epoch_pin.to_string_lossy(),
+        "key",
+        "0",
+        "0",
+        "0",
+        "0",
+    ])?;
+    let epoch = u64::from_le_bytes(value_bytes(&epoch)?.as_slice().try_into()?);
+    // What a CPU writing another address's client there stamps.
+    let other = EndpointKey::from(IpAddr::from([198, 18, 99, 99])).hash();
+    write_clients_entry(map, address, ClientCache::stamp(epoch, other, PLANTED))?;
+    assert_eq!(exchange()?, COUNT);
+    let mut expected = udp_each_way(CLIENT, target);
+    for count in expected.values_mut() {
+        *count = (count.0 * 2, count.1 * 2);
+    }
+    assert_eq!(lab.service_counts()?, expected, "a torn entry taken");
+    let hash = EndpointKey::from(address).hash();
+    write_clients_entry(map, address, ClientCache::stamp(epoch, hash, PLANTED))?;
+    assert_eq!(exchange()?, COUNT);
+    expected.extend(udp_each_way(PLANTED, target));
+    assert_eq!(
+        lab.service_counts()?,
+        expected,
+        "the entry the program reads"
+    );
+    Ok(())
+}
