@@ -22,7 +22,7 @@ use super::{
     BACKEND, CLIENT, COUNT, Counts, Lab, PAYLOAD, Shape, TARGET_PORT, WAIT, cluster_ip, each_way,
     through,
 };
-use crate::support::{Fallible, TestResult, frame_len};
+use crate::support::{Fallible, TestResult, bpftool, bytes, frame_len, path_str};
 
 const UDP: u8 = 17;
 const TCP: u8 = 6;
@@ -100,10 +100,23 @@ fn a_pod_calling_a_cluster_ip_with_its_backend_on_another_node_counts_the_servic
     a_pod_calling_a_cluster_ip(Side::B, 22)
 }
 
+/// A UDP socket on the client's address, kept open across exchanges, and the
+/// backend's server on its target port.
+fn open_socket_and_server(
+    client: &census_netlab::Pod,
+    backend: &census_netlab::Pod,
+) -> Fallible<(UdpReceiver, UdpReceiver)> {
+    let server = UdpReceiver::bind_addr(
+        &backend.ns,
+        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
+    )?;
+    Ok((UdpReceiver::bind(&client.ns, client.ipv4.into())?, server))
+}
+
 /// A client relabelled while its socket stays open (a pod whose labels changed
 /// gets another identity, ENDPOINTS is rewritten): the Service packets that
 /// socket sends and receives after the change count for the new identity, none
-/// more for the old. The socket's kept client (SOCKET_CLIENTS) is not used past
+/// more for the old. The client kept for its address (CLIENTS) is not used past
 /// an ENDPOINTS write.
 #[test]
 #[ignore = "needs root: cargo xtask test-privileged"]
@@ -113,11 +126,7 @@ fn a_relabelled_client_s_open_socket_counts_for_its_new_identity() -> TestResult
     let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
     let service = cluster_ip("svcrelabel", 29, backend);
     lab.add_service(&service)?;
-    let server = UdpReceiver::bind_addr(
-        &backend.ns,
-        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
-    )?;
-    let socket = UdpReceiver::bind(&client.ns, client.ipv4.into())?;
+    let (socket, server) = open_socket_and_server(client, backend)?;
     let target = SocketAddr::V4(service.address);
     let exchange = || udp_echo_between(&socket, target, &server, COUNT, PAYLOAD, WAIT);
     assert_eq!(exchange()?, COUNT);
@@ -388,7 +397,7 @@ fn two_services_in_front_of_one_backend_are_counted_apart() -> TestResult {
 /// The highest id of a BPF map on the machine now (0 if none): the maps made
 /// after this have higher ids.
 fn last_map_id() -> Fallible<u32> {
-    let maps = bpftool_json(&["map", "list"])?;
+    let maps = bpftool(None, &["map", "list"])?;
     Ok(maps
         .as_array()
         .into_iter()
@@ -396,35 +405,6 @@ fn last_map_id() -> Fallible<u32> {
         .filter_map(|map| map["id"].as_u64())
         .max()
         .map_or(Ok(0), u32::try_from)?)
-}
-
-/// `bpftool -j <args>`, its output parsed.
-fn bpftool_json(args: &[&str]) -> Fallible<serde_json::Value> {
-    let output = std::process::Command::new("bpftool")
-        .arg("-j")
-        .args(args)
-        .output()?;
-    if !output.status.success() {
-        return Err(format!(
-            "bpftool {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        )
-        .into());
-    }
-    Ok(serde_json::from_slice(&output.stdout)?)
-}
-
-/// The bytes of a `bpftool -j map lookup` answer's `value` (hex strings).
-fn value_bytes(entry: &serde_json::Value) -> Fallible<Vec<u8>> {
-    entry["value"]
-        .as_array()
-        .ok_or("no value")?
-        .iter()
-        .map(|byte| {
-            let hex = byte.as_str().ok_or("not a hex byte")?;
-            Ok(u8::from_str_radix(hex.trim_start_matches("0x"), 16)?)
-        })
-        .collect()
 }
 
 /// Arguments naming `bytes` to bpftool, one hex byte each.
@@ -439,7 +419,7 @@ fn clients_entry(since: u32, address: IpAddr, client: u32) -> Fallible<(u32, u64
     use census_common::{ClientCache, EndpointKey, filter::Probe as _};
     let key = EndpointKey::from(address);
     let slot = ClientCache::slot(key.hash()).to_le_bytes();
-    let maps = bpftool_json(&["map", "list"])?;
+    let maps = bpftool(None, &["map", "list"])?;
     for map in maps.as_array().into_iter().flatten() {
         let id = u32::try_from(map["id"].as_u64().ok_or("a map without id")?)?;
         if id <= since || map["name"].as_str() != Some(census_common::CLIENTS_MAP) {
@@ -449,7 +429,7 @@ fn clients_entry(since: u32, address: IpAddr, client: u32) -> Fallible<(u32, u64
         let mut args = vec!["map", "lookup", "id", id_arg.as_str(), "key"];
         let slot_args = hex_args(&slot);
         args.extend(slot_args.iter().map(String::as_str));
-        let value = value_bytes(&bpftool_json(&args)?)?;
+        let value = bytes(&bpftool(None, &args)?["value"])?;
         let (stamp, rest) = value.split_at(8);
         let stamp = u64::from_le_bytes(stamp.try_into()?);
         if rest.get(..20) == Some(&key_bytes(&key)[..]) && ClientCache::client(stamp) == client {
@@ -505,11 +485,7 @@ fn a_kept_client_beside_another_address_s_stamp_is_not_taken() -> TestResult {
     let (client, backend) = (lab.pod(CLIENT)?, lab.pod(BACKEND)?);
     let service = cluster_ip("svckept", 30, backend);
     lab.add_service(&service)?;
-    let server = UdpReceiver::bind_addr(
-        &backend.ns,
-        SocketAddr::new(backend.ipv4.into(), TARGET_PORT),
-    )?;
-    let socket = UdpReceiver::bind(&client.ns, client.ipv4.into())?;
+    let (socket, server) = open_socket_and_server(client, backend)?;
     let target = SocketAddr::V4(service.address);
     let exchange = || udp_echo_between(&socket, target, &server, COUNT, PAYLOAD, WAIT);
     assert_eq!(exchange()?, COUNT);
@@ -517,18 +493,21 @@ fn a_kept_client_beside_another_address_s_stamp_is_not_taken() -> TestResult {
     let (map, _) = clients_entry(since, address, CLIENT)?;
     // Node A's epoch: the client is its pod.
     let epoch_pin = lab._pins[0].path().join(census_common::CLIENTS_EPOCH_MAP);
-    let epoch = bpftool_json(&[
-        "map",
-        "lookup",
-        "pinned",
-        &epoch_pin.to_string_lossy(),
-        "key",
-        "0",
-        "0",
-        "0",
-        "0",
-    ])?;
-    let epoch = u64::from_le_bytes(value_bytes(&epoch)?.as_slice().try_into()?);
+    let epoch = bpftool(
+        None,
+        &[
+            "map",
+            "lookup",
+            "pinned",
+            path_str(&epoch_pin)?,
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+        ],
+    )?;
+    let epoch = u64::from_le_bytes(bytes(&epoch["value"])?.as_slice().try_into()?);
     // What a CPU writing another address's client there stamps.
     let other = EndpointKey::from(IpAddr::from([198, 18, 99, 99])).hash();
     write_clients_entry(map, address, ClientCache::stamp(epoch, other, PLANTED))?;
