@@ -15,7 +15,7 @@ use census_netlab::{Lab, packet};
 use ipnet::IpNet;
 
 use super::support::{
-    Fallible, PinDir, TestResult, bpftool, capture, open_attached, open_datapath, open_with,
+    Fallible, PinDir, TestResult, bpftool, capture, hex, open_attached, open_datapath, open_with,
     path_str, register,
 };
 
@@ -215,7 +215,6 @@ fn pin_layout7_service_flows(pins: &PinDir) -> TestResult {
             "SERVICE_FLOWS",
         ],
     )?;
-    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>();
     let value = [&3u64.to_ne_bytes()[..], &300u64.to_ne_bytes()].concat();
     let v4 = std::net::Ipv4Addr::new(10, 96, 0, 10).octets();
     let v6 = "fd00:10:96::a".parse::<std::net::Ipv6Addr>()?.octets();

@@ -411,6 +411,11 @@ pub(crate) fn path_str(path: &Path) -> Fallible<&str> {
         .ok_or_else(|| format!("{} is not UTF-8", path.display()).into())
 }
 
+/// `bytes` as bpftool takes them after `hex`: two hex digits each.
+pub(crate) fn hex(bytes: &[u8]) -> Vec<String> {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 /// The bytes of a bpftool JSON byte array (`["0x04", "0x00", ...]`).
 pub(crate) fn bytes(value: &Value) -> Fallible<Vec<u8>> {
     value

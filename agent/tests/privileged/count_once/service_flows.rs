@@ -22,7 +22,7 @@ use super::{
     BACKEND, CLIENT, COUNT, Counts, Lab, PAYLOAD, Shape, TARGET_PORT, WAIT, cluster_ip, each_way,
     through,
 };
-use crate::support::{Fallible, TestResult, bpftool, bytes, frame_len, path_str};
+use crate::support::{Fallible, TestResult, bpftool, bytes, frame_len, hex, path_str};
 
 const UDP: u8 = 17;
 const TCP: u8 = 6;
@@ -407,18 +407,22 @@ fn last_map_id() -> Fallible<u32> {
         .map_or(Ok(0), u32::try_from)?)
 }
 
-/// Arguments naming `bytes` to bpftool, one hex byte each.
-fn hex_args(bytes: &[u8]) -> Vec<String> {
-    bytes.iter().map(|byte| format!("0x{byte:02x}")).collect()
+/// The ENDPOINTS key of `address`, and its CLIENTS entry's index as bpftool
+/// takes it (`hex`, then the bytes).
+fn clients_slot(address: IpAddr) -> (census_common::EndpointKey, Vec<String>) {
+    use census_common::{ClientCache, EndpointKey, filter::Probe as _};
+    let key = EndpointKey::from(address);
+    let mut slot = vec!["hex".to_owned()];
+    slot.extend(hex(&ClientCache::slot(key.hash()).to_le_bytes()));
+    (key, slot)
 }
 
 /// The CLIENTS entry (`census_common::ClientCache`) of `address` in the lab's
 /// maps made after `since` that holds `client` for it (the other node's holds
 /// the address too, as no client of its own): the map, and the entry's stamp.
 fn clients_entry(since: u32, address: IpAddr, client: u32) -> Fallible<(u32, u64)> {
-    use census_common::{ClientCache, EndpointKey, filter::Probe as _};
-    let key = EndpointKey::from(address);
-    let slot = ClientCache::slot(key.hash()).to_le_bytes();
+    use census_common::ClientCache;
+    let (key, slot) = clients_slot(address);
     let maps = bpftool(None, &["map", "list"])?;
     for map in maps.as_array().into_iter().flatten() {
         let id = u32::try_from(map["id"].as_u64().ok_or("a map without id")?)?;
@@ -427,8 +431,7 @@ fn clients_entry(since: u32, address: IpAddr, client: u32) -> Fallible<(u32, u64
         }
         let id_arg = id.to_string();
         let mut args = vec!["map", "lookup", "id", id_arg.as_str(), "key"];
-        let slot_args = hex_args(&slot);
-        args.extend(slot_args.iter().map(String::as_str));
+        args.extend(slot.iter().map(String::as_str));
         let value = bytes(&bpftool(None, &args)?["value"])?;
         let (stamp, rest) = value.split_at(8);
         let stamp = u64::from_le_bytes(stamp.try_into()?);
@@ -448,19 +451,16 @@ fn key_bytes(key: &census_common::EndpointKey) -> Vec<u8> {
 
 /// Writes the CLIENTS entry of `address` in map `id`: the address beside `stamp`.
 fn write_clients_entry(id: u32, address: IpAddr, stamp: u64) -> Fallible<()> {
-    use census_common::{ClientCache, EndpointKey, filter::Probe as _};
-    let key = EndpointKey::from(address);
-    let slot = ClientCache::slot(key.hash()).to_le_bytes();
+    let (key, slot) = clients_slot(address);
     let mut value = stamp.to_le_bytes().to_vec();
     value.extend(key_bytes(&key));
     value.extend([0; 4]);
     let id_arg = id.to_string();
     let mut args = vec!["map", "update", "id", id_arg.as_str(), "key"];
-    let slot_args = hex_args(&slot);
-    args.extend(slot_args.iter().map(String::as_str));
-    args.push("value");
-    let value_args = hex_args(&value);
-    args.extend(value_args.iter().map(String::as_str));
+    args.extend(slot.iter().map(String::as_str));
+    args.extend(["value", "hex"]);
+    let value = hex(&value);
+    args.extend(value.iter().map(String::as_str));
     let status = std::process::Command::new("bpftool").args(&args).status()?;
     if !status.success() {
         return Err(format!("bpftool map update of CLIENTS {id} failed: {status}").into());
